@@ -1,0 +1,70 @@
+"""Plain generation over a dense KV cache: the simplest end-to-end path (``inferscale generate``).
+
+One sequence: the prompt is padded to a power-of-two bucket and prefilled in one jitted call,
+then one jitted decode step per token; both donate the cache so it is updated in place.  The
+sampler is the engine's (``sampling.sample_tokens``).  The engine's paged path replaces this
+for serving; it stays as a small, independent reference.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from inferscale_jax.sampling import SamplingParams, request_key, sample_tokens
+from models import DenseKVCache, ModelConfig, forward
+
+
+def bucket(n: int, minimum: int = 16) -> int:
+    return max(minimum, 1 << (n - 1).bit_length())
+
+
+@functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("cache",))
+def _step(params, cfg: ModelConfig, tokens, positions, cache, last):
+    """tokens/positions [1, T]; last [1]: index of the token whose next-token logits we want."""
+    logits, cache = forward(params, cfg, tokens, positions, cache, logits_index=last)
+    return logits, cache  # [1, V]
+
+
+def generate_dense(params: dict, cfg: ModelConfig, prompt_ids: list[int], sampling: SamplingParams,
+                   dtype=jnp.float32) -> tuple[list[int], dict]:
+    """Generate up to ``sampling.max_tokens`` ids after ``prompt_ids``; returns (ids, timings)."""
+    n = len(prompt_ids)
+    if n == 0:
+        raise ValueError("prompt is empty: give at least one token")
+    total = n + sampling.max_tokens
+    if total > cfg.max_position_embeddings:
+        raise ValueError(
+            f"prompt ({n} tokens) + max_tokens ({sampling.max_tokens}) = {total} exceeds the model's "
+            f"max_position_embeddings {cfg.max_position_embeddings}; shorten the prompt or lower max_tokens")
+    cache = DenseKVCache.create(cfg, 1, bucket(total), dtype)
+    t = bucket(n)
+    toks = np.zeros((1, t), np.int32)
+    toks[0, :n] = prompt_ids
+    pos = np.arange(t, dtype=np.int32)[None]
+    key = request_key(sampling.seed, 0)[None]
+    stop = set(sampling.stop_token_ids) | (set() if sampling.ignore_eos else set(cfg.eos_token_ids))
+    temp = jnp.array([sampling.temperature], jnp.float32)
+    top_k = jnp.array([sampling.top_k], jnp.int32)
+    top_p = jnp.array([sampling.top_p], jnp.float32)
+
+    t0 = time.perf_counter()
+    logits, cache = _step(params, cfg, jnp.asarray(toks), jnp.asarray(pos), cache, jnp.array([n - 1]))
+    out: list[int] = []
+    ttft = None
+    for i in range(sampling.max_tokens):
+        tok, *_ = sample_tokens(logits, temp, top_k, top_p, key, jnp.array([i], jnp.int32))
+        tid = int(tok[0])
+        if ttft is None:
+            ttft = time.perf_counter() - t0
+        out.append(tid)
+        if tid in stop or i == sampling.max_tokens - 1:
+            break
+        logits, cache = _step(params, cfg, jnp.array([[tid]], jnp.int32),
+                              jnp.array([[n + i]], jnp.int32), cache, jnp.array([0]))
+    elapsed = time.perf_counter() - t0
+    return out, {"ttft_s": ttft, "total_s": elapsed, "prompt_tokens": n, "generated_tokens": len(out)}

@@ -1,0 +1,24 @@
+"""The engine's public exceptions (DESIGN.md): each message names the value, the limit and the fix."""
+
+
+class InferScaleError(Exception):
+    """Base class of the engine's errors."""
+
+
+class SegmentNotFound(InferScaleError, KeyError):
+    """No segment with this id is visible to this tenant (missing and foreign look the same)."""
+
+    def __str__(self) -> str:  # KeyError would repr() the message
+        return str(self.args[0]) if self.args else "segment not found"
+
+
+class SegmentExists(InferScaleError, ValueError):
+    """A segment with this id already exists in the tenant's namespace."""
+
+
+class RequestTooLong(InferScaleError, ValueError):
+    """The request's tokens exceed the model's context or what the page pool can ever hold."""
+
+
+class SnapshotMismatch(InferScaleError, ValueError):
+    """A snapshot was written by another model fingerprint, dtype or page size."""

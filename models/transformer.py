@@ -1,0 +1,88 @@
+"""The functional decoder-only transformer (Llama / Mistral / Qwen2 / Qwen3).
+
+``forward(params, cfg, tokens, positions, cache, meta)`` is a pure function: embeddings, then
+per layer RMSNorm -> q/k/v projections (+bias for Qwen2, +q/k RMSNorm for Qwen3) -> RoPE ->
+attention -> output projection -> residual -> RMSNorm -> SwiGLU MLP -> residual; final norm and
+the LM head (tied to the embeddings when the config says so).
+
+Attention is the one replaceable part: the model hands each layer's new ``q``/``k``/``v`` to
+``cache.attend(layer, q, k, v, positions, meta)``, which stores ``k``/``v`` in the cache and
+returns the attention output together with the updated cache.  ``models/dense_cache.py`` is a
+dense cache for simple generation and tests; the engine's paged cache (page pool + Pallas
+kernels) implements the same method, so the model never knows how KV is stored.
+
+Numerics follow transformers: RMSNorm in float32 then cast back, RoPE cos/sin in float32 cast
+to the activation dtype, softmax in float32, logits in float32.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import jax
+import jax.numpy as jnp
+
+from models.config import ModelConfig
+from models.rope import apply_rope, inv_freq, rope_cos_sin
+
+
+class KVCache(Protocol):
+    def attend(self, layer: int, q: jax.Array, k: jax.Array, v: jax.Array,
+               positions: jax.Array, meta: Any) -> tuple[jax.Array, "KVCache"]:
+        """q [B, T, Hq, D], k/v [B, T, Hkv, D] (RoPE applied) -> (out [B, T, Hq, D], cache)."""
+        ...
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    dtype = x.dtype
+    x32 = x.astype(jnp.float32)
+    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return weight * x32.astype(dtype)
+
+
+def _linear(x: jax.Array, w: jax.Array, b: jax.Array | None = None) -> jax.Array:
+    y = jnp.einsum("...i,io->...o", x, w)
+    return y if b is None else y + b
+
+
+def _layer(cfg: ModelConfig, p: dict, layer: int, x: jax.Array, cos: jax.Array, sin: jax.Array,
+           positions: jax.Array, cache: KVCache, meta: Any) -> tuple[jax.Array, KVCache]:
+    b, t, _ = x.shape  # x [B, T, H]
+    d = cfg.head_dim
+    h = rms_norm(x, p["attn_norm"], cfg.rms_norm_eps)
+    q = _linear(h, p["wq"], p.get("bq")).reshape(b, t, cfg.num_heads, d)  # [B, T, Hq, D]
+    k = _linear(h, p["wk"], p.get("bk")).reshape(b, t, cfg.num_kv_heads, d)  # [B, T, Hkv, D]
+    v = _linear(h, p["wv"], p.get("bv")).reshape(b, t, cfg.num_kv_heads, d)  # [B, T, Hkv, D]
+    if cfg.qk_norm:
+        q = rms_norm(q, p["q_norm"], cfg.rms_norm_eps)
+        k = rms_norm(k, p["k_norm"], cfg.rms_norm_eps)
+    q = apply_rope(q, cos, sin)
+    k = apply_rope(k, cos, sin)
+    attn, cache = cache.attend(layer, q, k, v, positions, meta)  # [B, T, Hq, D]
+    x = x + _linear(attn.reshape(b, t, cfg.num_heads * d), p["wo"], p.get("bo"))
+    h = rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps)
+    gate = _linear(h, p["w_gate"], p.get("b_gate"))
+    up = _linear(h, p["w_up"], p.get("b_up"))
+    x = x + _linear(jax.nn.silu(gate) * up, p["w_down"], p.get("b_down"))
+    return x, cache
+
+
+def forward(params: dict, cfg: ModelConfig, tokens: jax.Array, positions: jax.Array,
+            cache: KVCache, meta: Any = None, logits_index: jax.Array | None = None
+            ) -> tuple[jax.Array, KVCache]:
+    """tokens, positions [B, T] int32 -> (logits, cache).
+
+    logits are ``[B, T, V]`` float32, or ``[B, V]`` at ``logits_index [B]`` (the position in
+    the chunk whose next-token distribution is wanted) when that is given, which skips the LM
+    head for every other token.
+    """
+    x = params["embed"][tokens]  # [B, T, H]
+    cos, sin = rope_cos_sin(positions, jnp.asarray(inv_freq(cfg.rope, cfg.head_dim)))
+    for layer, p in enumerate(params["layers"]):
+        x, cache = _layer(cfg, p, layer, x, cos, sin, positions, cache, meta)
+    if logits_index is not None:
+        x = jnp.take_along_axis(x, logits_index[:, None, None].astype(jnp.int32), axis=1)[:, 0]  # [B, H]
+    x = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
+    head = params["embed"].T if cfg.tie_word_embeddings else params["lm_head"]  # [H, V]
+    logits = jnp.einsum("...h,hv->...v", x, head, preferred_element_type=jnp.float32)
+    return logits.astype(jnp.float32), cache

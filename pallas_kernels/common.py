@@ -1,0 +1,96 @@
+"""Shared conventions of the Pallas kernels: page layout, backend selection, input checks.
+
+Page layout (one layer): ``k_pages``/``v_pages`` are ``[Hkv, P, S, D]``: ``P`` pages of ``S``
+token slots each, per KV head, so one page of one head is a contiguous ``[S, D]`` tile (the
+unit a GPU program loads).  Page 0 is the engine's null page: padded page-table entries point
+at it and it is never read unmasked.  A token's *slot* is ``page * S + offset``.
+
+``page_table [B, max_pages] int32`` lists each sequence's pages in position order;
+``lengths``/``kv_lens [B] int32`` count the valid tokens of each sequence (the rest of the
+table is padding).
+
+Backends: every kernel is written in the Triton style of Pallas and always passes
+``jax.experimental.pallas.triton.CompilerParams`` explicitly (without them jax 0.10 routes to
+Mosaic GPU and 0.11 to Triton).  ``interpret`` defaults to ``True`` off the GPU, so the same
+kernels run (slowly) on the CPU in tests.
+
+This package imports nothing from the engine.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.experimental.pallas import triton as plt
+
+
+def default_interpret() -> bool:
+    """Interpret kernels unless running on a GPU."""
+    return jax.default_backend() != "gpu"
+
+
+def compiler_params(num_warps: int = 4, num_stages: int = 2) -> plt.CompilerParams:
+    return plt.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+
+
+def _fail(name: str, value, expected: str) -> None:
+    raise ValueError(f"{name}: got {value}, expected {expected}")
+
+
+def check_pages(k_pages: jax.Array, v_pages: jax.Array) -> tuple[int, int, int, int]:
+    """Validate a layer's K/V page arrays ``[Hkv, P, S, D]``; return (Hkv, P, S, D)."""
+    if k_pages.ndim != 4:
+        _fail("k_pages.shape", k_pages.shape, "[Hkv, P, S, D] (4 dims)")
+    if v_pages.shape != k_pages.shape:
+        _fail("v_pages.shape", v_pages.shape, f"the shape of k_pages {k_pages.shape}")
+    if v_pages.dtype != k_pages.dtype:
+        _fail("v_pages.dtype", v_pages.dtype, f"the dtype of k_pages ({k_pages.dtype})")
+    return tuple(int(x) for x in k_pages.shape)  # type: ignore[return-value]
+
+
+def check_int_vector(name: str, x: jax.Array, n: int) -> None:
+    if x.shape != (n,):
+        _fail(f"{name}.shape", x.shape, f"({n},)")
+    if not jnp.issubdtype(x.dtype, jnp.integer):
+        _fail(f"{name}.dtype", x.dtype, "an integer dtype (int32)")
+
+
+def check_page_table(page_table: jax.Array, batch: int) -> int:
+    if page_table.ndim != 2 or page_table.shape[0] != batch:
+        _fail("page_table.shape", page_table.shape, f"[{batch}, max_pages]")
+    if not jnp.issubdtype(page_table.dtype, jnp.integer):
+        _fail("page_table.dtype", page_table.dtype, "int32")
+    return int(page_table.shape[1])
+
+
+def check_gqa(num_q_heads: int, num_kv_heads: int) -> int:
+    if num_q_heads % num_kv_heads:
+        _fail("num_q_heads", num_q_heads, f"a multiple of num_kv_heads={num_kv_heads}")
+    return num_q_heads // num_kv_heads
+
+
+# ---- Added for the decode / splice / kv-write kernels (signatures above are unchanged). ----
+
+# Triton tiles need power-of-two shapes and matmul dims of at least 16.
+MIN_DOT_DIM = 16
+
+
+def check_power_of_two(name: str, value: int, minimum: int = 1) -> None:
+    if value < minimum or value & (value - 1):
+        _fail(name, value, f"a power of two >= {minimum} (Triton tiles are power-of-two shaped)")
+
+
+def check_dtype(name: str, x: jax.Array, expected) -> None:
+    if x.dtype != jnp.dtype(expected):
+        _fail(f"{name}.dtype", x.dtype, f"{jnp.dtype(expected)} (cast it first)")
+
+
+def is_concrete(*xs) -> bool:
+    """True when every argument holds a value (not a tracer), so host-side checks may read it."""
+    return not any(isinstance(x, jax.core.Tracer) for x in xs)
+
+
+def num_sms(default: int = 132) -> int:
+    """Streaming multiprocessors of the default device (132 on an H100/H200 SXM)."""
+    dev = jax.devices()[0]
+    return int(getattr(dev, "core_count", 0) or default) if dev.platform == "gpu" else default
