@@ -8,7 +8,9 @@ this file and ``data/corpus.txt``:
 - the tokenizer is a byte-level BPE trained with the ``tokenizers`` library on the shipped
   corpus (so any text round-trips), with special tokens for padding, end of text and the chat
   roles, and a chat template;
-- the weights are seeded NumPy normal draws (float32), written with safetensors.
+- the weights are seeded NumPy normal draws (float32; projections scaled by 1/sqrt(fan_in) so
+  activations and logits stay O(1) and greedy output varies with the context), written with
+  safetensors.
 
 Building twice gives byte-identical files, so the model's fingerprint (and every prefix-cache
 key derived from it) is the same on every machine.  The folder is written to a temporary
@@ -30,7 +32,7 @@ import numpy as np
 from models.config import ModelConfig
 from models.params import param_specs
 
-VERSION = "v1"
+VERSION = "v2"
 SEED = 20261130
 SPECIAL_TOKENS = ["<|pad|>", "<|endoftext|>", "<|system|>", "<|user|>", "<|assistant|>"]
 CHAT_TEMPLATE = (
@@ -125,6 +127,7 @@ def _write_weights(out: str) -> None:
         shape = s.shape[::-1] if s.transpose else s.shape
         if s.init == "ones":
             tensors[s.hf_name] = np.ones(shape, np.float32)
-        else:
-            tensors[s.hf_name] = (0.02 * rng.standard_normal(shape)).astype(np.float32)
+        else:  # unit-variance activations: embeddings N(0, 1), projections N(0, 1/fan_in)
+            std = 1.0 if s.path == ("embed",) else s.shape[0] ** -0.5
+            tensors[s.hf_name] = (std * rng.standard_normal(shape)).astype(np.float32)
     save_file(tensors, os.path.join(out, "model.safetensors"), metadata={"format": "pt"})

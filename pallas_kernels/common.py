@@ -87,7 +87,11 @@ def check_dtype(name: str, x: jax.Array, expected) -> None:
 
 def is_concrete(*xs) -> bool:
     """True when every argument holds a value (not a tracer), so host-side checks may read it."""
-    return not any(isinstance(x, jax.core.Tracer) for x in xs)
+    try:
+        tracer = jax.core.Tracer
+    except AttributeError:  # should a future jax drop the public alias
+        from jax._src.core import Tracer as tracer
+    return not any(isinstance(x, tracer) for x in xs)
 
 
 def num_sms(default: int = 132) -> int:

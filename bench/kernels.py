@@ -1,0 +1,548 @@
+"""GPU benchmark of the Pallas kernels: correctness against the references, then speed.
+
+Usage (from the repository root)::
+
+    python bench/kernels.py --out bench/results          # full run on an H200, ~3-5 minutes
+    python bench/kernels.py --quick --out /tmp/kq        # tiny shapes, also on CPU (interpret)
+    python bench/kernels.py --tune --sections b           # + decode knob sweep (~2 more minutes)
+
+Sections (each guarded: a failure prints its traceback and the run goes on):
+
+a. Device copy bandwidth: ``x + 1`` over a 2 GiB array, (bytes read + written) / time.  This
+   is the ceiling every memory-bound kernel below is compared with.
+b. Decode attention, B in {1, 8, 32, 128} x ctx in {1k, 4k, 16k, 32k}, 32 q / 8 kv heads,
+   d=128, page 16, bf16: time, effective bandwidth (K+V read + q + out) and its fraction of
+   the copy bandwidth; side by side ``jax.experimental.pallas.ops.gpu.paged_attention`` (same
+   page layout) and tokamax's dense attention if importable.
+c. Prefill attention: chunk {64, 512, 2048} over {4k, 16k} cached tokens, B=1, 32/8 heads:
+   TFLOP/s counting unmasked work only, ``4 * T * (cached + (T + 1) / 2) * D * Hq``, versus
+   cuDNN flash attention (``jax.nn.dot_product_attention(implementation="cudnn")``) on the
+   same dense problem with a boolean mask for the causal tail (cuDNN has no bottom-right
+   causal mask in that API), its flops counted the same way.
+d. KV splice with RoPE shift: 4096 tokens, one layer per call and all 32 layers in one call.
+e. KV write of a 2048-token chunk: XLA scatter (``write_kv``) and Pallas (``write_kv_pallas``).
+
+Timing: every measurement jit-compiles R kernel calls on R different input sets (so XLA
+cannot merge them and the data rotates through more memory than the 60 MB L2), warms up,
+then takes the median over repetitions of the whole executable divided by R.  In-place
+kernels (splice, write) are chained with donated buffers.  Correctness: relative error
+``max|out - ref| / max|ref|`` is printed for every checked case; any failure makes the
+script exit non-zero after writing the report (``kernels.md`` and ``kernels.png``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import math
+import os
+import statistics
+import sys
+import time
+import traceback
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from pallas_kernels.decode_attention import (  # noqa: E402
+    auto_num_splits, auto_pages_per_block, paged_decode_attention, paged_decode_attention_ref)
+from pallas_kernels.kv_write import write_kv, write_kv_pallas, write_kv_ref  # noqa: E402
+from pallas_kernels.splice import splice_kv, splice_kv_ref  # noqa: E402
+
+DT = jnp.bfloat16
+HQ, HKV, D, S = 32, 8, 128, 16
+FAILURES: list[str] = []
+MD: list[str] = []
+PLOT: dict = {}
+
+
+# ---------------------------------------------------------------- helpers
+
+def log(msg=""):
+    print(msg, flush=True)
+
+
+def rel_err(out, ref) -> float:
+    out, ref = np.asarray(out, np.float32), np.asarray(ref, np.float32)
+    if not np.isfinite(out).all():
+        return float("inf")
+    return float(np.max(np.abs(out - ref)) / max(1e-6, float(np.max(np.abs(ref)))))
+
+
+def check(name, out, ref, tol=2e-2):
+    err = rel_err(out, ref)
+    ok = err <= tol
+    log(f"  check {name}: rel err {err:.2e} {'ok' if ok else f'FAIL (> {tol})'}")
+    if not ok:
+        FAILURES.append(f"{name}: rel err {err:.3g}")
+    return err
+
+
+def table(title, headers, rows):
+    """Print a table and add it to the markdown report."""
+    log(f"\n## {title}")
+    widths = [max(len(str(h)), *(len(str(r[i])) for r in rows)) if rows else len(str(h))
+              for i, h in enumerate(headers)]
+    log("  ".join(str(h).rjust(w) for h, w in zip(headers, widths)))
+    for r in rows:
+        log("  ".join(str(c).rjust(w) for c, w in zip(r, widths)))
+    MD.extend([f"## {title}", "", "| " + " | ".join(map(str, headers)) + " |",
+               "|" + "---|" * len(headers)])
+    MD.extend("| " + " | ".join(map(str, r)) + " |" for r in rows)
+    MD.append("")
+
+
+def section(fn):
+    """Run one section; print its traceback instead of stopping the script."""
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        log(f"\n==== {fn.__name__} ====")
+        t0 = time.time()
+        try:
+            fn(*args, **kwargs)
+        except Exception:  # noqa: BLE001 - report and go on
+            tb = traceback.format_exc()
+            log(tb)
+            FAILURES.append(f"{fn.__name__}: exception {tb.strip().splitlines()[-1]}")
+            MD.extend([f"## {fn.__name__}: FAILED", "", "```", tb, "```", ""])
+        log(f"({fn.__name__}: {time.time() - t0:.0f} s)")
+    return run
+
+
+def _median(run, reps):
+    """Median wall time of run() (blocking) over reps runs."""
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        jax.block_until_ready(run())
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def median_time(fn, args, reps):
+    """Median wall time of fn(*args) after one warm-up (compile) call."""
+    jax.block_until_ready(fn(*args))
+    return _median(lambda: fn(*args), reps)
+
+
+def time_calls(call, shared, variants, reps):
+    """(seconds per call, outputs) of call(*shared, *variant) for every variant.
+
+    The R = len(variants) calls are compiled into one executable: R distinct input sets keep
+    XLA from merging them and amortise the dispatch overhead over R kernels."""
+    multi = jax.jit(lambda sh, vs: [call(*sh, *v) for v in vs])
+    outs = jax.block_until_ready(multi(shared, variants))  # compile + warm up
+    return _median(lambda: multi(shared, variants), reps) / len(variants), outs
+
+
+def time_chain(step, state, variants, reps):
+    """(seconds per step, final state) of state = step(*state, *variant), state donated."""
+    def chain(st, vs):
+        for v in vs:
+            st = step(*st, *v)
+        return st
+    chain = jax.jit(chain, donate_argnums=0)
+    box = [jax.block_until_ready(chain(state, variants))]  # compile + warm up
+
+    def run():
+        box[0] = chain(box[0], variants)
+        return box[0]
+    return _median(run, reps) / len(variants), box[0]
+
+
+def gib(nbytes):
+    return nbytes / 2**30
+
+
+def fits(nbytes, frac=0.6):
+    """Whether nbytes of new arrays fit in the device memory (unknown: assume yes)."""
+    try:
+        stats = jax.devices()[0].memory_stats() or {}
+        limit = stats.get("bytes_limit", 0) - stats.get("bytes_in_use", 0)
+        return limit <= 0 or nbytes < frac * limit
+    except Exception:  # noqa: BLE001
+        return True
+
+
+def random_pool(key, num_pages, layers=None, dtype=DT):
+    """Random K and V pools; generated one [P, S, D] head at a time (no huge temporaries)."""
+    shape = (HKV, num_pages, S, D) if layers is None else (layers, HKV, num_pages, S, D)
+    lead = math.prod(shape[:-3])
+
+    @jax.jit
+    def make(k):
+        return jax.lax.map(lambda kk: jax.random.normal(kk, shape[-3:], dtype),
+                           jax.random.split(k, lead)).reshape(shape)
+
+    k1, k2 = jax.random.split(key)
+    return make(k1), make(k2)
+
+
+# ---------------------------------------------------------------- (a) copy bandwidth
+
+@section
+def copy_bandwidth(args):
+    n = (16 if args.quick else 2048) * 2**20 // 2
+    x = jnp.ones((n,), DT)
+    t = median_time(jax.jit(lambda a: a + 1), (x,), args.reps)
+    bw = 2 * x.nbytes / t
+    args.copy_bw = bw
+    table("a. Device copy bandwidth (x + 1, read + write)", ["bytes", "time us", "GB/s"],
+          [[f"{gib(2 * x.nbytes):.2f} GiB", f"{t * 1e6:.0f}", f"{bw / 1e9:.0f}"]])
+
+
+# ---------------------------------------------------------------- (b) decode
+
+def decode_inputs(key, b, ctx, num_vars, min_pool_bytes):
+    """Pool of pages, R (q, page table) variants over random pages, lengths = ctx."""
+    pages_per_seq = ctx // S
+    page_bytes = 2 * HKV * S * D * 2
+    num_pages = 1 + max(b * pages_per_seq, min_pool_bytes // page_bytes)
+    kp, vp = random_pool(key, num_pages)
+    rng = np.random.default_rng(b * 100003 + ctx)
+    tables = [jnp.asarray(rng.permutation(np.arange(1, num_pages))[:b * pages_per_seq]
+                          .reshape(b, pages_per_seq), jnp.int32) for _ in range(num_vars)]
+    qs = [jax.random.normal(jax.random.PRNGKey(i), (b, HQ, D), DT) for i in range(num_vars)]
+    lens = jnp.full((b,), ctx, jnp.int32)
+    return kp, vp, list(zip(qs, tables)), lens
+
+
+@section
+def decode(args):
+    batches, ctxs = ([1, 2], [64, 256]) if args.quick else ([1, 8, 32, 128],
+                                                            [1024, 4096, 16384, 32768])
+    interp = args.interpret
+    jpa = tok = None
+    try:
+        from jax.experimental.pallas.ops.gpu.paged_attention import paged_attention
+        jpa = functools.partial(paged_attention, interpret=interp)
+    except Exception as e:  # noqa: BLE001
+        log(f"  jax paged_attention unavailable: {e!r}")
+    try:
+        import tokamax
+        tok = tokamax
+    except Exception as e:  # noqa: BLE001
+        log(f"  tokamax not importable ({e!r}): column skipped")
+    ours = functools.partial(paged_decode_attention, interpret=interp)
+    rows = []
+    for b in batches:
+        for ctx in ctxs:
+            kv_bytes = 2 * b * ctx * HKV * D * 2
+            if not fits(kv_bytes + 2**28):
+                rows.append([b, ctx, "skip: does not fit"] + [""] * 6)
+                continue
+            nv = 2 if args.quick else int(np.clip(2e-3 * 3e12 / max(kv_bytes, 1), 4, 16))
+            kp, vp, variants, lens = decode_inputs(jax.random.PRNGKey(b + ctx), b, ctx, nv,
+                                                   0 if args.quick else 512 * 2**20)
+            q0, t0 = variants[0]
+            call = lambda k, v, l, q, t: ours(q, k, v, t, l)  # noqa: E731
+            t_ours, outs = time_calls(call, (kp, vp, lens), variants, args.reps)
+            nbytes = kv_bytes + 2 * b * HQ * D * 2
+            bw = nbytes / t_ours
+            t_jax = jax_out = t_tok = None
+            if jpa is not None:
+                try:
+                    t_jax, jax_outs = time_calls(lambda k, v, l, q, t: jpa(q, k, v, t, l),
+                                                 (kp, vp, lens), variants, args.reps)
+                    jax_out = jax_outs[0]
+                except Exception as e:  # noqa: BLE001
+                    log(f"  jax paged_attention B={b} ctx={ctx} failed: {e!r}")
+            if b * ctx <= 32 * 4096:
+                err = check(f"decode B={b} ctx={ctx} vs ref", outs[0],
+                            paged_decode_attention_ref(q0, kp, vp, t0, lens))
+            elif jax_out is not None:
+                err = check(f"decode B={b} ctx={ctx} vs jax paged_attention", outs[0], jax_out)
+            else:
+                err = float("nan")
+            if tok is not None and not args.quick:
+                t_tok = _time_tokamax(tok, b, ctx, args.reps)
+            splits = auto_num_splits(b, HKV, math.ceil(ctx / (auto_pages_per_block(S) * S)))
+            frac = bw / args.copy_bw if args.copy_bw else float("nan")
+            rows.append([b, ctx, f"{t_ours * 1e6:.1f}", f"{bw / 1e9:.0f}", f"{frac:.0%}",
+                         splits, f"{err:.1e}",
+                         f"{t_jax * 1e6:.1f}" if t_jax else "n/a",
+                         f"{t_jax / t_ours:.2f}x" if t_jax else "n/a",
+                         f"{t_tok * 1e6:.1f}" if t_tok else "n/a"])
+            PLOT.setdefault("decode", []).append((b, ctx, frac, (nbytes / t_jax / args.copy_bw)
+                                                  if t_jax and args.copy_bw else None))
+            log(f"  B={b} ctx={ctx}: {t_ours * 1e6:.1f} us, {bw / 1e9:.0f} GB/s ({frac:.0%})"
+                + (f", jax {t_jax * 1e6:.1f} us" if t_jax else ""))
+            del kp, vp, variants
+    table("b. Decode attention (32 q / 8 kv heads, d=128, page 16, bf16)",
+          ["B", "ctx", "ours us", "GB/s", "of copy", "splits", "rel err", "jax-pallas us",
+           "speedup", "tokamax dense us"], rows)
+
+
+def _time_tokamax(tok, b, ctx, reps):
+    """tokamax's dense attention on contiguous K/V of the same size (a non-paged reference)."""
+    try:
+        q = jax.random.normal(jax.random.PRNGKey(0), (b, 1, HQ, D), DT)
+        k = jax.random.normal(jax.random.PRNGKey(1), (b, ctx, HKV, D), DT)
+        v = jax.random.normal(jax.random.PRNGKey(2), (b, ctx, HKV, D), DT)
+        return median_time(jax.jit(lambda q, k, v: tok.dot_product_attention(q, k, v)),
+                           (q, k, v), reps)
+    except Exception as e:  # noqa: BLE001
+        log(f"  tokamax B={b} ctx={ctx} failed: {e!r}")
+        return None
+
+
+@section
+def decode_tune(args):
+    """Sweep the decode knobs on a few shapes; print the best configuration per shape."""
+    shapes = [(2, 256)] if args.quick else [(32, 4096), (1, 32768), (128, 1024)]
+    knobs = [(ppb, w, st) for ppb in (2, 4, 8) for w in (4, 8) for st in (2, 3)]
+    if args.quick:
+        knobs = knobs[:2]
+    rows = []
+    for b, ctx in shapes:
+        kp, vp, variants, lens = decode_inputs(jax.random.PRNGKey(7), b, ctx, 4, 0)
+        base = auto_num_splits(b, HKV, math.ceil(ctx / 64))
+        results = []
+        for ppb, w, st in knobs:
+            for ns in sorted({max(1, base // 2), base, base * 2}):
+                fn = functools.partial(paged_decode_attention, pages_per_block=ppb,
+                                       num_warps=w, num_stages=st, num_splits=ns,
+                                       interpret=args.interpret)
+                try:
+                    t, _ = time_calls(lambda k, v, l, q, tb: fn(q, k, v, tb, l),
+                                      (kp, vp, lens), variants, max(3, args.reps // 2))
+                    results.append((t, ppb, w, st, ns))
+                except Exception as e:  # noqa: BLE001
+                    log(f"  ppb={ppb} warps={w} stages={st} splits={ns}: {e!r}")
+        results.sort()
+        nbytes = 2 * b * ctx * HKV * D * 2
+        for t, ppb, w, st, ns in results[:3]:
+            rows.append([b, ctx, ppb, w, st, ns, f"{t * 1e6:.1f}", f"{nbytes / t / 1e9:.0f}"])
+    table("b'. Decode knob sweep (best 3 per shape)",
+          ["B", "ctx", "pages/block", "warps", "stages", "splits", "us", "GB/s"], rows)
+
+
+# ---------------------------------------------------------------- (c) prefill
+
+@section
+def prefill(args):
+    from pallas_kernels.prefill_attention import (paged_prefill_attention,
+                                                  paged_prefill_attention_ref)
+    hq, hkv = (4, 2) if args.quick else (HQ, HKV)
+    chunks, cached_list = ([16, 32], [64]) if args.quick else ([64, 512, 2048], [4096, 16384])
+    nv = 2 if args.quick else 4  # input sets: separate K/V (and pages) per call
+    ours = functools.partial(paged_prefill_attention, interpret=args.interpret)
+    rows = []
+    for cached in cached_list:
+        for t in chunks:
+            total = cached + t
+            pages = math.ceil(total / S)
+            num_pages = 1 + nv * pages
+            perm = np.random.default_rng(t).permutation(np.arange(1, num_pages))
+            kp = jnp.zeros((hkv, num_pages * S, D), DT)
+            vp = jnp.zeros((hkv, num_pages * S, D), DT)
+            dense, paged = [], []
+            for i in range(nv):
+                keys = jax.random.split(jax.random.PRNGKey(1000 * t + i), 3)
+                q = jax.random.normal(keys[0], (1, t, hq, D), DT)
+                k = jax.random.normal(keys[1], (1, total, hkv, D), DT)  # [1, S_kv, Hkv, D]
+                v = jax.random.normal(keys[2], (1, total, hkv, D), DT)
+                ids = perm[i * pages:(i + 1) * pages]
+                slots = jnp.asarray((ids[:, None] * S + np.arange(S)).reshape(-1)[:total])
+                kp = kp.at[:, slots].set(k[0].transpose(1, 0, 2))
+                vp = vp.at[:, slots].set(v[0].transpose(1, 0, 2))
+                dense.append((q, k, v))
+                paged.append((q, jnp.asarray(ids[None], jnp.int32)))
+            kp, vp = kp.reshape(hkv, num_pages, S, D), vp.reshape(hkv, num_pages, S, D)
+            q_lens, kv_lens = jnp.array([t], jnp.int32), jnp.array([total], jnp.int32)
+            t_ours, outs = time_calls(lambda k, v, ql, kl, q, tb: ours(q, k, v, tb, ql, kl),
+                                      (kp, vp, q_lens, kv_lens), paged, args.reps)
+            pos_q = cached + jnp.arange(t)
+            mask = (jnp.arange(total)[None, :] <= pos_q[:, None])[None, None]  # [1,1,T,S_kv]
+            t_cudnn = t_full = cudnn_out = None
+            try:  # bottom-right causal via a boolean mask (becomes a bias in cuDNN)
+                t_cudnn, couts = time_calls(lambda m, q, k, v: jax.nn.dot_product_attention(
+                    q, k, v, mask=m, implementation="cudnn"), (mask,), dense, args.reps)
+                cudnn_out = couts[0]
+                t_full, _ = time_calls(lambda q, k, v: jax.nn.dot_product_attention(
+                    q, k, v, implementation="cudnn"), (), dense, args.reps)
+            except Exception as e:  # noqa: BLE001
+                log(f"  cudnn T={t} cached={cached} failed: {str(e).splitlines()[0][:200]}")
+            q0, table0 = paged[0]
+            if t * total * hq * 4 < 2**32:
+                ref = paged_prefill_attention_ref(q0, kp, vp, table0, q_lens, kv_lens)
+                err = check(f"prefill T={t} cached={cached} vs ref", outs[0], ref)
+            elif cudnn_out is not None:
+                err = check(f"prefill T={t} cached={cached} vs cudnn", outs[0], cudnn_out)
+            else:
+                err = float("nan")
+            flops = 4 * t * (cached + (t + 1) / 2) * D * hq
+
+            def fmt(sec):
+                return (f"{sec * 1e6:.0f}", f"{flops / sec / 1e12:.1f}") if sec else ("n/a",) * 2
+
+            rows.append([t, cached, *fmt(t_ours), f"{err:.1e}", *fmt(t_cudnn), *fmt(t_full)])
+            log(f"  T={t} cached={cached}: ours {t_ours * 1e6:.0f} us")
+            del kp, vp, dense, paged
+    table(f"c. Prefill attention (B=1, {hq}/{hkv} heads, d=128, bf16; TFLOP/s of unmasked "
+          "work only; cuDNN no-mask does the full T x S_kv and is shown as a bound)",
+          ["chunk", "cached", "ours us", "ours TFLOP/s", "rel err", "cudnn+mask us",
+           "cudnn+mask TFLOP/s", "cudnn no-mask us", "cudnn no-mask TFLOP/s"], rows)
+
+
+# ---------------------------------------------------------------- (d) splice
+
+@section
+def splice(args):
+    n = 64 if args.quick else 4096
+    inv_freq = (1.0 / 500000.0 ** (jnp.arange(0, D, 2, dtype=jnp.float32) / D))
+    rows = []
+    for layers in ((None, 2) if args.quick else (None, 32)):
+        nl = 1 if layers is None else layers
+        seg_pages = n // S
+        nv = 2 if args.quick else 4
+        num_pages = 1 + 2 * nv * seg_pages  # variant i: pages of run 2i -> run 2i + 1
+        kp, vp = random_pool(jax.random.PRNGKey(nl), num_pages, layers)
+        rng = np.random.default_rng(nl)
+        variants = []
+        for i in range(nv):  # page-aligned injected segment moved by `shift` positions
+            src = jnp.asarray((1 + 2 * i * seg_pages) * S + np.arange(n), jnp.int32)
+            dst = src + seg_pages * S
+            variants.append((src, dst, jnp.full((n,), int(rng.integers(-3000, 3000)),
+                                                jnp.int32)))
+        src, dst, sh = variants[0]
+        k1, v1 = splice_kv(kp, vp, src, dst, sh, inv_freq, interpret=args.interpret)
+        kr, vr = splice_kv_ref(kp, vp, src, dst, sh, inv_freq)
+        err = check(f"splice L={nl} K vs ref", k1, kr, 1e-2)
+        check(f"splice L={nl} V vs ref (exact)", v1, vr, 0.0)
+        del k1, v1, kr, vr
+        nbytes = 2 * 2 * n * nl * HKV * D * 2  # K and V, read + write
+        configs = [dict()]  # auto blocking
+        if args.tune:
+            configs += [dict(block_tokens=t_, heads_per_program=h_, num_warps=w_)
+                        for t_ in (32, 64, 128) for h_ in (1, 2, HKV) for w_ in (4, 8)]
+        for cfg in configs:
+            step = functools.partial(splice_kv, inv_freq=inv_freq, interpret=args.interpret,
+                                     **cfg)
+            try:
+                t, (kp, vp) = time_chain(step, (kp, vp), variants, args.reps)
+            except Exception as e:  # noqa: BLE001
+                log(f"  splice {cfg}: {e!r}")
+                continue
+            frac = nbytes / t / args.copy_bw if args.copy_bw else float("nan")
+            rows.append([nl, n, cfg or "auto", f"{t * 1e6:.1f}", f"{nbytes / t / 1e9:.0f}",
+                         f"{frac:.0%}", f"{err:.1e}"])
+        del kp, vp
+    table("d. KV splice with RoPE shift (bf16, 8 kv heads, d=128, page-aligned segments)",
+          ["layers/call", "tokens", "config", "us/call", "GB/s", "of copy", "rel err"], rows)
+
+
+# ---------------------------------------------------------------- (e) kv write
+
+@section
+def kv_write(args):
+    n = 64 if args.quick else 2048
+    nv = 2 if args.quick else 8
+    num_pages = 1 + nv * n // S + (0 if args.quick else 4096)
+    kp, vp = random_pool(jax.random.PRNGKey(3), num_pages)
+    rng = np.random.default_rng(3)
+    variants = []
+    for i in range(nv):
+        kn = jax.random.normal(jax.random.PRNGKey(10 + i), (n, HKV, D), DT)
+        vn = jax.random.normal(jax.random.PRNGKey(20 + i), (n, HKV, D), DT)
+        slots = rng.permutation(np.arange(S, num_pages * S))[:n].astype(np.int32)
+        variants.append((kn, vn, jnp.asarray(slots)))
+    kn, vn, sl = variants[0]
+    ref = write_kv_ref(kp, vp, kn, vn, sl)
+    rows = []
+    for name, fn in (("write_kv (XLA)", write_kv),
+                     ("write_kv_pallas", functools.partial(write_kv_pallas,
+                                                           interpret=args.interpret))):
+        out = fn(kp, vp, kn, vn, sl)
+        err = check(f"{name} vs ref (exact)", out[0], ref[0], 0.0)
+        check(f"{name} V vs ref (exact)", out[1], ref[1], 0.0)
+        del out
+        kc, vc = jnp.copy(kp), jnp.copy(vp)
+        t, _ = time_chain(fn, (kc, vc), variants, args.reps)
+        nbytes = 2 * 2 * n * HKV * D * 2  # K and V, read new + write slots
+        rows.append([name, n, f"{t * 1e6:.1f}", f"{nbytes / 2**20:.1f}",
+                     f"{nbytes / t / 1e9:.0f}", f"{err:.0e}"])
+    table("e. KV write of one chunk (one layer, 8 kv heads, d=128, bf16)",
+          ["impl", "tokens", "us/call", "MiB moved", "GB/s", "err"], rows)
+
+
+# ---------------------------------------------------------------- report
+
+def write_report(args):
+    os.makedirs(args.out, exist_ok=True)
+    dev = jax.devices()[0]
+    head = [f"# Kernel benchmark ({'quick' if args.quick else 'full'})", "",
+            f"device: {dev.device_kind} ({dev.platform}), jax {jax.__version__}, "
+            f"interpret={args.interpret}", ""]
+    if FAILURES:
+        head += ["**FAILURES:**", ""] + [f"- {f}" for f in FAILURES] + [""]
+    path = os.path.join(args.out, "kernels.md")
+    with open(path, "w") as f:
+        f.write("\n".join(head + MD) + "\n")
+    log(f"\nwrote {path}")
+    if not PLOT.get("decode"):
+        return
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except Exception as e:  # noqa: BLE001
+        log(f"no plot: matplotlib unavailable ({e!r})")
+        return
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for b in sorted({r[0] for r in PLOT["decode"]}):
+        pts = [r for r in PLOT["decode"] if r[0] == b]
+        line, = ax.plot([r[1] for r in pts], [r[2] for r in pts], "o-", label=f"ours B={b}")
+        jx = [(r[1], r[3]) for r in pts if r[3] is not None]
+        if jx:
+            ax.plot(*zip(*jx), "x--", color=line.get_color(), label=f"jax-pallas B={b}")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("context length")
+    ax.set_ylabel("fraction of copy bandwidth")
+    ax.set_title("Paged decode attention (32/8 heads, d=128, page 16, bf16)")
+    ax.axhline(0.75, color="gray", lw=0.8, ls=":")
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    png = os.path.join(args.out, "kernels.png")
+    fig.savefig(png, dpi=120)
+    log(f"wrote {png}")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", default=os.path.join("bench", "results"))
+    ap.add_argument("--quick", action="store_true", help="tiny shapes (works on CPU)")
+    ap.add_argument("--tune", action="store_true", help="also sweep the decode knobs")
+    ap.add_argument("--sections", default="abcde", help="subset of a,b,c,d,e to run")
+    ap.add_argument("--reps", type=int, default=None)
+    args = ap.parse_args()
+    args.interpret = jax.default_backend() != "gpu"
+    args.reps = args.reps or (2 if args.quick else 10)
+    args.copy_bw = None
+    log(f"devices: {jax.devices()}  jax {jax.__version__}  interpret={args.interpret}")
+    t0 = time.time()
+    if "a" in args.sections or any(s in args.sections for s in "bd"):
+        copy_bandwidth(args)
+    if "b" in args.sections:
+        decode(args)
+        if args.tune:
+            decode_tune(args)
+    if "c" in args.sections:
+        prefill(args)
+    if "d" in args.sections:
+        splice(args)
+    if "e" in args.sections:
+        kv_write(args)
+    MD.append(f"total time: {time.time() - t0:.0f} s")
+    write_report(args)
+    if FAILURES:
+        log("\nFAILURES:\n  " + "\n  ".join(FAILURES))
+        sys.exit(1)
+    log(f"all checks passed ({time.time() - t0:.0f} s)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,40 @@
+"""``EngineConfig``: the engine's settings (DESIGN.md), validated on construction."""
+
+from __future__ import annotations
+
+import dataclasses
+
+DTYPES = ("bfloat16", "float32", "float16")
+ATTENTION_IMPLS = ("auto", "pallas", "ref")
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    page_size: int = 16
+    hbm_pages: int | None = None  # None: size the pool from free device memory
+    dtype: str = "bfloat16"
+    snapshot_dir: str | None = None
+    max_batch: int = 64  # sequences per device step
+    prefill_chunk: int = 512  # new tokens per sequence per prefill step (chunked prefill)
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    hbm_fraction: float = 0.85  # of free device memory given to the page pool when hbm_pages is None
+    attention_impl: str = "auto"  # "pallas" kernels (GPU default), "ref" jnp (CPU default)
+
+    def __post_init__(self):
+        def bad(field, value, allowed):
+            raise ValueError(f"EngineConfig.{field}={value!r} is invalid: {allowed}")
+
+        if self.page_size not in (8, 16, 32, 64):
+            bad("page_size", self.page_size, "must be one of 8, 16, 32, 64")
+        if self.hbm_pages is not None and self.hbm_pages < 2:
+            bad("hbm_pages", self.hbm_pages, "must be >= 2 (page 0 is the reserved null page) or None")
+        if self.dtype not in DTYPES:
+            bad("dtype", self.dtype, f"must be one of {DTYPES}")
+        if self.max_batch < 1:
+            bad("max_batch", self.max_batch, "must be >= 1")
+        if self.prefill_chunk < 16 or self.prefill_chunk & (self.prefill_chunk - 1):
+            bad("prefill_chunk", self.prefill_chunk, "must be a power of two >= 16")
+        if not 0.0 < self.hbm_fraction <= 0.95:
+            bad("hbm_fraction", self.hbm_fraction, "must be in (0, 0.95]")
+        if self.attention_impl not in ATTENTION_IMPLS:
+            bad("attention_impl", self.attention_impl, f"must be one of {ATTENTION_IMPLS}")

@@ -1,0 +1,81 @@
+"""The paged KV cache pytree and the attention that reads and writes it.
+
+``PagedKVCache`` holds the page pool of every layer: ``k[l]``/``v[l]`` are ``[Hkv, P, S, D]``
+(the kernels' layout, ``pallas_kernels/common.py``).  One array per layer, so the attention
+kernels read a layer's pages in place and the jitted step (which donates the cache) updates
+them in place.  Page 0 is the null page that padding points at.
+
+``attend`` is the model's one replaceable attention function (``models/transformer.py``):
+it scatters the chunk's new K/V into their slots (``AttnMeta.slots``), then runs paged
+attention over everything the sequence has in pages: the decode kernel for one token per
+sequence, the prefill kernel (cached pages + causal over the chunk) otherwise.  ``impl``
+picks the Pallas kernels or their pure-jnp references (fast on the CPU, where Pallas only
+interprets).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from models.config import ModelConfig
+from pallas_kernels.decode_attention import paged_decode_attention, paged_decode_attention_ref
+from pallas_kernels.kv_write import write_kv
+from pallas_kernels.prefill_attention import paged_prefill_attention, paged_prefill_attention_ref
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class AttnMeta:
+    slots: jax.Array  # [B*T] int32: slot (page * S + offset) of every new token; padding -> null page
+    page_table: jax.Array  # [B, max_pages] int32
+    q_lens: jax.Array  # [B] int32: new tokens of each sequence in this step
+    kv_lens: jax.Array  # [B] int32: tokens in pages after this step (cached + new)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class PagedKVCache:
+    k: list[jax.Array]  # L x [Hkv, P, S, D]
+    v: list[jax.Array]  # L x [Hkv, P, S, D]
+    impl: str = dataclasses.field(default="ref", metadata=dict(static=True))
+
+    @classmethod
+    def create(cls, cfg: ModelConfig, num_pages: int, page_size: int, dtype, impl: str = "ref") -> "PagedKVCache":
+        shape = (cfg.num_kv_heads, num_pages, page_size, cfg.head_dim)
+        return cls(k=[jnp.zeros(shape, dtype) for _ in range(cfg.num_layers)],
+                   v=[jnp.zeros(shape, dtype) for _ in range(cfg.num_layers)], impl=impl)
+
+    @property
+    def num_pages(self) -> int:
+        return self.k[0].shape[1]
+
+    @property
+    def page_size(self) -> int:
+        return self.k[0].shape[2]
+
+    def attend(self, layer: int, q: jax.Array, k: jax.Array, v: jax.Array,
+               positions: jax.Array, meta: AttnMeta) -> tuple[jax.Array, "PagedKVCache"]:
+        b, t, hq, d = q.shape  # q [B, T, Hq, D]; k/v [B, T, Hkv, D]
+        hkv = k.shape[2]
+        dtype = self.k[layer].dtype
+        kp, vp = write_kv(self.k[layer], self.v[layer], k.reshape(b * t, hkv, d).astype(dtype),
+                          v.reshape(b * t, hkv, d).astype(dtype), meta.slots)
+        q = q.astype(dtype)
+        pallas = self.impl == "pallas"
+        if t == 1:
+            fn = paged_decode_attention if pallas else paged_decode_attention_ref
+            out = fn(q[:, 0], kp, vp, meta.page_table, meta.kv_lens)[:, None]  # [B, 1, Hq, D]
+        else:
+            fn = paged_prefill_attention if pallas else paged_prefill_attention_ref
+            out = fn(q, kp, vp, meta.page_table, meta.q_lens, meta.kv_lens)  # [B, T, Hq, D]
+        ks, vs = list(self.k), list(self.v)
+        ks[layer], vs[layer] = kp, vp
+        return out, PagedKVCache(ks, vs, self.impl)
+
+
+def page_bytes(cfg: ModelConfig, page_size: int, dtype) -> int:
+    """Bytes one page takes across all layers, K and V."""
+    return 2 * cfg.num_layers * cfg.num_kv_heads * page_size * cfg.head_dim * jnp.dtype(dtype).itemsize

@@ -1,0 +1,25 @@
+"""What ``Engine.generate`` returns: the text, the ids, per-token log-probs and the metrics."""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass
+class RequestMetrics:
+    ttft_s: float = 0.0  # request start -> first token sampled
+    prompt_tokens: int = 0  # the whole sequence: segments + prompt
+    cached_tokens: int = 0  # of those, tokens whose KV was reused (segments, chains, prefix hits)
+    generated_tokens: int = 0
+    decode_tokens_per_s: float = 0.0  # generated tokens after the first / their decode time
+    e2e_s: float = 0.0
+
+
+@dataclasses.dataclass
+class GenerationOutput:
+    text: str
+    token_ids: list[int]
+    finish_reason: str  # "stop" (EOS, stop token or stop string) | "length" (max_tokens)
+    metrics: RequestMetrics
+    logprobs: list[dict[int, float]] | None = None  # per generated position: {token_id: logprob}
+    request_id: str = ""

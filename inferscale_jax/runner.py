@@ -1,0 +1,154 @@
+"""The model runner: packs sequences into bucketed device steps and runs them jitted.
+
+A *step* computes, for each of ``B`` sequences, a chunk of new tokens (``T == 1`` for decode)
+over the sequence's pages, writes their K/V into the page pool, and samples one token from the
+last new token's logits.  Everything happens in one jitted function (``_model_step``) that
+donates the cache (in-place page updates) and returns only the sampled ids (plus log-probs when
+asked), so the host reads back a few bytes per step.
+
+Shapes are bucketed so requests of new lengths do not recompile: the batch to a power of two
+(<= ``max_batch``), the chunk to 1 (decode) or a power of two >= 16 (<= ``prefill_chunk``), the
+page table to a power of two >= 4 pages, and log-probs to 0 or ``MAX_LOGPROBS``.  Each new
+bucket is logged once and counted in ``compiles``.  Padding rows use one query and one key in
+the null page; padding tokens write into the null page.
+
+``copy_pages`` is the copy-on-write of partially filled shared pages: the splice kernel at
+shift 0, one call per layer inside one jitted, donating function.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from inferscale_jax.kv_cache import AttnMeta, PagedKVCache
+from inferscale_jax.sampling import MAX_LOGPROBS, sample_tokens
+from models import ModelConfig, forward
+from pallas_kernels.splice import splice_kv, splice_kv_ref
+
+log = logging.getLogger("inferscale.runner")
+
+
+def next_pow2(n: int, minimum: int = 1) -> int:
+    return max(minimum, 1 << max(0, n - 1).bit_length())
+
+
+@dataclasses.dataclass
+class StepRow:
+    """One sequence's part of a step."""
+    tokens: list[int]  # new tokens to compute
+    start: int  # absolute position of tokens[0] (= tokens already in pages)
+    pages: list[int]  # the sequence's pages, covering at least start + len(tokens) positions
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    key: np.ndarray | None = None  # [2] uint32 request key
+    sample_step: int = 0  # index of the token being sampled (folded into the key)
+
+
+@dataclasses.dataclass
+class StepResult:
+    tokens: np.ndarray  # [n] int32 sampled ids, one per row
+    logprob: np.ndarray  # [n] float32 log-prob of each sampled id
+    top_ids: np.ndarray  # [n, k] int32
+    top_logprobs: np.ndarray  # [n, k] float32
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "num_logprobs"), donate_argnames=("cache",))
+def _model_step(params, cache: PagedKVCache, tokens, positions, meta: AttnMeta, logits_index,
+                temperature, top_k, top_p, keys, steps, *, cfg: ModelConfig, num_logprobs: int):
+    logits, cache = forward(params, cfg, tokens, positions, cache, meta, logits_index)  # [B, V]
+    return sample_tokens(logits, temperature, top_k, top_p, keys, steps, num_logprobs), cache
+
+
+@functools.partial(jax.jit, static_argnames=("use_kernel",), donate_argnames=("cache",))
+def _copy_pages(cache: PagedKVCache, src_slots, dst_slots, inv_freq, *, use_kernel: bool):
+    fn = splice_kv if use_kernel else splice_kv_ref
+    shift = jnp.zeros_like(src_slots)
+    ks, vs = [], []
+    for k, v in zip(cache.k, cache.v):
+        k, v = fn(k, v, src_slots, dst_slots, shift, inv_freq)
+        ks.append(k)
+        vs.append(v)
+    return PagedKVCache(ks, vs, cache.impl)
+
+
+class ModelRunner:
+    def __init__(self, params: dict, cfg: ModelConfig, cache: PagedKVCache, *, max_batch: int,
+                 prefill_chunk: int, max_pages_per_seq: int, inv_freq: np.ndarray):
+        self.params, self.cfg, self.cache = params, cfg, cache
+        self.page_size = cache.page_size
+        self.max_batch = max_batch
+        self.prefill_chunk = prefill_chunk
+        self.max_pages_per_seq = max_pages_per_seq
+        self.inv_freq = jnp.asarray(inv_freq)
+        self.buckets: set[tuple] = set()
+        self.compiles = 0
+
+    def _note_bucket(self, key: tuple) -> None:
+        if key not in self.buckets:
+            self.buckets.add(key)
+            self.compiles += 1
+            log.info("compiling step for bucket %s (%d buckets so far)", key, self.compiles)
+
+    def step(self, rows: list[StepRow], num_logprobs: int = 0) -> StepResult:
+        """Run one device step over ``rows`` (each with 1..prefill_chunk new tokens)."""
+        n = len(rows)
+        assert 0 < n <= self.max_batch
+        s = self.page_size
+        longest = max(len(r.tokens) for r in rows)
+        assert longest <= self.prefill_chunk
+        b = min(next_pow2(n), self.max_batch)
+        t = 1 if longest == 1 else next_pow2(longest, 16)
+        need_pages = max(-(-(r.start + len(r.tokens)) // s) for r in rows)
+        mp = min(next_pow2(need_pages, 4), next_pow2(self.max_pages_per_seq, 4))
+        nl = MAX_LOGPROBS if num_logprobs else 0
+        self._note_bucket((b, t, mp, nl))
+
+        tokens = np.zeros((b, t), np.int32)
+        positions = np.zeros((b, t), np.int32)
+        slots = np.zeros((b, t), np.int32)  # padding -> null page 0
+        table = np.zeros((b, mp), np.int32)
+        q_lens = np.ones((b,), np.int32)
+        kv_lens = np.ones((b,), np.int32)
+        temp = np.zeros((b,), np.float32)
+        top_k = np.zeros((b,), np.int32)
+        top_p = np.ones((b,), np.float32)
+        keys = np.zeros((b, 2), np.uint32)
+        steps = np.zeros((b,), np.int32)
+        for i, r in enumerate(rows):
+            m = len(r.tokens)
+            pos = np.arange(r.start, r.start + m)
+            pages = np.asarray(r.pages, np.int32)
+            tokens[i, :m] = r.tokens
+            positions[i, :m] = pos
+            positions[i, m:] = r.start + m - 1  # padding queries repeat the last position
+            slots[i, :m] = pages[pos // s] * s + pos % s
+            live = pages[:-(-(r.start + m) // s)]  # pages past this step's tokens are not read
+            table[i, :len(live)] = live
+            q_lens[i], kv_lens[i] = m, r.start + m
+            temp[i], top_k[i], top_p[i], steps[i] = r.temperature, r.top_k, r.top_p, r.sample_step
+            if r.key is not None:
+                keys[i] = r.key
+        meta = AttnMeta(slots=jnp.asarray(slots.reshape(-1)), page_table=jnp.asarray(table),
+                        q_lens=jnp.asarray(q_lens), kv_lens=jnp.asarray(kv_lens))
+        (tok, lp, top_ids, top_lp), self.cache = _model_step(
+            self.params, self.cache, jnp.asarray(tokens), jnp.asarray(positions), meta,
+            jnp.asarray(q_lens - 1), jnp.asarray(temp), jnp.asarray(top_k), jnp.asarray(top_p),
+            jnp.asarray(keys), jnp.asarray(steps), cfg=self.cfg, num_logprobs=nl)
+        tok, lp, top_ids, top_lp = jax.device_get((tok, lp, top_ids, top_lp))
+        return StepResult(tok[:n], lp[:n], top_ids[:n, :num_logprobs], top_lp[:n, :num_logprobs])
+
+    def copy_pages(self, src: list[int], dst: list[int]) -> None:
+        """Copy whole pages src[i] -> dst[i] in every layer (copy-on-write; exact)."""
+        s = self.page_size
+        off = np.arange(s, dtype=np.int32)
+        src_slots = (np.asarray(src, np.int32)[:, None] * s + off).reshape(-1)
+        dst_slots = (np.asarray(dst, np.int32)[:, None] * s + off).reshape(-1)
+        self.cache = _copy_pages(self.cache, jnp.asarray(src_slots), jnp.asarray(dst_slots),
+                                 self.inv_freq, use_kernel=self.cache.impl == "pallas")

@@ -1,0 +1,150 @@
+"""Named segments, tenant namespaces and the chain index.
+
+A **segment** is named context registered once (``register_segment``): its token ids and the
+KV computed for them.  Segments live in a namespace: the registering tenant's, or
+``PUBLIC_TENANT`` for ``public=True`` ones (readable by every tenant).  A tenant resolving an id
+looks in its own namespace first, then the public one; anything else is ``SegmentNotFound``,
+exactly like an id that never existed, so existence leaks nothing.
+
+The **chain index** caches KV of segment *sequences*, radix-tree style: the node for
+``[a, b]`` holds the pages of the tokens of ``a`` followed by ``b``, where ``b``'s KV was
+computed conditioned on ``a`` (exact mode).  Its pages are the full pages it shares with its
+parent ``[a]`` plus its own (starting with a private copy of the parent's partially filled last
+page).  A node is keyed by the namespace that may read it and the *uids* of its segments (a
+deleted and re-registered id gets a new uid, so stale chains are never hit).  Each node holds
+one pool reference on every page it lists; running requests take references of their own,
+which is what defers the release of a deleted segment's pages until its readers finish.
+
+Registered segments are the roots (``[a]``) and live until deleted; longer chains are a cache,
+released least-recently-used first when the pool needs room (never while a request reads them).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections import OrderedDict
+
+from inferscale_jax.errors import SegmentExists, SegmentNotFound
+from inferscale_jax.prefix_cache import PUBLIC_TENANT
+
+
+@dataclasses.dataclass(frozen=True)
+class SegmentInfo:
+    """What ``register_segment`` and ``list_segments`` return."""
+    id: str
+    tenant: str
+    num_tokens: int
+    public: bool = False
+    pin: bool = False
+    created: float = 0.0
+
+
+@dataclasses.dataclass
+class Segment:
+    info: SegmentInfo
+    uid: int
+    namespace: str  # the tenant, or PUBLIC_TENANT
+    token_ids: list[int]
+
+
+@dataclasses.dataclass
+class ChainNode:
+    namespace: str  # who may read it: a tenant, or PUBLIC_TENANT when every segment is public
+    uids: tuple[int, ...]
+    num_tokens: int  # tokens through this node (the end position of its last segment)
+    pages: list[int]  # covering positions [0, num_tokens); the node holds one ref on each
+    readers: int = 0  # running requests using it
+    last_used: float = dataclasses.field(default_factory=time.monotonic)
+
+    @property
+    def key(self) -> tuple[str, tuple[int, ...]]:
+        return (self.namespace, self.uids)
+
+
+class SegmentStore:
+    def __init__(self):
+        self._segments: dict[tuple[str, str], Segment] = {}  # (namespace, id) -> segment
+        self._nodes: OrderedDict[tuple, ChainNode] = OrderedDict()  # LRU order: oldest first
+        self._next_uid = 1
+
+    # -- segments -------------------------------------------------------------------------
+    def check_new(self, segment_id: str, tenant: str, public: bool) -> str:
+        ns = PUBLIC_TENANT if public else tenant
+        if (ns, segment_id) in self._segments:
+            where = "public segments" if public else f"tenant {tenant!r}"
+            raise SegmentExists(
+                f"segment {segment_id!r} already exists in {where}; delete it first or choose another id")
+        return ns
+
+    def add(self, info: SegmentInfo, token_ids: list[int]) -> Segment:
+        ns = self.check_new(info.id, info.tenant, info.public)
+        seg = Segment(info=info, uid=self._next_uid, namespace=ns, token_ids=list(token_ids))
+        self._next_uid += 1
+        self._segments[(ns, info.id)] = seg
+        return seg
+
+    def resolve(self, segment_id: str, tenant: str) -> Segment:
+        seg = self._segments.get((tenant, segment_id)) or self._segments.get((PUBLIC_TENANT, segment_id))
+        if seg is None:
+            raise SegmentNotFound(
+                f"segment {segment_id!r} not found; list your segments with list_segments() / GET /v1/segments")
+        return seg
+
+    def owned(self, segment_id: str, tenant: str) -> Segment:
+        """A segment the tenant may delete: its own, or a public one it registered."""
+        seg = self._segments.get((tenant, segment_id))
+        if seg is None:
+            pub = self._segments.get((PUBLIC_TENANT, segment_id))
+            if pub is not None and pub.info.tenant == tenant:
+                seg = pub
+        if seg is None:
+            raise SegmentNotFound(f"segment {segment_id!r} not found for this tenant")
+        return seg
+
+    def remove(self, seg: Segment) -> list[ChainNode]:
+        """Forget ``seg``; return the chain nodes that contain it (the caller releases their pages)."""
+        del self._segments[(seg.namespace, seg.info.id)]
+        dead = [n for n in self._nodes.values() if seg.uid in n.uids]
+        for n in dead:
+            del self._nodes[n.key]
+        return dead
+
+    def visible(self, tenant: str) -> list[SegmentInfo]:
+        return [s.info for (ns, _), s in sorted(self._segments.items())
+                if ns == tenant or ns == PUBLIC_TENANT]
+
+    def __len__(self) -> int:
+        return len(self._segments)
+
+    def all_segments(self) -> list[Segment]:
+        return list(self._segments.values())
+
+    # -- chain index ----------------------------------------------------------------------
+    @staticmethod
+    def chain_namespace(chain: list[Segment]) -> str:
+        owners = {s.namespace for s in chain if s.namespace != PUBLIC_TENANT}
+        assert len(owners) <= 1, "a chain mixes segments of several tenants"
+        return owners.pop() if owners else PUBLIC_TENANT
+
+    def node(self, chain: list[Segment]) -> ChainNode | None:
+        key = (self.chain_namespace(chain), tuple(s.uid for s in chain))
+        node = self._nodes.get(key)
+        if node is not None:
+            node.last_used = time.monotonic()
+            self._nodes.move_to_end(key)
+        return node
+
+    def add_node(self, node: ChainNode) -> None:
+        assert node.key not in self._nodes
+        self._nodes[node.key] = node
+
+    def evictable_nodes(self) -> list[ChainNode]:
+        """Chain nodes (not registered roots) no request reads, least recently used first."""
+        return [n for n in self._nodes.values() if len(n.uids) > 1 and n.readers == 0]
+
+    def drop_node(self, node: ChainNode) -> None:
+        del self._nodes[node.key]
+
+    def nodes(self) -> list[ChainNode]:
+        return list(self._nodes.values())

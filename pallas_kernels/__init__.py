@@ -1,0 +1,22 @@
+"""Triton-style Pallas kernels of the paged KV cache (self-contained: no engine imports).
+
+Each kernel sits beside its pure-jnp ``*_ref`` in its own module; both call one validator.
+Layout, backend selection and shared input checks: :mod:`pallas_kernels.common`.
+"""
+
+from pallas_kernels.decode_attention import paged_decode_attention, paged_decode_attention_ref
+from pallas_kernels.kv_write import write_kv, write_kv_pallas, write_kv_ref
+from pallas_kernels.prefill_attention import paged_prefill_attention, paged_prefill_attention_ref
+from pallas_kernels.splice import splice_kv, splice_kv_ref
+
+__all__ = [
+    "paged_decode_attention",
+    "paged_decode_attention_ref",
+    "paged_prefill_attention",
+    "paged_prefill_attention_ref",
+    "splice_kv",
+    "splice_kv_ref",
+    "write_kv",
+    "write_kv_pallas",
+    "write_kv_ref",
+]

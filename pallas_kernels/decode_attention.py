@@ -1,0 +1,272 @@
+"""Paged decode attention (one new query token per sequence), flash-decoding style.
+
+Layout (see ``common``): ``k_pages``/``v_pages`` ``[Hkv, P, S, D]``, ``page_table [B, max_pages]``,
+``lengths [B]``.  The query ``q [B, Hq, D]`` of sequence ``b`` attends to its first
+``lengths[b]`` cached tokens (the new token's own K/V are expected to be written already).
+
+Algorithm
+1. The wrapper views ``q`` as ``[B, Hkv, G, D]`` (``G = Hq // Hkv`` query heads share one KV
+   head) and each page array as ``[Hkv, P*S, D]`` (a free reshape), so a token's K row of head
+   ``h`` is ``k[h, slot]`` with ``slot = page * S + offset``.
+2. Grid ``(B, Hkv, num_splits)``.  Program ``(b, h, s)`` owns tokens
+   ``[s * T_split, (s + 1) * T_split)`` of sequence ``b`` clipped to ``lengths[b]``; its loop
+   bound comes from the length, so no work is spent past the end of a sequence (an empty split
+   runs zero iterations).
+3. Each iteration handles a KV block of ``BK = pages_per_block * S`` tokens: the page ids of
+   the block are read from the page table row (dynamic, per-token gather of the table), turned
+   into ``BK`` slots, and the ``[BK, D]`` K and V tiles are gathered from up to
+   ``pages_per_block`` scattered pages in one load each.  The slots of block ``i + 1`` are
+   read during block ``i`` (carried in the loop state), so no load waits on another load.
+   The pages are passed whole (a BlockSpec only selects the KV head), as in
+   ``jax.experimental.pallas.ops.gpu.paged_attention``.
+4. Logits ``[Gp, BK] = q [Gp, D] @ k^T`` on tensor cores: the ``G`` query heads are loaded as
+   a ``Gp``-row tile (``G`` rounded up to a power of two, at least 16: Triton's minimum matmul
+   size) with the padding rows masked to 0 and never stored.  Online softmax in fp32 in base 2 (``sm_scale * log2(e)`` folded into one multiply);
+   tokens at or past the length get ``-inf`` logits and their V rows are zeroed, so stale or
+   NaN data in unused pages cannot leak into the output.
+5. ``num_splits == 1``: the program normalises and writes ``out`` directly.  Otherwise it writes
+   the unnormalised partial output ``[G, D]``, running max ``m`` and sum ``l`` (fp32), and a
+   small jnp step merges the splits: ``out = sum_s 2^(m_s - M) o_s / sum_s 2^(m_s - M) l_s``.
+   A zero length yields zeros, never NaN.
+
+Auto tuning knobs (both static): ``pages_per_block`` makes a block 64 tokens (page sizes 8..64);
+``num_splits`` makes ``B * Hkv * num_splits`` about four programs per SM, but keeps at least two
+blocks per split.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
+
+from pallas_kernels import common
+
+_LOG2E = math.log2(math.e)
+_M_INIT = -1e30  # finite "minus infinity" for the running max: empty splits stay NaN-free
+PROGRAMS_PER_SM = 4
+TARGET_BLOCK_TOKENS = 64
+MIN_BLOCKS_PER_SPLIT = 2
+
+
+def check_decode_inputs(q, k_pages, v_pages, page_table, lengths) -> tuple[int, ...]:
+    """Validate decode inputs; return (B, Hq, Hkv, G, P, S, D, max_pages)."""
+    hkv, p, s, d = common.check_pages(k_pages, v_pages)
+    if q.ndim != 3 or q.shape[-1] != d:
+        common._fail("q.shape", q.shape, f"[B, Hq, {d}] (head_dim of the pages)")
+    common.check_dtype("q", q, k_pages.dtype)
+    b, hq, _ = q.shape
+    g = common.check_gqa(hq, hkv)
+    max_pages = common.check_page_table(page_table, b)
+    common.check_int_vector("lengths", lengths, b)
+    return b, hq, hkv, g, p, s, d, max_pages
+
+
+def auto_pages_per_block(page_size: int) -> int:
+    return max(1, TARGET_BLOCK_TOKENS // page_size)
+
+
+def auto_num_splits(batch: int, num_kv_heads: int, max_blocks: int) -> int:
+    """Splits so the grid fills the GPU ~PROGRAMS_PER_SM deep, with >= 2 blocks per split."""
+    want = pl.cdiv(PROGRAMS_PER_SM * common.num_sms(), batch * num_kv_heads)
+    cap = max(1, max_blocks // MIN_BLOCKS_PER_SPLIT)
+    return int(max(1, min(want, cap)))
+
+
+def _decode_kernel(
+    lengths_ref,  # [B] int32 (whole array)
+    page_table_ref,  # [max_pages] int32 (row b)
+    q_ref,  # [Gp, D] (rows >= G are out of bounds: masked)
+    k_ref,  # [P*S, D] (head h, all pages)
+    v_ref,  # [P*S, D]
+    o_ref,  # [Gp, D] (final out) or [Gp, D] fp32 partial
+    *stat_refs,  # () or (m_ref [Gp], l_ref [Gp]) fp32
+    group: int,
+    page_size: int,
+    block_tokens: int,
+    split_tokens: int,
+    max_pages: int,
+    scale_log2: float,
+):
+    b, s = pl.program_id(0), pl.program_id(2)
+    gp, d = q_ref.shape
+    row_ok = jnp.arange(gp) < group  # [Gp]
+    q = plt.load(q_ref.at[pl.ds(0, gp), :], mask=row_ok[:, None], other=0)  # [Gp, D]
+
+    length = jnp.minimum(lengths_ref[b], max_pages * page_size)
+    tok_start = s * split_tokens
+    tok_end = jnp.minimum(tok_start + split_tokens, length)
+    num_iters = pl.cdiv(jnp.maximum(tok_end - tok_start, 0), block_tokens)
+    offs = jnp.arange(block_tokens, dtype=jnp.int32)  # [BK]
+    log2_s = page_size.bit_length() - 1
+    num_pages = k_ref.shape[0] // page_size
+
+    def slots_of(i):  # [BK] cache slots of block i of this split
+        tok = tok_start + i * block_tokens + offs  # absolute positions
+        # S is a power of two: shifts and masks instead of (signed, sign-fixed) // and %.
+        # Positions past the table are clamped (they are past the length: masked below).
+        page_idx = jnp.minimum(lax.shift_right_logical(tok, log2_s), max_pages - 1)
+        page = jnp.clip(page_table_ref[page_idx], 0, num_pages - 1)  # a bad id cannot fault
+        return lax.shift_left(page, log2_s) + (tok & (page_size - 1))
+
+    def body(i, carry):
+        o, m, l, slot = carry  # [Gp, D], [Gp], [Gp] fp32; [BK] int32 slots of block i
+        valid = tok_start + i * block_tokens + offs < length  # [BK]
+        k = k_ref[slot]  # [BK, D] gathered from up to pages_per_block pages
+        v = v_ref[slot]  # [BK, D]
+        # Prefetch: the next block's page ids load alongside this block's K/V, so the
+        # page-table read is off the critical path (no dependent load inside an iteration).
+        next_slot = slots_of(i + 1)
+        logits = lax.dot_general(q, k, (((1,), (1,)), ((), ())),
+                                 preferred_element_type=jnp.float32)  # [Gp, BK]
+        logits = jnp.where(valid[None, :], logits * scale_log2, -jnp.inf)
+        m_new = jnp.maximum(m, jnp.max(logits, axis=1))  # [Gp]
+        p = jnp.exp2(logits - m_new[:, None])  # [Gp, BK]
+        corr = jnp.exp2(m - m_new)  # [Gp]
+        l_new = l * corr + jnp.sum(p, axis=1)
+        v = jnp.where(valid[:, None], v, jnp.zeros_like(v))  # stale/NaN slots must not leak
+        pv = lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())),
+                             preferred_element_type=jnp.float32)  # [Gp, D]
+        return o * corr[:, None] + pv, m_new, l_new, next_slot
+
+    init = (jnp.zeros((gp, d), jnp.float32),
+            jnp.full((gp,), _M_INIT, jnp.float32),
+            jnp.zeros((gp,), jnp.float32),
+            slots_of(0))
+    o, m, l, _ = lax.fori_loop(0, num_iters, body, init)
+
+    if stat_refs:  # partial result of one split
+        m_ref, l_ref = stat_refs
+        plt.store(o_ref.at[pl.ds(0, gp), :], o, mask=row_ok[:, None])
+        plt.store(m_ref.at[pl.ds(0, gp)], m, mask=row_ok)
+        plt.store(l_ref.at[pl.ds(0, gp)], l, mask=row_ok)
+    else:
+        out = o / jnp.where(l > 0, l, 1.0)[:, None]
+        plt.store(o_ref.at[pl.ds(0, gp), :], out.astype(o_ref.dtype), mask=row_ok[:, None])
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("sm_scale", "num_splits", "pages_per_block", "num_warps",
+                     "num_stages", "interpret"))
+def paged_decode_attention(
+    q: jax.Array,  # [B, Hq, D]
+    k_pages: jax.Array,  # [Hkv, P, S, D]
+    v_pages: jax.Array,  # [Hkv, P, S, D]
+    page_table: jax.Array,  # [B, max_pages] int32
+    lengths: jax.Array,  # [B] int32, 0 <= length <= max_pages * S
+    *,
+    sm_scale: float | None = None,
+    num_splits: int | None = None,
+    pages_per_block: int | None = None,
+    num_warps: int = 4,
+    num_stages: int = 2,
+    interpret: bool | None = None,
+) -> jax.Array:  # [B, Hq, D], dtype of q
+    """Attention of one query token per sequence over its paged KV cache (see module doc)."""
+    b, hq, hkv, g, p, s, d, max_pages = check_decode_inputs(q, k_pages, v_pages, page_table,
+                                                            lengths)
+    common.check_power_of_two("page_size", s)
+    common.check_power_of_two("head_dim", d, common.MIN_DOT_DIM)
+    gp = max(common.MIN_DOT_DIM, 1 << (g - 1).bit_length())  # q rows as a power-of-two tile
+    if pages_per_block is None:
+        pages_per_block = auto_pages_per_block(s)
+    block_tokens = pages_per_block * s
+    common.check_power_of_two("pages_per_block * page_size", block_tokens, common.MIN_DOT_DIM)
+    max_blocks = pl.cdiv(max_pages * s, block_tokens)
+    if num_splits is None:
+        num_splits = auto_num_splits(b, hkv, max_blocks)
+    if num_splits < 1:
+        common._fail("num_splits", num_splits, ">= 1 (or None for auto)")
+    split_tokens = pl.cdiv(max_blocks, num_splits) * block_tokens
+    num_splits = pl.cdiv(max_pages * s, split_tokens)  # drop splits that could never hold tokens
+    if sm_scale is None:
+        sm_scale = 1.0 / math.sqrt(d)
+    if interpret is None:
+        interpret = common.default_interpret()
+
+    q4 = q.reshape(b, hkv, g, d)  # [B, Hkv, G, D]
+    k2 = k_pages.reshape(hkv, p * s, d)  # [Hkv, P*S, D]
+    v2 = v_pages.reshape(hkv, p * s, d)
+    lengths = lengths.astype(jnp.int32)
+    page_table = page_table.astype(jnp.int32)
+
+    kernel = functools.partial(
+        _decode_kernel, group=g, page_size=s, block_tokens=block_tokens,
+        split_tokens=split_tokens, max_pages=max_pages, scale_log2=float(sm_scale) * _LOG2E)
+    in_specs = [
+        pl.BlockSpec((b,), lambda i, j, k: (0,)),  # lengths: whole
+        pl.BlockSpec((None, max_pages), lambda i, j, k: (i, 0)),  # page-table row
+        pl.BlockSpec((None, None, gp, d), lambda i, j, k: (i, j, 0, 0)),  # q group
+        pl.BlockSpec((None, p * s, d), lambda i, j, k: (j, 0, 0)),  # all pages of head j
+        pl.BlockSpec((None, p * s, d), lambda i, j, k: (j, 0, 0)),
+    ]
+    if num_splits == 1:
+        out_shape = jax.ShapeDtypeStruct((b, hkv, g, d), q.dtype)
+        out_specs = pl.BlockSpec((None, None, gp, d), lambda i, j, k: (i, j, 0, 0))
+    else:
+        out_shape = [
+            jax.ShapeDtypeStruct((b, hkv, num_splits, g, d), jnp.float32),  # o
+            jax.ShapeDtypeStruct((b, hkv, num_splits, g), jnp.float32),  # m (log2 units)
+            jax.ShapeDtypeStruct((b, hkv, num_splits, g), jnp.float32),  # l
+        ]
+        out_specs = [
+            pl.BlockSpec((None, None, None, gp, d), lambda i, j, k: (i, j, k, 0, 0)),
+            pl.BlockSpec((None, None, None, gp), lambda i, j, k: (i, j, k, 0)),
+            pl.BlockSpec((None, None, None, gp), lambda i, j, k: (i, j, k, 0)),
+        ]
+    res = pl.pallas_call(
+        kernel,
+        grid=(b, hkv, num_splits),
+        in_specs=in_specs,
+        out_specs=out_specs,
+        out_shape=out_shape,
+        compiler_params=common.compiler_params(num_warps, num_stages),
+        interpret=interpret,
+        name=f"paged_decode_bk{block_tokens}_sp{num_splits}",
+    )(lengths, page_table, q4, k2, v2)
+    if num_splits == 1:
+        return res.reshape(b, hq, d)
+    o, m, l = res  # [B, Hkv, NS, G, D], [B, Hkv, NS, G], [B, Hkv, NS, G]
+    m_max = jnp.max(m, axis=2, keepdims=True)
+    w = jnp.exp2(m - m_max)  # [B, Hkv, NS, G]
+    l_tot = jnp.sum(l * w, axis=2)  # [B, Hkv, G]
+    o_tot = jnp.sum(o * w[..., None], axis=2)  # [B, Hkv, G, D]
+    out = o_tot / jnp.where(l_tot > 0, l_tot, 1.0)[..., None]
+    return out.reshape(b, hq, d).astype(q.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("sm_scale",))
+def paged_decode_attention_ref(
+    q: jax.Array,  # [B, Hq, D]
+    k_pages: jax.Array,  # [Hkv, P, S, D]
+    v_pages: jax.Array,  # [Hkv, P, S, D]
+    page_table: jax.Array,  # [B, max_pages]
+    lengths: jax.Array,  # [B]
+    *,
+    sm_scale: float | None = None,
+) -> jax.Array:  # [B, Hq, D]
+    """Plain-jnp reference: gather the pages, mask by length, softmax in fp32."""
+    b, hq, hkv, g, p, s, d, max_pages = check_decode_inputs(q, k_pages, v_pages, page_table,
+                                                            lengths)
+    if sm_scale is None:
+        sm_scale = 1.0 / math.sqrt(d)
+    hi = lax.Precision.HIGHEST
+    k = k_pages[:, page_table].reshape(hkv, b, max_pages * s, d).astype(jnp.float32)  # [Hkv,B,T,D]
+    v = v_pages[:, page_table].reshape(hkv, b, max_pages * s, d).astype(jnp.float32)
+    qf = q.reshape(b, hkv, g, d).astype(jnp.float32)
+    logits = jnp.einsum("bhgd,hbtd->bhgt", qf, k, precision=hi) * sm_scale  # [B, Hkv, G, T]
+    valid = jnp.arange(max_pages * s)[None, :] < lengths[:, None]  # [B, T]
+    logits = jnp.where(valid[:, None, None, :], logits, -jnp.inf)
+    v = jnp.where(valid[None, :, :, None], v, 0.0)  # unused slots may hold anything (even NaN)
+    m = jnp.max(logits, axis=-1, keepdims=True)
+    e = jnp.exp(logits - jnp.where(jnp.isfinite(m), m, 0.0))
+    wsum = jnp.sum(e, axis=-1, keepdims=True)
+    probs = e / jnp.where(wsum > 0, wsum, 1.0)
+    out = jnp.einsum("bhgt,hbtd->bhgd", probs, v, precision=hi)  # [B, Hkv, G, D]
+    return out.reshape(b, hq, d).astype(q.dtype)
