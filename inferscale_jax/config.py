@@ -19,6 +19,7 @@ class EngineConfig:
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     hbm_fraction: float = 0.85  # of free device memory given to the page pool when hbm_pages is None
     attention_impl: str = "auto"  # "pallas" kernels (GPU default), "ref" jnp (CPU default)
+    min_table_pages: int = 4  # page-table width bucket floor: larger = fewer compiles, more bytes per step
 
     def __post_init__(self):
         def bad(field, value, allowed):
@@ -36,5 +37,7 @@ class EngineConfig:
             bad("prefill_chunk", self.prefill_chunk, "must be a power of two >= 16")
         if not 0.0 < self.hbm_fraction <= 0.95:
             bad("hbm_fraction", self.hbm_fraction, "must be in (0, 0.95]")
+        if self.min_table_pages < 1:
+            bad("min_table_pages", self.min_table_pages, "must be >= 1")
         if self.attention_impl not in ATTENTION_IMPLS:
             bad("attention_impl", self.attention_impl, f"must be one of {ATTENTION_IMPLS}")

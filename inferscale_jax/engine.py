@@ -93,7 +93,8 @@ class Engine:
         self.runner = ModelRunner(params, cfg, cache, max_batch=config.max_batch,
                                   prefill_chunk=config.prefill_chunk,
                                   max_pages_per_seq=-(-self.max_model_len // s),
-                                  inv_freq=inv_freq(cfg.rope, cfg.head_dim))
+                                  inv_freq=inv_freq(cfg.rope, cfg.head_dim),
+                                  min_table_pages=config.min_table_pages)
         self.bos_prefix: list[int] = []
         if tokenizer is not None and getattr(tokenizer, "bos_token_id", None) is not None:
             if tokenizer("a").input_ids[:1] == [tokenizer.bos_token_id]:

@@ -59,11 +59,18 @@ class StepResult:
     top_logprobs: np.ndarray  # [n, k] float32
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "num_logprobs"), donate_argnames=("cache",))
-def _model_step(params, cache: PagedKVCache, tokens, positions, meta: AttnMeta, logits_index,
-                temperature, top_k, top_p, keys, steps, *, cfg: ModelConfig, num_logprobs: int):
-    logits, cache = forward(params, cfg, tokens, positions, cache, meta, logits_index)  # [B, V]
-    return sample_tokens(logits, temperature, top_k, top_p, keys, steps, num_logprobs), cache
+@functools.partial(jax.jit, static_argnames=("cfg", "t", "num_logprobs"), donate_argnames=("cache",))
+def _model_step(params, cache: PagedKVCache, ints, floats, *, cfg: ModelConfig, t: int, num_logprobs: int):
+    """ints [B, 3T + MP + 6] int32 and floats [B, 2] float32 carry every per-step input, so a
+    step costs two small host->device copies (layout: ``_pack``)."""
+    tokens, positions, slots = ints[:, :t], ints[:, t:2 * t], ints[:, 2 * t:3 * t]  # [B, T] each
+    table = ints[:, 3 * t:-6]  # [B, MP]
+    q_lens, kv_lens, top_k, steps = ints[:, -6], ints[:, -5], ints[:, -4], ints[:, -3]
+    keys = jax.lax.bitcast_convert_type(ints[:, -2:], jnp.uint32)  # [B, 2]
+    meta = AttnMeta(slots=slots.reshape(-1), page_table=table, q_lens=q_lens, kv_lens=kv_lens)
+    logits, cache = forward(params, cfg, tokens, positions, cache, meta, q_lens - 1)  # [B, V]
+    out = sample_tokens(logits, floats[:, 0], top_k, floats[:, 1], keys, steps, num_logprobs)
+    return out, cache
 
 
 @functools.partial(jax.jit, static_argnames=("use_kernel",), donate_argnames=("cache",))
@@ -80,12 +87,14 @@ def _copy_pages(cache: PagedKVCache, src_slots, dst_slots, inv_freq, *, use_kern
 
 class ModelRunner:
     def __init__(self, params: dict, cfg: ModelConfig, cache: PagedKVCache, *, max_batch: int,
-                 prefill_chunk: int, max_pages_per_seq: int, inv_freq: np.ndarray):
+                 prefill_chunk: int, max_pages_per_seq: int, inv_freq: np.ndarray,
+                 min_table_pages: int = 4):
         self.params, self.cfg, self.cache = params, cfg, cache
         self.page_size = cache.page_size
         self.max_batch = max_batch
         self.prefill_chunk = prefill_chunk
         self.max_pages_per_seq = max_pages_per_seq
+        self.min_table_pages = next_pow2(min_table_pages)
         self.inv_freq = jnp.asarray(inv_freq)
         self.buckets: set[tuple] = set()
         self.compiles = 0
@@ -106,21 +115,17 @@ class ModelRunner:
         b = min(next_pow2(n), self.max_batch)
         t = 1 if longest == 1 else next_pow2(longest, 16)
         need_pages = max(-(-(r.start + len(r.tokens)) // s) for r in rows)
-        mp = min(next_pow2(need_pages, 4), next_pow2(self.max_pages_per_seq, 4))
+        mp = min(next_pow2(need_pages, self.min_table_pages), next_pow2(self.max_pages_per_seq, 4))
+        mp = max(mp, need_pages)
         nl = MAX_LOGPROBS if num_logprobs else 0
         self._note_bucket((b, t, mp, nl))
 
-        tokens = np.zeros((b, t), np.int32)
-        positions = np.zeros((b, t), np.int32)
-        slots = np.zeros((b, t), np.int32)  # padding -> null page 0
-        table = np.zeros((b, mp), np.int32)
-        q_lens = np.ones((b,), np.int32)
-        kv_lens = np.ones((b,), np.int32)
-        temp = np.zeros((b,), np.float32)
-        top_k = np.zeros((b,), np.int32)
-        top_p = np.ones((b,), np.float32)
-        keys = np.zeros((b, 2), np.uint32)
-        steps = np.zeros((b,), np.int32)
+        ints = np.zeros((b, 3 * t + mp + 6), np.int32)
+        tokens, positions, slots = ints[:, :t], ints[:, t:2 * t], ints[:, 2 * t:3 * t]  # views
+        table = ints[:, 3 * t:3 * t + mp]
+        ints[:, -6:-4] = 1  # padding rows: one query over one key, both in the null page
+        floats = np.zeros((b, 2), np.float32)
+        floats[:, 1] = 1.0  # top_p
         for i, r in enumerate(rows):
             m = len(r.tokens)
             pos = np.arange(r.start, r.start + m)
@@ -128,19 +133,16 @@ class ModelRunner:
             tokens[i, :m] = r.tokens
             positions[i, :m] = pos
             positions[i, m:] = r.start + m - 1  # padding queries repeat the last position
-            slots[i, :m] = pages[pos // s] * s + pos % s
+            slots[i, :m] = pages[pos // s] * s + pos % s  # padding tokens -> null page slot 0
             live = pages[:-(-(r.start + m) // s)]  # pages past this step's tokens are not read
             table[i, :len(live)] = live
-            q_lens[i], kv_lens[i] = m, r.start + m
-            temp[i], top_k[i], top_p[i], steps[i] = r.temperature, r.top_k, r.top_p, r.sample_step
+            ints[i, -6:-2] = (m, r.start + m, r.top_k, r.sample_step)
             if r.key is not None:
-                keys[i] = r.key
-        meta = AttnMeta(slots=jnp.asarray(slots.reshape(-1)), page_table=jnp.asarray(table),
-                        q_lens=jnp.asarray(q_lens), kv_lens=jnp.asarray(kv_lens))
+                ints[i, -2:] = np.asarray(r.key, np.uint32).view(np.int32)
+            floats[i] = (r.temperature, r.top_p)
         (tok, lp, top_ids, top_lp), self.cache = _model_step(
-            self.params, self.cache, jnp.asarray(tokens), jnp.asarray(positions), meta,
-            jnp.asarray(q_lens - 1), jnp.asarray(temp), jnp.asarray(top_k), jnp.asarray(top_p),
-            jnp.asarray(keys), jnp.asarray(steps), cfg=self.cfg, num_logprobs=nl)
+            self.params, self.cache, jnp.asarray(ints), jnp.asarray(floats),
+            cfg=self.cfg, t=t, num_logprobs=nl)
         tok, lp, top_ids, top_lp = jax.device_get((tok, lp, top_ids, top_lp))
         return StepResult(tok[:n], lp[:n], top_ids[:n, :num_logprobs], top_lp[:n, :num_logprobs])
 

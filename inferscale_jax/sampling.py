@@ -86,23 +86,27 @@ def sample_tokens(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, t
     logprobs = jax.nn.log_softmax(logits, axis=-1)  # [B, V] the model's full distribution
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
 
-    t = jnp.maximum(temperature, 1e-6)[:, None]
-    scaled = logits / t
-    vocab = logits.shape[-1]
-    sorted_logits = jnp.sort(scaled, axis=-1)[:, ::-1]  # [B, V] descending
-    k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)
-    kth = jnp.take_along_axis(sorted_logits, (k - 1)[:, None], axis=-1)  # [B, 1]
-    sorted_probs = jax.nn.softmax(jnp.where(jnp.arange(vocab)[None] < k[:, None], sorted_logits, -jnp.inf), axis=-1)
-    cum = jnp.cumsum(sorted_probs, axis=-1)
-    # smallest prefix whose mass reaches top_p: keep tokens whose preceding mass is < top_p
-    keep_sorted = (cum - sorted_probs) < top_p[:, None]
-    n_keep = jnp.maximum(jnp.sum(keep_sorted, axis=-1), 1)
-    pth = jnp.take_along_axis(sorted_logits, (n_keep - 1)[:, None], axis=-1)
-    cutoff = jnp.maximum(kth, pth)
-    filtered = jnp.where(scaled >= cutoff, scaled, -jnp.inf)
-    row_keys = jax.vmap(jax.random.fold_in)(keys, steps)
-    sampled = jax.vmap(lambda key, lg: jax.random.categorical(key, lg))(row_keys, filtered).astype(jnp.int32)
-    tokens = jnp.where(temperature <= 0.0, greedy, sampled)
+    def sample(_):
+        t = jnp.maximum(temperature, 1e-6)[:, None]
+        scaled = logits / t
+        vocab = logits.shape[-1]
+        sorted_logits = jnp.sort(scaled, axis=-1)[:, ::-1]  # [B, V] descending
+        k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)
+        kth = jnp.take_along_axis(sorted_logits, (k - 1)[:, None], axis=-1)  # [B, 1]
+        ranked = jnp.where(jnp.arange(vocab)[None] < k[:, None], sorted_logits, -jnp.inf)
+        sorted_probs = jax.nn.softmax(ranked, axis=-1)
+        cum = jnp.cumsum(sorted_probs, axis=-1)
+        # smallest prefix whose mass reaches top_p: keep tokens whose preceding mass is < top_p
+        keep_sorted = (cum - sorted_probs) < top_p[:, None]
+        n_keep = jnp.maximum(jnp.sum(keep_sorted, axis=-1), 1)
+        pth = jnp.take_along_axis(sorted_logits, (n_keep - 1)[:, None], axis=-1)
+        filtered = jnp.where(scaled >= jnp.maximum(kth, pth), scaled, -jnp.inf)
+        row_keys = jax.vmap(jax.random.fold_in)(keys, steps)
+        sampled = jax.vmap(jax.random.categorical)(row_keys, filtered).astype(jnp.int32)
+        return jnp.where(temperature <= 0.0, greedy, sampled)
+
+    # all-greedy batches (the common serving case) skip the vocab sort entirely
+    tokens = jax.lax.cond(jnp.all(temperature <= 0.0), lambda _: greedy, sample, None)
     chosen = jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
     if num_logprobs:
         top_lp, top_ids = jax.lax.top_k(logprobs, num_logprobs)
