@@ -50,8 +50,8 @@ from pallas_kernels import common
 _LOG2E = math.log2(math.e)
 _M_INIT = -1e30  # finite "minus infinity" for the running max: empty splits stay NaN-free
 PROGRAMS_PER_SM = 4
-TARGET_BLOCK_TOKENS = 64
-MIN_BLOCKS_PER_SPLIT = 2
+TARGET_BLOCK_TOKENS = 128  # H200 sweep (bench/NOTES.md): 128-token tiles beat 64 at every shape
+MIN_BLOCKS_PER_SPLIT = 8  # H200 sweep: best splits left ~8 blocks per split
 
 
 def check_decode_inputs(q, k_pages, v_pages, page_table, lengths) -> tuple[int, ...]:
@@ -73,6 +73,8 @@ def auto_pages_per_block(page_size: int) -> int:
 
 def auto_num_splits(batch: int, num_kv_heads: int, max_blocks: int) -> int:
     """Splits so the grid fills the GPU ~PROGRAMS_PER_SM deep, with >= 2 blocks per split."""
+    if batch * num_kv_heads >= common.num_sms():  # the grid already fills the GPU: no split
+        return 1
     want = pl.cdiv(PROGRAMS_PER_SM * common.num_sms(), batch * num_kv_heads)
     cap = max(1, max_blocks // MIN_BLOCKS_PER_SPLIT)
     return int(max(1, min(want, cap)))

@@ -115,13 +115,17 @@ def _choose_blocks(chunk, group, head_dim, itemsize, block_q, block_kv, num_warp
                    interpret):
     """Fill in defaults and check block sizes; returns (block_q, rows, block_kv, warps, stages).
 
-    bf16 defaults (128-row tile, block_kv 64, 8 warps, 3 stages) compile for sm_90 to wgmma with
-    ~233 registers and no spills; fp32 (IEEE, no tensor cores: a correctness path) gets smaller
-    tiles to limit spilling.
+    bf16 defaults come from the H200 sweep in bench/NOTES.md: chunks >= 1024 use 128-row tiles,
+    block_kv 64, 4 warps, 2 stages (342 TFLOP/s at T=2048 over 16k); chunks 256..1023 use 64-row
+    tiles with the same rest; chunks < 256 (split-KV path) keep 128 rows, 8 warps, 3 stages.
+    fp32 (IEEE, no tensor cores: a correctness path) gets smaller tiles to limit spilling.
     """
     wide = itemsize >= 4
+    big = chunk >= 1024  # H200 sweep (bench/NOTES.md): 128-row tiles for long chunks, 64 for mid
+    small = chunk < 256  # short chunks take the split-KV path; 128 rows, 8 warps, 3 stages won
     if block_q is None:
-        block_q = max(1, (64 if wide else _DEFAULT_ROWS) // group)
+        rows_wanted = 64 if wide else (_DEFAULT_ROWS if big or small else 64)
+        block_q = max(1, rows_wanted // group)
         block_q = max(min(block_q, _next_pow2(chunk)), -(-16 // group))
     if block_q < 1:
         common._fail("block_q", block_q, "a positive number of query tokens per program")
@@ -134,8 +138,8 @@ def _choose_blocks(chunk, group, head_dim, itemsize, block_q, block_kv, num_warp
         common._fail("block_kv", block_kv, "a power of two >= 16 (KV positions per step)")
     if not interpret and (head_dim < 16 or head_dim != _next_pow2(head_dim)):
         common._fail("head_dim", head_dim, "a power of two >= 16 for the Triton kernel")
-    num_warps = (8 if rows >= 128 else 4) if num_warps is None else num_warps
-    num_stages = (2 if wide else 3) if num_stages is None else num_stages
+    num_warps = ((8 if small and rows >= 128 else 4) if num_warps is None else num_warps)
+    num_stages = ((3 if small and not wide else 2) if num_stages is None else num_stages)
     return block_q, rows, block_kv, num_warps, num_stages
 
 
