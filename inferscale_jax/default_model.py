@@ -30,7 +30,7 @@ from importlib import resources
 import numpy as np
 
 from models.config import ModelConfig
-from models.params import param_specs
+from models.params import hf_split_sizes, param_specs
 
 VERSION = "v2"
 SEED = 20261130
@@ -124,10 +124,11 @@ def _write_weights(out: str) -> None:
     rng = np.random.default_rng(SEED)
     tensors = {}
     for s in param_specs(cfg):
-        shape = s.shape[::-1] if s.transpose else s.shape
-        if s.init == "ones":
-            tensors[s.hf_name] = np.ones(shape, np.float32)
-        else:  # unit-variance activations: embeddings N(0, 1), projections N(0, 1/fan_in)
-            std = 1.0 if s.path == ("embed",) else s.shape[0] ** -0.5
-            tensors[s.hf_name] = (std * rng.standard_normal(shape)).astype(np.float32)
+        for name, size in zip(s.hf_names, hf_split_sizes(cfg, s)):
+            shape = (size,) + s.shape[:-1][::-1] if s.transpose else s.shape[:-1] + (size,)
+            if s.init == "ones":
+                tensors[name] = np.ones(shape, np.float32)
+            else:  # unit-variance activations: embeddings N(0, 1), projections N(0, 1/fan_in)
+                std = 1.0 if s.path == ("embed",) else s.shape[0] ** -0.5
+                tensors[name] = (std * rng.standard_normal(shape)).astype(np.float32)
     save_file(tensors, os.path.join(out, "model.safetensors"), metadata={"format": "pt"})

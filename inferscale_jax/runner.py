@@ -69,8 +69,11 @@ def _model_step(params, cache: PagedKVCache, ints, floats, *, cfg: ModelConfig, 
     keys = jax.lax.bitcast_convert_type(ints[:, -2:], jnp.uint32)  # [B, 2]
     meta = AttnMeta(slots=slots.reshape(-1), page_table=table, q_lens=q_lens, kv_lens=kv_lens)
     logits, cache = forward(params, cfg, tokens, positions, cache, meta, q_lens - 1)  # [B, V]
-    out = sample_tokens(logits, floats[:, 0], top_k, floats[:, 1], keys, steps, num_logprobs)
-    return out, cache
+    tok, lp, top_ids, top_lp = sample_tokens(logits, floats[:, 0], top_k, floats[:, 1], keys, steps, num_logprobs)
+    as_f32 = lambda x: jax.lax.bitcast_convert_type(x, jnp.float32)  # noqa: E731
+    # one [B, 2 + 2n] float32 result: a single device->host copy per step
+    packed = jnp.concatenate([as_f32(tok)[:, None], lp[:, None], as_f32(top_ids), top_lp], axis=1)
+    return packed, cache
 
 
 @functools.partial(jax.jit, static_argnames=("use_kernel",), donate_argnames=("cache",))
@@ -140,11 +143,13 @@ class ModelRunner:
             if r.key is not None:
                 ints[i, -2:] = np.asarray(r.key, np.uint32).view(np.int32)
             floats[i] = (r.temperature, r.top_p)
-        (tok, lp, top_ids, top_lp), self.cache = _model_step(
+        packed, self.cache = _model_step(
             self.params, self.cache, jnp.asarray(ints), jnp.asarray(floats),
             cfg=self.cfg, t=t, num_logprobs=nl)
-        tok, lp, top_ids, top_lp = jax.device_get((tok, lp, top_ids, top_lp))
-        return StepResult(tok[:n], lp[:n], top_ids[:n, :num_logprobs], top_lp[:n, :num_logprobs])
+        packed = np.asarray(jax.device_get(packed))[:n]  # [n, 2 + 2 * nl]
+        ids = packed.view(np.int32)
+        return StepResult(ids[:, 0].copy(), packed[:, 1].copy(), ids[:, 2:2 + num_logprobs].copy(),
+                          packed[:, 2 + nl:2 + nl + num_logprobs].copy())
 
     def copy_pages(self, src: list[int], dst: list[int]) -> None:
         """Copy whole pages src[i] -> dst[i] in every layer (copy-on-write; exact)."""

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from safetensors import safe_open
 
 from models.config import ModelConfig
-from models.params import assemble, param_specs
+from models.params import assemble, hf_split_sizes, param_specs
 
 
 class CheckpointError(ValueError):
@@ -48,7 +48,9 @@ def safetensors_files(model_dir: str) -> dict[str, str]:
 
 
 @functools.partial(jax.jit, static_argnames=("transpose", "dtype"))
-def _place(x: jax.Array, *, transpose: bool, dtype) -> jax.Array:
+def _place(parts: list[jax.Array], *, transpose: bool, dtype) -> jax.Array:
+    """HF tensors -> one leaf: concatenate along the output axis, transpose, cast (on device)."""
+    x = parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=0 if transpose else -1)
     x = x.T if transpose else x
     return x.astype(dtype)
 
@@ -56,23 +58,32 @@ def _place(x: jax.Array, *, transpose: bool, dtype) -> jax.Array:
 def load_params(model_dir: str, cfg: ModelConfig, dtype=jnp.bfloat16) -> dict:
     """Read the checkpoint in ``model_dir`` into the pytree of ``param_specs(cfg)``."""
     where = safetensors_files(model_dir)
-    by_file: dict[str, list] = {}
-    for s in param_specs(cfg):
-        if s.hf_name not in where:
-            raise CheckpointError(
-                f"tensor {s.hf_name!r} (shape {s.shape}) is missing from the checkpoint in {model_dir}")
-        by_file.setdefault(where[s.hf_name], []).append(s)
-    leaves = {}
-    for path, specs in by_file.items():
-        with safe_open(path, framework="numpy") as f:
-            for s in specs:
-                arr = f.get_tensor(s.hf_name)
-                want = s.shape[::-1] if s.transpose else s.shape
+    specs = param_specs(cfg)
+    for s in specs:
+        for name in s.hf_names:
+            if name not in where:
+                raise CheckpointError(
+                    f"tensor {name!r} (for {'.'.join(map(str, s.path))} {s.shape}) is missing from "
+                    f"the checkpoint in {model_dir}")
+    handles = {}
+    try:
+        for path in sorted({where[n] for s in specs for n in s.hf_names}):
+            handles[path] = safe_open(path, framework="numpy").__enter__()
+        leaves = {}
+        for s in specs:
+            parts = []
+            for name, size in zip(s.hf_names, hf_split_sizes(cfg, s)):
+                arr = handles[where[name]].get_tensor(name)
+                want = (size,) + s.shape[:-1][::-1] if s.transpose else s.shape[:-1] + (size,)
                 if tuple(arr.shape) != tuple(want):
                     raise CheckpointError(
-                        f"tensor {s.hf_name!r} in {os.path.basename(path)} has shape {tuple(arr.shape)}, "
+                        f"tensor {name!r} in {os.path.basename(where[name])} has shape {tuple(arr.shape)}, "
                         f"expected {tuple(want)} from config.json")
-                leaves[s.path] = _place(jnp.asarray(arr), transpose=s.transpose, dtype=jnp.dtype(dtype))
+                parts.append(jnp.asarray(arr))
+            leaves[s.path] = _place(parts, transpose=s.transpose, dtype=jnp.dtype(dtype))
+    finally:
+        for h in handles.values():
+            h.__exit__(None, None, None)
     return assemble(cfg, leaves)
 
 

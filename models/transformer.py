@@ -50,9 +50,11 @@ def _layer(cfg: ModelConfig, p: dict, layer: int, x: jax.Array, cos: jax.Array, 
     b, t, _ = x.shape  # x [B, T, H]
     d = cfg.head_dim
     h = rms_norm(x, p["attn_norm"], cfg.rms_norm_eps)
-    q = _linear(h, p["wq"], p.get("bq")).reshape(b, t, cfg.num_heads, d)  # [B, T, Hq, D]
-    k = _linear(h, p["wk"], p.get("bk")).reshape(b, t, cfg.num_kv_heads, d)  # [B, T, Hkv, D]
-    v = _linear(h, p["wv"], p.get("bv")).reshape(b, t, cfg.num_kv_heads, d)  # [B, T, Hkv, D]
+    qkv = _linear(h, p["wqkv"], p.get("bqkv"))  # [B, T, (Hq + 2 Hkv) * D]
+    qd, kvd = cfg.num_heads * d, cfg.num_kv_heads * d
+    q = qkv[..., :qd].reshape(b, t, cfg.num_heads, d)  # [B, T, Hq, D]
+    k = qkv[..., qd:qd + kvd].reshape(b, t, cfg.num_kv_heads, d)  # [B, T, Hkv, D]
+    v = qkv[..., qd + kvd:].reshape(b, t, cfg.num_kv_heads, d)  # [B, T, Hkv, D]
     if cfg.qk_norm:
         q = rms_norm(q, p["q_norm"], cfg.rms_norm_eps)
         k = rms_norm(k, p["k_norm"], cfg.rms_norm_eps)
@@ -61,8 +63,8 @@ def _layer(cfg: ModelConfig, p: dict, layer: int, x: jax.Array, cos: jax.Array, 
     attn, cache = cache.attend(layer, q, k, v, positions, meta)  # [B, T, Hq, D]
     x = x + _linear(attn.reshape(b, t, cfg.num_heads * d), p["wo"], p.get("bo"))
     h = rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps)
-    gate = _linear(h, p["w_gate"], p.get("b_gate"))
-    up = _linear(h, p["w_up"], p.get("b_up"))
+    gate_up = _linear(h, p["w_gate_up"], p.get("b_gate_up"))  # [B, T, 2I]
+    gate, up = jnp.split(gate_up, 2, axis=-1)
     x = x + _linear(jax.nn.silu(gate) * up, p["w_down"], p.get("b_down"))
     return x, cache
 

@@ -51,7 +51,7 @@ _LOG2E = math.log2(math.e)
 _M_INIT = -1e30  # finite "minus infinity" for the running max: empty splits stay NaN-free
 PROGRAMS_PER_SM = 4
 TARGET_BLOCK_TOKENS = 128  # H200 sweep (bench/NOTES.md): 128-token tiles beat 64 at every shape
-MIN_BLOCKS_PER_SPLIT = 8  # H200 sweep: best splits left ~8 blocks per split
+MIN_BLOCKS_PER_SPLIT = 1  # H200: B=1 short contexts want every block in flight (latency-bound)
 
 
 def check_decode_inputs(q, k_pages, v_pages, page_table, lengths) -> tuple[int, ...]:
