@@ -144,7 +144,7 @@ class ModelRunner:
                 ints[i, -2:] = np.asarray(r.key, np.uint32).view(np.int32)
             floats[i] = (r.temperature, r.top_p)
         packed, self.cache = _model_step(
-            self.params, self.cache, jnp.asarray(ints), jnp.asarray(floats),
+            self.params, self.cache, jax.device_put(ints), jax.device_put(floats),
             cfg=self.cfg, t=t, num_logprobs=nl)
         packed = np.asarray(jax.device_get(packed))[:n]  # [n, 2 + 2 * nl]
         ids = packed.view(np.int32)
