@@ -100,6 +100,7 @@ class Engine:
             if tokenizer("a").input_ids[:1] == [tokenizer.bos_token_id]:
                 self.bos_prefix = [tokenizer.bos_token_id]
         self._counters = dict(requests=0, prompt_tokens=0, cached_tokens=0, generated_tokens=0)
+        self.debug_checks = False  # tests: check page accounting after every device step
 
     @classmethod
     def from_pretrained(cls, model_dir: str | None = None, config: EngineConfig | None = None) -> "Engine":
@@ -198,11 +199,17 @@ class Engine:
         row = row or StepRow([], 0, [])
         for c in range(pos, n, chunk):
             row = dataclasses.replace(row, tokens=tokens[c:c + chunk], start=c, pages=pages)
-            result = self.runner.step([row], num_logprobs)
+            result = self._step([row], num_logprobs)
         seq.computed = n
         for i in range(seq.first_own, n // s):
             self.prefix_cache.insert(hashes[i], pages[i])
         return seq, result
+
+    def _step(self, rows: list[StepRow], num_logprobs: int) -> StepResult:
+        result = self.runner.step(rows, num_logprobs)
+        if self.debug_checks:
+            self.check_invariants()
+        return result
 
     # -- segments -------------------------------------------------------------------------
     def register_segment(self, segment_id: str, text: str | None = None, token_ids=None, *,
@@ -325,7 +332,7 @@ class Engine:
                 seq.tokens.append(tok)
                 if pos // s >= len(seq.pages):
                     seq.pages += self._allocate(1)
-                res = self.runner.step([dataclasses.replace(
+                res = self._step([dataclasses.replace(
                     row, tokens=[tok], start=pos, pages=seq.pages, sample_step=len(out_ids))],
                     nl if want_lp else 0)
                 seq.computed = pos + 1

@@ -18,6 +18,7 @@ def setup(tmp_path_factory):
     hf = build_hf_model("gqa_4to1", d)
     engine = Engine.from_pretrained(d, EngineConfig(dtype="float32", page_size=PAGE, hbm_pages=128,
                                                     prefill_chunk=16))
+    engine.debug_checks = True
     return hf, engine
 
 

@@ -23,8 +23,10 @@ GREEDY = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
 
 def make_engine(pages=64, **kw):
     params = init_params(CFG, jax.random.PRNGKey(0), scale=0.5)
-    return Engine(params, CFG, None, EngineConfig(dtype="float32", page_size=S, hbm_pages=pages,
-                                                  prefill_chunk=16, **kw))
+    engine = Engine(params, CFG, None, EngineConfig(dtype="float32", page_size=S, hbm_pages=pages,
+                                                    prefill_chunk=16, **kw))
+    engine.debug_checks = True  # page accounting invariants after every device step
+    return engine
 
 
 def used_pages(engine):
