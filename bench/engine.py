@@ -2,15 +2,19 @@
 
 Usage (from the repository root)::
 
-    python bench/engine.py --out bench/results              # H200, Llama-3-8B shape, ~5-7 min
+    python bench/engine.py --out bench/results              # H200, Llama-3-8B shape, ~5-6 min
     python bench/engine.py --quick --out /tmp/eq            # tiny model on CPU, ~1 min
     python bench/engine.py --sections ab                    # only some sections
+    python bench/engine.py --sections efg --rates 10,50     # continuous batching sections only
 
 Model: Llama-3-8B shape (32 layers, hidden 4096, 32 q / 8 kv heads, d=128, vocab 128256),
 random bf16 weights generated on the device (``models.init_params``).  One ``Engine`` with
 page 16, ``prefill_chunk=2048`` and ``min_table_pages=2048`` (one page-table width for every
-step), so the 32-layer step compiles once per chunk bucket: 1024 (registering the 1k
-segment), 2048, 64 (questions) and 1 (decode) -- 4 compiles in all.
+step), so the 32-layer step compiles once per (batch, chunk) bucket: sections a-d use batch 1 with chunks 1024
+(registering the 1k segment), 2048, 64 (questions) and 1 (decode) -- 4 compiles; e adds
+(B, 16) and (B, 1) for B in 8/32/64/128; f precompiles (2/4/8, 64) and (2/4/16, 1) -- about 15
+more compiles of ~3-4 s each.  ``max_batch=128``; with section e the page pool takes the
+device memory left after the weights less 8 GiB (about 20k pages = 43 GB at 0.45 of an H200).
 
 Sections (each guarded: a failure prints its traceback and the run goes on):
 
@@ -32,10 +36,28 @@ d. Decode at batch 1: ``generate(max_tokens=64)`` on a 64-token prompt and on a 
    loop (one synchronous step: host packing + dispatch + device + read-back); and the device
    step alone (the same jitted step replayed back to back, cache donated, one sync at the end).
    Floor = weight bytes / copy bandwidth.
+e. Shared-context decode throughput at B in 1/8/32/64/128: every request names ONE shared 4k
+   segment + its own 16-token question (max_tokens=32, greedy, ignore_eos), all submitted at
+   once and driven by ``engine.step()``; vs the same with a private 4k context per request
+   (registered segments of different random tokens; only B whose contexts fit the pool); vs the
+   weight-read floor B / (weight bytes / copy bw) and floors that add the KV bytes a step must
+   read (shared context once, or every private context).  tok/s = tokens generated after every
+   request holds its first token / wall time of that decode window (host clock around
+   ``step()``, which reads back every step).  One warm-up run per B, median of 3 timed runs.
+f. TTFT p50/p90/p99 under seeded Poisson arrivals (default 10 and 50 req/s, 100 requests each):
+   each request names one of 4 shared 2k segments + a 64-token question, max_tokens=16;
+   submitted when the host clock passes its arrival time, ``step()`` in between.  TTFT = end
+   of the ``step()`` returning the first token - scheduled arrival (``metrics.ttft_s``, from
+   ``submit()``, also shown).  Step buckets precompiled and a warm-up run made first.
+g. compose / blend TTFT vs exact for 3 segments of 2k + a 64-token question: exact on a cold
+   chain (nodes [a,b], [a,b,c] computed in the request; 3 fresh triples), exact on the warm
+   chain, compose and blend (first call with its compiles shown apart); plus exact over one
+   segment and a full prefill of 6144+64 as references.
 
 Targets (PERF.md): TTFT(4k injected) / TTFT(question alone) <= 1.5; HF full prefill / ours
 injected >= 15x at 4k; HF prefix reuse / ours injected >= 5x at 4k; decode step / floor <= 1.3.
-Writes ``engine.md`` and ``engine.png`` to ``--out`` and prints the summary table last.
+Writes ``engine.md``, ``engine.png`` (TTFT) and ``engine_batch.png`` (section e) to ``--out`` and
+prints the summary table last.
 """
 
 from __future__ import annotations
@@ -141,11 +163,26 @@ def shape(quick):
 def settings(args):
     if args.quick:
         s = dict(Ls=[64, 256], dec_L=256, chunk=128, min_table=64, hbm_pages=1 + 1024,
-                 reps=3, reps_full=2, dec_reps=2, step_reps=5, replay=5, hf_reps=2)
+                 reps=3, reps_full=2, dec_reps=2, step_reps=5, replay=5, hf_reps=2,
+                 max_batch=8,
+                 # e: shared vs private context decode
+                 e_Bs=[1, 2, 4, 8], e_ctx=256, e_q=16, e_max_tokens=8, e_reps=2,
+                 # f: arrivals
+                 f_segs=4, f_ctx=128, f_q=Q, f_max_tokens=8, f_n=24, f_rates=[50.0, 200.0],
+                 f_prefill_b=8, f_decode_b=8,
+                 # g: compose / blend vs exact
+                 g_ctx=128, g_cold=2, g_reps=3)
     else:
         s = dict(Ls=[1024, 4096, 16384], dec_L=4096, chunk=2048, min_table=2048,
-                 hbm_pages=1 + 5120,  # 81920 tokens: 10.7 GB of bf16 KV
-                 reps=10, reps_full=5, dec_reps=3, step_reps=30, replay=20, hf_reps=5)
+                 hbm_pages=1 + 5120,  # 81920 tokens: 10.7 GB of bf16 KV (sized from free memory with e)
+                 reps=10, reps_full=5, dec_reps=3, step_reps=30, replay=20, hf_reps=5,
+                 max_batch=128,
+                 e_Bs=[1, 8, 32, 64, 128], e_ctx=4096, e_q=16, e_max_tokens=32, e_reps=3,
+                 f_segs=4, f_ctx=2048, f_q=Q, f_max_tokens=16, f_n=100, f_rates=[10.0, 50.0],
+                 f_prefill_b=8, f_decode_b=32,
+                 g_ctx=2048, g_cold=3, g_reps=10)
+    if args.rates:
+        s["f_rates"] = [float(x) for x in args.rates.split(",")]
     if args.reps:
         s.update(reps=args.reps, reps_full=max(1, args.reps // 2), hf_reps=max(1, args.reps // 2))
     return s
@@ -171,6 +208,31 @@ class State:
 ST = State()
 
 
+def kv_token_bytes(cfg):
+    return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 2  # bf16 K + V, every layer
+
+
+def pool_pages(args, cfg):
+    """hbm_pages: the fixed default, or (section e on a device that reports its memory) as
+    many pages as fit in this process's device memory less the weights and 8 GiB of headroom
+    for step activations, capped at what e's private case at the largest batch could use."""
+    s = args.s
+    if "e" not in args.sections:
+        return s["hbm_pages"]
+    per_page = kv_token_bytes(cfg) * 16
+    stats = jax.devices()[0].memory_stats() or {}
+    if "bytes_limit" not in stats:
+        return s["hbm_pages"]
+    free = stats["bytes_limit"] - stats.get("bytes_in_use", 0) - (8 << 30)
+    # a private context's pages + the request's own pages past the context
+    per_req = -(-s["e_ctx"] // 16) + -(-(s["e_ctx"] + s["e_q"] + s["e_max_tokens"]) // 16) - s["e_ctx"] // 16
+    want = max(s["e_Bs"]) * per_req + 4096  # + other sections' segments
+    pages = 1 + max(s["hbm_pages"] - 1, min(want, free // per_page))
+    log(f"pool: {pages - 1} pages ({(pages - 1) * per_page / 1e9:.1f} GB of KV; device limit "
+        f"{stats['bytes_limit'] / 1e9:.1f} GB, in use {stats.get('bytes_in_use', 0) / 1e9:.1f} GB)")
+    return pages
+
+
 def get_engine(args):
     if ST.engine is not None:
         return ST.engine
@@ -188,8 +250,8 @@ def get_engine(args):
     ST.embed_bytes = params["embed"].nbytes
     log(f"params: {sum(x.size for x in leaves) / 1e9:.3f} B, {ST.weight_bytes / 1e9:.2f} GB, "
         f"init {time.time() - t0:.1f} s")
-    kw = dict(dtype="bfloat16", page_size=16, hbm_pages=s["hbm_pages"], prefill_chunk=s["chunk"],
-              max_batch=8)
+    kw = dict(dtype="bfloat16", page_size=16, hbm_pages=pool_pages(args, cfg), prefill_chunk=s["chunk"],
+              max_batch=s["max_batch"])
     if "min_table_pages" in {f.name for f in dataclasses.fields(EngineConfig)}:
         kw["min_table_pages"] = s["min_table"]
     else:
@@ -585,6 +647,435 @@ def decode(args):
            "generate/floor", "device/floor", "floor w/o embed + KV ms"], rows)
 
 
+# ---------------------------------------------------------------- (e) shared-context decode
+
+def drop_segments(eng, names):
+    for name in names:
+        try:
+            eng.delete_segment(name)
+        except Exception as e:  # noqa: BLE001
+            log(f"  could not delete {name}: {e!r}")
+
+
+def greedy(max_tokens):
+    from inferscale_jax.sampling import SamplingParams
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+
+
+def abort_all(eng, ids):
+    """Free the pages of requests left unfinished by an error (the next section starts clean)."""
+    for rid in ids:
+        try:
+            eng.abort(rid)
+        except Exception:  # noqa: BLE001
+            pass
+
+
+def run_batch(eng, reqs):
+    """Submit every request at once, then ``step()`` until all finish.
+
+    Decode window: from the end of the first ``step()`` after which every request holds its
+    first token, to the end of the last ``step()``.  tok/s = tokens produced in the window /
+    its wall time (so prefill and TTFT stay out; every step in the window is a decode step
+    over the requests still running).  Also returns the sum of per-request
+    ``metrics.decode_tokens_per_s`` as a cross-check (equal for requests in lockstep)."""
+    assert not eng.has_unfinished(), "engine has unfinished requests from an earlier run"
+    st0, c0 = eng.stats(), eng.compiles
+    t0 = time.perf_counter()
+    ids = []
+    first, outs = {}, {}
+    t_all = None
+    n_win = steps_win = 0
+    steps = 0
+    try:
+        ids = [eng.submit(**r) for r in reqs]
+        while eng.has_unfinished():
+            res = eng.step()
+            now = time.perf_counter()
+            steps += 1
+            for o in res:
+                if o.new_token_ids:
+                    first.setdefault(o.request_id, now)
+                    if t_all is not None:
+                        n_win += len(o.new_token_ids)
+                if o.finished:
+                    outs[o.request_id] = o.output
+            if t_all is not None:
+                steps_win += 1
+            elif len(first) == len(ids):
+                t_all = now
+    except BaseException:
+        abort_all(eng, ids)
+        raise
+    t_end = time.perf_counter()
+    st1 = eng.stats()
+    missing = [r for r in ids if r not in outs]
+    assert not missing, f"{len(missing)} requests never finished"
+    win = t_end - t_all if t_all is not None else 0.0
+    return dict(
+        tok_s=n_win / win if win > 0 and n_win else None,
+        step=win / steps_win if steps_win else None,
+        steps_win=steps_win, tokens_win=n_win,
+        sum_dec=sum(outs[r].metrics.decode_tokens_per_s for r in ids),
+        all_first=(t_all - t0) if t_all is not None else None,
+        ttft=median([outs[r].metrics.ttft_s for r in ids]),
+        generated=sum(outs[r].metrics.generated_tokens for r in ids),
+        cached=[outs[r].metrics.cached_tokens for r in ids],
+        wall=t_end - t0, steps=steps, compiles=eng.compiles - c0,
+        preemptions=st1.get("preemptions", 0) - st0.get("preemptions", 0),
+        outs=[outs[r] for r in ids])
+
+
+def best_of(eng, make_reqs, reps, label):
+    """One warm-up run (compiles its buckets), then ``reps`` timed runs; median tok/s.  A
+    timed run that compiled is reported and not used."""
+    w = run_batch(eng, make_reqs())
+    if w["compiles"]:
+        log(f"  {label}: warm-up compiled {w['compiles']} bucket(s) in {w['wall']:.1f} s")
+    runs = []
+    for _ in range(reps):
+        r = run_batch(eng, make_reqs())
+        if r["compiles"]:
+            log(f"  WARNING {label}: a timed run compiled {r['compiles']} bucket(s); not used")
+            continue
+        runs.append(r)
+    if not runs:
+        raise RuntimeError(f"{label}: every timed run compiled")
+    runs.sort(key=lambda r: r["tok_s"] or 0.0)
+    m = runs[len(runs) // 2]
+    m["tok_s_all"] = [r["tok_s"] for r in runs]
+    m["preemptions"] = sum(r["preemptions"] for r in runs)
+    return m
+
+
+@section
+def shared_decode(args):
+    """e. Decode tokens/s at batch B: every request names one shared segment, vs each request
+    its own private copy (different random tokens, same length), vs the weight-read floor."""
+    s = args.s
+    eng = get_engine(args)
+    cfg, ps = ST.cfg, eng.config.page_size
+    ctx, q, mt, Bs = s["e_ctx"], s["e_q"], s["e_max_tokens"], s["e_Bs"]
+    # the earlier sections' segments are done with: give their pages to the private contexts
+    drop_segments(eng, [f"seg{L}" for L in ST.segments])
+    ST.segments.clear()
+    shared_ids = fresh(ctx, cfg.vocab_size)
+    t0 = time.perf_counter()
+    eng.register_segment("shared_ctx", token_ids=shared_ids)
+    log(f"  registered shared_ctx ({ctx} tokens): {time.perf_counter() - t0:.2f} s")
+    private: list[str] = []
+    res = {"shared": {}, "private": {}}
+    R["batch"] = res
+    try:
+        def reqs(B, segs):
+            return [dict(prompt_token_ids=fresh(q, cfg.vocab_size), segments=[segs[i % len(segs)]],
+                         sampling=greedy(mt)) for i in range(B)]
+
+        for B in Bs:
+            try:
+                r = best_of(eng, lambda: reqs(B, ["shared_ctx"]), s["e_reps"], f"shared B={B}")
+            except Exception:  # noqa: BLE001 - report, go on with the other batch sizes
+                tb = traceback.format_exc()
+                log(tb)
+                FAILURES.append(f"shared_decode (shared, B={B}): {tb.strip().splitlines()[-1]}")
+                continue
+            bad = sum(c != ctx for c in r["cached"])
+            if bad:
+                FAILURES.append(f"e shared B={B}: cached_tokens != {ctx} in {bad}/{B} requests")
+            if r["generated"] != B * mt:
+                FAILURES.append(f"e shared B={B}: generated {r['generated']} != {B * mt}")
+            res["shared"][B] = r
+            log(f"  shared  B={B:4d}: {r['tok_s']:.0f} tok/s ({ms(r['step'])} ms/step over {r['steps_win']} "
+                f"steps; runs {[round(x) for x in r['tok_s_all']]}), all first tokens {ms(r['all_first'])} ms, "
+                f"preemptions {r['preemptions']}")
+
+        # private: as many B as the pool holds (segment pages + each request's own pages)
+        per_req = -(-ctx // ps) + -(-(ctx + q + mt) // ps) - ctx // ps
+        free = eng.pool.num_free
+        cap = int((free * 0.98) // per_req)
+        res["cap"], res["per_req_pages"], res["pool_pages"] = cap, per_req, eng.pool.num_pages - 1
+        pBs = [B for B in Bs if B <= cap]
+        log(f"  private: {per_req} pages per request, {free} free pages of {eng.pool.num_pages - 1}: "
+            f"up to B={cap}; running B in {pBs}")
+        try:
+            private_runs(eng, s, res, pBs, private, reqs, ctx)
+        except Exception:  # noqa: BLE001 - keep the shared numbers; report the private failure
+            tb = traceback.format_exc()
+            log(tb)
+            FAILURES.append(f"shared_decode (private case): {tb.strip().splitlines()[-1]}")
+    finally:
+        drop_segments(eng, private + ["shared_ctx"])
+    shared_decode_table(s, res, cfg, ps)
+
+
+def private_runs(eng, s, res, pBs, private, reqs, ctx):
+    """e, private case: register max(pBs) private contexts (names appended to ``private`` so the
+    caller deletes them whatever happens), then run each B in pBs."""
+    cfg = ST.cfg
+    if not pBs:
+        return
+    t0 = time.perf_counter()
+    ev0 = json.dumps(eng.stats().get("tiers"), default=str)
+    for i in range(max(pBs)):
+        name = f"private_ctx{i}"
+        eng.register_segment(name, token_ids=fresh(ctx, cfg.vocab_size))
+        private.append(name)
+    res["private_register_s"] = time.perf_counter() - t0
+    log(f"  registered {len(private)} private contexts of {ctx} tokens: {res['private_register_s']:.1f} s")
+    for B in pBs:
+        r = best_of(eng, lambda: reqs(B, private[:B]), s["e_reps"], f"private B={B}")
+        bad = sum(c != ctx for c in r["cached"])
+        if bad:
+            FAILURES.append(f"e private B={B}: cached_tokens != {ctx} in {bad}/{B} requests "
+                            "(a private context left HBM?)")
+        res["private"][B] = r
+        log(f"  private B={B:4d}: {r['tok_s']:.0f} tok/s ({ms(r['step'])} ms/step), preemptions "
+            f"{r['preemptions']}")
+    ev1 = json.dumps(eng.stats().get("tiers"), default=str)
+    if ev0 != ev1:
+        log(f"  note: tier stats changed during the private runs: {ev0} -> {ev1}")
+
+
+def shared_decode_table(s, res, cfg, ps):
+    ctx, q, mt, Bs = s["e_ctx"], s["e_q"], s["e_max_tokens"], s["e_Bs"]
+    bw, W = ST.copy_bw, ST.weight_bytes
+    kvt = kv_token_bytes(cfg)
+    kv_ctx = kvt * (ctx + q + mt // 2)  # one sequence's KV at the middle of decode
+    rows = []
+    for B in Bs:
+        sh, pr = res["shared"].get(B, {}), res["private"].get(B, {})
+        floor = B / (W / bw) if bw else None
+        floor_sh = B / ((W + kvt * ctx + B * kvt * (q + mt // 2)) / bw) if bw else None
+        floor_pr = B / ((W + B * kv_ctx) / bw) if bw else None
+        res.setdefault("floor", {})[B] = (floor, floor_sh, floor_pr)
+        f0 = lambda x: "n/a" if x is None else f"{x:.0f}"  # noqa: E731
+        capped = res.get("cap") is not None and B > res["cap"]
+        rows.append([B, f0(sh.get("tok_s")), ms(sh.get("step")),
+                     f0(pr.get("tok_s")) if pr else (f"(B > {res['cap']})" if capped else "n/a"), ms(pr.get("step")),
+                     ratio(sh.get("tok_s"), pr.get("tok_s")), f0(floor), ratio(sh.get("tok_s"), floor),
+                     f0(floor_sh), f0(floor_pr), ms(sh.get("all_first")), f0(sh.get("sum_dec"))])
+    table(f"e. Decode tokens/s at batch B, context {ctx} + {q}-token question, {mt} tokens each "
+          f"(greedy, ignore_eos; median of {s['e_reps']} runs)",
+          ["B", "shared tok/s", "shared ms/step", "private tok/s", "private ms/step", "shared/private",
+           "weight floor tok/s", "shared/floor", "floor+KV shared", "floor+KV private",
+           "shared: all first tokens ms", "shared: sum of per-request tok/s"], rows)
+    MD.extend([
+        f"tok/s = tokens generated after every request of the batch holds its first token / wall time "
+        f"from then to the last token (host clock around `engine.step()`, which reads back every step); "
+        f"ms/step = that window / its steps.  Weight floor = B / (weight bytes {W / 1e9:.2f} GB / copy "
+        f"bandwidth {(bw or 0) / 1e9:.0f} GB/s).  floor+KV adds the KV bytes one decode step must read at "
+        f"least: shared = the shared context once plus each request's own tokens; private = every "
+        f"request's whole context ({kvt / 1024:g} KB/token).  'shared: sum of per-request tok/s' sums "
+        f"`metrics.decode_tokens_per_s` (a cross-check).",
+        f"Private contexts: each request holds its own {ctx}-token context ({res.get('per_req_pages')} "
+        f"pages with its own tokens); the pool ({res.get('pool_pages')} pages of {ps} tokens) holds at most "
+        f"B = {res.get('cap')} of them, so larger B are not run privately.", ""])
+
+
+# ---------------------------------------------------------------- (f) TTFT under arrivals
+
+def precompile(eng, pairs):
+    """Compile the (batch, chunk) step buckets in ``pairs`` now (one dummy runner step each,
+    over pages allocated and freed here), so a timed run does not compile."""
+    from inferscale_jax.runner import StepRow, next_pow2
+    ps = eng.config.page_size
+    have = {(k[0], k[1]) for k in eng.runner.buckets}
+    todo = [(b, t) for b, t in pairs if (min(next_pow2(b), eng.config.max_batch), t) not in have]
+    if not todo:
+        return 0
+    pages = eng.pool.allocate(-(-(max(t for _, t in todo) + 1) // ps))
+    assert pages is not None, "no free pages to precompile with"
+    t0, c0 = time.perf_counter(), eng.compiles
+    try:
+        for b, t in todo:
+            eng.runner.step([StepRow(fresh(t, ST.cfg.vocab_size), 0, pages) for _ in range(b)])
+    finally:
+        eng.pool.decref(reversed(pages))
+    log(f"  precompiled {eng.compiles - c0} bucket(s) {todo}: {time.perf_counter() - t0:.1f} s")
+    return eng.compiles - c0
+
+
+def pct(xs, p):
+    return float(np.percentile(xs, p)) if len(xs) else None
+
+
+def arrival_run(eng, segs, rate, n, q, mt, seed):
+    """Poisson arrivals (seeded) at ``rate`` req/s: each request is submitted when the host
+    clock passes its arrival time (between ``step()`` calls), then ``step()`` runs while
+    anything is unfinished (the host sleeps only when the engine is idle).  TTFT = host time
+    at the end of the ``step()`` that returned the request's first token - its scheduled
+    arrival time (so it includes the wait for an in-flight step and the rest of the step that
+    sampled it).  ``metrics.ttft_s`` counts from ``submit()`` to the sample inside that step."""
+    rng = np.random.default_rng(seed)
+    arrivals = np.cumsum(rng.exponential(1.0 / rate, n))
+    which = rng.integers(0, len(segs), n)
+    prompts = [rng.integers(0, ST.cfg.vocab_size, q).tolist() for _ in range(n)]
+    assert not eng.has_unfinished()
+    st0, c0 = eng.stats(), eng.compiles
+    arr, sub, first, outs = {}, {}, {}, {}
+    running, steps = [], 0
+    i = 0
+    t0 = time.perf_counter()
+    try:
+        while i < n or eng.has_unfinished():
+            now = time.perf_counter() - t0
+            while i < n and arrivals[i] <= now:
+                rid = eng.submit(prompt_token_ids=prompts[i], segments=[segs[which[i]]], sampling=greedy(mt))
+                arr[rid], sub[rid] = arrivals[i], time.perf_counter() - t0
+                i += 1
+            if eng.has_unfinished():
+                running.append(len(eng.scheduler.running) + len(eng.scheduler.waiting))
+                res = eng.step()
+                steps += 1
+                t = time.perf_counter() - t0
+                for o in res:
+                    if o.new_token_ids:
+                        first.setdefault(o.request_id, t)
+                    if o.finished:
+                        outs[o.request_id] = o.output
+            elif i < n:
+                time.sleep(max(0.0, arrivals[i] - (time.perf_counter() - t0)))
+    except BaseException:
+        abort_all(eng, list(arr))
+        raise
+    span = time.perf_counter() - t0
+    st1 = eng.stats()
+    ttft = [first[r] - arr[r] for r in arr]
+    m_ttft = [outs[r].metrics.ttft_s for r in arr]
+    lag = [sub[r] - arr[r] for r in arr]
+    return dict(rate=rate, n=n, span=span, achieved=n / arrivals[-1], steps=steps,
+                p50=pct(ttft, 50), p90=pct(ttft, 90), p99=pct(ttft, 99), max=max(ttft), mean=float(np.mean(ttft)),
+                m_p50=pct(m_ttft, 50), m_p99=pct(m_ttft, 99), lag_p99=pct(lag, 99),
+                e2e_p50=pct([outs[r].metrics.e2e_s for r in arr], 50),
+                in_flight=float(np.mean(running)) if running else 0.0,  # running + waiting, per step
+                compiles=eng.compiles - c0,
+                preemptions=st1.get("preemptions", 0) - st0.get("preemptions", 0),
+                generated=sum(outs[r].metrics.generated_tokens for r in arr))
+
+
+@section
+def arrival_ttft(args):
+    """f. TTFT p50/p99 under Poisson arrivals: each request names one of 4 shared segments and
+    adds a 64-token question."""
+    s = args.s
+    eng = get_engine(args)
+    cfg = ST.cfg
+    segs = [f"arr_ctx{i}" for i in range(s["f_segs"])]
+    t0 = time.perf_counter()
+    for name in segs:
+        eng.register_segment(name, token_ids=fresh(s["f_ctx"], cfg.vocab_size))
+    log(f"  registered {len(segs)} segments of {s['f_ctx']} tokens: {time.perf_counter() - t0:.2f} s")
+    R["arrival"] = {}
+    try:
+        mb = eng.config.max_batch
+        pb = [1 << k for k in range(8) if (1 << k) <= min(s["f_prefill_b"], mb)]
+        db = [1 << k for k in range(8) if (1 << k) <= min(s["f_decode_b"], mb)]
+        precompile(eng, [(b, s["f_q"]) for b in pb] + [(b, 1) for b in db])
+        # warm-up: a short run at the highest rate (host paths, any bucket not precompiled)
+        w = arrival_run(eng, segs, max(s["f_rates"]), max(8, s["f_n"] // 4), s["f_q"], s["f_max_tokens"], 999)
+        log(f"  warm-up: {w['n']} requests, {w['compiles']} compile(s), p50 {ms(w['p50'])} ms")
+        for k, rate in enumerate(s["f_rates"]):
+            r = arrival_run(eng, segs, rate, s["f_n"], s["f_q"], s["f_max_tokens"], 100 + k)
+            R["arrival"][rate] = r
+            if r["compiles"]:
+                FAILURES.append(f"f rate {rate}: {r['compiles']} compile(s) inside the timed run")
+            if r["generated"] != r["n"] * s["f_max_tokens"]:
+                FAILURES.append(f"f rate {rate}: generated {r['generated']} != {r['n'] * s['f_max_tokens']}")
+            log(f"  rate {rate:g}/s: ttft p50 {ms(r['p50'])} p99 {ms(r['p99'])} ms, mean in flight "
+                f"{r['in_flight']:.1f}, {r['steps']} steps in {r['span']:.1f} s, compiles {r['compiles']}")
+    finally:
+        drop_segments(eng, segs)
+    rows = [[f"{rate:g}", f"{r['achieved']:.1f}", r["n"], ms(r["p50"]), ms(r["p90"]), ms(r["p99"]), ms(r["max"]),
+             ms(r["m_p50"]), ms(r["m_p99"]), ms(r["lag_p99"]), ms(r["e2e_p50"]), f"{r['in_flight']:.1f}",
+             r["preemptions"], r["compiles"]]
+            for rate, r in R["arrival"].items()]
+    table(f"f. TTFT under Poisson arrivals: one of {s['f_segs']} shared {s['f_ctx']}-token segments + "
+          f"{s['f_q']}-token question, max_tokens={s['f_max_tokens']} (greedy)",
+          ["rate req/s", "achieved", "requests", "ttft p50 ms", "p90", "p99", "max", "metrics ttft p50",
+           "metrics p99", "submit lag p99", "e2e p50 ms", "mean in flight", "preemptions", "compiles"], rows)
+    MD.extend([
+        "ttft = host clock at the end of the `step()` that returned the first token - the scheduled "
+        "(Poisson, seeded) arrival time: it includes waiting for the step in flight at arrival and the "
+        "decode step that follows the prefill inside the same `step()`.  `metrics.ttft_s` counts from "
+        "`submit()` (made at the first loop turn after the arrival time: 'submit lag') to the sample "
+        "in the prefill step.  'mean in flight' = running + waiting requests, averaged over steps.  "
+        f"With {s['f_n']} requests per rate, p99 is close to the max.  Step buckets "
+        "were precompiled and a warm-up run made first; 'compiles' counts compiles inside the timed run.", ""])
+
+
+# ---------------------------------------------------------------- (g) compose / blend vs exact
+
+@section
+def modes(args):
+    """g. TTFT of a request over 3 segments (+ a 64-token question) in each injection mode."""
+    s = args.s
+    eng = get_engine(args)
+    cfg, n = ST.cfg, s["g_ctx"]
+    # triples: 0 for compose, 1 for blend (chains never computed), 2.. for exact cold / warm
+    sets = [[f"mode{k}_{c}" for c in "abc"] for k in range(s["g_cold"] + 2)]
+    t0 = time.perf_counter()
+    for names in sets:
+        for name in names:
+            eng.register_segment(name, token_ids=fresh(n, cfg.vocab_size))
+    log(f"  registered {3 * len(sets)} segments of {n} tokens: {time.perf_counter() - t0:.2f} s")
+    res = {}
+    R["modes"] = res
+
+    def one(segs, mode, prompt_n=Q):
+        from inferscale_jax.sampling import SamplingParams
+        c0, n0 = eng.compiles, len(eng.store.nodes())
+        t = time.perf_counter()
+        out = eng.generate(prompt_token_ids=fresh(prompt_n, cfg.vocab_size), segments=segs, mode=mode,
+                           sampling=SamplingParams(max_tokens=1, temperature=0.0))
+        return (out.metrics.ttft_s, time.perf_counter() - t, out.metrics.cached_tokens, eng.compiles - c0,
+                len(eng.store.nodes()) - n0)
+
+    def record(name, runs, note=""):
+        res[name] = dict(ttft=median([r[0] for r in runs]), wall=median([r[1] for r in runs]),
+                         cached=runs[-1][2], n=len(runs), compiles=sum(r[3] for r in runs),
+                         nodes=sum(r[4] for r in runs), note=note)
+        log(f"  {name}: ttft {ms(res[name]['ttft'])} ms (wall {ms(res[name]['wall'])}, cached "
+            f"{res[name]['cached']}, n={len(runs)}, compiles {res[name]['compiles']}, new chain nodes "
+            f"{res[name]['nodes']}) {note}")
+
+    try:
+        one(sets[0][:1], "exact")  # every bucket used below exists after this (chunk + question)
+        # exact, cold chain: nodes [a, b] and [a, b, c] are computed inside the request
+        record("exact, cold chain", [one(names, "exact") for names in sets[2:]],
+               f"first use of each of {len(sets) - 2} segment triples")
+        record("exact, warm chain", [one(sets[2], "exact") for _ in range(s["g_reps"])])
+        record("exact, one segment (a) + question", [one(sets[2][:1], "exact") for _ in range(s["g_reps"])])
+        record(f"full prefill {3 * n}+{Q} (no segments)",
+               [one([], "exact", 3 * n + Q) for _ in range(max(2, s["g_reps"] // 4))])
+        for mode, names in (("compose", sets[0]), ("blend", sets[1])):
+            try:
+                # a triple whose chain exact never computed: a mode that fell back to exact would
+                # show new chain nodes (and cached = {n} on its first call)
+                record(f"{mode}, first call", [one(names, mode)], "includes its compiles")
+                record(mode, [one(names, mode) for _ in range(s["g_reps"])])
+                if res[f"{mode}, first call"]["nodes"] or res[mode]["nodes"]:
+                    res[mode]["note"] = "added chain nodes: ran as exact?"
+                    log(f"  WARNING {mode}: added chain nodes, so it behaved like exact (not implemented yet?)")
+            except NotImplementedError as e:
+                log(f"  {mode}: not implemented ({e})")
+                res[mode] = dict(ttft=None, wall=None, cached=None, n=0, compiles=0, nodes=0,
+                                 note=f"not implemented: {e}")
+    finally:
+        drop_segments(eng, [x for names in sets for x in names])
+    base = res.get("exact, warm chain", {}).get("ttft")
+    rows = [[name, ms(d["ttft"]), ms(d["wall"]), d["cached"], ratio(d["ttft"], base), d["n"], d["compiles"],
+             d["nodes"], d["note"]] for name, d in res.items()]
+    table(f"g. TTFT by injection mode: 3 segments of {n} tokens + {Q}-token question (max_tokens=1, greedy; "
+          "medians)", ["request", "ttft ms", "wall ms", "cached tokens", "/ exact warm", "runs", "compiles",
+                       "new chain nodes", "note"], rows)
+    MD.extend([
+        "ttft = `metrics.ttft_s` (from `submit()`, inside `generate`, to the first sample; includes "
+        "computing missing chain nodes at admission); wall = host clock around `generate`.  compose / "
+        "blend keep no chain cache: every call splices (and blend recomputes) anew, so they run on a "
+        "triple whose chain exact never computed and must add no chain nodes ('new chain nodes' > 0 "
+        "means the mode ran as exact); their first call (compiles) is listed separately.", ""])
+
+
 # ---------------------------------------------------------------- report
 
 def summary_rows(args):
@@ -632,6 +1123,65 @@ def targets(args):
     return out
 
 
+def new_summaries(args):
+    """Compact e / f / g tables for the end of the console output."""
+    out = []
+    b = R.get("batch") or {}
+    if b.get("shared"):
+        f0 = lambda x: "n/a" if x is None else f"{x:.0f}"  # noqa: E731
+        rows = []
+        for B in args.s["e_Bs"]:
+            sh, pr = b["shared"].get(B, {}), b["private"].get(B, {})
+            fl = (b.get("floor") or {}).get(B, (None, None, None))
+            rows.append([B, f0(sh.get("tok_s")), f0(pr.get("tok_s")) if pr else "-",
+                         ratio(sh.get("tok_s"), pr.get("tok_s")), f0(fl[0]), ratio(sh.get("tok_s"), fl[0]),
+                         ms(sh.get("step")), ms(pr.get("step"))])
+        out.append((f"Decode tok/s vs batch (ctx {args.s['e_ctx']}; private up to B={b.get('cap')})",
+                    ["B", "shared", "private", "sh/pr", "weight floor", "sh/floor", "sh ms/step", "pr ms/step"], rows))
+    if R.get("arrival"):
+        out.append(("TTFT under Poisson arrivals (ms)", ["rate/s", "p50", "p99", "max", "mean in flight", "compiles"],
+                    [[f"{k:g}", ms(r["p50"]), ms(r["p99"]), ms(r["max"]), f"{r['in_flight']:.1f}", r["compiles"]]
+                     for k, r in R["arrival"].items()]))
+    if R.get("modes"):
+        base = R["modes"].get("exact, warm chain", {}).get("ttft")
+        out.append(("TTFT by injection mode, 3 segments (ms)", ["request", "ttft", "/ exact warm"],
+                    [[k, ms(d["ttft"]), ratio(d["ttft"], base)] for k, d in R["modes"].items()]))
+    return out
+
+
+def plot_batch(args, plt, dev):
+    b = R.get("batch") or {}
+    if not b.get("shared"):
+        return
+    Bs = args.s["e_Bs"]
+    fig, ax = plt.subplots(figsize=(7, 4.8))
+
+    def line(d, key, **kw):
+        xs = [B for B in Bs if d.get(B) is not None and (d[B] if key is None else d[B].get(key)) is not None]
+        ys = [d[B] if key is None else d[B][key] for B in xs]
+        if xs:
+            ax.plot(xs, ys, **kw)
+
+    line(b["shared"], "tok_s", marker="o", label=f"shared {args.s['e_ctx']}-token context")
+    line(b["private"], "tok_s", marker="s", label=f"private contexts (pool holds B <= {b.get('cap')})")
+    fl = b.get("floor") or {}
+    line({B: v[0] for B, v in fl.items()}, None, ls="--", color="k", label="weight-read floor")
+    line({B: v[1] for B, v in fl.items()}, None, ls=":", color="C0", label="floor: weights + shared KV once")
+    line({B: v[2] for B, v in fl.items()}, None, ls=":", color="C1", label="floor: weights + private KV")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xticks(Bs, [str(B) for B in Bs])
+    ax.set_xlabel("batch (requests decoding together)")
+    ax.set_ylabel("decode tokens/s (log scale)")
+    ax.set_title(f"Decode throughput, {dev.device_kind}, {'tiny model' if args.quick else 'Llama-3-8B shape bf16'}")
+    ax.legend(fontsize=7)
+    ax.grid(True, which="both", alpha=0.3)
+    fig.tight_layout()
+    png = os.path.join(args.out, "engine_batch.png")
+    fig.savefig(png, dpi=120)
+    log(f"wrote {png}")
+
+
 def write_report(args, total_s):
     os.makedirs(args.out, exist_ok=True)
     dev = jax.devices()[0]
@@ -656,6 +1206,12 @@ def write_report(args, total_s):
     summ += ["| " + " | ".join(map(str, r)) + " |" for r in summary_rows(args)] + [""]
     summ += ["## Targets", "", "| ratio | value | target | verdict |", "|---|---|---|---|"]
     summ += ["| " + " | ".join(map(str, r)) + " |" for r in targets(args)] + [""]
+    b = R.get("batch") or {}
+    both = [B for B in args.s["e_Bs"] if B in b.get("shared", {}) and B in b.get("private", {})]
+    if both:
+        summ += ["Shared vs private context (section e): decode throughput shared / private = " + ", ".join(
+            f"{ratio(b['shared'][B]['tok_s'], b['private'][B]['tok_s'])} at B={B}" for B in both)
+            + f"; private runs stop at B={b.get('cap')} (pool).", ""]
     path = os.path.join(args.out, "engine.md")
     with open(path, "w") as f:
         f.write("\n".join(head + summ + MD) + "\n")
@@ -667,6 +1223,10 @@ def write_report(args, total_s):
     except Exception as e:  # noqa: BLE001
         log(f"no plot: matplotlib unavailable ({e!r})")
         return
+    try:
+        plot_batch(args, plt, dev)
+    except Exception:  # noqa: BLE001
+        log("engine_batch.png failed:\n" + traceback.format_exc())
     Ls = args.s["Ls"]
     hf = R.get("hf") or {}
     q = R.get("question", (None, None))[0]
@@ -701,7 +1261,10 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=os.path.join("bench", "results"))
     ap.add_argument("--quick", action="store_true", help="tiny model, runs on CPU")
-    ap.add_argument("--sections", default="abcd", help="subset of a (copy), b (our TTFT), c (HF), d (decode)")
+    ap.add_argument("--sections", default="abcdefg",
+                    help="subset of a (copy), b (our TTFT), c (HF), d (decode), e (shared vs private context "
+                         "decode at batch B), f (TTFT under Poisson arrivals), g (compose/blend vs exact)")
+    ap.add_argument("--rates", default=None, help="section f arrival rates, req/s, comma separated")
     ap.add_argument("--reps", type=int, default=None, help="override the TTFT repetitions")
     ap.add_argument("--no-hf-child", action="store_true", help="do not retry the HF peer in a child process")
     ap.add_argument("--hf-worker", default=None, help=argparse.SUPPRESS)
@@ -714,7 +1277,7 @@ def main():
     args.s = settings(args)
     log(f"devices: {jax.devices()}  jax {jax.__version__}  sections {args.sections}  settings {args.s}")
     t0 = time.time()
-    if "a" in args.sections or "d" in args.sections:
+    if any(c in args.sections for c in "ade"):
         copy_bandwidth(args)
     if "b" in args.sections:
         ttft(args)
@@ -722,6 +1285,12 @@ def main():
         hf_peer(args)
     if "d" in args.sections:
         decode(args)
+    if "e" in args.sections:
+        shared_decode(args)
+    if "f" in args.sections:
+        arrival_ttft(args)
+    if "g" in args.sections:
+        modes(args)
     total = time.time() - t0
     write_report(args, total)
     # the last thing printed: the summary the lead sees
@@ -739,6 +1308,8 @@ def main():
                          "", "", ms(R.get("floor")), ratio(hf_dec, R.get("floor")), ""])
         table("Decode step, batch 1 (ms)", ["case", "ctx", "generate", "runner.step", "device", "floor",
                                             "gen/floor", "dev/floor"], rows, md=False)
+    for title, headers, rows in new_summaries(args):
+        table(title, headers, rows, md=False)
     log(f"\ncopy bandwidth {ST.copy_bw / 1e9:.0f} GB/s" if ST.copy_bw else "\ncopy bandwidth n/a")
     compiles = ST.engine.compiles if ST.engine else "n/a"
     table(f"Summary: TTFT medians ms ({jax.devices()[0].device_kind}, total {total:.0f} s, "

@@ -4,20 +4,25 @@ Public API (DESIGN.md): ``Engine``, ``EngineConfig``, ``SamplingParams`` and the
 ``SegmentNotFound``, ``SegmentExists``, ``RequestTooLong``, ``SnapshotMismatch``.
 """
 
+from inferscale_jax.async_engine import AsyncEngine
 from inferscale_jax.config import EngineConfig
 from inferscale_jax.default_model import default_model_dir
-from inferscale_jax.engine import Engine, PoolExhausted
-from inferscale_jax.errors import RequestTooLong, SegmentExists, SegmentNotFound, SnapshotMismatch
+from inferscale_jax.engine import Engine
+from inferscale_jax.errors import (PoolExhausted, RequestTooLong, SegmentExists, SegmentNotFound,
+                                   SnapshotMismatch)
 from inferscale_jax.outputs import GenerationOutput, RequestMetrics
 from inferscale_jax.sampling import SamplingParams
+from inferscale_jax.scheduler import RequestOutput
 from inferscale_jax.segments import SegmentInfo
 
 __all__ = [
+    "AsyncEngine",
     "Engine",
     "EngineConfig",
     "GenerationOutput",
     "PoolExhausted",
     "RequestMetrics",
+    "RequestOutput",
     "RequestTooLong",
     "SamplingParams",
     "SegmentExists",

@@ -19,7 +19,15 @@ class EngineConfig:
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     hbm_fraction: float = 0.85  # of free device memory given to the page pool when hbm_pages is None
     attention_impl: str = "auto"  # "pallas" kernels (GPU default), "ref" jnp (CPU default)
+    blend_ratio: float = 0.15  # blend mode: fraction of segment tokens (2..n) recomputed
     min_table_pages: int = 4  # page-table width bucket floor: larger = fewer compiles, more bytes per step
+    # tiers and persistence (tiers.py, snapshot.py, registry.py)
+    host_pages: int | None = None  # pinned-host tier capacity in pages; None: 4x the HBM pool, <= 1/4 of RAM
+    disk_pages: int | None = None  # disk tier capacity in pages; None: unbounded; past it KV is recomputed
+    disk_dir: str | None = None  # disk tier folder (a cache); None: <snapshot_dir>/disk_tier or a temp folder
+    snapshot_interval_s: float | None = None  # periodic snapshots (when segments changed); None: only
+    #   save_snapshot() and close()
+    strict_restore: bool = False  # a snapshot of another model/dtype/page size: raise (True) or log, start empty
 
     def __post_init__(self):
         def bad(field, value, allowed):
@@ -37,7 +45,17 @@ class EngineConfig:
             bad("prefill_chunk", self.prefill_chunk, "must be a power of two >= 16")
         if not 0.0 < self.hbm_fraction <= 0.95:
             bad("hbm_fraction", self.hbm_fraction, "must be in (0, 0.95]")
+        if not 0.0 <= self.blend_ratio <= 1.0:
+            bad("blend_ratio", self.blend_ratio, "must be in [0, 1]")
         if self.min_table_pages < 1:
             bad("min_table_pages", self.min_table_pages, "must be >= 1")
         if self.attention_impl not in ATTENTION_IMPLS:
             bad("attention_impl", self.attention_impl, f"must be one of {ATTENTION_IMPLS}")
+        if self.host_pages is not None and self.host_pages < 0:
+            bad("host_pages", self.host_pages, "must be >= 0 or None")
+        if self.disk_pages is not None and self.disk_pages < 0:
+            bad("disk_pages", self.disk_pages, "must be >= 0 or None")
+        if self.snapshot_interval_s is not None and not self.snapshot_interval_s > 0:
+            bad("snapshot_interval_s", self.snapshot_interval_s, "must be > 0 or None")
+        if self.snapshot_interval_s is not None and not self.snapshot_dir:
+            bad("snapshot_interval_s", self.snapshot_interval_s, "needs snapshot_dir to be set")

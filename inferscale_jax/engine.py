@@ -38,24 +38,24 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from inferscale_jax.blend import blend
 from inferscale_jax.config import EngineConfig
-from inferscale_jax.errors import RequestTooLong
+from inferscale_jax.errors import PoolExhausted, RequestTooLong
 from inferscale_jax.kv_cache import PagedKVCache, page_bytes
 from inferscale_jax.outputs import GenerationOutput, RequestMetrics
 from inferscale_jax.page_pool import PagePool
 from inferscale_jax.prefix_cache import PUBLIC_TENANT, PrefixCache, page_hash, public_root, root_hash
 from inferscale_jax.runner import ModelRunner, StepResult, StepRow
 from inferscale_jax.sampling import SamplingParams, request_key
+from inferscale_jax.scheduler import Request, RequestOutput, Scheduler
 from inferscale_jax.segments import ChainNode, Segment, SegmentInfo, SegmentStore
+from inferscale_jax.snapshot import Persistence
+from inferscale_jax.tiers import Tiers
 from models import ModelConfig, inv_freq
 from models.loader import config_digest, load_params, weights_digest
 
 log = logging.getLogger("inferscale.engine")
 MODES = ("exact", "compose", "blend")
-
-
-class PoolExhausted(RuntimeError):
-    """Not enough free KV pages right now (all are held by segments or running requests)."""
 
 
 @dataclasses.dataclass
@@ -68,6 +68,7 @@ class _Seq:
     first_own: int  # pages below this index were borrowed (shared node pages / prefix hits)
     computed: int  # tokens whose KV is in pages
     cached: int  # tokens whose KV was reused rather than computed
+    cacheable: bool = True  # False for compose/blend: approximate KV never enters the prefix cache
 
 
 class Engine:
@@ -81,6 +82,7 @@ class Engine:
         # model fingerprint = config + weights digest (given by from_pretrained) + dtype + page size
         base = fingerprint or f"{config_digest(cfg)}|unnamed-weights"
         self.fingerprint = hashlib.sha256(f"{base}|{config.dtype}|{s}".encode()).hexdigest()
+        self.model_fingerprint = hashlib.sha256(base.encode()).hexdigest()  # the part SnapshotMismatch names
         num_pages = config.hbm_pages or self._auto_pages()
         impl = config.attention_impl
         if impl == "auto":
@@ -101,6 +103,12 @@ class Engine:
                 self.bos_prefix = [tokenizer.bos_token_id]
         self._counters = dict(requests=0, prompt_tokens=0, cached_tokens=0, generated_tokens=0)
         self.debug_checks = False  # tests: check page accounting after every device step
+        # tiers and persistence (tiers.py, snapshot.py): restore runs on the finished engine
+        self.tiers = Tiers(self)
+        self.persistence = Persistence(self) if config.snapshot_dir else None
+        self.scheduler = Scheduler(self)
+        if self.persistence is not None:
+            self.persistence.restore()  # last: restore may compute segments on the finished engine
 
     @classmethod
     def from_pretrained(cls, model_dir: str | None = None, config: EngineConfig | None = None) -> "Engine":
@@ -159,6 +167,8 @@ class Engine:
             if pages is not None:
                 return pages
             victims = self.store.evictable_nodes()
+            if not victims and self.tiers.demote_lru_root():  # tiers: LRU root segment -> host
+                continue
             if not victims:
                 raise PoolExhausted(
                     f"need {n} free KV pages but only {self.pool.num_free} of {self.pool.num_pages - 1} are free; "
@@ -169,9 +179,10 @@ class Engine:
     def _release_node(self, node: ChainNode) -> None:
         self.pool.decref(reversed(node.pages))
 
-    def _materialize(self, root: bytes, tokens: list[int], base: ChainNode | None, want_logits: bool,
-                     row: StepRow | None = None, num_logprobs: int = 0) -> tuple[_Seq, StepResult | None]:
-        """Get KV for ``tokens`` into pages the returned sequence owns (see module docstring, 3)."""
+    def _prepare(self, root: bytes, tokens: list[int], base: ChainNode | None, want_logits: bool) -> _Seq:
+        """Pages for ``tokens``: share ``base``'s, take prefix-cache hits, copy a shared partial
+        page, allocate the rest (module docstring, 3).  Nothing is computed yet: the returned
+        sequence owns one reference on every page and has ``computed`` tokens in them."""
         s, n = self.config.page_size, len(tokens)
         fork = min(base.num_tokens, n - 1) if (base and want_logits) else (base.num_tokens if base else 0)
         k = fork // s
@@ -193,17 +204,31 @@ class Engine:
         if cow is not None:
             self.runner.copy_pages([cow], [new[0]])
         pages += new
-        seq = _Seq(root, list(tokens), pages, hashes, first_own=k + len(hits), computed=pos, cached=pos)
-        result = None
+        return _Seq(root, list(tokens), pages, hashes, first_own=k + len(hits), computed=pos, cached=pos)
+
+    def _register_full_pages(self, seq: _Seq) -> None:
+        """Insert every newly computed full page of ``seq`` into the prefix cache."""
+        if not seq.cacheable:
+            return
+        s = self.config.page_size
+        full = seq.computed // s
+        while len(seq.hashes) < full:  # pages that filled with generated tokens
+            i = len(seq.hashes)
+            parent = seq.hashes[i - 1] if i else seq.root
+            seq.hashes.append(page_hash(parent, seq.tokens[i * s:(i + 1) * s]))
+        for i in range(seq.first_own, full):
+            self.prefix_cache.insert(seq.hashes[i], seq.pages[i])
+        seq.first_own = max(seq.first_own, full)
+
+    def _materialize(self, root: bytes, tokens: list[int], base: ChainNode | None) -> _Seq:
+        """Prepare and compute ``tokens`` now, one chunk per step (segments and chain nodes)."""
+        seq = self._prepare(root, tokens, base, want_logits=False)
         chunk = self.config.prefill_chunk
-        row = row or StepRow([], 0, [])
-        for c in range(pos, n, chunk):
-            row = dataclasses.replace(row, tokens=tokens[c:c + chunk], start=c, pages=pages)
-            result = self._step([row], num_logprobs)
-        seq.computed = n
-        for i in range(seq.first_own, n // s):
-            self.prefix_cache.insert(hashes[i], pages[i])
-        return seq, result
+        for c in range(seq.computed, len(tokens), chunk):
+            self._step([StepRow(tokens[c:c + chunk], c, seq.pages)], 0)
+        seq.computed = len(tokens)
+        self._register_full_pages(seq)
+        return seq
 
     def _step(self, rows: list[StepRow], num_logprobs: int) -> StepResult:
         result = self.runner.step(rows, num_logprobs)
@@ -226,11 +251,13 @@ class Engine:
         ns = self.store.check_new(segment_id, tenant, public)
         total = len(self.bos_prefix) + len(ids)
         self._check_fits(total, f"segment {segment_id!r}")
-        seq, _ = self._materialize(self._root(ns), self.bos_prefix + ids, None, want_logits=False)
+        seq = self._materialize(self._root(ns), self.bos_prefix + ids, None)
         info = SegmentInfo(id=segment_id, tenant=tenant, num_tokens=len(ids), public=public, pin=pin,
                            created=time.time())
         seg = self.store.add(info, ids)
         self.store.add_node(ChainNode(ns, (seg.uid,), len(seq.tokens), seq.pages))
+        if self.persistence is not None:
+            self.persistence.on_registered(seg)  # durable (fsynced) before the acknowledgement
         return info
 
     def list_segments(self, tenant: str = "default") -> list[SegmentInfo]:
@@ -239,50 +266,159 @@ class Engine:
     def delete_segment(self, segment_id: str, tenant: str = "default") -> None:
         """Forget a segment; its pages are freed once no running request reads them."""
         seg = self.store.owned(segment_id, tenant)
+        if self.persistence is not None:
+            self.persistence.on_deleted(seg)
+        self.tiers.forget(seg.uid)
         for node in self.store.remove(seg):
             self._release_node(node)
 
     # -- generation -----------------------------------------------------------------------
-    def generate(self, prompt: str | None = None, *, prompt_token_ids=None, segments=(),
-                 tenant: str = "default", sampling: SamplingParams | None = None,
-                 mode: str = "exact") -> GenerationOutput:
+    def submit(self, prompt: str | None = None, *, prompt_token_ids=None, segments=(),
+               tenant: str = "default", sampling: SamplingParams | None = None, mode: str = "exact",
+               request_id: str | None = None) -> str:
+        """Validate and queue a request (``scheduler.py``, 1); returns its id."""
         t0 = time.perf_counter()
         sampling = sampling or SamplingParams()
         sampling.validate(self.cfg.vocab_size)
         if mode not in MODES:
             raise ValueError(f"mode={mode!r} is invalid: must be one of {MODES}")
-        if mode != "exact" and len(segments) > 1:
-            raise NotImplementedError(f"mode={mode!r} is not available yet; use mode='exact'")
         self._check_tenant(tenant)
         if prompt is not None and prompt_token_ids is not None:
             raise ValueError("give prompt= or prompt_token_ids=, not both")
+        if isinstance(segments, str):
+            raise ValueError("segments must be a list of segment ids, not a string")
         ids = (self._encode(prompt, "prompt") if prompt is not None
                else self._check_ids(prompt_token_ids or [], "prompt_token_ids"))
         chain = [self.store.resolve(sid, tenant) for sid in segments]
         if not ids and not chain:
             raise ValueError("prompt is empty and no segments are named: give at least one token")
-        seq_tokens = list(self.bos_prefix) + [t for seg in chain for t in seg.token_ids] + ids
-        self._check_fits(len(seq_tokens) + sampling.max_tokens, "request",
-                         detail=f" ({len(seq_tokens)} prompt + {sampling.max_tokens} max_tokens)")
+        tokens = list(self.bos_prefix) + [t for seg in chain for t in seg.token_ids] + ids
+        self._check_fits(len(tokens) + sampling.max_tokens, "request",
+                         detail=f" ({len(tokens)} prompt + {sampling.max_tokens} max_tokens)")
+        self._counters["requests"] += 1
+        rid = request_id or f"req-{self._counters['requests']}"
+        if rid in self.scheduler.requests:
+            raise ValueError(f"request_id={rid!r} is already in use")
+        key = np.asarray(request_key(sampling.seed, self._counters["requests"]))
+        self.scheduler.add(Request(rid, tenant, tokens, chain, sampling, mode, key, arrival=t0))
+        return rid
+
+    def step(self) -> list[RequestOutput]:
+        """One scheduler iteration: admit, one prefill step, one decode step (``scheduler.py``)."""
+        return self.scheduler.step()
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Stop a request now and release its pages (no-op for unknown or finished ids)."""
+        return self.scheduler.abort(request_id)
+
+    def generate(self, prompt: str | None = None, **kwargs) -> GenerationOutput:
+        """Run one request to completion (other queued requests are batched along)."""
+        return self.generate_batch([dict(prompt=prompt, **kwargs)])[0]
+
+    def generate_batch(self, requests: list[dict]) -> list[GenerationOutput]:
+        """Submit every request (each a dict of ``generate``'s keyword arguments), run them
+        continuously batched, and return their outputs in order."""
+        ids = [self.submit(**r) for r in requests]
+        done: dict[str, GenerationOutput] = {}
+        try:
+            while len(done) < len(ids):
+                for out in self.step():
+                    if out.finished and out.request_id in ids:
+                        if out.error is not None:
+                            raise out.error
+                        done[out.request_id] = out.output
+        except BaseException:
+            for rid in ids:
+                if rid not in done:
+                    self.abort(rid)
+            raise
+        return [done[rid] for rid in ids]
+
+    def _start(self, req: Request) -> None:
+        """Admission (``scheduler.py``, 2): chain nodes, then the request's pages."""
+        if req.mode != "exact" and len(req.chain) > 1:
+            return self._start_composed(req)
         nodes: list[ChainNode] = []
         try:
-            node, computed_now = self._walk_chain(chain, nodes)
-            out = self._run(tenant, seq_tokens, node, sampling, computed_now, t0)
-        finally:
+            node, computed_now = self._walk_chain(req.chain, nodes)
+            tokens = req.prompt_tokens + req.out_ids
+            seq = self._prepare(self._root(req.tenant), tokens, node, want_logits=True)
+        except BaseException:
             for nd in nodes:
                 nd.readers -= 1
-        return out
+            raise
+        req.seq, req.nodes, req.prefill_end = seq, nodes, len(tokens)
+        if req.cached_tokens is None:
+            req.cached_tokens = max(0, seq.cached - computed_now)
+
+    def _start_composed(self, req: Request) -> None:
+        """compose / blend admission (``blend.py``): segment 1 exact, the others spliced from their
+        standalone KV with a RoPE shift; blend then recomputes the most-deviating tokens."""
+        s, lb = self.config.page_size, len(self.bos_prefix)
+        nodes: list[ChainNode] = []
+        pages: list[int] = []
+        try:
+            for seg in req.chain:
+                node = self.store.node([seg]) or self.tiers.promote(seg)
+                node.readers += 1
+                nodes.append(node)
+            tokens = req.prompt_tokens + req.out_ids
+            n = len(tokens)
+            first = nodes[0]
+            fork = min(first.num_tokens, n - 1)
+            pages = first.pages[:fork // s]
+            self.pool.incref(pages)
+            new = self._allocate(-(-n // s) - len(pages))
+            if fork % s:
+                self.runner.copy_pages([first.pages[fork // s]], [new[0]])
+            pages = pages + new
+            src, dst, shift, blended = [], [], [], []
+            pos = first.num_tokens
+            for node, seg in zip(nodes[1:], req.chain[1:]):
+                for j in range(len(seg.token_ids)):
+                    sp, dp = lb + j, pos + j
+                    src.append(node.pages[sp // s] * s + sp % s)
+                    dst.append(pages[dp // s] * s + dp % s)
+                    shift.append(dp - sp)
+                    blended.append(dp)
+                pos += len(seg.token_ids)
+            self.runner.splice(src, dst, shift)
+            computed = min(pos, n - 1)
+            if req.mode == "blend":
+                cand = [p for p in blended if p < computed]
+                blend(self.runner, tokens, cand, pages, computed, self.config.blend_ratio)
+        except BaseException:
+            self.pool.decref(reversed(pages))
+            for nd in nodes:
+                nd.readers -= 1
+            raise
+        req.seq = _Seq(self._root(req.tenant), tokens, pages, [], first_own=0, computed=computed,
+                       cached=computed, cacheable=False)
+        req.nodes, req.prefill_end = nodes, n
+        if req.cached_tokens is None:
+            req.cached_tokens = computed
+
+    def _count_finished(self, metrics: RequestMetrics) -> None:
+        c = self._counters
+        c["prompt_tokens"] += metrics.prompt_tokens
+        c["cached_tokens"] += metrics.cached_tokens
+        c["generated_tokens"] += metrics.generated_tokens
 
     def _walk_chain(self, chain: list[Segment], nodes: list[ChainNode]) -> tuple[ChainNode | None, int]:
         node, computed = None, 0
         for i in range(len(chain)):
             sub = chain[:i + 1]
             found = self.store.node(sub)
+            if found is None and i == 0:
+                found = self.tiers.promote(sub[0])  # tiers: an evicted segment comes back to HBM
             if found is None:
                 assert node is not None, "a registered segment always has its root node"
                 ns = self.store.chain_namespace(sub)
                 toks = list(self.bos_prefix) + [t for seg in sub for t in seg.token_ids]
-                seq, _ = self._materialize(self._root(ns), toks, node, want_logits=False)
+                seq = self._materialize(self._root(ns), toks, node)
                 computed += len(toks) - seq.cached
                 found = ChainNode(ns, tuple(seg.uid for seg in sub), len(toks), seq.pages)
                 self.store.add_node(found)
@@ -290,73 +426,6 @@ class Engine:
             nodes.append(found)
             node = found
         return node, computed
-
-    def _run(self, tenant: str, tokens: list[int], node: ChainNode | None, sampling: SamplingParams,
-             computed_now: int, t0: float) -> GenerationOutput:
-        self._counters["requests"] += 1
-        key = np.asarray(request_key(sampling.seed, self._counters["requests"]))
-        row = StepRow([], 0, [], temperature=float(sampling.temperature), top_k=sampling.top_k,
-                      top_p=float(sampling.top_p), key=key, sample_step=0)
-        nl = sampling.logprobs or 0
-        want_lp = sampling.logprobs is not None
-        seq, res = self._materialize(self._root(tenant), tokens, node, want_logits=True, row=row,
-                                     num_logprobs=nl if want_lp else 0)
-        ttft = time.perf_counter() - t0
-        stop_ids = set(sampling.stop_token_ids) | (set() if sampling.ignore_eos else set(self.cfg.eos_token_ids))
-        s = self.config.page_size
-        out_ids: list[int] = []
-        logprobs: list[dict[int, float]] = []
-        finish, text = "length", None
-        t_first = time.perf_counter()
-        try:
-            while True:
-                tok = int(res.tokens[0])
-                out_ids.append(tok)
-                if want_lp:
-                    lp = {int(i): float(v) for i, v in zip(res.top_ids[0], res.top_logprobs[0])}
-                    lp[tok] = float(res.logprob[0])
-                    logprobs.append(lp)
-                if tok in stop_ids:
-                    finish = "stop"
-                    break
-                if sampling.stop:
-                    text = self._decode(out_ids)
-                    cut = min((text.find(x) for x in sampling.stop if x in text), default=-1)
-                    if cut >= 0:
-                        finish, text = "stop", text[:cut]
-                        break
-                    text = None
-                if len(out_ids) >= sampling.max_tokens:
-                    break
-                pos = len(seq.tokens)
-                seq.tokens.append(tok)
-                if pos // s >= len(seq.pages):
-                    seq.pages += self._allocate(1)
-                res = self._step([dataclasses.replace(
-                    row, tokens=[tok], start=pos, pages=seq.pages, sample_step=len(out_ids))],
-                    nl if want_lp else 0)
-                seq.computed = pos + 1
-                if seq.computed % s == 0:
-                    i = seq.computed // s - 1
-                    parent = seq.hashes[i - 1] if i else seq.root
-                    seq.hashes.append(page_hash(parent, seq.tokens[i * s:(i + 1) * s]))
-                    self.prefix_cache.insert(seq.hashes[i], seq.pages[i])
-        finally:
-            self.pool.decref(reversed(seq.pages))
-        t_end = time.perf_counter()
-        cached = max(0, seq.cached - computed_now)
-        self._counters["prompt_tokens"] += len(tokens)
-        self._counters["cached_tokens"] += cached
-        self._counters["generated_tokens"] += len(out_ids)
-        dec_s = t_end - t_first
-        metrics = RequestMetrics(
-            ttft_s=ttft, prompt_tokens=len(tokens), cached_tokens=cached, generated_tokens=len(out_ids),
-            decode_tokens_per_s=(len(out_ids) - 1) / dec_s if len(out_ids) > 1 and dec_s > 0 else 0.0,
-            e2e_s=t_end - t0)
-        return GenerationOutput(text=text if text is not None else self._decode(out_ids), token_ids=out_ids,
-                                finish_reason=finish, metrics=metrics,
-                                logprobs=logprobs if want_lp else None,
-                                request_id=f"req-{self._counters['requests']}")
 
     # -- checks and stats -----------------------------------------------------------------
     def _check_tenant(self, tenant: str) -> None:
@@ -394,7 +463,12 @@ class Engine:
             "generated_tokens": c["generated_tokens"],
             "hit_rate": c["cached_tokens"] / c["prompt_tokens"] if c["prompt_tokens"] else 0.0,
             "compiles": self.runner.compiles,
+            "running": len(self.scheduler.running),
+            "waiting": len(self.scheduler.waiting),
+            "preemptions": self.scheduler.preemptions,
             "attention_impl": self.runner.cache.impl,
+            "tiers": self.tiers.stats(),
+            "snapshot": self.persistence.stats() if self.persistence is not None else None,
         }
 
     def check_invariants(self) -> None:
@@ -403,3 +477,31 @@ class Engine:
         for node in self.store.nodes():
             for p in node.pages:
                 assert self.pool.refcount(p) > 0, f"chain node {node.key} lists unreferenced page {p}"
+        self.tiers.check_invariants()
+
+    # -- tiers and persistence (tiers.py, snapshot.py, registry.py) -------------------------
+    def save_snapshot(self) -> dict:
+        """Write every segment's KV (all tiers) to ``snapshot_dir`` now; returns the step's summary."""
+        if self.persistence is None:
+            raise ValueError("save_snapshot() needs EngineConfig(snapshot_dir=...): this engine has none")
+        return self.persistence.save(wait=True)
+
+    def maybe_snapshot(self) -> bool:
+        """Periodic snapshot (background) when due; serving loops call this between steps."""
+        return self.persistence is not None and self.persistence.maybe_snapshot()
+
+    def segment_tier(self, segment_id: str, tenant: str = "default") -> str:
+        """Where the segment's KV is now: "hbm", "host", "disk" or "recompute"."""
+        return self.tiers.where(self.store.resolve(segment_id, tenant))
+
+    def close(self) -> None:
+        """Clean shutdown: a final snapshot if segments changed since the last one."""
+        if self.persistence is not None:
+            self.persistence.close()
+        self.tiers.close()
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -22,3 +22,12 @@ class RequestTooLong(InferScaleError, ValueError):
 
 class SnapshotMismatch(InferScaleError, ValueError):
     """A snapshot was written by another model fingerprint, dtype or page size."""
+
+
+class SnapshotCorrupt(InferScaleError, RuntimeError):
+    """A snapshot's files are missing, truncated or fail their checksums; nothing was restored."""
+
+
+class PoolExhausted(InferScaleError, RuntimeError):
+    """Not enough free KV pages right now (held by segments and running requests); requests
+    wait for pages rather than fail, so this only escapes when nothing else can free any."""

@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from models.config import ModelConfig
+from models.dense_cache import dense_attention
 from pallas_kernels.decode_attention import paged_decode_attention, paged_decode_attention_ref
 from pallas_kernels.kv_write import write_kv, write_kv_pallas
 from pallas_kernels.prefill_attention import paged_prefill_attention, paged_prefill_attention_ref
@@ -33,6 +34,8 @@ class AttnMeta:
     page_table: jax.Array  # [B, max_pages] int32
     q_lens: jax.Array  # [B] int32: new tokens of each sequence in this step
     kv_lens: jax.Array  # [B] int32: tokens in pages after this step (cached + new)
+    # blend's recompute: queries at arbitrary positions, each seeing keys at positions <= its own
+    by_position: bool = dataclasses.field(default=False, metadata=dict(static=True))
 
 
 @jax.tree_util.register_dataclass
@@ -66,7 +69,9 @@ class PagedKVCache:
         kp, vp = write(self.k[layer], self.v[layer], k.reshape(b * t, hkv, d).astype(dtype),
                        v.reshape(b * t, hkv, d).astype(dtype), meta.slots)
         q = q.astype(dtype)
-        if t == 1:
+        if meta.by_position:
+            out = paged_attention_by_position(q, kp, vp, meta.page_table, positions)
+        elif t == 1:
             fn = paged_decode_attention if pallas else paged_decode_attention_ref
             out = fn(q[:, 0], kp, vp, meta.page_table, meta.kv_lens)[:, None]  # [B, 1, Hq, D]
         else:
@@ -75,6 +80,18 @@ class PagedKVCache:
         ks, vs = list(self.k), list(self.v)
         ks[layer], vs[layer] = kp, vp
         return out, PagedKVCache(ks, vs, self.impl)
+
+
+def paged_attention_by_position(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
+                                page_table: jax.Array, positions: jax.Array) -> jax.Array:
+    """q [B, T, Hq, D] at ``positions [B, T]`` over the sequence's pages: each query sees the keys
+    at positions <= its own.  Plain jnp (gathers the sequence's pages); used only by blend mode
+    to recompute a scattered subset of tokens, so it is not a kernel."""
+    hkv, _, s, d = k_pages.shape
+    b, mp = page_table.shape
+    k = k_pages[:, page_table].reshape(hkv, b, mp * s, d).transpose(1, 2, 0, 3)  # [B, MP*S, Hkv, D]
+    v = v_pages[:, page_table].reshape(hkv, b, mp * s, d).transpose(1, 2, 0, 3)
+    return dense_attention(q, k, v, positions)
 
 
 def page_bytes(cfg: ModelConfig, page_size: int, dtype) -> int:

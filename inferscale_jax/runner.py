@@ -77,9 +77,8 @@ def _model_step(params, cache: PagedKVCache, ints, floats, *, cfg: ModelConfig, 
 
 
 @functools.partial(jax.jit, static_argnames=("use_kernel",), donate_argnames=("cache",))
-def _copy_pages(cache: PagedKVCache, src_slots, dst_slots, inv_freq, *, use_kernel: bool):
+def _splice(cache: PagedKVCache, src_slots, dst_slots, shift, inv_freq, *, use_kernel: bool):
     fn = splice_kv if use_kernel else splice_kv_ref
-    shift = jnp.zeros_like(src_slots)
     ks, vs = [], []
     for k, v in zip(cache.k, cache.v):
         k, v = fn(k, v, src_slots, dst_slots, shift, inv_freq)
@@ -157,5 +156,12 @@ class ModelRunner:
         off = np.arange(s, dtype=np.int32)
         src_slots = (np.asarray(src, np.int32)[:, None] * s + off).reshape(-1)
         dst_slots = (np.asarray(dst, np.int32)[:, None] * s + off).reshape(-1)
-        self.cache = _copy_pages(self.cache, jnp.asarray(src_slots), jnp.asarray(dst_slots),
-                                 self.inv_freq, use_kernel=self.cache.impl == "pallas")
+        self.splice(src_slots, dst_slots, np.zeros_like(src_slots))
+
+    def splice(self, src_slots, dst_slots, shift) -> None:
+        """K/V of token slots src -> dst in every layer, K re-rotated by ``shift`` positions."""
+        n = len(src_slots)
+        m = next_pow2(n, 16)  # bucketed; padding entries have dst = -1 (skipped by the kernel)
+        pad = lambda x, v=0: np.pad(np.asarray(x, np.int32), (0, m - n), constant_values=v)  # noqa: E731
+        self.cache = _splice(self.cache, jnp.asarray(pad(src_slots)), jnp.asarray(pad(dst_slots, -1)),
+                             jnp.asarray(pad(shift)), self.inv_freq, use_kernel=self.cache.impl == "pallas")

@@ -127,10 +127,10 @@ class SegmentStore:
         assert len(owners) <= 1, "a chain mixes segments of several tenants"
         return owners.pop() if owners else PUBLIC_TENANT
 
-    def node(self, chain: list[Segment]) -> ChainNode | None:
+    def node(self, chain: list[Segment], touch: bool = True) -> ChainNode | None:
         key = (self.chain_namespace(chain), tuple(s.uid for s in chain))
         node = self._nodes.get(key)
-        if node is not None:
+        if node is not None and touch:
             node.last_used = time.monotonic()
             self._nodes.move_to_end(key)
         return node
@@ -148,3 +148,25 @@ class SegmentStore:
 
     def nodes(self) -> list[ChainNode]:
         return list(self._nodes.values())
+
+    # -- tiers and persistence (tiers.py, snapshot.py) ------------------------------------
+    def restore(self, info: SegmentInfo, token_ids: list[int], uid: int) -> Segment:
+        """Re-add a segment from the durable registry under its recorded uid."""
+        ns = self.check_new(info.id, info.tenant, info.public)
+        seg = Segment(info=info, uid=uid, namespace=ns, token_ids=list(token_ids))
+        self._segments[(ns, info.id)] = seg
+        self._next_uid = max(self._next_uid, uid + 1)
+        return seg
+
+    def reserve_uids(self, next_uid: int) -> None:
+        """Never hand out a uid below ``next_uid`` (uids recorded durably are not reused)."""
+        self._next_uid = max(self._next_uid, next_uid)
+
+    def root(self, seg: Segment) -> ChainNode | None:
+        """The segment's own node if its KV is in HBM (no LRU update)."""
+        return self._nodes.get((seg.namespace, (seg.uid,)))
+
+    def evictable_roots(self) -> list[ChainNode]:
+        """Registered roots no request reads and not pinned, least recently used first."""
+        pinned = {s.uid for s in self._segments.values() if s.info.pin}
+        return [n for n in self._nodes.values() if len(n.uids) == 1 and n.readers == 0 and n.uids[0] not in pinned]

@@ -45,23 +45,28 @@ def _linear(x: jax.Array, w: jax.Array, b: jax.Array | None = None) -> jax.Array
     return y if b is None else y + b
 
 
-def _layer(cfg: ModelConfig, p: dict, layer: int, x: jax.Array, cos: jax.Array, sin: jax.Array,
-           positions: jax.Array, cache: KVCache, meta: Any) -> tuple[jax.Array, KVCache]:
-    b, t, _ = x.shape  # x [B, T, H]
+def project_qkv(cfg: ModelConfig, p: dict, x: jax.Array, cos: jax.Array, sin: jax.Array):
+    """A layer's attention inputs: x [B, T, H] -> q [B, T, Hq, D], k/v [B, T, Hkv, D] (RoPE on q, k)."""
+    b, t, _ = x.shape
     d = cfg.head_dim
     h = rms_norm(x, p["attn_norm"], cfg.rms_norm_eps)
     qkv = _linear(h, p["wqkv"], p.get("bqkv"))  # [B, T, (Hq + 2 Hkv) * D]
     qd, kvd = cfg.num_heads * d, cfg.num_kv_heads * d
-    q = qkv[..., :qd].reshape(b, t, cfg.num_heads, d)  # [B, T, Hq, D]
-    k = qkv[..., qd:qd + kvd].reshape(b, t, cfg.num_kv_heads, d)  # [B, T, Hkv, D]
-    v = qkv[..., qd + kvd:].reshape(b, t, cfg.num_kv_heads, d)  # [B, T, Hkv, D]
+    q = qkv[..., :qd].reshape(b, t, cfg.num_heads, d)
+    k = qkv[..., qd:qd + kvd].reshape(b, t, cfg.num_kv_heads, d)
+    v = qkv[..., qd + kvd:].reshape(b, t, cfg.num_kv_heads, d)
     if cfg.qk_norm:
         q = rms_norm(q, p["q_norm"], cfg.rms_norm_eps)
         k = rms_norm(k, p["k_norm"], cfg.rms_norm_eps)
-    q = apply_rope(q, cos, sin)
-    k = apply_rope(k, cos, sin)
+    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+
+def _layer(cfg: ModelConfig, p: dict, layer: int, x: jax.Array, cos: jax.Array, sin: jax.Array,
+           positions: jax.Array, cache: KVCache, meta: Any) -> tuple[jax.Array, KVCache]:
+    b, t, _ = x.shape  # x [B, T, H]
+    q, k, v = project_qkv(cfg, p, x, cos, sin)
     attn, cache = cache.attend(layer, q, k, v, positions, meta)  # [B, T, Hq, D]
-    x = x + _linear(attn.reshape(b, t, cfg.num_heads * d), p["wo"], p.get("bo"))
+    x = x + _linear(attn.reshape(b, t, cfg.num_heads * cfg.head_dim), p["wo"], p.get("bo"))
     h = rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps)
     gate_up = _linear(h, p["w_gate_up"], p.get("b_gate_up"))  # [B, T, 2I]
     gate, up = jnp.split(gate_up, 2, axis=-1)

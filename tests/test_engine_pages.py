@@ -6,27 +6,13 @@ engine's allocation pattern for each request is fixed by the page arithmetic.
 
 import dataclasses
 
-import jax
 import numpy as np
 import pytest
 
-from inferscale_jax import (Engine, EngineConfig, RequestTooLong, SamplingParams, SegmentExists,
-                            SegmentNotFound)
-from models import ModelConfig, RopeConfig, init_params
+from inferscale_jax import RequestTooLong, SamplingParams, SegmentExists, SegmentNotFound
+from tiny_engine import S, make_engine
 
-S = 8
-CFG = ModelConfig(architecture="LlamaForCausalLM", vocab_size=97, hidden_size=32, intermediate_size=48,
-                  num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, rms_norm_eps=1e-5,
-                  rope=RopeConfig(), max_position_embeddings=512)
 GREEDY = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
-
-
-def make_engine(pages=64, **kw):
-    params = init_params(CFG, jax.random.PRNGKey(0), scale=0.5)
-    engine = Engine(params, CFG, None, EngineConfig(dtype="float32", page_size=S, hbm_pages=pages,
-                                                    prefill_chunk=16, **kw))
-    engine.debug_checks = True  # page accounting invariants after every device step
-    return engine
 
 
 def used_pages(engine):

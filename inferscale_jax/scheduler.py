@@ -1,0 +1,265 @@
+"""Continuous batching: the life of a request inside the engine, one scheduler step at a time.
+
+1. **Submit** (``Engine.submit``): the request is validated (segments resolved for its tenant,
+   lengths checked, sampling checked) and queued as *waiting*.  Nothing is allocated yet.
+2. **Admit** (``_admit``, start of every ``step``): waiting requests are taken first come,
+   first served, except that within a short look-ahead window a request whose segment chain is
+   already resident (no chain node to compute) goes before one that needs work.  Admission
+   walks the chain (computing missing chain nodes once, exactly), then *prepares* the
+   sequence: shared pages of the final node, prefix-cache hits, a private copy of a shared
+   partial page, fresh pages for the rest.  If the pool cannot hold it, the request stays
+   waiting (and so do those behind it: no starvation).  At most ``max_batch`` run at once.
+3. **Prefill** (``_prefill_step``): every running request that still has prompt tokens to
+   compute contributes its next chunk (at most ``prefill_chunk`` tokens), and all chunks go
+   through one device step; a long prompt therefore never stalls decodes for more than one
+   chunk.  When a request's last chunk is computed, the token sampled from its logits is its
+   first output token (TTFT).
+4. **Decode** (``_decode_step``): every decoding request feeds its last sampled token in one
+   batched step.  A request crossing a page boundary needs a new page first; if none is free
+   (after evicting cached chain nodes), the **newest** running request is preempted: its
+   pages are released and it goes back to the head of the waiting queue.  When re-admitted
+   it recomputes prompt + generated tokens (mostly prefix-cache hits) and continues with the
+   same per-step sampling keys, so its output is unchanged.
+5. **Finish**: EOS, a stop token or string, ``max_tokens``, or ``abort``: the request's page
+   references are dropped at once (its full pages stay in the prefix cache) and its chain
+   nodes lose a reader.
+
+Every step returns ``RequestOutput`` deltas (new token ids, and the final ``GenerationOutput``
+when finished); ``AsyncEngine`` turns them into per-request streams.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections import deque
+
+import numpy as np
+
+from inferscale_jax.errors import PoolExhausted
+from inferscale_jax.outputs import GenerationOutput, RequestMetrics
+from inferscale_jax.runner import StepRow
+from inferscale_jax.sampling import MAX_LOGPROBS, SamplingParams
+from inferscale_jax.segments import ChainNode, Segment
+
+LOOKAHEAD = 8  # waiting requests considered for resident-first admission
+
+
+@dataclasses.dataclass
+class Request:
+    id: str
+    tenant: str
+    prompt_tokens: list[int]  # bos + segment tokens + prompt
+    chain: list[Segment]
+    sampling: SamplingParams
+    mode: str
+    key: np.ndarray  # [2] uint32
+    arrival: float
+    status: str = "waiting"  # waiting | running | finished
+    seq: object = None  # engine._Seq while running
+    prefill_end: int = 0  # seq.computed reaches this when the (re)admitted prompt is computed
+    nodes: list[ChainNode] = dataclasses.field(default_factory=list)
+    out_ids: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[dict[int, float]] = dataclasses.field(default_factory=list)
+    cached_tokens: int | None = None
+    ttft_s: float | None = None
+    t_first: float = 0.0
+    finish_reason: str | None = None
+    text: str | None = None
+    preemptions: int = 0
+
+    @property
+    def prefilling(self) -> bool:
+        return self.seq is not None and self.seq.computed < self.prefill_end
+
+    def row(self, tokens: list[int], start: int) -> StepRow:
+        sp = self.sampling
+        return StepRow(tokens, start, self.seq.pages, temperature=float(sp.temperature), top_k=sp.top_k,
+                       top_p=float(sp.top_p), key=self.key, sample_step=len(self.out_ids))
+
+
+@dataclasses.dataclass
+class RequestOutput:
+    request_id: str
+    new_token_ids: list[int]
+    finished: bool
+    output: GenerationOutput | None = None
+    error: Exception | None = None  # set when the request could not be served
+
+
+class Scheduler:
+    def __init__(self, engine):
+        self.engine = engine
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.preemptions = 0
+        self.failed: list[RequestOutput] = []  # admission failures, reported by the next step
+
+    # -- queue ----------------------------------------------------------------------------
+    def add(self, req: Request) -> None:
+        self.requests[req.id] = req
+        self.waiting.append(req)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        req = self.requests.get(request_id)
+        if req is None or req.status == "finished":
+            return None
+        if req.status == "waiting":
+            self.waiting.remove(req)
+        return self._finish(req, "abort")
+
+    # -- one iteration --------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        self._admit()
+        outs, self.failed = self.failed, []
+        if any(r.prefilling for r in self.running):
+            outs += self._prefill_step()
+        if any(not r.prefilling for r in self.running):
+            outs += self._decode_step()
+        return outs
+
+    def _resident(self, req: Request) -> bool:
+        store = self.engine.store
+        return all(store.node(req.chain[:i + 1], touch=False) is not None for i in range(len(req.chain)))
+
+    def _admit(self) -> None:
+        e = self.engine
+        while self.waiting and len(self.running) < e.config.max_batch:
+            window = list(self.waiting)[:LOOKAHEAD]
+            req = next((r for r in window if self._resident(r)), window[0])
+            try:
+                e._start(req)
+            except PoolExhausted as err:
+                if self.running:
+                    return  # stays waiting until running requests free pages
+                self.waiting.remove(req)  # nothing will ever free pages for it: fail it
+                self.failed.append(self._finish(req, "error", error=err))
+                continue
+            self.waiting.remove(req)
+            req.status = "running"
+            self.running.append(req)
+
+    def _prefill_step(self) -> list[RequestOutput]:
+        e = self.engine
+        chunk = e.config.prefill_chunk
+        rows, reqs = [], []
+        budget = 4 * chunk  # new tokens per prefill step (rows are padded to the longest chunk)
+        for req in self.running:
+            if not req.prefilling:
+                continue
+            seq = req.seq
+            toks = seq.tokens[seq.computed:min(seq.computed + chunk, req.prefill_end)]
+            if rows and (len(rows) + 1) * max(len(toks), max(len(r.tokens) for r in rows)) > budget:
+                break
+            rows.append(req.row(toks, seq.computed))
+            reqs.append(req)
+        nl = MAX_LOGPROBS if any(r.sampling.logprobs is not None for r in reqs) else 0
+        res = e._step(rows, nl)
+        outs = []
+        for i, (req, row) in enumerate(zip(reqs, rows)):
+            req.seq.computed += len(row.tokens)
+            e._register_full_pages(req.seq)
+            if not req.prefilling:  # its last chunk: the sample is the next output token
+                if req.ttft_s is None:
+                    req.ttft_s = time.perf_counter() - req.arrival
+                    req.t_first = time.perf_counter()
+                outs.append(self._on_token(req, res, i))
+        return outs
+
+    def _decode_step(self) -> list[RequestOutput]:
+        e = self.engine
+        s = e.config.page_size
+        for req in sorted((r for r in self.running if not r.prefilling), key=lambda r: r.arrival):
+            if req.status != "running":
+                continue  # preempted while making room for an older request
+            seq = req.seq
+            if (len(seq.tokens) - 1) // s >= len(seq.pages):  # the fed token starts a new page
+                while True:
+                    try:
+                        seq.pages += e._allocate(1)
+                        break
+                    except PoolExhausted:
+                        victim = max(self.running, key=lambda r: r.arrival)
+                        self._preempt(victim)
+                        if victim is req:
+                            break
+        decoding = [r for r in self.running if not r.prefilling]
+        if not decoding:
+            return []
+        rows = []
+        for req in decoding:
+            pos = len(req.seq.tokens) - 1  # the last sampled token, not yet in the cache
+            rows.append(req.row([req.seq.tokens[pos]], pos))
+        nl = MAX_LOGPROBS if any(r.sampling.logprobs is not None for r in decoding) else 0
+        res = e._step(rows, nl)
+        outs = []
+        for i, req in enumerate(decoding):
+            req.seq.computed += 1
+            e._register_full_pages(req.seq)
+            outs.append(self._on_token(req, res, i))
+        return outs
+
+    # -- per token ------------------------------------------------------------------------
+    def _on_token(self, req: Request, res, i: int) -> RequestOutput:
+        e = self.engine
+        sp = req.sampling
+        tok = int(res.tokens[i])
+        req.out_ids.append(tok)
+        if sp.logprobs is not None:
+            lp = {int(t): float(v) for t, v in zip(res.top_ids[i][:sp.logprobs], res.top_logprobs[i][:sp.logprobs])}
+            lp[tok] = float(res.logprob[i])
+            req.logprobs.append(lp)
+        stop_ids = set(sp.stop_token_ids) | (set() if sp.ignore_eos else set(e.cfg.eos_token_ids))
+        if tok in stop_ids:
+            return self._finish(req, "stop", [tok])
+        if sp.stop:
+            text = e._decode(req.out_ids)
+            cut = min((text.find(x) for x in sp.stop if x in text), default=-1)
+            if cut >= 0:
+                req.text = text[:cut]
+                return self._finish(req, "stop", [tok])
+        if len(req.out_ids) >= sp.max_tokens:
+            return self._finish(req, "length", [tok])
+        req.seq.tokens.append(tok)  # fed to the next decode step
+        return RequestOutput(req.id, [tok], False)
+
+    def _release(self, req: Request) -> None:
+        if req.seq is not None:
+            self.engine.pool.decref(reversed(req.seq.pages))
+            req.seq = None
+        for node in req.nodes:
+            node.readers -= 1
+        req.nodes = []
+        if req in self.running:
+            self.running.remove(req)
+
+    def _preempt(self, req: Request) -> None:
+        self._release(req)
+        req.status = "waiting"
+        req.preemptions += 1
+        self.preemptions += 1
+        self.waiting.appendleft(req)
+
+    def _finish(self, req: Request, reason: str, new: list[int] | None = None,
+                error: Exception | None = None) -> RequestOutput:
+        e = self.engine
+        self._release(req)
+        req.status, req.finish_reason = "finished", reason
+        self.requests.pop(req.id, None)
+        now = time.perf_counter()
+        n = len(req.out_ids)
+        dec_s = now - req.t_first if req.t_first else 0.0
+        metrics = RequestMetrics(
+            ttft_s=req.ttft_s or 0.0, prompt_tokens=len(req.prompt_tokens),
+            cached_tokens=req.cached_tokens or 0, generated_tokens=n,
+            decode_tokens_per_s=(n - 1) / dec_s if n > 1 and dec_s > 0 else 0.0, e2e_s=now - req.arrival)
+        e._count_finished(metrics)
+        out = GenerationOutput(
+            text=req.text if req.text is not None else e._decode(req.out_ids), token_ids=list(req.out_ids),
+            finish_reason=reason, metrics=metrics,
+            logprobs=list(req.logprobs) if req.sampling.logprobs is not None else None, request_id=req.id)
+        return RequestOutput(req.id, list(new or []), True, out, error)

@@ -1,0 +1,433 @@
+"""Persistence: the durable registry plus orbax snapshots of every segment's KV, and restore.
+
+Nothing acknowledged is lost: the registry (``registry.py``) records each segment's token ids
+before ``register_segment`` returns, so its KV can always be recomputed; snapshots only make
+restarts fast.  Files under ``snapshot_dir``::
+
+    registry.sqlite3                 durable segment rows + the committed snapshot step
+    snapshots/<step>/                orbax: item "kv" {u<uid>: [L, 2, Hkv, nb, S, D]}, item "meta" (JSON)
+    snapshots/<step>.orbax-checkpoint-tmp    a save that never committed (removed at startup)
+    disk_tier/                       the disk KV tier (tiers.py): a cache, wiped at startup
+
+Life of a snapshot (``save``):
+
+1. Engine thread: every segment's KV is copied to host arrays (``Tiers.host_copies``: HBM pages
+   gathered and copied out in groups, host entries as they are, disk entries read back) and
+   checksummed (CRC-32 per array).  ``meta`` records the identity (model digest, dtype, page
+   size, fingerprint, layout) and per segment: namespace, id, uid, token digest, token and page
+   counts, checksum and LRU rank.
+2. Writer (the caller's thread, or a background thread for periodic snapshots): an orbax
+   ``Checkpointer`` writes both items into ``<step>.orbax-checkpoint-tmp`` and renames it to
+   ``<step>`` (``AtomicRenameTemporaryPath``: atomic on local file systems).
+3. Every file and directory of the step is fsynced (orbax renames but does not fsync, so a
+   power cut could otherwise leave a renamed step with missing data).
+4. Commit: the registry's ``snapshot_step`` is set to ``step`` (one fsynced transaction).
+5. Steps other than this one and the previously committed one are deleted.
+
+A kill before 4 leaves the previous committed step referenced and intact, and segments
+registered since are recomputed from the registry.  Test hook: with
+``INFERSCALE_TEST_SNAPSHOT_PAUSE_S`` set, the save sleeps between 2's data and its rename (and
+first writes the temp path to ``INFERSCALE_TEST_SNAPSHOT_PAUSE_MARKER`` if set), so a test can
+``kill -9`` it mid-snapshot.
+
+Restore (engine construction with ``snapshot_dir``), all reads and checks before any change:
+
+1. Remove unfinished temp steps.  Rows of this engine's fingerprint are loaded from the
+   registry; rows of another model/dtype/page size are left alone (``strict_restore``: raise
+   ``SnapshotMismatch`` naming the part that differs; else log it).
+2. The committed step's ``meta`` is read; another identity is ``SnapshotMismatch`` (strict) or
+   a logged warning and no KV restored (segments are then all recomputed).
+3. The KV item is read into host memory; each registry row whose (namespace, id, uid, token
+   digest) matches a snapshot record gets that array after its shape, dtype and CRC-32 are
+   checked.  Any failure is ``SnapshotCorrupt`` naming the file and the fix; nothing has
+   been changed yet.
+4. Segments are re-added under their uids.  Pinned ones go to HBM; segments with no
+   snapshot KV are recomputed; the rest fill HBM most-recently-used first while 1/8 of the
+   pool stays free for requests, then the host tier (and disk, by its capacity).
+
+Periodic snapshots: ``maybe_snapshot()`` (called after registrations and deletions, and by any
+serving loop) saves in the background when segments changed and ``snapshot_interval_s`` has
+passed; ``close()`` (also at interpreter exit) takes a final one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import concurrent.futures
+import hashlib
+import logging
+import os
+import shutil
+import threading
+import time
+import weakref
+import zlib
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+
+from inferscale_jax.errors import SnapshotCorrupt, SnapshotMismatch
+from inferscale_jax.registry import Identity, Registry, SegmentRow
+from inferscale_jax.segments import Segment, SegmentInfo
+
+log = logging.getLogger("inferscale.snapshot")
+FORMAT = "inferscale-jax/snapshot/v1"
+TMP_SUFFIX = ".orbax-checkpoint-tmp"
+PAUSE_ENV = "INFERSCALE_TEST_SNAPSHOT_PAUSE_S"
+PAUSE_MARKER_ENV = "INFERSCALE_TEST_SNAPSHOT_PAUSE_MARKER"
+HEADROOM_FRACTION = 8  # restore leaves 1/8 of the pool free
+
+
+class _RenameCommit(ocp.path.atomicity.AtomicRenameTemporaryPath):
+    """orbax's atomic-rename commit, plus the test hook that pauses just before the rename."""
+
+    async def finalize(self):
+        pause = os.environ.get(PAUSE_ENV)
+        if pause:
+            marker = os.environ.get(PAUSE_MARKER_ENV)
+            if marker:
+                with open(marker, "w") as f:
+                    f.write(str(self.get()))
+            log.warning("%s=%s: pausing before committing %s", PAUSE_ENV, pause, self.get())
+            await asyncio.sleep(float(pause))
+        await super().finalize()
+
+
+def _checkpointer() -> ocp.Checkpointer:
+    return ocp.Checkpointer(ocp.CompositeCheckpointHandler(), temporary_path_class=_RenameCommit)
+
+
+def token_digest(token_ids: list[int]) -> str:
+    return hashlib.sha256(np.asarray(token_ids, "<i4").tobytes()).hexdigest()
+
+
+def crc32(arr: np.ndarray) -> int:
+    return zlib.crc32(memoryview(np.ascontiguousarray(arr).reshape(-1).view(np.uint8)))
+
+
+def crc32_many(arrays: list[np.ndarray]) -> list[int]:
+    """CRC-32 of each array, in parallel threads (zlib releases the GIL on large buffers)."""
+    if len(arrays) < 2:
+        return [crc32(a) for a in arrays]
+    with concurrent.futures.ThreadPoolExecutor(min(len(arrays), os.cpu_count() or 1, 16)) as pool:
+        return list(pool.map(crc32, arrays))
+
+
+def _fsync_tree(path: str) -> None:
+    for root, _, files in os.walk(path):
+        for name in files:
+            fd = os.open(os.path.join(root, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        _fsync_dir(root)
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _dir_bytes(path: str) -> int:
+    return sum(os.path.getsize(os.path.join(r, f)) for r, _, fs in os.walk(path) for f in fs)
+
+
+class Persistence:
+    """The registry and snapshots of one engine (``EngineConfig.snapshot_dir``)."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.dir = engine.config.snapshot_dir
+        self.snap_dir = os.path.join(self.dir, "snapshots")
+        os.makedirs(self.snap_dir, exist_ok=True)
+        self.identity = Identity(engine.fingerprint, engine.model_fingerprint, engine.config.dtype,
+                                 engine.config.page_size)
+        self.registry = Registry(os.path.join(self.dir, "registry.sqlite3"), self.identity)
+        self._writer: threading.Thread | None = None
+        self._dirty = False
+        self._last_save = time.monotonic()
+        self._closed = False
+        self.counters = dict(snapshots=0, last_step=None, last_duration_s=0.0, last_capture_s=0.0, last_bytes=0,
+                             last_disk_bytes=0, last_error=None, restored_step=None, restore_s=0.0,
+                             restore_read_s=0.0, restore_compile_s=0.0, restore_bytes=0, restored_hbm=0, restored_host=0, recomputed=0)
+        atexit.register(_close_at_exit, weakref.ref(self))
+
+    # -- registry hooks -------------------------------------------------------------------
+    def on_registered(self, seg: Segment) -> None:
+        """Record ``seg`` durably; on failure forget it again and raise (it was never acknowledged)."""
+        i = seg.info
+        try:
+            self.registry.add(SegmentRow(seg.namespace, i.id, seg.uid, i.tenant, seg.token_ids, i.public, i.pin,
+                                         i.created))
+        except BaseException:
+            for node in self.engine.store.remove(seg):
+                self.engine._release_node(node)
+            raise
+        self._dirty = True
+        self.maybe_snapshot()
+
+    def on_deleted(self, seg: Segment) -> None:
+        self.registry.delete(seg.namespace, seg.info.id)
+        self._dirty = True
+        self.maybe_snapshot()
+
+    # -- saving ---------------------------------------------------------------------------
+    def maybe_snapshot(self) -> bool:
+        """Start a background snapshot if segments changed and ``snapshot_interval_s`` has passed."""
+        interval = self.engine.config.snapshot_interval_s
+        if interval is None or not self._dirty or (self._writer is not None and self._writer.is_alive()):
+            return False
+        if time.monotonic() - self._last_save < interval:
+            return False
+        self.save(wait=False)
+        return True
+
+    def wait(self) -> None:
+        if self._writer is not None:
+            self._writer.join()
+            self._writer = None
+
+    def save(self, wait: bool = True) -> dict:
+        """Snapshot every segment's KV; returns the step's summary (``wait=False``: the capture's)."""
+        self.wait()
+        e = self.engine
+        t0 = time.perf_counter()
+        segs = e.store.all_segments()
+        arrays = e.tiers.host_copies(segs)
+        order = [n.uids[0] for n in reversed(e.store.nodes()) if len(n.uids) == 1]
+        order += [uid for uid in reversed(e.tiers._entries) if uid not in order]
+        rank = {uid: r for r, uid in enumerate(order)}
+        records, tree = [], {}
+        kept = [seg for seg in segs if seg.uid in arrays]  # the rest are in the recompute tier
+        sums = dict(zip([seg.uid for seg in kept], crc32_many([arrays[seg.uid] for seg in kept])))
+        for seg in kept:
+            arr = arrays[seg.uid]
+            tokens = e.bos_prefix + seg.token_ids
+            key = f"u{seg.uid}"
+            records.append(dict(key=key, namespace=seg.namespace, id=seg.info.id, uid=seg.uid,
+                                num_tokens=len(tokens), num_pages=-(-len(tokens) // e.config.page_size),
+                                digest=token_digest(tokens), crc32=sums[seg.uid], rank=rank.get(seg.uid, len(rank)),
+                                pin=seg.info.pin))
+            tree[key] = arr
+        ident = self.identity
+        meta = dict(format=FORMAT, fingerprint=ident.fingerprint, model=ident.model, dtype=ident.dtype,
+                    page_size=ident.page_size, layout=list(e.tiers.layout), created=time.time(), segments=records)
+        self._dirty = False
+        self._last_save = time.monotonic()
+        capture_s = time.perf_counter() - t0
+        steps = self._steps(include_tmp=True)
+        step = max(steps, default=0) + 1
+        if wait:
+            return self._write(step, tree, meta, t0, capture_s)
+        self._writer = threading.Thread(target=self._write, args=(step, tree, meta, t0, capture_s, False),
+                                        name="inferscale-snapshot", daemon=True)
+        self._writer.start()
+        return dict(step=step, segments=len(records), capture_s=capture_s, bytes=sum(a.nbytes for a in tree.values()))
+
+    def _write(self, step: int, tree: dict, meta: dict, t0: float, capture_s: float, reraise: bool = True) -> dict:
+        path = os.path.join(self.snap_dir, str(step))
+        try:
+            prev = self.registry.get_meta("snapshot_step")
+            items = dict(meta=ocp.args.JsonSave(meta))
+            if tree:
+                items["kv"] = ocp.args.PyTreeSave(tree)
+            _checkpointer().save(path, args=ocp.args.Composite(**items))
+            _fsync_tree(path)
+            _fsync_dir(self.snap_dir)
+            self.registry.set_meta("snapshot_step", str(step))  # the commit point
+            keep = {str(step), prev}
+            for name in os.listdir(self.snap_dir):
+                if name not in keep:
+                    shutil.rmtree(os.path.join(self.snap_dir, name), ignore_errors=True)
+        except BaseException as err:
+            self.counters["last_error"] = f"{type(err).__name__}: {err}"
+            log.error("snapshot %s failed: %s (the previous snapshot stays in use)", path, err)
+            self._dirty = True
+            if reraise:
+                raise
+            return {}
+        c = self.counters
+        c.update(snapshots=c["snapshots"] + 1, last_step=step, last_duration_s=time.perf_counter() - t0,
+                 last_capture_s=capture_s, last_bytes=sum(a.nbytes for a in tree.values()),
+                 last_disk_bytes=_dir_bytes(path), last_error=None)
+        log.info("snapshot %d: %d segments, %.1f MB in %.2f s", step, len(meta["segments"]), c["last_bytes"] / 1e6,
+                 c["last_duration_s"])
+        return dict(step=step, segments=len(meta["segments"]), bytes=c["last_bytes"],
+                    disk_bytes=c["last_disk_bytes"], duration_s=c["last_duration_s"], capture_s=capture_s)
+
+    def _steps(self, include_tmp: bool = False) -> list[int]:
+        out = []
+        for name in os.listdir(self.snap_dir):
+            base = name.split(TMP_SUFFIX)[0] if include_tmp else name
+            if base.isdigit() and (include_tmp or os.path.exists(os.path.join(self.snap_dir, name,
+                                                                                "commit_success.txt"))):
+                out.append(int(base))
+        return sorted(out)
+
+    # -- restoring ------------------------------------------------------------------------
+    def restore(self) -> None:
+        try:
+            self._restore()
+        except BaseException:
+            self.registry.close()
+            self._closed = True
+            raise
+
+    def _committed_step(self) -> int | None:
+        finals = self._steps()
+        ptr = self.registry.get_meta("snapshot_step")
+        if ptr is None:
+            return finals[-1] if finals else None
+        if int(ptr) in finals:
+            return int(ptr)
+        older = [s for s in finals if s < int(ptr)]
+        log.warning("snapshot %s recorded in the registry is missing from %s; %s", ptr, self.snap_dir,
+                    f"using the older snapshot {older[-1]}" if older else "recomputing every segment")
+        return older[-1] if older else None
+
+    def _corrupt(self, path: str, what: str) -> SnapshotCorrupt:
+        return SnapshotCorrupt(
+            f"snapshot {path} is unreadable: {what}. Nothing was restored. Restore the files, or delete {path} "
+            "to start from the previous snapshot (segments it lacks are recomputed from the registry)")
+
+    def _restore(self) -> None:
+        e, strict = self.engine, self.engine.config.strict_restore
+        t0 = time.perf_counter()
+        for name in os.listdir(self.snap_dir):
+            if TMP_SUFFIX in name:
+                log.warning("removing unfinished snapshot %s (a save was interrupted)", name)
+                shutil.rmtree(os.path.join(self.snap_dir, name), ignore_errors=True)
+        rows = self.registry.rows()
+        foreign = self.registry.foreign()
+        if foreign is not None:
+            other, count = foreign
+            msg = f"{self.registry.path} holds {count} segment(s) registered by another engine: {self.identity.mismatch(other)}"
+            if strict:
+                raise SnapshotMismatch(f"{msg}; use another snapshot_dir, or strict_restore=False to start without them")
+            log.warning("%s; they are kept but not loaded", msg)
+        step = self._committed_step()
+        arrays: dict[int, np.ndarray] = {}
+        rank: dict[int, int] = {}
+        if step is not None:
+            path = os.path.join(self.snap_dir, str(step))
+            try:
+                meta = _checkpointer().restore(path, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
+                if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+                    raise ValueError(f"meta is not an {FORMAT} record")
+                other = Identity(meta["fingerprint"], meta["model"], meta["dtype"], int(meta["page_size"]))
+            except Exception as err:  # noqa: BLE001 - any failure to read is corruption
+                raise self._corrupt(path, f"its meta cannot be read ({type(err).__name__}: {err})") from err
+            why = self.identity.mismatch(other)
+            if why is not None:
+                msg = f"snapshot {path} was written by another engine: {why}"
+                if strict:
+                    raise SnapshotMismatch(f"{msg}; point snapshot_dir elsewhere, or set strict_restore=False to "
+                                           "start without its KV")
+                log.warning("%s; starting without its KV (registered segments of this model are recomputed)", msg)
+            else:
+                arrays, rank = self._load(path, meta, rows)
+                self.counters["restored_step"] = step
+        t_read = time.perf_counter()
+        # -- from here on the engine changes (everything above only read and checked) --
+        e.store.reserve_uids(self.registry.next_uid())
+        segs = []
+        for row in rows:
+            info = SegmentInfo(id=row.id, tenant=row.tenant, num_tokens=len(row.token_ids), public=row.public,
+                               pin=row.pin, created=row.created)
+            segs.append(e.store.restore(info, row.token_ids, row.uid))
+        ntok = {seg.uid: len(e.bos_prefix) + len(seg.token_ids) for seg in segs}
+        headroom = e.pool.num_pages // HEADROOM_FRACTION
+        c = self.counters
+        c["restore_compile_s"] = e.tiers.warm(a.shape[3] for a in arrays.values())  # one-time, timed apart
+        for seg in segs:  # pinned: HBM, whatever it takes
+            if seg.info.pin and seg.uid in arrays:
+                e.tiers.place(seg, ntok[seg.uid], arrays[seg.uid], headroom=0)
+                c["restored_hbm"] += 1
+        for seg in segs:  # registered after the snapshot (or not in it): recompute
+            if seg.uid not in arrays:
+                e.tiers.compute_root(seg)
+                c["recomputed"] += 1
+        rest = sorted((s for s in segs if s.uid in arrays and not s.info.pin), key=lambda s: rank[s.uid])
+        for seg in rest:  # most recently used first
+            c["restored_" + e.tiers.place(seg, ntok[seg.uid], arrays[seg.uid], headroom)] += 1
+        jax.block_until_ready(e.runner.cache.k)
+        t1 = time.perf_counter()
+        nbytes = sum(a.nbytes for a in arrays.values())
+        c.update(restore_s=t1 - t0, restore_read_s=t_read - t0, restore_bytes=nbytes)
+        self._dirty = c["recomputed"] > 0
+        if rows or step is not None:
+            log.info("restored %d segments from %s (%d to HBM, %d to host, %d recomputed): %.1f MB in %.2f s",
+                     len(segs), f"snapshot {step}" if step is not None else "the registry", c["restored_hbm"],
+                     c["restored_host"], c["recomputed"], nbytes / 1e6, t1 - t0)
+
+    def _load(self, path: str, meta: dict, rows: list[SegmentRow]) -> tuple[dict[int, np.ndarray], dict[int, int]]:
+        """Read the KV item and check every record a registry row needs (all or nothing)."""
+        e = self.engine
+        try:
+            records = {int(r["uid"]): r for r in meta["segments"]}
+            want = {}
+            for row in rows:
+                rec = records.get(row.uid)
+                tokens = e.bos_prefix + row.token_ids
+                if (rec is not None and rec["namespace"] == row.namespace and rec["id"] == row.id
+                        and rec["digest"] == token_digest(tokens)):
+                    want[row.uid] = rec
+            if not want:
+                return {}, {}
+            restore_args = {r["key"]: ocp.RestoreArgs(restore_type=np.ndarray) for r in meta["segments"]}
+            kv = _checkpointer().restore(
+                path, args=ocp.args.Composite(kv=ocp.args.PyTreeRestore(restore_args=restore_args))).kv
+        except Exception as err:  # noqa: BLE001
+            raise self._corrupt(path, f"its KV cannot be read ({type(err).__name__}: {err})") from err
+        arrays, rank = {}, {}
+        present = [rec["key"] for rec in want.values() if isinstance(kv, dict) and kv.get(rec["key"]) is not None]
+        sums = dict(zip(present, crc32_many([kv[k] for k in present])))
+        for uid, rec in want.items():
+            arr = kv.get(rec["key"]) if isinstance(kv, dict) else None
+            if arr is None:
+                raise self._corrupt(path, f"segment {rec['id']!r} (uid {uid}) is listed but its KV is missing")
+            shape = e.tiers.shape(int(rec["num_pages"]))
+            if tuple(arr.shape) != shape or arr.dtype != e.dtype:
+                raise self._corrupt(path, f"segment {rec['id']!r} has KV of shape {tuple(arr.shape)} {arr.dtype}, "
+                                          f"expected {shape} {e.dtype}")
+            if sums[rec["key"]] != int(rec["crc32"]):
+                raise self._corrupt(path, f"segment {rec['id']!r} fails its CRC-32 checksum")
+            arrays[uid] = arr
+            rank[uid] = int(rec["rank"])
+        return arrays, rank
+
+    # -- lifecycle ------------------------------------------------------------------------
+    def close(self) -> None:
+        """Finish any background write, take a final snapshot if segments changed, close the registry."""
+        if self._closed:
+            return
+        try:
+            self.wait()
+            if self._dirty:
+                self.save(wait=True)
+        finally:
+            self._closed = True
+            self.registry.close()
+
+    def stats(self) -> dict:
+        c = dict(self.counters)
+        busy = c["restore_s"] - c["restore_compile_s"]  # reading, checking and placing, without compiles
+        c["restore_mb_s"] = c["restore_bytes"] / busy / 1e6 if busy > 0 and c["restore_bytes"] else 0.0
+        c["dirty"] = self._dirty
+        c["writing"] = self._writer is not None and self._writer.is_alive()
+        return c
+
+
+def _close_at_exit(ref) -> None:
+    p = ref()
+    if p is not None and not p._closed:
+        try:
+            p.close()
+        except Exception as err:  # noqa: BLE001 - interpreter shutdown: log, never raise
+            log.error("final snapshot at exit failed: %s", err)

@@ -1,0 +1,412 @@
+"""KV tiers: the HBM page pool -> pinned host memory -> disk, LRU, with pinning and promotion.
+
+A registered segment's KV lives in exactly one place:
+
+- **hbm**: its root chain node (``ChainNode`` with one uid) holds pages of the device pool;
+- **host**: one array ``[L, 2, Hkv, nb, S, D]`` (all layers, K and V, ``nb = page_bucket(n)``
+  pages) in pinned host memory (``memory_kind="pinned_host"``, so host -> device is one DMA;
+  backends without that memory kind keep a numpy array: same code path);
+- **disk**: the same array's raw bytes in one file under ``disk_dir`` (a cache, not a
+  persistence format: the folder is wiped at startup; snapshots are ``snapshot.py``'s job);
+- **recompute**: nowhere (disk tier full): promotion recomputes it from its token ids.
+
+Life of an eviction (``Engine._allocate`` found no free pages and no evictable chain node):
+
+1. ``demote_lru_root`` picks the least recently used root that no request reads
+   (``readers == 0``), that is not ``pin=True`` and that would free at least one page.
+2. One jitted gather copies all its pages of every layer into one ``[L, 2, Hkv, nb, S, D]``
+   device array; one ``jax.device_put`` moves it to pinned host memory.  The node is dropped
+   and its page references released (its full pages stay in the prefix cache until reused).
+3. If the host tier now holds more than ``host_pages`` pages, its LRU entries go to disk;
+   if the disk tier holds more than ``disk_pages``, its LRU entries are dropped (recompute).
+
+Life of a promotion (``Engine._walk_chain`` needs a root that is not in HBM): the entry leaves
+its tier (so the allocation below cannot demote it again), pages are allocated (which may
+demote other roots), the array is read from disk if needed, moved to the device in one
+``device_put`` and scattered into the new pages by one jitted, cache-donating scatter.  The
+root node is re-created and its full pages re-indexed in the prefix cache.
+
+Shapes are bucketed (``page_bucket``: powers of two up to 8 pages, then 8 buckets per octave,
+so at most 12.5% padding) so gather and scatter compile once per bucket, not per segment
+length.  Gather padding reads the null page; scatter padding targets page id ``P`` (out of
+range) and is dropped, so no page is written but the segment's own.
+
+Counters: evictions per tier, promotions per source tier, promotion latency (allocation +
+disk read + transfer) and host -> device bandwidth (bytes / transfer time).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+import shutil
+import tempfile
+import time
+from collections import OrderedDict
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import SingleDeviceSharding
+
+from inferscale_jax.kv_cache import PagedKVCache, page_bytes
+from inferscale_jax.segments import ChainNode, Segment
+
+LOWER_TIERS = ("host", "disk", "recompute")
+TRANSFER_GROUP_BYTES = 256 << 20  # device bytes gathered at once when copying many segments out
+
+
+def page_bucket(n: int) -> int:
+    """Pages an array of ``n`` pages is padded to: 1, 2, 4, 8, then 8 buckets per octave."""
+    if n <= 8:
+        return 1 << max(0, n - 1).bit_length()
+    step = 1 << (n.bit_length() - 4)
+    return -(-n // step) * step
+
+
+@jax.jit
+def gather_pages(cache: PagedKVCache, pages: jax.Array) -> jax.Array:
+    """pages [n] int32 -> [L, 2, Hkv, n, S, D]: every layer's K and V of those pages."""
+    return jnp.stack([jnp.stack([k[:, pages], v[:, pages]]) for k, v in zip(cache.k, cache.v)])
+
+
+@functools.partial(jax.jit, donate_argnames=("cache",))
+def scatter_pages(cache: PagedKVCache, kv: jax.Array, pages: jax.Array) -> PagedKVCache:
+    """Write kv [L, 2, Hkv, n, S, D] into pages [n] int32; ids outside the pool are dropped."""
+    ks = [k.at[:, pages].set(kv[i, 0], mode="drop") for i, k in enumerate(cache.k)]
+    vs = [v.at[:, pages].set(kv[i, 1], mode="drop") for i, v in enumerate(cache.v)]
+    return PagedKVCache(ks, vs, cache.impl)
+
+
+def pinned_host_sharding(device) -> SingleDeviceSharding | None:
+    """Pinned host memory of ``device`` when the backend has that memory kind, else None."""
+    try:
+        kinds = {m.kind for m in device.addressable_memories()}
+    except Exception:  # noqa: BLE001 - backends without memory introspection
+        return None
+    return SingleDeviceSharding(device, memory_kind="pinned_host") if "pinned_host" in kinds else None
+
+
+@dataclasses.dataclass
+class TierEntry:
+    """A segment whose KV is not in HBM."""
+    uid: int
+    num_tokens: int
+    num_pages: int  # real pages; arrays hold page_bucket(num_pages)
+    tier: str  # "host" | "disk" | "recompute"
+    kv: object = None  # host: [L, 2, Hkv, nb, S, D] pinned-host jax.Array (or np.ndarray)
+    path: str | None = None  # disk: the same array's raw bytes
+
+    @property
+    def bucket(self) -> int:
+        return page_bucket(self.num_pages)
+
+
+class Tiers:
+    """Owns the host and disk tiers of one engine; the engine's pool and store are HBM."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        cfg, ec = engine.cfg, engine.config
+        cache = engine.runner.cache
+        self.device = next(iter(cache.k[0].devices()))
+        self.host_sharding = pinned_host_sharding(self.device)
+        self.device_sharding = SingleDeviceSharding(self.device)
+        # Commit the pool to its device once (device_put aliases: no copy).  Promotions bring arrays
+        # with an explicit sharding (committed); a cache that turned from uncommitted to committed
+        # on the first promotion would recompile every jitted step that takes it.
+        engine.runner.cache = jax.device_put(cache, self.device_sharding)
+        self.page_nbytes = page_bytes(cfg, ec.page_size, engine.dtype)
+        self.layout = (cfg.num_layers, 2, cfg.num_kv_heads, ec.page_size, cfg.head_dim)  # + nb at axis 3
+        if ec.host_pages is not None:
+            self.host_capacity = ec.host_pages
+        else:  # 4x the HBM pool, at most a quarter of the machine's RAM
+            ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+            self.host_capacity = min(4 * engine.pool.num_pages, ram // 4 // self.page_nbytes)
+        self.disk_capacity = ec.disk_pages  # None: unbounded
+        self._disk_dir = ec.disk_dir or (os.path.join(ec.snapshot_dir, "disk_tier") if ec.snapshot_dir else None)
+        self._own_disk_dir = False
+        if self._disk_dir and os.path.isdir(self._disk_dir):  # a cache: stale after a restart
+            for name in os.listdir(self._disk_dir):
+                if name.endswith((".kv", ".kv.tmp")):
+                    os.remove(os.path.join(self._disk_dir, name))
+        self._entries: OrderedDict[int, TierEntry] = OrderedDict()  # uid -> entry, LRU first
+        self._in_flight: int | None = None  # uid being recomputed into HBM (in no tier meanwhile)
+        self.counters = dict(evictions_hbm=0, evictions_host=0, evictions_disk=0, promotions_host=0,
+                             promotions_disk=0, promotions_recompute=0, promotion_s=0.0, promotion_bytes=0,
+                             transfer_s=0.0, last_promotion_s=0.0, last_promotion_gbps=0.0)
+
+    # -- where is a segment ---------------------------------------------------------------
+    def where(self, seg: Segment) -> str:
+        if self.engine.store.root(seg) is not None:
+            return "hbm"
+        entry = self._entries.get(seg.uid)
+        return entry.tier if entry else "missing"
+
+    def disk_dir(self) -> str:
+        if self._disk_dir is None:
+            self._disk_dir = tempfile.mkdtemp(prefix="inferscale-disk-tier-")
+            self._own_disk_dir = True
+        os.makedirs(self._disk_dir, exist_ok=True)
+        return self._disk_dir
+
+    # -- eviction (HBM -> host -> disk -> recompute) --------------------------------------
+    def demote_lru_root(self) -> bool:
+        """Move the LRU unpinned, unread root that frees a page to the host tier (False: none)."""
+        pool = self.engine.pool
+        for node in self.engine.store.evictable_roots():
+            if any(pool.refcount(p) == 1 for p in node.pages):
+                self._demote_node(node)
+                return True
+        return False
+
+    def demote(self, seg: Segment, to: str = "host") -> None:
+        """Move ``seg`` down to tier ``to`` ("host", "disk" or "recompute"); for tests and benchmarks."""
+        if to not in LOWER_TIERS:
+            raise ValueError(f"to={to!r} is invalid: must be one of {LOWER_TIERS}")
+        if seg.info.pin:
+            raise ValueError(f"segment {seg.info.id!r} is pinned (pin=True): it never leaves HBM")
+        node = self.engine.store.root(seg)
+        if node is not None:
+            if node.readers:
+                raise ValueError(f"segment {seg.info.id!r} is read by {node.readers} running request(s)")
+            self._demote_node(node)
+        entry = self._entries[seg.uid]
+        if to in ("disk", "recompute") and entry.tier == "host":
+            self._host_to_disk(entry)
+        if to == "recompute" and entry.tier == "disk":
+            self._drop(entry)
+
+    def _demote_node(self, node: ChainNode) -> None:
+        e = self.engine
+        (uid,) = node.uids
+        n = len(node.pages)
+        pages = np.zeros(page_bucket(n), np.int32)  # padding gathers the null page
+        pages[:n] = node.pages
+        kv = gather_pages(e.runner.cache, jnp.asarray(pages))
+        host = jax.device_put(kv, self.host_sharding) if self.host_sharding else np.asarray(jax.device_get(kv))
+        jax.block_until_ready(host)
+        e.store.drop_node(node)
+        e._release_node(node)
+        self._entries[uid] = TierEntry(uid, node.num_tokens, n, "host", kv=host)
+        self.counters["evictions_hbm"] += 1
+        self._enforce_capacity()
+
+    def _enforce_capacity(self) -> None:
+        while self.pages_in("host") > self.host_capacity:
+            self._host_to_disk(next(x for x in self._entries.values() if x.tier == "host"))
+        while self.disk_capacity is not None and self.pages_in("disk") > self.disk_capacity:
+            self._drop(next(x for x in self._entries.values() if x.tier == "disk"))
+
+    def _host_to_disk(self, entry: TierEntry) -> None:
+        arr = np.ascontiguousarray(np.asarray(entry.kv))
+        path = os.path.join(self.disk_dir(), f"{entry.uid}.kv")
+        with open(path + ".tmp", "wb") as f:
+            f.write(memoryview(arr.reshape(-1).view(np.uint8)))
+        os.replace(path + ".tmp", path)
+        entry.tier, entry.kv, entry.path = "disk", None, path
+        self.counters["evictions_host"] += 1
+
+    def _drop(self, entry: TierEntry) -> None:
+        if entry.path:
+            os.remove(entry.path)
+        entry.tier, entry.kv, entry.path = "recompute", None, None
+        self.counters["evictions_disk"] += 1
+
+    def _read_disk(self, entry: TierEntry) -> np.ndarray:
+        arr = np.empty(self.shape(entry.num_pages), self.engine.dtype)
+        buf = memoryview(arr.reshape(-1).view(np.uint8))
+        with open(entry.path, "rb") as f:
+            got = f.readinto(buf)
+        if got != arr.nbytes:
+            raise OSError(f"disk tier file {entry.path} holds {got} bytes, expected {arr.nbytes}")
+        return arr
+
+    def shape(self, num_pages: int) -> tuple[int, ...]:
+        L, two, hkv, s, d = self.layout
+        return (L, two, hkv, page_bucket(num_pages), s, d)
+
+    # -- promotion (disk -> host -> HBM) --------------------------------------------------
+    def promote(self, seg: Segment) -> ChainNode:
+        """Bring ``seg``'s KV back into HBM pages and return its root node."""
+        e = self.engine
+        entry = self._entries.get(seg.uid)
+        if entry is None:
+            raise AssertionError(f"segment {seg.info.id!r} (uid {seg.uid}) has no KV in any tier")
+        t0 = time.perf_counter()
+        del self._entries[seg.uid]  # out of its tier: the allocation below cannot demote it again
+        if entry.tier == "recompute":
+            self._in_flight = seg.uid
+            try:
+                node = self.compute_root(seg)
+            except BaseException:
+                self._entries[seg.uid] = entry
+                raise
+            finally:
+                self._in_flight = None
+            self.counters["promotions_recompute"] += 1
+            return node
+        try:
+            kv = entry.kv if entry.tier == "host" else self._read_disk(entry)
+            pages = e._allocate(entry.num_pages)
+        except BaseException:
+            self._entries[seg.uid] = entry
+            raise
+        node = self._install(seg, entry.num_tokens, pages, kv, t0)
+        if entry.path:
+            os.remove(entry.path)
+        self.counters[f"promotions_{entry.tier}"] += 1
+        return node
+
+    def _install(self, seg: Segment, num_tokens: int, pages: list[int], kv, t0: float) -> ChainNode:
+        """Move kv [L, 2, Hkv, nb, S, D] (host) into ``pages`` (allocated) and index the root node."""
+        e = self.engine
+        t1 = time.perf_counter()
+        dev = jax.device_put(kv, self.device_sharding)  # the one host -> device transfer
+        jax.block_until_ready(dev)
+        t2 = time.perf_counter()
+        padded = np.full(page_bucket(len(pages)), e.runner.cache.num_pages, np.int32)  # padding: dropped
+        padded[:len(pages)] = pages
+        e.runner.cache = scatter_pages(e.runner.cache, dev, jnp.asarray(padded))
+        node = ChainNode(seg.namespace, (seg.uid,), num_tokens, pages)
+        e.store.add_node(node)
+        self.index_prefix(seg, node)
+        c = self.counters
+        c["promotion_s"] += t2 - t0
+        c["transfer_s"] += t2 - t1
+        c["promotion_bytes"] += kv.nbytes
+        c["last_promotion_s"] = t2 - t0
+        c["last_promotion_gbps"] = kv.nbytes / max(t2 - t1, 1e-9) / 1e9
+        return node
+
+    def compute_root(self, seg: Segment) -> ChainNode:
+        """(Re)compute a segment's KV from its tokens into HBM, as ``register_segment`` does."""
+        e = self.engine
+        seq = e._materialize(e._root(seg.namespace), e.bos_prefix + seg.token_ids, None)
+        node = ChainNode(seg.namespace, (seg.uid,), len(seq.tokens), seq.pages)
+        e.store.add_node(node)
+        return node
+
+    def index_prefix(self, seg: Segment, node: ChainNode) -> None:
+        """Register the node's full pages in the prefix cache, as ``_materialize`` would have."""
+        e = self.engine
+        hashes = e.prefix_cache.hashes_for(e._root(seg.namespace), e.bos_prefix + seg.token_ids)
+        for h, page in zip(hashes, node.pages):
+            e.prefix_cache.insert(h, page)
+
+    # -- restore and snapshots (snapshot.py) ----------------------------------------------
+    def place(self, seg: Segment, num_tokens: int, kv: np.ndarray, headroom: int) -> str:
+        """Put restored kv into HBM if the pool has ``headroom`` pages to spare, else the host tier."""
+        e = self.engine
+        n = -(-num_tokens // e.config.page_size)
+        pages = e.pool.allocate(n) if e.pool.num_free - n >= headroom else None
+        if pages is None and seg.info.pin:
+            pages = e._allocate(n)
+        if pages is not None:
+            self._install(seg, num_tokens, pages, kv, time.perf_counter())
+            return "hbm"
+        host = jax.device_put(kv, self.host_sharding) if self.host_sharding else kv
+        self._entries[seg.uid] = TierEntry(seg.uid, num_tokens, n, "host", kv=host)
+        self._enforce_capacity()
+        return "host"
+
+    def warm(self, page_counts) -> float:
+        """Compile the scatter for the buckets of ``page_counts`` ahead of use; returns the seconds spent."""
+        t0 = time.perf_counter()
+        for nb in sorted({page_bucket(n) for n in page_counts}):
+            kv = jax.ShapeDtypeStruct(self.shape(nb), self.engine.dtype, sharding=self.device_sharding)
+            scatter_pages.lower(self.engine.runner.cache, kv, jax.ShapeDtypeStruct((nb,), jnp.int32)).compile()
+        return time.perf_counter() - t0
+
+    def host_copies(self, segs: list[Segment]) -> dict[int, np.ndarray]:
+        """Every segment's KV as host arrays [L, 2, Hkv, nb, S, D] (recompute-tier ones are left out).
+        HBM pages are gathered in groups of at most TRANSFER_GROUP_BYTES, each group's copies in flight
+        together."""
+        e = self.engine
+        out: dict[int, np.ndarray] = {}
+        group: list[tuple[int, jax.Array]] = []
+        group_bytes = 0
+
+        def flush():
+            nonlocal group_bytes
+            for uid, arr in zip([u for u, _ in group], jax.device_get([a for _, a in group])):
+                out[uid] = np.asarray(arr)
+            group.clear()
+            group_bytes = 0
+
+        for seg in segs:
+            node = e.store.root(seg)
+            if node is not None:
+                pages = np.zeros(page_bucket(len(node.pages)), np.int32)
+                pages[:len(node.pages)] = node.pages
+                group.append((seg.uid, gather_pages(e.runner.cache, jnp.asarray(pages))))
+                group_bytes += len(pages) * self.page_nbytes
+                if group_bytes >= TRANSFER_GROUP_BYTES:
+                    flush()
+                continue
+            entry = self._entries.get(seg.uid)
+            if entry is not None and entry.tier == "host":
+                out[seg.uid] = np.asarray(entry.kv)
+            elif entry is not None and entry.tier == "disk":
+                out[seg.uid] = self._read_disk(entry)
+        flush()
+        return out
+
+    # -- bookkeeping ----------------------------------------------------------------------
+    def forget(self, uid: int) -> None:
+        """A deleted segment: drop its lower-tier copy (its HBM pages are the store's)."""
+        entry = self._entries.pop(uid, None)
+        if entry is not None and entry.path:
+            os.remove(entry.path)
+
+    def pages_in(self, tier: str) -> int:
+        return sum(x.bucket for x in self._entries.values() if x.tier == tier)
+
+    def segments_in(self, tier: str) -> int:
+        return sum(1 for x in self._entries.values() if x.tier == tier)
+
+    def stats(self) -> dict:
+        e, c = self.engine, self.counters
+        roots = [n for n in e.store.nodes() if len(n.uids) == 1]
+        promotions = c["promotions_host"] + c["promotions_disk"]
+        return {
+            "hbm": {"segments": len(roots), "pages_used": e.pool.num_used,
+                    "bytes_used": e.pool.num_used * self.page_nbytes, "pages_total": e.pool.num_pages - 1,
+                    "evictions": c["evictions_hbm"]},
+            "host": {"segments": self.segments_in("host"), "pages_used": self.pages_in("host"),
+                     "bytes_used": self.pages_in("host") * self.page_nbytes, "pages_total": self.host_capacity,
+                     "evictions": c["evictions_host"],
+                     "memory_kind": "pinned_host" if self.host_sharding else "numpy"},
+            "disk": {"segments": self.segments_in("disk"), "pages_used": self.pages_in("disk"),
+                     "bytes_used": self.pages_in("disk") * self.page_nbytes, "pages_total": self.disk_capacity,
+                     "evictions": c["evictions_disk"]},
+            "recompute": {"segments": self.segments_in("recompute")},
+            "promotions": {"host": c["promotions_host"], "disk": c["promotions_disk"],
+                           "recompute": c["promotions_recompute"]},
+            "promotion_latency_s_mean": c["promotion_s"] / promotions if promotions else 0.0,
+            "promotion_latency_s_last": c["last_promotion_s"],
+            "promotion_gbps_mean": c["promotion_bytes"] / c["transfer_s"] / 1e9 if c["transfer_s"] else 0.0,
+            "promotion_gbps_last": c["last_promotion_gbps"],
+        }
+
+    def check_invariants(self) -> None:
+        """Every registered segment's KV is in exactly one tier; no lower-tier entry is orphaned."""
+        e = self.engine
+        uids = set()
+        for seg in e.store.all_segments():
+            uids.add(seg.uid)
+            if seg.uid == self._in_flight:
+                continue
+            in_hbm = e.store.root(seg) is not None
+            in_lower = seg.uid in self._entries
+            assert in_hbm != in_lower, (f"segment {seg.info.id!r} is in HBM: {in_hbm}, in a lower tier: "
+                                        f"{in_lower} (exactly one expected)")
+            if seg.info.pin:
+                assert in_hbm, f"pinned segment {seg.info.id!r} left HBM"
+        orphans = set(self._entries) - uids
+        assert not orphans, f"lower-tier entries of deleted segments: uids {sorted(orphans)}"
+
+    def close(self) -> None:
+        if self._own_disk_dir and self._disk_dir:
+            shutil.rmtree(self._disk_dir, ignore_errors=True)

@@ -1,0 +1,141 @@
+"""Continuous batching, preemption and the async/streaming API (issue 5)."""
+
+import asyncio
+import dataclasses
+
+import numpy as np
+import pytest
+
+from inferscale_jax import AsyncEngine, PoolExhausted, SamplingParams
+from tiny_engine import S, assert_only_nodes_hold_pages, make_engine
+
+
+def mixed_requests(rng, n=16):
+    """Requests mixing segments, prompt lengths and sampling parameters."""
+    seg_choices = [[], ["a"], ["b"], ["a", "b"], ["b", "a"], ["c"], ["a", "c"]]
+    reqs = []
+    for i in range(n):
+        if i % 3 == 0:
+            sp = SamplingParams(max_tokens=int(rng.integers(3, 9)), temperature=0.0, ignore_eos=True)
+        elif i % 3 == 1:
+            sp = SamplingParams(max_tokens=int(rng.integers(3, 9)), temperature=0.9, top_k=20, top_p=0.9,
+                                seed=int(rng.integers(0, 1000)), ignore_eos=True, logprobs=2)
+        else:
+            sp = SamplingParams(max_tokens=int(rng.integers(3, 9)), temperature=1.2, seed=i,
+                                ignore_eos=True, stop_token_ids=[5])
+        prompt = [int(x) for x in rng.integers(1, 97, int(rng.integers(1, 40)))]
+        reqs.append(dict(prompt_token_ids=prompt, segments=seg_choices[i % len(seg_choices)], sampling=sp))
+    return reqs
+
+
+def register(engine):
+    engine.register_segment("a", token_ids=list(range(1, 22)))  # partial last page
+    engine.register_segment("b", token_ids=list(range(30, 46)))  # exactly two pages
+    engine.register_segment("c", token_ids=[7])
+
+
+def assert_same(batched, alone):
+    assert batched.token_ids == alone.token_ids
+    assert batched.finish_reason == alone.finish_reason
+    if alone.logprobs is not None:
+        for x, y in zip(batched.logprobs, alone.logprobs):
+            assert x.keys() == y.keys()
+            assert max(abs(x[k] - y[k]) for k in x) < 1e-5
+
+
+def test_16_concurrent_requests_equal_running_alone():
+    rng = np.random.default_rng(0)
+    reqs = mixed_requests(rng)
+    alone_engine = make_engine(pages=256)
+    register(alone_engine)
+    alone = [alone_engine.generate(**r) for r in reqs]
+    engine = make_engine(pages=256)
+    register(engine)
+    batched = engine.generate_batch(reqs)
+    for b, a in zip(batched, alone):
+        assert_same(b, a)
+    assert_only_nodes_hold_pages(engine)  # every request's pages came back
+    assert engine.stats()["running"] == 0 and engine.stats()["waiting"] == 0
+
+
+def test_tiny_pool_preempts_and_outputs_are_unchanged():
+    rng = np.random.default_rng(1)
+    reqs = [dict(prompt_token_ids=[int(x) for x in rng.integers(1, 97, 20)],
+                 sampling=SamplingParams(max_tokens=20, temperature=0.8, seed=i, ignore_eos=True))
+            for i in range(8)]
+    alone_engine = make_engine(pages=64)
+    alone = [alone_engine.generate(**r) for r in reqs]
+    engine = make_engine(pages=12)  # 11 usable pages; each request needs 5 by its end
+    free0 = engine.pool.num_free
+    batched = engine.generate_batch(reqs)
+    for b, a in zip(batched, alone):
+        assert_same(b, a)
+    assert engine.stats()["preemptions"] > 0
+    assert engine.pool.num_free == free0  # no leak
+    engine.check_invariants()
+
+
+def test_request_that_can_never_fit_fails_instead_of_waiting_forever():
+    engine = make_engine(pages=8)  # 7 usable pages
+    engine.register_segment("big", token_ids=list(range(1, 5 * S + 1)), pin=True)  # 5 pages, stays in HBM
+    with pytest.raises(PoolExhausted, match="free KV pages"):
+        engine.generate(prompt_token_ids=list(range(50, 50 + 3 * S)), sampling=SamplingParams(max_tokens=4))
+    assert engine.stats()["waiting"] == 0 and engine.stats()["running"] == 0
+
+
+def test_long_prompt_is_chunked_and_does_not_stall_decodes():
+    engine = make_engine(pages=128)
+    short = engine.submit(prompt_token_ids=[1, 2, 3], sampling=SamplingParams(max_tokens=30, temperature=0.0,
+                                                                               ignore_eos=True))
+    engine.step()  # the short request is decoding now
+    long = engine.submit(prompt_token_ids=list(range(1, 90)) * 2,  # 178 tokens: 12 chunks of 16
+                         sampling=SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
+    got_short, steps = 0, 0
+    while True:
+        outs = engine.step()
+        steps += 1
+        got_short += sum(len(o.new_token_ids) for o in outs if o.request_id == short)
+        if any(o.request_id == long and o.new_token_ids for o in outs):
+            break
+    assert steps >= 11  # the long prompt took one chunk per step ...
+    assert got_short >= steps - 1  # ... while the short request produced a token every step
+    while engine.has_unfinished():
+        engine.step()
+
+
+def test_async_stream_is_incremental_and_cancel_frees_pages():
+    engine = make_engine(pages=64)
+    sp = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    expected = engine.generate(prompt_token_ids=[3, 4, 5], sampling=sp)
+    free0 = engine.pool.num_free
+    aeng = AsyncEngine(engine)
+
+    async def main():
+        deltas = [d async for d in aeng.stream(prompt_token_ids=[3, 4, 5], sampling=sp)]
+        assert len(deltas) == 12 and deltas[-1].finished and not deltas[0].finished
+        assert [t for d in deltas for t in d.new_token_ids] == expected.token_ids
+        assert deltas[-1].output.token_ids == expected.token_ids
+
+        # many in flight at once
+        outs = await asyncio.gather(*[aeng.generate(prompt_token_ids=[i + 1, 2], sampling=sp) for i in range(6)])
+        assert all(len(o.token_ids) == 12 for o in outs)
+
+        # cancel mid-stream: the pages come back before the next step
+        long = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
+        agen = aeng.stream(prompt_token_ids=list(range(1, 40)), sampling=long)
+        got = [await agen.__anext__() for _ in range(3)]
+        assert engine.pool.num_free < free0
+        await agen.aclose()
+        for _ in range(200):
+            stats = await aeng.stats()
+            if stats["running"] == 0:
+                break
+            await asyncio.sleep(0.01)
+        assert stats["running"] == 0 and stats["waiting"] == 0
+        assert engine.pool.num_free == free0
+        assert len(got) == 3
+
+    try:
+        asyncio.run(main())
+    finally:
+        aeng.shutdown()
