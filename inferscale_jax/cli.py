@@ -5,6 +5,7 @@ tokenizer files); without it, the embedded default model is used (built locally 
 
     inferscale init-default              build the default model and print its folder
     inferscale generate --prompt TEXT    generate a completion (dense KV cache)
+    inferscale demo                      KV injection vs full prefill: TTFT and identical outputs
 """
 
 from __future__ import annotations
@@ -50,12 +51,23 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def cmd_demo(args) -> int:
+    from inferscale_jax.demo import run_demo
+
+    return 0 if run_demo(args.model, max_tokens=args.max_tokens) else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="inferscale", description="InferScale-JAX: serving by KV injection")
     sub = p.add_subparsers(dest="command", required=True)
 
     s = sub.add_parser("init-default", help="build the embedded default model and print its folder")
     s.set_defaults(fn=cmd_init_default)
+
+    s = sub.add_parser("demo", help="KV injection vs full prefill side by side (TTFT, identical outputs)")
+    s.add_argument("--model", help="HF checkpoint folder (default: the embedded default model)")
+    s.add_argument("--max-tokens", type=int, default=24)
+    s.set_defaults(fn=cmd_demo)
 
     s = sub.add_parser("generate", help="generate a completion for a prompt")
     s.add_argument("--model", help="HF checkpoint folder (default: the embedded default model)")

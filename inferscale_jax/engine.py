@@ -134,7 +134,10 @@ class Engine:
         if "bytes_limit" in stats:
             free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
             return max(2, int(free * self.config.hbm_fraction) // per_page)
-        return max(2, min(4096, (1 << 30) // per_page))  # host-only backends: up to 1 GiB
+        # host-only backends cannot donate buffers, so every step copies a layer's pool: keep it
+        # small (64 MiB), but big enough for two sequences of the model's maximum length
+        one_seq = -(-self.max_model_len // self.config.page_size)
+        return max(2 * one_seq + 1, (64 << 20) // per_page)
 
     # -- tokens ---------------------------------------------------------------------------
     def _encode(self, text: str, field: str) -> list[int]:
@@ -190,7 +193,8 @@ class Engine:
         limit = (n - 1) // s if want_logits else n // s
         shared = base.pages[:k] if base else []
         self.pool.incref(shared)
-        hits = self.prefix_cache.lookup(hashes[k:limit]) if limit > k else []
+        use_cache = self.config.prefix_caching and limit > k
+        hits = self.prefix_cache.lookup(hashes[k:limit]) if use_cache else []
         pages = shared + hits
         pos = (k + len(hits)) * s
         cow = base.pages[k] if (base and not hits and fork % s) else None
@@ -208,7 +212,7 @@ class Engine:
 
     def _register_full_pages(self, seq: _Seq) -> None:
         """Insert every newly computed full page of ``seq`` into the prefix cache."""
-        if not seq.cacheable:
+        if not seq.cacheable or not self.config.prefix_caching:
             return
         s = self.config.page_size
         full = seq.computed // s
@@ -259,6 +263,82 @@ class Engine:
         if self.persistence is not None:
             self.persistence.on_registered(seg)  # durable (fsynced) before the acknowledgement
         return info
+
+    def register_segments_batch(self, items, *, tenant: str = "default", public: bool = False, pin: bool = False,
+                                step_overhead_tokens: int = 256) -> list[SegmentInfo]:
+        """``register_segment`` for many segments at once, their KV computed together (bulk
+        precompute, ``precompute.py``).  ``items``: ``(segment_id, token_ids)`` pairs.
+
+        1. Every item is checked as ``register_segment`` checks it (and ids must be distinct)
+           before anything changes; a bad item raises and nothing is registered.
+        2. Pages are prepared document by document, all-or-nothing each (``_prepare``).  When the
+           pool cannot hold the next one, the documents already holding pages are computed and
+           registered first (their roots can then be demoted to the host tier) and preparation
+           resumes; ``PoolExhausted`` only when a document finds no pages with nothing pending
+           (then the items before it stay registered).
+        3. Each device step runs one chunk of every unfinished document (one ``StepRow`` each, at
+           most ``max_batch`` rows).  Its length ``t`` is the power of two (as the runner buckets
+           it, <= ``prefill_chunk``) that maximizes computed tokens / (padded tokens +
+           ``step_overhead_tokens``, a step's fixed cost), so documents of similar length fill
+           their steps: a 700-token batch runs t=512, then t=128, then t=64.
+        4. Each document is registered exactly as ``register_segment`` does (prefix-cache pages,
+           root chain node, durable registry row before returning) and its ``SegmentInfo`` returned."""
+        self._check_tenant(tenant)
+        docs, seen = [], set()
+        for segment_id, token_ids in items:
+            if not isinstance(segment_id, str) or not segment_id or len(segment_id) > 256:
+                raise ValueError(f"segment_id={segment_id!r} is invalid: use a non-empty string of at most 256 chars")
+            if segment_id in seen:
+                raise ValueError(f"segment_id={segment_id!r} appears twice in one batch: give each id once")
+            seen.add(segment_id)
+            ids = self._check_ids(token_ids, f"token_ids of segment {segment_id!r}")
+            if not ids:
+                raise ValueError(f"segment {segment_id!r} is empty: give at least one token")
+            ns = self.store.check_new(segment_id, tenant, public)
+            self._check_fits(len(self.bos_prefix) + len(ids), f"segment {segment_id!r}")
+            docs.append((segment_id, ids, ns))
+        infos: list[SegmentInfo] = []
+        chunk, max_rows = self.config.prefill_chunk, self.config.max_batch
+        while docs:
+            seqs: list[_Seq] = []
+            done = 0  # seqs whose pages a registered root node owns
+            try:
+                for segment_id, ids, ns in docs:
+                    try:
+                        seqs.append(self._prepare(self._root(ns), self.bos_prefix + ids, None, want_logits=False))
+                    except PoolExhausted:
+                        if not seqs:
+                            raise
+                        break  # compute and register what holds pages, then go on
+                live = [q for q in seqs if q.computed < len(q.tokens)]
+                while live:
+                    for g in range(0, len(live), max_rows):
+                        group = live[g:g + max_rows]
+                        rem = [len(q.tokens) - q.computed for q in group]
+                        b = 1 << (len(group) - 1).bit_length()  # the runner's batch bucket
+                        t = max((1 << i for i in range(4, chunk.bit_length())),
+                                key=lambda t: sum(min(r, t) for r in rem) / (b * t + step_overhead_tokens))
+                        self._step([StepRow(q.tokens[q.computed:q.computed + t], q.computed, q.pages)
+                                    for q in group], 0)
+                        for q, r in zip(group, rem):
+                            q.computed += min(r, t)
+                    live = [q for q in live if q.computed < len(q.tokens)]
+                for (segment_id, ids, ns), seq in zip(docs, seqs):
+                    self._register_full_pages(seq)
+                    info = SegmentInfo(id=segment_id, tenant=tenant, num_tokens=len(ids), public=public, pin=pin,
+                                       created=time.time())
+                    seg = self.store.add(info, ids)
+                    self.store.add_node(ChainNode(ns, (seg.uid,), len(seq.tokens), seq.pages))
+                    done += 1  # the node owns the pages now (on_registered releases them if it fails)
+                    if self.persistence is not None:
+                        self.persistence.on_registered(seg)  # durable (fsynced) before the acknowledgement
+                    infos.append(info)
+            except BaseException:
+                for seq in seqs[done:]:
+                    self.pool.decref(reversed(seq.pages))
+                raise
+            docs = docs[len(seqs):]
+        return infos
 
     def list_segments(self, tenant: str = "default") -> list[SegmentInfo]:
         return self.store.visible(tenant)
