@@ -195,7 +195,6 @@ def copy_bandwidth(args):
     rows = []
 
     def timed(step):
-        nonlocal x
         for _ in range(3):
             step()
         jax.block_until_ready(x)

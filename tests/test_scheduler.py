@@ -1,7 +1,6 @@
 """Continuous batching, preemption and the async/streaming API (issue 5)."""
 
 import asyncio
-import dataclasses
 
 import numpy as np
 import pytest
