@@ -155,7 +155,8 @@ class Persistence:
         self._closed = False
         self.counters = dict(snapshots=0, last_step=None, last_duration_s=0.0, last_capture_s=0.0, last_bytes=0,
                              last_disk_bytes=0, last_error=None, restored_step=None, restore_s=0.0,
-                             restore_read_s=0.0, restore_compile_s=0.0, restore_bytes=0, restored_hbm=0, restored_host=0, recomputed=0)
+                             restore_read_s=0.0, restore_compile_s=0.0, restore_bytes=0, restored_hbm=0,
+                             restored_host=0, recomputed=0)
         atexit.register(_close_at_exit, weakref.ref(self))
 
     # -- registry hooks -------------------------------------------------------------------
@@ -307,9 +308,11 @@ class Persistence:
         foreign = self.registry.foreign()
         if foreign is not None:
             other, count = foreign
-            msg = f"{self.registry.path} holds {count} segment(s) registered by another engine: {self.identity.mismatch(other)}"
+            msg = (f"{self.registry.path} holds {count} segment(s) registered by another engine: "
+                   f"{self.identity.mismatch(other)}")
             if strict:
-                raise SnapshotMismatch(f"{msg}; use another snapshot_dir, or strict_restore=False to start without them")
+                raise SnapshotMismatch(f"{msg}; use another snapshot_dir, or strict_restore=False to start "
+                                       "without them")
             log.warning("%s; they are kept but not loaded", msg)
         step = self._committed_step()
         arrays: dict[int, np.ndarray] = {}

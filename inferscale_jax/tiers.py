@@ -97,6 +97,7 @@ class TierEntry:
     tier: str  # "host" | "disk" | "recompute"
     kv: object = None  # host: [L, 2, Hkv, nb, S, D] pinned-host jax.Array (or np.ndarray)
     path: str | None = None  # disk: the same array's raw bytes
+    hashes: list[bytes] | None = None  # prefix-cache keys of its full pages (hashed once, at demotion)
 
     @property
     def bucket(self) -> int:
@@ -187,9 +188,10 @@ class Tiers:
         kv = gather_pages(e.runner.cache, jnp.asarray(pages))
         host = jax.device_put(kv, self.host_sharding) if self.host_sharding else np.asarray(jax.device_get(kv))
         jax.block_until_ready(host)
+        seg = next(s for s in e.store.all_segments() if s.uid == uid)
         e.store.drop_node(node)
         e._release_node(node)
-        self._entries[uid] = TierEntry(uid, node.num_tokens, n, "host", kv=host)
+        self._entries[uid] = TierEntry(uid, node.num_tokens, n, "host", kv=host, hashes=self.page_hashes(seg))
         self.counters["evictions_hbm"] += 1
         self._enforce_capacity()
 
@@ -253,13 +255,14 @@ class Tiers:
         except BaseException:
             self._entries[seg.uid] = entry
             raise
-        node = self._install(seg, entry.num_tokens, pages, kv, t0)
+        node = self._install(seg, entry.num_tokens, pages, kv, t0, entry.hashes)
         if entry.path:
             os.remove(entry.path)
         self.counters[f"promotions_{entry.tier}"] += 1
         return node
 
-    def _install(self, seg: Segment, num_tokens: int, pages: list[int], kv, t0: float) -> ChainNode:
+    def _install(self, seg: Segment, num_tokens: int, pages: list[int], kv, t0: float,
+                 hashes: list[bytes] | None = None, count: bool = True) -> ChainNode:
         """Move kv [L, 2, Hkv, nb, S, D] (host) into ``pages`` (allocated) and index the root node."""
         e = self.engine
         t1 = time.perf_counter()
@@ -271,7 +274,10 @@ class Tiers:
         e.runner.cache = scatter_pages(e.runner.cache, dev, jnp.asarray(padded))
         node = ChainNode(seg.namespace, (seg.uid,), num_tokens, pages)
         e.store.add_node(node)
-        self.index_prefix(seg, node)
+        for h, page in zip(hashes or self.page_hashes(seg), pages):  # as _materialize would have
+            e.prefix_cache.insert(h, page)
+        if not count:  # a restore, not a promotion
+            return node
         c = self.counters
         c["promotion_s"] += t2 - t0
         c["transfer_s"] += t2 - t1
@@ -288,12 +294,10 @@ class Tiers:
         e.store.add_node(node)
         return node
 
-    def index_prefix(self, seg: Segment, node: ChainNode) -> None:
-        """Register the node's full pages in the prefix cache, as ``_materialize`` would have."""
+    def page_hashes(self, seg: Segment) -> list[bytes]:
+        """The prefix-cache keys of the segment's full pages."""
         e = self.engine
-        hashes = e.prefix_cache.hashes_for(e._root(seg.namespace), e.bos_prefix + seg.token_ids)
-        for h, page in zip(hashes, node.pages):
-            e.prefix_cache.insert(h, page)
+        return e.prefix_cache.hashes_for(e._root(seg.namespace), e.bos_prefix + seg.token_ids)
 
     # -- restore and snapshots (snapshot.py) ----------------------------------------------
     def place(self, seg: Segment, num_tokens: int, kv: np.ndarray, headroom: int) -> str:
@@ -304,7 +308,7 @@ class Tiers:
         if pages is None and seg.info.pin:
             pages = e._allocate(n)
         if pages is not None:
-            self._install(seg, num_tokens, pages, kv, time.perf_counter())
+            self._install(seg, num_tokens, pages, kv, time.perf_counter(), count=False)
             return "hbm"
         host = jax.device_put(kv, self.host_sharding) if self.host_sharding else kv
         self._entries[seg.uid] = TierEntry(seg.uid, num_tokens, n, "host", kv=host)

@@ -219,3 +219,45 @@ def test_restore_throughput_cpu(tmp_path):
           f"({st['restore_s'] * 1e3:.0f} ms in all: compiling {st['restore_compile_s'] * 1e3:.0f} ms, "
           f"reading {st['restore_read_s'] * 1e3:.0f} ms)")
     e2.close()
+
+
+def test_snapshot_holds_every_tier_and_restores_to_host_when_hbm_is_short(tmp_path):
+    d = str(tmp_path / "snap")
+    e = make_engine(snapshot_dir=d)
+    for i in range(5):
+        e.register_segment(f"s{i}", token_ids=seg_tokens(i))  # 3 pages each
+    ref = {f"s{i}": gen(e, f"s{i}") for i in range(5)}
+    e.tiers.demote(e.store.resolve("s0", "default"), "host")
+    e.tiers.demote(e.store.resolve("s1", "default"), "disk")
+    e.save_snapshot()
+    e.close()
+    # 15 usable pages, 1/8 kept free: four segments fit in HBM, the least recently used goes to the host
+    small = make_engine(pages=16, snapshot_dir=d)
+    st = small.stats()["snapshot"]
+    assert (st["restored_hbm"], st["restored_host"], st["recomputed"]) == (4, 1, 0)
+    assert small.segment_tier("s0") == "host"  # demoted first: the least recently used
+    for sid, want in ref.items():
+        assert gen(small, sid) == want
+    small.check_invariants()
+    small.close()
+
+
+def test_a_snapshot_is_used_only_once_committed_in_the_registry(tmp_path):
+    d = str(tmp_path / "snap")
+    e = make_engine(snapshot_dir=d)
+    e.register_segment("a", token_ids=seg_tokens(0))
+    e.save_snapshot()
+    e.register_segment("b", token_ids=seg_tokens(1))
+    assert e.save_snapshot()["step"] == 2
+    e.close()
+    # a kill between orbax's rename of step 2 and the registry's commit leaves step 1 committed
+    db = sqlite3.connect(os.path.join(d, "registry.sqlite3"))
+    db.execute("UPDATE meta SET value = '1' WHERE key = 'snapshot_step'")
+    db.commit()
+    db.close()
+    e2 = make_engine(snapshot_dir=d)
+    st = e2.stats()["snapshot"]
+    assert st["restored_step"] == 1 and st["recomputed"] == 1  # b: registered after step 1
+    assert e2.save_snapshot()["step"] == 3
+    assert sorted(os.listdir(os.path.join(d, "snapshots"))) == ["1", "3"]  # committed 3 and its predecessor
+    e2.close()

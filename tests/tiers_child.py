@@ -11,7 +11,8 @@ import os
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [HERE, os.path.dirname(HERE)]  # tiers_common, and the repository (inferscale_jax, models)
 
 from tiers_common import gen, make_engine, seg_tokens  # noqa: E402
 
