@@ -9,7 +9,7 @@ from inferscale_jax.config import EngineConfig
 from inferscale_jax.default_model import default_model_dir
 from inferscale_jax.engine import Engine
 from inferscale_jax.errors import (PoolExhausted, RequestTooLong, SegmentExists, SegmentNotFound,
-                                   SnapshotMismatch)
+                                   SnapshotCorrupt, SnapshotMismatch)
 from inferscale_jax.outputs import GenerationOutput, RequestMetrics
 from inferscale_jax.sampling import SamplingParams
 from inferscale_jax.scheduler import RequestOutput
@@ -28,6 +28,7 @@ __all__ = [
     "SegmentExists",
     "SegmentInfo",
     "SegmentNotFound",
+    "SnapshotCorrupt",
     "SnapshotMismatch",
     "default_model_dir",
 ]

@@ -8,7 +8,7 @@ plain Python state).  ``AsyncEngine`` owns it from one thread, the *engine loop*
    the awaiting coroutine through a ``concurrent.futures.Future``;
 2. if any request is unfinished, run one ``engine.step()`` and push each ``RequestOutput`` to
    its request's asyncio queue (``loop.call_soon_threadsafe``);
-3. otherwise sleep until the next command arrives.
+3. otherwise sleep until the next command arrives (and take a periodic snapshot when due).
 
 So request handlers never block the event loop on device work, and every HTTP request is
 continuously batched with the others.  ``stream()`` yields a request's deltas as they are
@@ -58,6 +58,10 @@ class AsyncEngine:
                     except queue.Empty:
                         break
                     self._run_command(fn, fut)
+            try:
+                self.engine.maybe_snapshot()  # periodic snapshot when due (runs in the background)
+            except Exception:  # noqa: BLE001 - a failed snapshot must not stop serving
+                log.exception("periodic snapshot failed")
             if self.engine.has_unfinished():
                 try:
                     outs = self.engine.step()
@@ -69,6 +73,8 @@ class AsyncEngine:
                     self._deliver(out.request_id, out.error if out.error is not None else out)
 
     def _run_command(self, fn: Callable, fut: concurrent.futures.Future | None) -> None:
+        if fut is not None and not fut.set_running_or_notify_cancel():
+            return  # the caller was cancelled before the command ran: skip it
         try:
             result = fn()
         except BaseException as e:  # noqa: BLE001 - handed to the caller
@@ -115,7 +121,13 @@ class AsyncEngine:
             self._streams[rid] = (loop, q)  # before the next step can produce output
             return rid
 
-        rid = await self.call(submit)
+        try:
+            rid = await self.call(submit)
+        except asyncio.CancelledError:
+            rid = request.get("request_id")
+            if rid is not None:  # the submit may have run already: abort it (commands run in order)
+                self._cmds.put((lambda: (self._streams.pop(rid, None), self.engine.abort(rid)), None))
+            raise
         finished = False
         try:
             while True:
