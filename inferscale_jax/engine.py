@@ -1,32 +1,33 @@
 """The ``Engine``: segments, exact KV injection, prefix caching and generation over paged KV.
 
-Life of a request (``generate``):
+What a request goes through here (the scheduler, ``scheduler.py``, decides *when*):
 
-1. **Resolve** each named segment in the tenant's namespace (then the public one); an unknown
-   or foreign id is ``SegmentNotFound``.  Check lengths against the model and the pool
-   (``RequestTooLong``) and the sampling parameters (``ValueError`` naming the field).
-2. **Chain**: walk the chain index for ``[s1]``, ``[s1, s2]``, ... (``segments.py``).  A
-   missing node ``[s1..si]`` is computed once, exactly: its parent's pages are reused (full
-   pages shared, the partially filled last page copied), ``si``'s tokens are prefilled at
-   their real positions over that context, and the node is cached.
-3. **Materialize** the request's sequence (``_materialize``): share the final node's pages,
-   look up the prompt's following full pages in the prefix cache (hash chain seeded with the
-   tenant and the model fingerprint), copy-on-write a partially filled shared page, allocate
-   the rest, and prefill what is left in chunks.  At least the last token is always computed
-   (its logits give the first output token).  ``cached_tokens`` counts the tokens whose KV
-   was reused.
-4. **Decode** one token per step, allocating a page when the sequence crosses a page
-   boundary and registering every page that fills in the prefix cache, until EOS, a stop
-   token / string, or ``max_tokens``.
+1. **Submit** (``submit``): resolve each named segment in the tenant's namespace (then the
+   public one); an unknown or foreign id is ``SegmentNotFound``.  Check lengths against the
+   model and the pool (``RequestTooLong``) and the sampling parameters (``ValueError`` naming
+   the field).
+2. **Chain** (``_walk_chain``, at admission): walk the chain index for ``[s1]``,
+   ``[s1, s2]``, ... (``segments.py``).  A segment evicted to host or disk is promoted back
+   first (``tiers.py``).  A missing node ``[s1..si]`` is computed once, exactly: its parent's
+   pages are reused (full pages shared, the partially filled last page copied), ``si``'s
+   tokens are prefilled at their real positions over that context, and the node is cached.
+   compose / blend take the segments' own nodes instead (``_start_composed``, ``blend.py``).
+3. **Prepare** the request's sequence (``_prepare``): share the final node's pages, look up
+   the prompt's following full pages in the prefix cache (hash chain seeded with the tenant
+   and the model fingerprint), copy-on-write a partially filled shared page, allocate the
+   rest.  At least the last token is always computed (its logits give the first output
+   token).  ``cached_tokens`` counts the tokens whose KV was reused.
+4. **Compute**: the scheduler batches prefill chunks and decode steps of all running requests
+   (``_step`` -> ``runner.py``); every page that fills is registered in the prefix cache
+   (``_register_full_pages``).  Pages run short: chain nodes are evicted, then unused segments
+   demoted to host, then the newest request is preempted.
 5. **Release** the request's page references (its full pages stay cached, reusable until the
    pool needs them) and the chain nodes' reader counts.
 
 Shared pages are never written: a request writes only pages it allocated (including its
-private copy of a shared partial page).  Continuous batching, preemption and the
-compose/blend modes are built on the same pieces by the scheduler (a later stage); here one
-request runs at a time, through a runner that already steps batches.
+private copy of a shared partial page).  Segments themselves are computed synchronously
+(``_materialize``), in ``register_segment`` / ``register_segments_batch`` or at admission.
 """
-
 from __future__ import annotations
 
 import dataclasses
