@@ -266,7 +266,7 @@ class Engine:
         return info
 
     def register_segments_batch(self, items, *, tenant: str = "default", public: bool = False, pin: bool = False,
-                                step_overhead_tokens: int = 256) -> list[SegmentInfo]:
+                                step_tokens: int = 16384, step_overhead_tokens: int = 256) -> list[SegmentInfo]:
         """``register_segment`` for many segments at once, their KV computed together (bulk
         precompute, ``precompute.py``).  ``items``: ``(segment_id, token_ids)`` pairs.
 
@@ -277,14 +277,17 @@ class Engine:
            registered first (their roots can then be demoted to the host tier) and preparation
            resumes; ``PoolExhausted`` only when a document finds no pages with nothing pending
            (then the items before it stay registered).
-        3. Each device step runs one chunk of every unfinished document (one ``StepRow`` each, at
-           most ``max_batch`` rows).  Its length ``t`` is the power of two (as the runner buckets
-           it, <= ``prefill_chunk``) that maximizes computed tokens / (padded tokens +
-           ``step_overhead_tokens``, a step's fixed cost), so documents of similar length fill
-           their steps: a 700-token batch runs t=512, then t=128, then t=64.
+        3. Each device step runs one chunk (``StepRow``) of each of the unfinished documents with
+           the most tokens left: at most ``max_batch`` rows and ``step_tokens`` padded tokens (rows
+           x chunk, both as the runner pads them to powers of two; this bounds activation memory).
+           The chunk length ``t`` (a power of two <= ``prefill_chunk``) is the one maximizing
+           computed tokens / (padded tokens + ``step_overhead_tokens``, a step's fixed cost), so
+           documents of similar length fill their steps: 700-token ones run t=512, t=128, t=64.
         4. Each document is registered exactly as ``register_segment`` does (prefix-cache pages,
            root chain node, durable registry row before returning) and its ``SegmentInfo`` returned."""
         self._check_tenant(tenant)
+        if step_tokens < 16:
+            raise ValueError(f"step_tokens={step_tokens} is invalid: must be >= 16 (the smallest chunk bucket)")
         docs, seen = [], set()
         for segment_id, token_ids in items:
             if not isinstance(segment_id, str) or not segment_id or len(segment_id) > 256:
@@ -313,16 +316,19 @@ class Engine:
                         break  # compute and register what holds pages, then go on
                 live = [q for q in seqs if q.computed < len(q.tokens)]
                 while live:
-                    for g in range(0, len(live), max_rows):
-                        group = live[g:g + max_rows]
-                        rem = [len(q.tokens) - q.computed for q in group]
-                        b = 1 << (len(group) - 1).bit_length()  # the runner's batch bucket
-                        t = max((1 << i for i in range(4, chunk.bit_length())),
-                                key=lambda t: sum(min(r, t) for r in rem) / (b * t + step_overhead_tokens))
-                        self._step([StepRow(q.tokens[q.computed:q.computed + t], q.computed, q.pages)
-                                    for q in group], 0)
-                        for q, r in zip(group, rem):
-                            q.computed += min(r, t)
+                    live.sort(key=lambda q: q.computed - len(q.tokens))  # most tokens left first
+                    rem = [len(q.tokens) - q.computed for q in live]
+                    best = (-1.0, 0, 0)  # (efficiency, t, rows)
+                    for t in (1 << i for i in range(4, chunk.bit_length())):
+                        if t > step_tokens:
+                            break
+                        n = min(len(live), max_rows, 1 << ((step_tokens // t).bit_length() - 1))
+                        padded = (1 << (n - 1).bit_length()) * t  # the runner pads rows to a power of two
+                        best = max(best, (sum(min(r, t) for r in rem[:n]) / (padded + step_overhead_tokens), t, n))
+                    _, t, n = best
+                    self._step([StepRow(q.tokens[q.computed:q.computed + t], q.computed, q.pages) for q in live[:n]], 0)
+                    for q in live[:n]:
+                        q.computed = min(len(q.tokens), q.computed + t)
                     live = [q for q in live if q.computed < len(q.tokens)]
                 for (segment_id, ids, ns), seq in zip(docs, seqs):
                     self._register_full_pages(seq)

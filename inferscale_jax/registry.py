@@ -20,6 +20,10 @@ Schema
   a stale chain or snapshot entry can never be mistaken for a new segment) and
   ``snapshot_step`` (the last snapshot whose files were fsynced: the commit point that
   ``snapshot.py`` restores from).
+- ``segment_meta``: optional key/value pairs per segment, keyed like ``segments`` plus ``key``
+  and stamped with the segment's ``uid`` (a row whose uid is not the live segment's is stale
+  and ignored).  ``precompute.py`` keeps each document's ``text_sha256`` here, so a re-run
+  skips unchanged documents.  Deleting a segment deletes its meta rows in the same transaction.
 
 The registry is shared by the engine thread and the snapshot writer thread (which records
 ``snapshot_step``); a lock serializes them.
@@ -50,6 +54,15 @@ CREATE TABLE IF NOT EXISTS segments (
     pin INTEGER NOT NULL,
     created REAL NOT NULL,
     PRIMARY KEY (fingerprint, namespace, id)
+);
+CREATE TABLE IF NOT EXISTS segment_meta (
+    fingerprint TEXT NOT NULL,
+    namespace TEXT NOT NULL,
+    id TEXT NOT NULL,
+    uid INTEGER NOT NULL,        -- the segment the value was recorded for
+    key TEXT NOT NULL,
+    value TEXT NOT NULL,
+    PRIMARY KEY (fingerprint, namespace, id, key)
 );
 """
 
@@ -121,6 +134,13 @@ class Registry:
             row = self._db.execute("SELECT value FROM meta WHERE key = ?", (key,)).fetchone()
         return None if row is None else row[0]
 
+    def segment_meta(self, key: str) -> dict[tuple[str, str], tuple[int, str]]:
+        """``(namespace, id) -> (uid, value)`` of this engine's segment meta rows for ``key``."""
+        with self._lock:
+            cur = self._db.execute("SELECT namespace, id, uid, value FROM segment_meta WHERE fingerprint = ? "
+                                   "AND key = ?", (self.identity.fingerprint, key))
+            return {(ns, sid): (uid, value) for ns, sid, uid, value in cur.fetchall()}
+
     def next_uid(self) -> int:
         with self._lock:
             row = self._db.execute("SELECT value FROM meta WHERE key = 'next_uid'").fetchone()
@@ -147,9 +167,32 @@ class Registry:
                 raise
 
     def delete(self, namespace: str, segment_id: str) -> None:
+        key = (self.identity.fingerprint, namespace, segment_id)
         with self._lock:
-            self._db.execute("DELETE FROM segments WHERE fingerprint = ? AND namespace = ? AND id = ?",
-                             (self.identity.fingerprint, namespace, segment_id))
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                self._db.execute("DELETE FROM segments WHERE fingerprint = ? AND namespace = ? AND id = ?", key)
+                self._db.execute("DELETE FROM segment_meta WHERE fingerprint = ? AND namespace = ? AND id = ?", key)
+                self._db.execute("COMMIT")
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+
+    def set_segment_meta(self, key: str, entries: list[tuple[str, str, int, str]]) -> None:
+        """Record ``key`` for many segments, ``entries`` = ``(namespace, id, uid, value)``, in one
+        fsynced transaction (the value replaces any earlier one)."""
+        fp = self.identity.fingerprint
+        with self._lock:
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                self._db.executemany(
+                    "INSERT INTO segment_meta VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT(fingerprint, namespace, id, key) "
+                    "DO UPDATE SET uid = excluded.uid, value = excluded.value",
+                    [(fp, ns, sid, uid, key, value) for ns, sid, uid, value in entries])
+                self._db.execute("COMMIT")
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
 
     def set_meta(self, key: str, value: str) -> None:
         with self._lock:

@@ -1,0 +1,276 @@
+"""Bulk precompute throughput vs our batched prefill's peak on one long sequence (issue 8).
+
+Usage (from the repository root)::
+
+    python bench/precompute.py --out bench/results          # H200, Llama-3-8B shape, ~3-4 min
+    python bench/precompute.py --quick --out /tmp/pq        # tiny model on CPU, ~1 min
+
+Model: Llama-3-8B shape (32 layers, hidden 4096, 32 q / 8 kv heads, d=128, vocab 128256), random
+bf16 weights generated on the device (``models.init_params``), the embedded default model's
+tokenizer (its 1024 ids are valid ids of the big vocabulary), so the whole pipeline runs: JSONL
+-> grain (parse, hash, tokenize, length buckets) -> ``Engine.register_segments_batch``.  Engine:
+page 16, ``prefill_chunk`` 2048, ``max_batch`` = ``--batch``, the page pool sized from free device
+memory (``hbm_pages=None``), ``min_table_pages`` covering the longest document (one table width).
+
+Corpus: ``--docs`` documents (default: as many as make ``--tokens`` tokens) of random words from
+the default model's corpus, lengths uniform in [``--min-len``, ``--max-len``] tokens (approximately:
+the measured token counts are reported).
+
+1. **Peak**: ``register_segment`` of one sequence of L random tokens (L in ``--peak-lens``),
+   chunked prefill at ``prefill_chunk`` tokens per step; one warm-up registration of the same L
+   first (compiles), then the median of ``--reps`` timed ones (each deleted again).  Peak = the best
+   L's tokens / s.
+2. **Precompute**: the corpus under tenant ``warmup`` (compiles every step shape the corpus needs;
+   timed and reported as "first run"), its segments deleted, then the same corpus under tenant
+   ``bench`` (new prefix-cache roots: everything is computed again), timed end to end
+   (pipeline + device steps + registration).  A spy on ``runner.step`` counts steps, rows and
+   padded vs computed tokens (the runner pads rows and chunk lengths to powers of two).
+3. **Verdict**: precompute tokens/s / peak tokens/s, target >= 0.80.
+
+Persistence: by default the engine has no ``snapshot_dir`` (the peak has none either): the
+durable registry's fsync per document and the final snapshot are not in the figure; with
+``--snapshot-dir DIR`` they are (the snapshot timed apart).  ``--quick`` always uses a temporary
+snapshot dir, so the CPU run covers the whole path.  Writes ``precompute.md`` to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import shlex
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+MD: list[str] = []
+
+
+def log(msg=""):
+    print(msg, flush=True)
+
+
+def table(title, headers, rows):
+    log(f"\n## {title}")
+    widths = [max(len(str(h)), *(len(str(r[i])) for r in rows)) if rows else len(str(h)) for i, h in enumerate(headers)]
+    log("  ".join(str(h).ljust(w) for h, w in zip(headers, widths)))
+    for r in rows:
+        log("  ".join(str(c).ljust(w) for c, w in zip(r, widths)))
+    MD.extend([f"## {title}", "", "| " + " | ".join(map(str, headers)) + " |", "|" + "---|" * len(headers)])
+    MD.extend("| " + " | ".join(map(str, r)) + " |" for r in rows)
+    MD.append("")
+
+
+def settings(args):
+    if args.quick:
+        s = dict(shape=dict(vocab=1024, hidden=64, inter=128, layers=2, heads=4, kv=2, head_dim=16, max_pos=4096),
+                 chunk=256, tokens=60_000, min_len=32, max_len=512, peak_lens=[1024, 2048], reps=2, batch=64,
+                 hbm_pages=1 + 8192)
+    else:
+        s = dict(shape=dict(vocab=128256, hidden=4096, inter=14336, layers=32, heads=32, kv=8, head_dim=128,
+                            max_pos=32768),
+                 chunk=2048, tokens=400_000, min_len=128, max_len=2048, peak_lens=[2048, 4096, 8192, 16384],
+                 reps=3, batch=64, hbm_pages=None)
+    for k in ("tokens", "min_len", "max_len", "batch", "reps", "chunk"):
+        if getattr(args, k) is not None:
+            s[k] = getattr(args, k)
+    if args.peak_lens:
+        s["peak_lens"] = [int(x) for x in args.peak_lens.split(",")]
+    return s
+
+
+def model_config(sh):
+    from models import ModelConfig, RopeConfig
+    return ModelConfig(architecture="LlamaForCausalLM", vocab_size=sh["vocab"], hidden_size=sh["hidden"],
+                       intermediate_size=sh["inter"], num_layers=sh["layers"], num_heads=sh["heads"],
+                       num_kv_heads=sh["kv"], head_dim=sh["head_dim"], rms_norm_eps=1e-5,
+                       rope=RopeConfig(theta=500000.0), max_position_embeddings=sh["max_pos"])
+
+
+def make_corpus(path, tok, s, n_docs, seed=0):
+    """JSONL of random-word documents, lengths ~uniform in [min_len, max_len] tokens."""
+    from importlib import resources
+    words = resources.files("inferscale_jax").joinpath("data/corpus.txt").read_text(encoding="utf-8").split()
+    rng = np.random.default_rng(seed)
+    sample = " ".join(rng.choice(words, 2000))
+    per_word = len(tok.encode(sample, add_special_tokens=False)) / 2000  # tokens per word
+    if n_docs is None:
+        n_docs = max(1, int(s["tokens"] / ((s["min_len"] + s["max_len"]) / 2)))
+    with open(path, "w") as f:
+        for i in range(n_docs):
+            n = int(rng.integers(s["min_len"], s["max_len"] + 1) / per_word)
+            f.write(json.dumps({"id": f"doc-{i:06d}", "text": " ".join(rng.choice(words, max(1, n)))}) + "\n")
+    return n_docs
+
+
+class StepSpy:
+    """Counts device steps, rows and tokens (computed vs as the runner pads them)."""
+
+    def __init__(self, engine):
+        from inferscale_jax.runner import next_pow2
+        self.engine, self.orig = engine, engine.runner.step
+        self.reset()
+
+        def step(rows, nl=0):
+            n, longest = len(rows), max(len(r.tokens) for r in rows)
+            self.steps += 1
+            self.rows += n
+            self.tokens += sum(len(r.tokens) for r in rows)
+            self.padded += min(next_pow2(n), engine.runner.max_batch) * (1 if longest == 1 else next_pow2(longest, 16))
+            return self.orig(rows, nl)
+        engine.runner.step = step
+
+    def reset(self):
+        self.steps = self.rows = self.tokens = self.padded = 0
+
+
+def peak(eng, s, rng):
+    rows, best = [], 0.0
+    vocab = eng.cfg.vocab_size
+    for L in s["peak_lens"]:
+        if L > eng.max_model_len:
+            continue
+        eng.register_segment(f"peak-warm-{L}", token_ids=rng.integers(0, vocab, L).tolist())
+        eng.delete_segment(f"peak-warm-{L}")
+        times = []
+        for r in range(s["reps"]):
+            ids = rng.integers(0, vocab, L).tolist()
+            t0 = time.perf_counter()
+            eng.register_segment(f"peak-{L}-{r}", token_ids=ids)
+            times.append(time.perf_counter() - t0)
+            eng.delete_segment(f"peak-{L}-{r}")
+        t = statistics.median(times)
+        best = max(best, L / t)
+        rows.append([L, f"{t * 1e3:.1f}", f"{L / t:,.0f}"])
+    table("1. Peak: chunked prefill of one long sequence (register_segment, median)",
+          ["L tokens", "ms", "tokens/s"], rows)
+    return best
+
+
+def run(args):
+    from inferscale_jax.config import EngineConfig
+    from inferscale_jax.default_model import default_model_dir
+    from inferscale_jax.engine import Engine
+    from inferscale_jax.precompute import precompute
+    from inferscale_jax.tokenizer import load_tokenizer
+    from models import init_params
+
+    s = args.s
+    cfg = model_config(s["shape"])
+    tok = load_tokenizer(default_model_dir())
+    t0 = time.time()
+    params = init_params(cfg, jax.random.PRNGKey(0), dtype=jnp.bfloat16)
+    jax.block_until_ready(params)
+    wbytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(params))
+    log(f"params {wbytes / 1e9:.2f} GB, init {time.time() - t0:.1f} s")
+    tmp = tempfile.mkdtemp(prefix="bench-precompute-")
+    snap = args.snapshot_dir or (os.path.join(tmp, "snap") if args.quick else None)
+    page = 16
+    config = EngineConfig(dtype="bfloat16", page_size=page, hbm_pages=s["hbm_pages"], prefill_chunk=s["chunk"],
+                          max_batch=s["batch"], min_table_pages=-(-s["max_len"] // page), snapshot_dir=snap)
+    eng = Engine(params, cfg, tok, config)
+    pool_tokens = (eng.pool.num_pages - 1) * page
+    log(f"engine: pool {eng.pool.num_pages - 1} pages ({pool_tokens:,} tokens), attention "
+        f"{eng.stats()['attention_impl']}, snapshot_dir {snap}")
+    corpus = os.path.join(tmp, "corpus.jsonl")
+    n_docs = make_corpus(corpus, tok, s, args.docs)
+    R = dict(n_docs=n_docs, wbytes=wbytes, pool_tokens=pool_tokens)
+
+    R["peak"] = peak(eng, s, np.random.default_rng(7))
+
+    spy = StepSpy(eng)
+    c0, t0 = eng.compiles, time.perf_counter()
+    warm = precompute(eng, corpus, tenant="warmup", batch=s["batch"], step_tokens=args.step_tokens, snapshot=False,
+                      progress=not args.no_progress)
+    R["first_s"], R["first_compiles"] = time.perf_counter() - t0, eng.compiles - c0
+    for info in eng.list_segments("warmup"):
+        eng.delete_segment(info.id, tenant="warmup")
+    spy.reset()
+    c0 = eng.compiles
+    res = precompute(eng, corpus, tenant="bench", batch=s["batch"], step_tokens=args.step_tokens,
+                     snapshot=snap is not None, progress=not args.no_progress)
+    R.update(res=res, compiles=eng.compiles - c0, steps=spy.steps, rows=spy.rows, padded=spy.padded,
+             computed=spy.tokens, tiers=eng.tiers.stats())
+    assert res.computed == warm.computed == n_docs and not res.bad, (res.summary(), res.bad[:5])
+    ratio = res.tokens_per_s / R["peak"] if R["peak"] else float("nan")
+    R["ratio"] = ratio
+    table("2. Precompute (timed run: pipeline + device steps + registration)",
+          ["documents", "tokens", "seconds", "docs/s", "tokens/s", "device steps", "rows/step", "tokens/step",
+           "computed/padded", "compiles in run", "first run s (compiles)"],
+          [[res.computed, f"{res.tokens:,}", f"{res.seconds:.2f}", f"{res.docs_per_s:,.1f}", f"{res.tokens_per_s:,.0f}",
+            spy.steps, f"{spy.rows / max(1, spy.steps):.1f}", f"{spy.tokens / max(1, spy.steps):,.0f}",
+            f"{spy.tokens / max(1, spy.padded):.2f}", R["compiles"], f"{R['first_s']:.1f} ({R['first_compiles']})"]])
+    if res.snapshot is not None:
+        log(f"snapshot: {res.snapshot} in {res.snapshot_s:.2f} s")
+    ev = R["tiers"]["hbm"]["evictions"]
+    if ev:
+        log(f"WARNING: {ev} segments were demoted to the host tier during the run (pool too small for the corpus)")
+    verdict = "met" if ratio >= 0.8 else "NOT met"
+    table("3. Target: precompute tokens/s >= 80% of the peak", ["precompute tok/s", "peak tok/s", "ratio", "verdict"],
+          [[f"{res.tokens_per_s:,.0f}", f"{R['peak']:,.0f}", f"{ratio:.2f}", verdict]])
+    eng.close()
+    shutil.rmtree(tmp, ignore_errors=True)
+    return R
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", default=os.path.join("bench", "results"))
+    ap.add_argument("--quick", action="store_true", help="tiny model, runs on CPU")
+    ap.add_argument("--docs", type=int, default=None, help="documents (default: --tokens worth)")
+    ap.add_argument("--tokens", type=int, default=None, help="approximate corpus tokens")
+    ap.add_argument("--min-len", type=int, default=None)
+    ap.add_argument("--max-len", type=int, default=None)
+    ap.add_argument("--batch", type=int, default=None, help="documents per batch and max rows per step")
+    ap.add_argument("--chunk", type=int, default=None, help="prefill_chunk")
+    ap.add_argument("--step-tokens", type=int, default=None, help="padded tokens per step (engine default: 16384)")
+    ap.add_argument("--peak-lens", default=None, help="comma separated lengths for the peak")
+    ap.add_argument("--reps", type=int, default=None)
+    ap.add_argument("--snapshot-dir", default=None, help="include the registry and the final snapshot")
+    ap.add_argument("--no-progress", action="store_true")
+    args = ap.parse_args()
+    args.s = settings(args)
+    log(f"devices: {jax.devices()}  jax {jax.__version__}  settings {args.s}")
+    t0 = time.time()
+    failure = None
+    try:
+        R = run(args)
+    except Exception:  # noqa: BLE001 - report it in the markdown too
+        failure = traceback.format_exc()
+        log(failure)
+        R = {}
+    total = time.time() - t0
+    dev = jax.devices()[0]
+    cmd = " ".join(shlex.quote(a) for a in [os.path.relpath(sys.argv[0], ROOT)] + sys.argv[1:])
+    head = [f"# Precompute benchmark ({'quick, tiny model' if args.quick else 'Llama-3-8B shape, random bf16'})", "",
+            f"- date: {datetime.datetime.now().isoformat(timespec='seconds')}",
+            f"- device: {dev.device_kind} ({dev.platform}), jax {jax.__version__}",
+            f"- command: `python {cmd}`",
+            f"- settings: {args.s}",
+            f"- corpus: {R.get('n_docs')} documents; KV pool {R.get('pool_tokens', 0):,} tokens",
+            f"- total time: {total:.0f} s", ""]
+    if failure:
+        head += ["**FAILED:**", "", "```", failure, "```", ""]
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, "precompute.md")
+    with open(path, "w") as f:
+        f.write("\n".join(head + MD) + "\n")
+    log(f"\nwrote {path}")
+    if failure:
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,311 @@
+"""``create_app``: the OpenAI-compatible FastAPI app over one engine (DESIGN.md, "HTTP API").
+
+Threads: the ``Engine`` is owned by the ``AsyncEngine`` loop thread (continuous batching across
+all HTTP requests); handlers run on the asyncio event loop and reach the engine only through
+``AsyncEngine`` (``stream``, ``call``), so they never block the event loop on device work and
+never touch engine state from another thread.  Periodic snapshots (``engine.maybe_snapshot()``)
+are taken by the ``AsyncEngine`` loop itself, between steps; the CLI's ``engine.close()`` after
+uvicorn stops takes the final one.
+
+Layers, outermost first:
+
+1. ``ServingMiddleware`` (``middleware.py``): 413 on bodies over ``max_body_bytes`` before any
+   parsing; one JSON log line and ``requests_total`` per request.
+2. Auth (``auth.py``): ``Authorization: Bearer`` -> tenant (+ admin flag); 401 otherwise.  No
+   key file: the single tenant ``default``.  ``/health`` and ``/metrics`` need no key;
+   ``/v1/stats`` needs an admin key.
+3. Body parsing (``_parse``): strict UTF-8, then JSON (NaN / Infinity / deep nesting rejected),
+   each failure a 400; then the pydantic model (``schemas.py``), whose errors are a 422 naming
+   the field.  Nothing malformed reaches the engine, and nothing malformed raises out of a
+   handler: every exception becomes an OpenAI error body (``errors.py``), a 500 only for bugs.
+4. Routes: completions and chat (``generation.py``), segments, models, stats, health, metrics.
+
+Segments: ``POST /v1/segments`` computes the KV on the engine thread (the call returns when the
+segment is durable, per DESIGN.md); ``GET /v1/segments`` lists the caller's and the public
+segments; ``GET`` / ``DELETE /v1/segments/{id}`` answer a foreign id exactly like a missing one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import copy
+import json
+import logging
+import time
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from inferscale_jax.async_engine import AsyncEngine
+from serving.auth import LOCAL, Principal, load_api_keys
+from serving.errors import APIError, from_engine, internal_error, segment_not_found
+from serving.generation import chat_job, completion_job, run_job
+from serving.metrics import ServerMetrics
+from serving.middleware import LOG_KEY, ServingMiddleware
+from serving.schemas import ChatCompletionRequest, CompletionRequest, SegmentCreate
+
+log = logging.getLogger("inferscale.server")
+MAX_JSON_DEPTH = 64
+_TYPE_TAGS = {"str", "int", "float", "bool", "none", "dict", "list"}
+
+
+class ServerState:
+    """What handlers share: the engine handle, a private tokenizer copy, metrics, limits."""
+
+    def __init__(self, async_engine, *, api_keys, max_waiting, model_name, default_max_tokens):
+        self.async_engine = async_engine
+        self.engine = async_engine.engine
+        tok = getattr(self.engine, "tokenizer", None)
+        try:  # a private copy: the engine thread's tokenizer is never used from the event loop
+            self.tokenizer = copy.deepcopy(tok)
+        except Exception:  # noqa: BLE001 - fall back to sharing (decode is read-only)
+            self.tokenizer = tok
+        self.api_keys = api_keys
+        self.max_waiting = max_waiting
+        self.model_name = model_name
+        self.default_max_tokens = default_max_tokens
+        self.metrics = ServerMetrics()
+        self.pending = 0  # requests submitted but without a first token yet (generation.py, 2)
+        self.started = int(time.time())
+
+    def decode(self, ids: list[int]) -> str:
+        if self.tokenizer is None:
+            return ""
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def admit(self) -> None:
+        if self.pending >= self.max_waiting:
+            raise APIError(503, f"server overloaded: {self.pending} requests are queued (limit {self.max_waiting}, "
+                           "max_waiting); retry after the Retry-After seconds", "overloaded",
+                           headers={"Retry-After": "1"})
+        self.pending += 1
+
+    def principal(self, request: Request) -> Principal:
+        p = LOCAL if self.api_keys is None else self.api_keys.authenticate(request.headers.get("authorization"))
+        request.scope.get(LOG_KEY, {})["tenant"] = p.tenant
+        return p
+
+
+def _check_json(obj, depth: int = 0) -> None:
+    """Bounded nesting, and no lone surrogates (``"\\ud800"`` escapes are not Unicode text)."""
+    if depth > MAX_JSON_DEPTH:
+        raise APIError(400, f"JSON nested deeper than {MAX_JSON_DEPTH} levels", "invalid_json")
+    if isinstance(obj, str):
+        try:
+            obj.encode("utf-8")
+        except UnicodeEncodeError:
+            raise APIError(400, "a JSON string holds a lone surrogate escape (e.g. \\ud800), which is not "
+                           "valid Unicode text", "invalid_json") from None
+    elif isinstance(obj, dict):
+        for k, v in obj.items():
+            _check_json(k, depth + 1)
+            _check_json(v, depth + 1)
+    elif isinstance(obj, list):
+        for v in obj:
+            _check_json(v, depth + 1)
+
+
+def _reject_constant(name: str):
+    raise ValueError(f"{name} is not valid JSON")
+
+
+async def _parse(request: Request, model):
+    raw = await request.body()
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise APIError(400, f"request body is not valid UTF-8 (byte {e.start}): send UTF-8 JSON",
+                       "invalid_json") from None
+    try:
+        obj = json.loads(text, parse_constant=_reject_constant)
+    except (ValueError, RecursionError) as e:
+        msg = str(e) if isinstance(e, ValueError) else "nested too deeply"
+        raise APIError(400, f"request body is not valid JSON: {msg}", "invalid_json") from None
+    _check_json(obj)
+    if not isinstance(obj, dict):
+        raise APIError(422, f"request body must be a JSON object, not {type(obj).__name__}", "invalid_field")
+    try:
+        return model.model_validate(obj)
+    except ValidationError as e:
+        raise _validation_error(e) from None
+
+
+def _validation_error(e: ValidationError) -> APIError:
+    first = e.errors(include_url=False)[0]
+    # drop pydantic's union-branch tags ("str", "list[int]", ...) from the location; keep names and indices
+    loc = ".".join(str(x) for x in first["loc"] if not (isinstance(x, str) and (x in _TYPE_TAGS or "[" in x)))
+    if first["type"] == "extra_forbidden":
+        msg = f"unknown or unsupported field {loc!r}: this server rejects fields it would otherwise ignore"
+    else:
+        msg = f"{loc or 'body'}: {first['msg']}"
+        if "input" in first and first["type"] not in ("missing",) and len(repr(first["input"])) <= 80:
+            msg += f" (got {first['input']!r})"
+    more = len(e.errors()) - 1
+    if more > 0:
+        msg += f" (and {more} more error{'s' if more > 1 else ''})"
+    return APIError(422, msg, "invalid_field", loc or None)
+
+
+def _segment_json(info) -> dict:
+    return {"id": info.id, "object": "segment", "num_tokens": info.num_tokens, "public": info.public,
+            "pin": info.pin, "created": int(info.created)}
+
+
+def create_app(engine_or_async_engine, *, api_keys=None, max_body_bytes: int = 2 << 20, max_waiting: int = 256,
+               model_name: str = "inferscale", default_max_tokens: int = 256) -> FastAPI:
+    """The app.  ``engine_or_async_engine``: an ``Engine`` (wrapped in an ``AsyncEngine`` the app
+    owns and shuts down) or an ``AsyncEngine`` (the caller owns it).  ``api_keys``: ``None``
+    (one local tenant), a path to a JSON/TOML key file, a mapping, or ``ApiKeys``.
+    ``max_waiting``: queued requests beyond which new ones get 503.  ``default_max_tokens``: chat
+    requests that give no ``max_tokens`` (completions default to 16, like OpenAI)."""
+    if max_body_bytes < 1 or max_waiting < 1:
+        raise ValueError("max_body_bytes and max_waiting must be >= 1")
+    owned = not hasattr(engine_or_async_engine, "stream")
+    ae = AsyncEngine(engine_or_async_engine) if owned else engine_or_async_engine
+    state = ServerState(ae, api_keys=load_api_keys(api_keys), max_waiting=max_waiting, model_name=model_name,
+                        default_max_tokens=default_max_tokens)
+    engine = state.engine
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        try:
+            yield
+        finally:
+            if owned:
+                ae.shutdown()
+
+    app = FastAPI(title="InferScale-JAX", lifespan=lifespan)
+    app.state.serving = state
+    app.add_middleware(ServingMiddleware, max_body_bytes=max_body_bytes, metrics=state.metrics)
+
+    @app.exception_handler(APIError)
+    async def _api_error(request, exc: APIError):
+        request.scope.get(LOG_KEY, {}).setdefault("error", exc.code)
+        return exc.response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request, exc):
+        if exc.status_code == 404:
+            err = APIError(404, f"no route {request.url.path}; see DESIGN.md 'HTTP API'", "route_not_found")
+        elif exc.status_code == 405:
+            err = APIError(405, f"method {request.method} not allowed on {request.url.path}", "method_not_allowed")
+        else:
+            err = APIError(exc.status_code, str(exc.detail), "http_error")
+        return err.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _request_validation(request, exc):
+        first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request"}
+        loc = ".".join(str(x) for x in first.get("loc", ()))
+        return APIError(422, f"{loc}: {first.get('msg')}", "invalid_field", loc or None).response()
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request, exc):
+        log.error("unhandled error on %s", request.url.path, exc_info=exc)
+        return internal_error().response()
+
+    async def engine_call(fn, *args, **kwargs):
+        try:
+            return await ae.call(fn, *args, **kwargs)
+        except Exception as e:
+            err = from_engine(e)
+            if err.status == 500:
+                log.error("engine call %s failed", getattr(fn, "__name__", fn), exc_info=e)
+            raise err from None
+
+    # -- generation -------------------------------------------------------------------------
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        principal = state.principal(request)
+        req = await _parse(request, CompletionRequest)
+        return await run_job(state, request, completion_job(state, req, principal))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        principal = state.principal(request)
+        req = await _parse(request, ChatCompletionRequest)
+        return await run_job(state, request, chat_job(state, req, principal))
+
+    # -- segments ---------------------------------------------------------------------------
+    @app.post("/v1/segments", status_code=201)
+    async def create_segment(request: Request):
+        principal = state.principal(request)
+        req = await _parse(request, SegmentCreate)
+        if req.public and not principal.admin:
+            raise APIError(403, "registering a public segment needs an admin API key "
+                           '({"tenant": ..., "admin": true} in the key file)', "admin_required", "public")
+        request.scope[LOG_KEY]["segments"] = [req.id]
+        info = await engine_call(engine.register_segment, req.id, text=req.text, token_ids=req.token_ids,
+                                 tenant=principal.tenant, public=req.public, pin=req.pin)
+        return JSONResponse(_segment_json(info), status_code=201)
+
+    @app.get("/v1/segments")
+    async def list_segments(request: Request):
+        principal = state.principal(request)
+        infos = await engine_call(engine.list_segments, tenant=principal.tenant)
+        return {"object": "list", "data": [_segment_json(i) for i in infos]}
+
+    def _visible(segment_id: str, tenant: str):
+        """On the engine thread: the segment the tenant sees under this id (own first), and its tier."""
+        infos = [i for i in engine.list_segments(tenant=tenant) if i.id == segment_id]
+        if not infos:
+            return None
+        info = min(infos, key=lambda i: i.public)
+        tier = engine.segment_tier(segment_id, tenant=tenant) if hasattr(engine, "segment_tier") else None
+        return info, tier
+
+    @app.get("/v1/segments/{segment_id:path}")
+    async def get_segment(segment_id: str, request: Request):
+        principal = state.principal(request)
+        request.scope[LOG_KEY]["segments"] = [segment_id]
+        found = await engine_call(_visible, segment_id, principal.tenant)
+        if found is None:
+            raise segment_not_found(segment_id)
+        info, tier = found
+        return {**_segment_json(info), "tier": tier}
+
+    @app.delete("/v1/segments/{segment_id:path}")
+    async def delete_segment(segment_id: str, request: Request):
+        principal = state.principal(request)
+        request.scope[LOG_KEY]["segments"] = [segment_id]
+        try:
+            await engine_call(engine.delete_segment, segment_id, tenant=principal.tenant)
+        except APIError as e:
+            raise segment_not_found(segment_id) if e.status == 404 else e
+        return {"id": segment_id, "object": "segment", "deleted": True}
+
+    # -- models, stats, health, metrics -----------------------------------------------------
+    @app.get("/v1/models")
+    async def models(request: Request):
+        state.principal(request)
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": state.started,
+                                            "owned_by": "inferscale"}]}
+
+    @app.get("/v1/stats")
+    async def stats(request: Request):
+        principal = state.principal(request)
+        if not principal.admin:
+            raise APIError(403, "engine stats need an admin API key", "admin_required")
+        return JSONResponse(json.loads(json.dumps(await engine_call(engine.stats), default=str)))
+
+    @app.get("/health")
+    async def health():
+        try:
+            await asyncio.wait_for(ae.call(lambda: None), timeout=30.0)
+        except Exception:  # noqa: BLE001 - the engine loop is stuck or gone
+            return JSONResponse({"status": "unavailable"}, status_code=503)
+        return {"status": "ok", "model": model_name}
+
+    @app.get("/metrics")
+    async def metrics():
+        try:
+            stats = await engine_call(engine.stats)
+        except APIError:
+            stats = None
+        return Response(state.metrics.render(stats), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    return app

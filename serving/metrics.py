@@ -1,0 +1,100 @@
+"""Prometheus metrics (DESIGN.md names, prefix ``inferscale_``), one registry per app.
+
+Each ``create_app`` owns a ``CollectorRegistry``, so several apps in one process (tests) never
+collide on the global default registry.  Two sources feed it:
+
+- **per request** (observed by the server as requests finish): ``requests_total{endpoint,status}``,
+  the ``ttft_seconds`` / ``inter_token_seconds`` / ``e2e_seconds`` histograms, and the
+  ``prompt_tokens_total`` / ``cached_tokens_total`` / ``generated_tokens_total`` counters
+  (hit rate = cached / prompt).  TTFT and e2e are the engine's own measurements
+  (``RequestMetrics``: submit -> first token sampled, submit -> finished); inter-token gaps are
+  the times between a request's consecutive deltas as the server receives them.
+- **engine state** (read at scrape time from ``engine.stats()``, fetched on the engine thread by
+  the ``/metrics`` route): ``pages{tier,state}``, ``segments{tier}``, ``evictions_total{tier}``
+  and ``preemptions_total``.  These mirror the engine's own cumulative counters, so they are
+  exported through a custom collector rather than incremented here.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+TOKEN_GAP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+
+
+class _EngineCollector:
+    """Gauges and counters read from the last ``engine.stats()`` snapshot."""
+
+    def __init__(self):
+        self.stats: dict | None = None
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        s = self.stats
+        if not s:
+            return
+        tiers = s.get("tiers") or {}
+        pages = GaugeMetricFamily("inferscale_pages", "KV pages by tier and state", labels=["tier", "state"])
+        pages.add_metric(["hbm", "used"], s["pages_used"])
+        pages.add_metric(["hbm", "free"], s["pages_free"])
+        pages.add_metric(["hbm", "cached"], s.get("prefix_cached_pages", 0))
+        for tier in ("host", "disk"):
+            t = tiers.get(tier)
+            if t:
+                pages.add_metric([tier, "used"], t["pages_used"])
+                if t.get("pages_total") is not None:
+                    pages.add_metric([tier, "free"], max(0, t["pages_total"] - t["pages_used"]))
+        yield pages
+        segs = GaugeMetricFamily("inferscale_segments", "registered segments by where their KV is",
+                                 labels=["tier"])
+        evict = CounterMetricFamily("inferscale_evictions", "segment evictions out of each tier",
+                                    labels=["tier"])
+        for tier in ("hbm", "host", "disk", "recompute"):
+            t = tiers.get(tier)
+            if t is not None:
+                segs.add_metric([tier], t.get("segments", 0))
+                if "evictions" in t:
+                    evict.add_metric([tier], t["evictions"])
+        if not tiers:
+            segs.add_metric(["hbm"], s.get("segments", 0))
+        yield segs
+        yield evict
+        pre = CounterMetricFamily("inferscale_preemptions", "requests preempted for lack of KV pages")
+        pre.add_metric([], s.get("preemptions", 0))
+        yield pre
+
+
+class ServerMetrics:
+    def __init__(self):
+        self.registry = r = CollectorRegistry()
+        self.requests = Counter("inferscale_requests", "HTTP requests by route and status",
+                                ["endpoint", "status"], registry=r)
+        self.ttft = Histogram("inferscale_ttft_seconds", "time to first token (engine: submit -> first token)",
+                              buckets=LATENCY_BUCKETS, registry=r)
+        self.inter_token = Histogram("inferscale_inter_token_seconds", "gap between a request's streamed tokens",
+                                     buckets=TOKEN_GAP_BUCKETS, registry=r)
+        self.e2e = Histogram("inferscale_e2e_seconds", "request latency (engine: submit -> finished)",
+                             buckets=E2E_BUCKETS, registry=r)
+        self.prompt_tokens = Counter("inferscale_prompt_tokens", "prompt tokens (segments + prompt)", registry=r)
+        self.cached_tokens = Counter("inferscale_cached_tokens", "prompt tokens whose KV was reused", registry=r)
+        self.generated_tokens = Counter("inferscale_generated_tokens", "generated tokens", registry=r)
+        self.engine = _EngineCollector()
+        r.register(self.engine)
+
+    def observe_finished(self, metrics) -> None:
+        """One finished request's ``RequestMetrics``."""
+        if metrics.generated_tokens:
+            self.ttft.observe(metrics.ttft_s)
+        self.e2e.observe(metrics.e2e_s)
+        self.prompt_tokens.inc(metrics.prompt_tokens)
+        self.cached_tokens.inc(metrics.cached_tokens)
+        self.generated_tokens.inc(metrics.generated_tokens)
+
+    def render(self, stats: dict | None) -> bytes:
+        self.engine.stats = stats
+        return generate_latest(self.registry)

@@ -1,0 +1,314 @@
+"""The real server (``inferscale serve`` under uvicorn, in a subprocess, loopback only) driven over
+HTTP: completions, chat, SSE streaming, segments CRUD, cached tokens, equality with the in-process
+``Engine``, tenancy and auth, disconnect -> abort, metrics, request logs, and a 64-client
+streaming load test with a shared segment (no page leak; TTFT p50/p99 printed)."""
+
+import asyncio
+import json
+import statistics
+import time
+
+import httpx
+import pytest
+
+from inferscale_jax import Engine, EngineConfig, SamplingParams, default_model_dir
+from server_util import ENGINE_KW, Server, cache_dir, sse_events, stream_text, wait_for
+
+KEYS = {"key-acme-0123456789": {"tenant": "acme", "admin": True}, "key-beta-9876543210": "beta"}
+A = {"Authorization": "Bearer key-acme-0123456789"}
+B = {"Authorization": "Bearer key-beta-9876543210"}
+FAQ = ("Acme warranty policy. Every Acme product carries a two year warranty from the date of "
+       "purchase. Returns are accepted within thirty days with the original receipt. Repairs under "
+       "warranty are free; shipping is paid by the customer. Contact support by email for help.")
+SECRET_PROMPT = "zebra-quartz-7781 what is the warranty period"
+PROMPTS = [f"Question {i}: how long is the warranty on item {i * 7}?" for i in range(8)]
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    return cache_dir(tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, cache):
+    tmp = tmp_path_factory.mktemp("server")
+    keys = tmp / "keys.json"
+    keys.write_text(json.dumps(KEYS))
+    srv = Server(tmp, cache, "--api-keys", str(keys), "--model-name", "tiny")
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def ref(cache, server):
+    """The in-process engine with the server's model and config (loaded while the server boots)."""
+    engine = Engine.from_pretrained(default_model_dir(cache), EngineConfig(**ENGINE_KW))
+    engine.register_segment("faq", text=FAQ)
+    server.wait_ready()
+    yield engine
+    engine.close()
+
+
+@pytest.fixture(scope="module")
+def http(server, ref):
+    with httpx.Client(base_url=server.url, timeout=120) as client:
+        r = client.post("/v1/segments", json={"id": "faq", "text": FAQ}, headers=A)
+        assert r.status_code == 201, r.text
+        yield client
+
+
+def greedy(ref, prompt=None, max_tokens=12, **kw):
+    return ref.generate(prompt=prompt, sampling=SamplingParams(max_tokens=max_tokens, temperature=0.0), **kw)
+
+
+def test_health_models_metrics(http):
+    assert http.get("/health").json()["status"] == "ok"
+    models = http.get("/v1/models", headers=A).json()
+    assert [m["id"] for m in models["data"]] == ["tiny"]
+    http.post("/v1/completions", json={"model": "tiny", "prompt": "warm up", "max_tokens": 2}, headers=A)
+    text = http.get("/metrics").text
+    for name in ("inferscale_requests_total", "inferscale_ttft_seconds_bucket", "inferscale_inter_token_seconds",
+                 "inferscale_e2e_seconds_count", "inferscale_prompt_tokens_total", "inferscale_cached_tokens_total",
+                 "inferscale_generated_tokens_total", 'inferscale_pages{state="free",tier="hbm"}',
+                 "inferscale_evictions_total", "inferscale_segments{", "inferscale_preemptions_total"):
+        assert name in text, name
+
+
+def test_completion_equals_engine(http, ref):
+    want = greedy(ref, PROMPTS[0])
+    r = http.post("/v1/completions", json={"model": "tiny", "prompt": PROMPTS[0], "max_tokens": 12,
+                                           "temperature": 0}, headers=A)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["object"] == "text_completion" and body["choices"][0]["text"] == want.text
+    assert body["choices"][0]["finish_reason"] == want.finish_reason
+    usage = body["usage"]
+    assert usage["prompt_tokens"] == want.metrics.prompt_tokens
+    assert usage["completion_tokens"] == len(want.token_ids)
+    assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+    assert "cached_tokens" in usage["prompt_tokens_details"]
+    # token-id prompts, and logprobs (non-streaming)
+    ids = ref.tokenizer.encode(PROMPTS[0], add_special_tokens=False)
+    r = http.post("/v1/completions", json={"prompt": ids, "max_tokens": 12, "temperature": 0, "logprobs": 2},
+                  headers=A).json()
+    assert r["choices"][0]["text"] == want.text
+    lp = r["choices"][0]["logprobs"]
+    assert len(lp["token_logprobs"]) == len(want.token_ids) and all(len(t) <= 2 for t in lp["top_logprobs"])
+    assert all(v <= 0 for v in lp["token_logprobs"])
+
+
+def test_chat_equals_engine(http, ref):
+    messages = [{"role": "system", "content": "You answer briefly."}, {"role": "user", "content": "Warranty?"}]
+    prompt = ref.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    want = greedy(ref, prompt, max_tokens=10, segments=["faq"])
+    r = http.post("/v1/chat/completions", json={"model": "tiny", "messages": messages, "max_tokens": 10,
+                                                "temperature": 0, "segments": ["faq"]}, headers=A)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["object"] == "chat.completion"
+    assert body["choices"][0]["message"] == {"role": "assistant", "content": want.text}
+    assert body["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+
+
+@pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions"])
+def test_streaming_sse(http, ref, route):
+    chat = route.endswith("chat/completions")
+    messages = [{"role": "user", "content": PROMPTS[1]}]
+    prompt = ref.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) \
+        if chat else PROMPTS[1]
+    want = greedy(ref, prompt, max_tokens=16, segments=["faq"])
+    body = {"max_tokens": 16, "temperature": 0, "segments": ["faq"], "stream": True,
+            "stream_options": {"include_usage": True}, **({"messages": messages} if chat else {"prompt": PROMPTS[1]})}
+    arrivals = []
+    with http.stream("POST", route, json=body, headers=A) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        lines = []
+        for line in r.iter_lines():
+            lines.append(line)
+            if line.startswith("data: "):
+                arrivals.append(time.perf_counter())
+    events = sse_events(lines)
+    assert events[-1] == "[DONE]"
+    chunks = events[:-1]
+    assert all(c["object"] == ("chat.completion.chunk" if chat else "text_completion") for c in chunks)
+    assert len({c["id"] for c in chunks}) == 1
+    if chat:
+        assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert stream_text(events) == want.text
+    content = [c for c in chunks if c["choices"] and (c["choices"][0].get("text") or
+                                                       c["choices"][0].get("delta", {}).get("content"))]
+    assert len(content) >= 4, "tokens must arrive as separate, incremental chunks"
+    finals = [c for c in chunks if c["choices"] and c["choices"][0]["finish_reason"]]
+    assert len(finals) == 1 and finals[0]["choices"][0]["finish_reason"] == want.finish_reason
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == len(want.token_ids)
+    assert chunks[-1]["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+
+
+def test_segments_crud_and_cached_tokens(http, ref):
+    text = FAQ + " Extended coverage can be bought for three more years."
+    r = http.post("/v1/segments", json={"id": "crud/seg-1", "text": text, "pin": True}, headers=A)
+    assert r.status_code == 201, r.text
+    info = r.json()
+    assert info["id"] == "crud/seg-1" and info["num_tokens"] > 0 and info["pin"] is True
+    assert http.post("/v1/segments", json={"id": "crud/seg-1", "text": "x"}, headers=A).status_code == 409
+    ids = [s["id"] for s in http.get("/v1/segments", headers=A).json()["data"]]
+    assert "crud/seg-1" in ids and "faq" in ids
+    got = http.get("/v1/segments/crud/seg-1", headers=A).json()
+    assert got["num_tokens"] == info["num_tokens"] and got["tier"] == "hbm"
+    ref.register_segment("crud/seg-1", text=text)
+    want = greedy(ref, "Can I extend it?", segments=["crud/seg-1"])
+    cached = []
+    for _ in range(2):
+        r = http.post("/v1/completions", json={"prompt": "Can I extend it?", "segments": ["crud/seg-1"],
+                                               "max_tokens": 12, "temperature": 0}, headers=A).json()
+        assert r["choices"][0]["text"] == want.text
+        assert r["usage"]["prompt_tokens"] == want.metrics.prompt_tokens
+        cached.append(r["usage"]["prompt_tokens_details"]["cached_tokens"])
+    assert cached[1] > 0 and cached[1] >= info["num_tokens"]
+    r = http.delete("/v1/segments/crud/seg-1", headers=A)
+    assert r.status_code == 200 and r.json()["deleted"] is True
+    assert http.get("/v1/segments/crud/seg-1", headers=A).status_code == 404
+    r = http.post("/v1/completions", json={"prompt": "x", "segments": ["crud/seg-1"]}, headers=A)
+    assert r.status_code == 404 and r.json()["error"]["code"] == "segment_not_found"
+
+
+def test_tenancy_and_auth(http):
+    sid = "tenancy-private"
+
+    def probes(headers):
+        return [(r.status_code, r.json()) for r in (
+            http.get(f"/v1/segments/{sid}", headers=headers),
+            http.delete(f"/v1/segments/{sid}", headers=headers),
+            http.post("/v1/completions", json={"prompt": "hi", "segments": [sid], "max_tokens": 2}, headers=headers))]
+
+    missing = probes(B)  # before anyone registered it
+    assert all(status == 404 for status, _ in missing)
+    assert http.post("/v1/segments", json={"id": sid, "text": "acme internal notes"}, headers=A).status_code == 201
+    assert probes(B) == missing  # another tenant's segment: byte-for-byte the same answer as a missing one
+    assert http.get(f"/v1/segments/{sid}", headers=A).status_code == 200
+    assert sid not in [s["id"] for s in http.get("/v1/segments", headers=B).json()["data"]]
+    # public segments: admin only to register, readable by every tenant
+    r = http.post("/v1/segments", json={"id": "pub-b", "text": "x y z", "public": True}, headers=B)
+    assert r.status_code == 403 and r.json()["error"]["code"] == "admin_required"
+    assert http.post("/v1/segments", json={"id": "pub-faq", "text": FAQ, "public": True}, headers=A).status_code == 201
+    r = http.post("/v1/completions", json={"prompt": "hello", "segments": ["pub-faq"], "max_tokens": 2}, headers=B)
+    assert r.status_code == 200 and r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    # no key, bad key, malformed header -> 401 with an OpenAI error body
+    for headers in ({}, {"Authorization": "Bearer nope"}, {"Authorization": "key-acme-0123456789"},
+                    {"Authorization": "Basic a2V5"}, {"Authorization": "Bearer key-acme-012345678"}):
+        r = http.post("/v1/completions", json={"prompt": "hi"}, headers=headers)
+        assert r.status_code == 401, headers
+        assert set(r.json()["error"]) == {"message", "type", "param", "code"}
+        assert r.headers["www-authenticate"] == "Bearer"
+    assert http.get("/v1/segments").status_code == 401
+    assert http.get("/v1/stats", headers=B).status_code == 403  # engine-wide stats: admin only
+    # the prefix cache is per tenant: A's cached prompt is not B's
+    long_prompt = " ".join(f"word{i}" for i in range(120))
+    body = {"prompt": long_prompt, "max_tokens": 2, "temperature": 0}
+    usage = lambda h: http.post("/v1/completions", json=body, headers=h).json()["usage"]  # noqa: E731
+    first_a = usage(A)
+    assert first_a["prompt_tokens"] > 64
+    assert usage(B)["prompt_tokens_details"]["cached_tokens"] == 0
+    assert usage(A)["prompt_tokens_details"]["cached_tokens"] > 0  # the check above can fail
+
+
+def test_openai_client(server, http, ref):
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="key-acme-0123456789", max_retries=0)
+    want = greedy(ref, PROMPTS[2], segments=["faq"])
+    out = client.completions.create(model="tiny", prompt=PROMPTS[2], max_tokens=12, temperature=0,
+                                    extra_body={"segments": ["faq"]})
+    assert out.choices[0].text == want.text and out.usage.prompt_tokens_details.cached_tokens > 0
+    messages = [{"role": "user", "content": PROMPTS[3]}]
+    want = greedy(ref, ref.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))
+    stream = client.chat.completions.create(model="tiny", messages=messages, max_tokens=12, temperature=0,
+                                            stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == want.text
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="tiny", prompt="x", extra_body={"segments": ["no-such-segment"]})
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=server.url + "/v1", api_key="wrong", max_retries=0).models.list()
+
+
+def test_disconnect_aborts_and_frees_pages(http):
+    base = http.get("/v1/stats", headers=A).json()
+    body = {"prompt": "tell me everything", "max_tokens": 400, "ignore_eos": True, "temperature": 0, "stream": True}
+    with http.stream("POST", "/v1/completions", json=body, headers=A) as r:
+        assert r.status_code == 200
+        seen = 0
+        for line in r.iter_lines():
+            seen += line.startswith("data: ")
+            if seen >= 3:
+                break  # leaving the block closes the connection mid-stream
+    stats = wait_for(lambda: (s := http.get("/v1/stats", headers=A).json())["running"] == 0 and s)
+    assert stats["pages_free"] == base["pages_free"]
+    assert stats["generated_tokens"] - base["generated_tokens"] < 400  # it was aborted, not finished
+
+
+async def _one_client(client, i, prompt, results):
+    body = {"prompt": prompt, "segments": ["faq"], "max_tokens": 12, "temperature": 0, "stream": True}
+    t0 = time.perf_counter()
+    ttft, lines = None, []
+    async with client.stream("POST", "/v1/completions", json=body, headers=A) as r:
+        assert r.status_code == 200, await r.aread()
+        async for line in r.aiter_lines():
+            if ttft is None and line.startswith("data: "):
+                ttft = time.perf_counter() - t0
+            lines.append(line)
+    results[i] = (ttft, stream_text(sse_events(lines)), sse_events(lines)[-1])
+
+
+def _load_round(url, n):
+    async def main():
+        results = [None] * n
+        limits = httpx.Limits(max_connections=n + 8, max_keepalive_connections=n + 8)
+        async with httpx.AsyncClient(base_url=url, timeout=120, limits=limits) as client:
+            await asyncio.wait_for(asyncio.gather(*(_one_client(client, i, PROMPTS[i % len(PROMPTS)], results)
+                                                    for i in range(n))), timeout=150)
+        return results
+    return asyncio.run(main())
+
+
+def test_load_64_streaming_clients(server, http, ref):
+    """64 concurrent streaming clients share a segment.  Rounds repeat (at most 4) until one runs
+    without compiling a new step bucket, so the TTFT printed is a warm figure; every round is
+    checked: all complete, outputs equal the greedy reference, no page leak."""
+    want = [o.text for o in ref.generate_batch(
+        [dict(prompt=p, segments=["faq"], sampling=SamplingParams(max_tokens=12, temperature=0.0)) for p in PROMPTS])]
+    for round_ in range(1, 5):
+        base = http.get("/v1/stats", headers=A).json()
+        t0 = time.perf_counter()
+        results = _load_round(server.url, 64)
+        wall = time.perf_counter() - t0
+        for i, (ttft, text, last) in enumerate(results):
+            assert last == "[DONE]" and ttft is not None
+            assert text == want[i % len(PROMPTS)], f"round {round_}, client {i}"
+        stats = wait_for(lambda: (s := http.get("/v1/stats", headers=A).json())["running"] == 0 and s)
+        assert stats["waiting"] == 0
+        assert stats["pages_free"] == base["pages_free"], "KV pages leaked"
+        assert stats["pages_used"] == base["pages_used"]  # only the segments' own pages stay referenced
+        if stats["compiles"] == base["compiles"]:
+            break
+    ttfts = sorted(t for t, _, _ in results)
+    p50 = statistics.median(ttfts)
+    p99 = ttfts[min(len(ttfts) - 1, int(round(0.99 * (len(ttfts) - 1))))]
+    warm = "warm" if stats["compiles"] == base["compiles"] else "still compiling"
+    print(f"\n[load] round {round_} ({warm}): 64 streaming clients, shared segment, 12 tokens each, "
+          f"CPU: TTFT p50 {p50 * 1000:.0f} ms, p99 {p99 * 1000:.0f} ms, max {ttfts[-1] * 1000:.0f} ms, "
+          f"wall {wall:.2f} s")
+
+
+def test_request_logs_hold_no_secrets(server, http):
+    http.post("/v1/completions", json={"prompt": SECRET_PROMPT, "max_tokens": 2}, headers=A)
+    lines = wait_for(lambda: [ln for ln in server.request_lines() if ln["endpoint"] == "/v1/completions"], 10)
+    line = lines[-1]
+    for field in ("id", "tenant", "segments", "prompt_tokens", "cached_tokens", "generated_tokens", "ttft_s",
+                  "status"):
+        assert field in line, field
+    assert line["tenant"] == "acme" and line["status"] == 200
+    assert any(ln["status"] == 401 for ln in server.request_lines())
+    log = server.log()
+    assert "zebra-quartz-7781" not in log
+    for key in KEYS:
+        assert key not in log
+    assert server.alive()
