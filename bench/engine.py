@@ -70,7 +70,6 @@ import argparse  # noqa: E402
 import copy  # noqa: E402
 import dataclasses  # noqa: E402
 import datetime  # noqa: E402
-import functools  # noqa: E402
 import gc  # noqa: E402
 import json  # noqa: E402
 import shlex  # noqa: E402
@@ -87,19 +86,14 @@ sys.path.insert(0, ROOT)
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
+from report import FAILURES, MD, log, section, table  # noqa: E402  (bench/report.py)
 
 Q = 64  # question tokens
-FAILURES: list[str] = []
-MD: list[str] = []
 R: dict = {"ours": {}, "hf": {}, "decode": {}, "registered": {}}
 RNG = np.random.default_rng(1234)
 
 
 # ---------------------------------------------------------------- helpers
-
-def log(msg=""):
-    print(msg, flush=True)
-
 
 def ms(sec):
     return "n/a" if sec is None else f"{sec * 1e3:.2f}"
@@ -111,38 +105,6 @@ def ratio(a, b):
 
 def median(xs):
     return statistics.median(xs) if xs else None
-
-
-def table(title, headers, rows, md=True):
-    """Print a table (and add it to the markdown report)."""
-    log(f"\n## {title}")
-    widths = [max(len(str(h)), *(len(str(r[i])) for r in rows)) if rows else len(str(h))
-              for i, h in enumerate(headers)]
-    log("  ".join(str(h).rjust(w) for h, w in zip(headers, widths)))
-    for r in rows:
-        log("  ".join(str(c).rjust(w) for c, w in zip(r, widths)))
-    if md:
-        MD.extend([f"## {title}", "", "| " + " | ".join(map(str, headers)) + " |",
-                   "|" + "---|" * len(headers)])
-        MD.extend("| " + " | ".join(map(str, r)) + " |" for r in rows)
-        MD.append("")
-
-
-def section(fn):
-    """Run one section; print its traceback instead of stopping the script."""
-    @functools.wraps(fn)
-    def run(*args, **kwargs):
-        log(f"\n==== {fn.__name__} ====")
-        t0 = time.time()
-        try:
-            fn(*args, **kwargs)
-        except Exception:  # noqa: BLE001 - report and go on
-            tb = traceback.format_exc()
-            log(tb)
-            FAILURES.append(f"{fn.__name__}: {tb.strip().splitlines()[-1]}")
-            MD.extend([f"## {fn.__name__}: FAILED", "", "```", tb, "```", ""])
-        log(f"({fn.__name__}: {time.time() - t0:.0f} s)")
-    return run
 
 
 def fresh(n, vocab):

@@ -39,10 +39,10 @@ import os
 import statistics
 import sys
 import time
-import traceback
 
 import jax
 import jax.numpy as jnp
+from report import FAILURES, MD, log, section, table  # noqa: E402  (bench/report.py)
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -54,16 +54,10 @@ from pallas_kernels.splice import splice_kv, splice_kv_ref  # noqa: E402
 
 DT = jnp.bfloat16
 HQ, HKV, D, S = 32, 8, 128, 16
-FAILURES: list[str] = []
-MD: list[str] = []
 PLOT: dict = {}
 
 
 # ---------------------------------------------------------------- helpers
-
-def log(msg=""):
-    print(msg, flush=True)
-
 
 def rel_err(out, ref) -> float:
     out, ref = np.asarray(out, np.float32), np.asarray(ref, np.float32)
@@ -79,37 +73,6 @@ def check(name, out, ref, tol=2e-2):
     if not ok:
         FAILURES.append(f"{name}: rel err {err:.3g}")
     return err
-
-
-def table(title, headers, rows):
-    """Print a table and add it to the markdown report."""
-    log(f"\n## {title}")
-    widths = [max(len(str(h)), *(len(str(r[i])) for r in rows)) if rows else len(str(h))
-              for i, h in enumerate(headers)]
-    log("  ".join(str(h).rjust(w) for h, w in zip(headers, widths)))
-    for r in rows:
-        log("  ".join(str(c).rjust(w) for c, w in zip(r, widths)))
-    MD.extend([f"## {title}", "", "| " + " | ".join(map(str, headers)) + " |",
-               "|" + "---|" * len(headers)])
-    MD.extend("| " + " | ".join(map(str, r)) + " |" for r in rows)
-    MD.append("")
-
-
-def section(fn):
-    """Run one section; print its traceback instead of stopping the script."""
-    @functools.wraps(fn)
-    def run(*args, **kwargs):
-        log(f"\n==== {fn.__name__} ====")
-        t0 = time.time()
-        try:
-            fn(*args, **kwargs)
-        except Exception:  # noqa: BLE001 - report and go on
-            tb = traceback.format_exc()
-            log(tb)
-            FAILURES.append(f"{fn.__name__}: exception {tb.strip().splitlines()[-1]}")
-            MD.extend([f"## {fn.__name__}: FAILED", "", "```", tb, "```", ""])
-        log(f"({fn.__name__}: {time.time() - t0:.0f} s)")
-    return run
 
 
 def _median(run, reps):

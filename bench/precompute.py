@@ -54,23 +54,8 @@ sys.path.insert(0, ROOT)
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
+from report import MD, log, table  # noqa: E402  (bench/report.py)
 
-MD: list[str] = []
-
-
-def log(msg=""):
-    print(msg, flush=True)
-
-
-def table(title, headers, rows):
-    log(f"\n## {title}")
-    widths = [max(len(str(h)), *(len(str(r[i])) for r in rows)) if rows else len(str(h)) for i, h in enumerate(headers)]
-    log("  ".join(str(h).ljust(w) for h, w in zip(headers, widths)))
-    for r in rows:
-        log("  ".join(str(c).ljust(w) for c, w in zip(r, widths)))
-    MD.extend([f"## {title}", "", "| " + " | ".join(map(str, headers)) + " |", "|" + "---|" * len(headers)])
-    MD.extend("| " + " | ".join(map(str, r)) + " |" for r in rows)
-    MD.append("")
 
 
 def settings(args):

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import functools
 import gc
 import os
 import shlex
@@ -53,47 +52,14 @@ sys.path.insert(0, ROOT)
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
+from report import FAILURES, MD, log, section, table  # noqa: E402  (bench/report.py)
 
-FAILURES: list[str] = []
-MD: list[str] = []
 R: dict = {}
 RNG = np.random.default_rng(1234)
 
 
-def log(msg=""):
-    print(msg, flush=True)
-
-
 def med(xs):
     return statistics.median(xs) if xs else None
-
-
-def table(title, headers, rows):
-    log(f"\n## {title}")
-    widths = [max(len(str(h)), *(len(str(r[i])) for r in rows)) if rows else len(str(h))
-              for i, h in enumerate(headers)]
-    log("  ".join(str(h).rjust(w) for h, w in zip(headers, widths)))
-    for r in rows:
-        log("  ".join(str(c).rjust(w) for c, w in zip(r, widths)))
-    MD.extend([f"## {title}", "", "| " + " | ".join(map(str, headers)) + " |", "|" + "---|" * len(headers)])
-    MD.extend("| " + " | ".join(map(str, r)) + " |" for r in rows)
-    MD.append("")
-
-
-def section(fn):
-    @functools.wraps(fn)
-    def run(*args, **kwargs):
-        log(f"\n==== {fn.__name__} ====")
-        t0 = time.time()
-        try:
-            fn(*args, **kwargs)
-        except Exception:  # noqa: BLE001 - report and go on
-            tb = traceback.format_exc()
-            log(tb)
-            FAILURES.append(f"{fn.__name__}: {tb.strip().splitlines()[-1]}")
-            MD.extend([f"## {fn.__name__}: FAILED", "", "```", tb, "```", ""])
-        log(f"({fn.__name__}: {time.time() - t0:.0f} s)")
-    return run
 
 
 def settings(quick):

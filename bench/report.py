@@ -1,0 +1,52 @@
+"""What every benchmark script shares: console log, markdown tables, guarded sections.
+
+A script imports ``MD`` (the markdown report lines) and ``FAILURES`` (checks that failed) and
+appends to them; ``table`` prints a table and adds it to the report; ``@section`` runs one part
+of a benchmark and turns an exception into a reported failure, so one broken part does not
+lose the rest of a (costly) GPU run.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+import traceback
+
+FAILURES: list[str] = []
+MD: list[str] = []
+
+
+def log(msg=""):
+    print(msg, flush=True)
+
+
+def table(title, headers, rows, md=True):
+    """Print a right-aligned table; add it to the markdown report unless ``md`` is False."""
+    log(f"\n## {title}")
+    widths = [max(len(str(h)), *(len(str(r[i])) for r in rows)) if rows else len(str(h))
+              for i, h in enumerate(headers)]
+    log("  ".join(str(h).rjust(w) for h, w in zip(headers, widths)))
+    for r in rows:
+        log("  ".join(str(c).rjust(w) for c, w in zip(r, widths)))
+    if md:
+        MD.extend([f"## {title}", "", "| " + " | ".join(map(str, headers)) + " |",
+                   "|" + "---|" * len(headers)])
+        MD.extend("| " + " | ".join(map(str, r)) + " |" for r in rows)
+        MD.append("")
+
+
+def section(fn):
+    """Run one section; print its traceback instead of stopping the script."""
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        log(f"\n==== {fn.__name__} ====")
+        t0 = time.time()
+        try:
+            fn(*args, **kwargs)
+        except Exception:  # noqa: BLE001 - report and go on
+            tb = traceback.format_exc()
+            log(tb)
+            FAILURES.append(f"{fn.__name__}: {tb.strip().splitlines()[-1]}")
+            MD.extend([f"## {fn.__name__}: FAILED", "", "```", tb, "```", ""])
+        log(f"({fn.__name__}: {time.time() - t0:.0f} s)")
+    return run
