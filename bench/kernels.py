@@ -21,6 +21,12 @@ c. Prefill attention: chunk {64, 512, 2048} over {4k, 16k} cached tokens, B=1, 3
    causal mask in that API), its flops counted the same way.
 d. KV splice with RoPE shift: 4096 tokens, one layer per call and all 32 layers in one call.
 e. KV write of a 2048-token chunk: XLA scatter (``write_kv``) and Pallas (``write_kv_pallas``).
+f. Shared-prefix (cascade) decode, not in the default list (``--sections f``): B in
+   {8, 32, 128} rows sharing one 4096-token prefix + 64 own tokens each, 32/8 heads, d=128,
+   page 16, bf16.  ``shared_prefix_decode_attention`` versus ``paged_decode_attention`` over
+   the concatenated page lists (outputs checked against each other), the suffix-only decode
+   (``return_lse=True``) for the split of the time, and effective bandwidth counting the
+   shared K/V once plus the suffixes (the decode column counts what it reads: B copies).
 
 Timing: every measurement jit-compiles R kernel calls on R different input sets (so XLA
 cannot merge them and the data rotates through more memory than the 60 MB L2), warms up,
@@ -49,6 +55,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from pallas_kernels.decode_attention import (  # noqa: E402
     auto_num_splits, auto_pages_per_block, paged_decode_attention, paged_decode_attention_ref)
+from pallas_kernels.cascade_attention import (  # noqa: E402
+    shared_prefix_decode_attention, shared_prefix_decode_attention_ref)
 from pallas_kernels.kv_write import write_kv, write_kv_pallas, write_kv_ref  # noqa: E402
 from pallas_kernels.splice import splice_kv, splice_kv_ref  # noqa: E402
 
@@ -504,6 +512,62 @@ def kv_write(args):
           ["impl", "tokens", "us/call", "MiB moved", "GB/s", "err"], rows)
 
 
+# ---------------------------------------------------------------- (f) cascade decode
+
+@section
+def cascade(args):
+    batches, shared, suffix = ([2, 5], 128, 16) if args.quick else ([8, 32, 128], 4096, 64)
+    nv = 2 if args.quick else 4  # input sets: own shared pages, suffix pages and q per call
+    sp_pages, sf_pages = shared // S, suffix // S
+    interp = args.interpret
+    ours = functools.partial(shared_prefix_decode_attention, interpret=interp)
+    dec = functools.partial(paged_decode_attention, interpret=interp)
+    tok_bytes = 2 * HKV * D * 2  # K + V of one token, all kv heads, bf16
+    rows = []
+    for b in batches:
+        num_pages = 1 + nv * (sp_pages + b * sf_pages)
+        kp, vp = random_pool(jax.random.PRNGKey(50 + b), num_pages)
+        perm = np.random.default_rng(b).permutation(np.arange(1, num_pages)).astype(np.int32)
+        n_sh = jnp.asarray(shared, jnp.int32)
+        sf_lens = jnp.full((b,), suffix, jnp.int32)
+        casc_vars, full_vars = [], []
+        for i, ids in enumerate(np.split(perm, nv)):
+            q = jax.random.normal(jax.random.PRNGKey(1000 * b + i), (b, HQ, D), DT)
+            sh, st = ids[:sp_pages], ids[sp_pages:].reshape(b, sf_pages)
+            full = np.concatenate([np.broadcast_to(sh, (b, sp_pages)), st], axis=1)
+            casc_vars.append((q, jnp.asarray(sh), jnp.asarray(st)))
+            full_vars.append((q, jnp.asarray(full)))
+        full_lens = sf_lens + shared
+        t_c, outs_c = time_calls(lambda k, v, n, l, q, sh, st: ours(q, k, v, sh, n, st, l),
+                                 (kp, vp, n_sh, sf_lens), casc_vars, args.reps)
+        t_d, outs_d = time_calls(lambda k, v, l, q, ft: dec(q, k, v, ft, l),
+                                 (kp, vp, full_lens), full_vars, args.reps)
+        t_s, _ = time_calls(lambda k, v, l, q, sh, st: dec(q, k, v, st, l, return_lse=True),
+                            (kp, vp, sf_lens), casc_vars, args.reps)
+        err = check(f"cascade B={b} vs decode over the full page lists", outs_c[0], outs_d[0])
+        r = min(b, 32)  # rows the reference can afford
+        q0, sh0, st0 = casc_vars[0]
+        check(f"cascade B={b} vs ref ({r} of {b} rows)", outs_c[0][:r],
+              shared_prefix_decode_attention_ref(q0[:r], kp, vp, sh0, n_sh, st0[:r],
+                                                 sf_lens[:r]))
+        qo = 2 * b * HQ * D * 2
+        eff = shared * tok_bytes + b * suffix * tok_bytes + qo  # shared read once
+        logical = b * (shared + suffix) * tok_bytes + qo  # what decode reads
+        frac = (f"{eff / t_c / args.copy_bw:.0%}" if args.copy_bw else "n/a")
+        rows.append([b, shared, suffix, f"{t_c * 1e6:.1f}", f"{t_d * 1e6:.1f}",
+                     f"{t_d / t_c:.2f}x", f"{t_s * 1e6:.1f}", f"{eff / 2**20:.1f}",
+                     f"{eff / t_c / 1e9:.0f}", frac, f"{logical / 2**20:.0f}",
+                     f"{logical / t_d / 1e9:.0f}", f"{err:.1e}"])
+        log(f"  B={b}: cascade {t_c * 1e6:.1f} us, decode {t_d * 1e6:.1f} us "
+            f"({t_d / t_c:.2f}x), suffix-only decode {t_s * 1e6:.1f} us")
+        del kp, vp, casc_vars, full_vars, outs_c, outs_d
+    table(f"f. Shared-prefix (cascade) decode vs paged decode over full page lists "
+          f"({HQ}/{HKV} heads, d={D}, page {S}, bf16)",
+          ["B", "shared", "suffix", "cascade us", "decode us", "speedup", "suffix-only us",
+           "cascade MiB (shared once)", "cascade GB/s", "of copy", "decode MiB", "decode GB/s",
+           "rel err vs decode"], rows)
+
+
 # ---------------------------------------------------------------- report
 
 def write_report(args):
@@ -551,7 +615,8 @@ def main():
     ap.add_argument("--out", default=os.path.join("bench", "results"))
     ap.add_argument("--quick", action="store_true", help="tiny shapes (works on CPU)")
     ap.add_argument("--tune", action="store_true", help="also sweep the decode and prefill knobs")
-    ap.add_argument("--sections", default="abcde", help="subset of a,b,c,d,e to run")
+    ap.add_argument("--sections", default="abcde",
+                    help="subset of a,b,c,d,e,f to run (f, cascade decode, only when named)")
     ap.add_argument("--reps", type=int, default=None)
     args = ap.parse_args()
     args.interpret = jax.default_backend() != "gpu"
@@ -559,7 +624,7 @@ def main():
     args.copy_bw = None
     log(f"devices: {jax.devices()}  jax {jax.__version__}  interpret={args.interpret}")
     t0 = time.time()
-    if "a" in args.sections or any(s in args.sections for s in "bd"):
+    if "a" in args.sections or any(s in args.sections for s in "bdf"):
         copy_bandwidth(args)
     if "b" in args.sections:
         decode(args)
@@ -573,6 +638,8 @@ def main():
         splice(args)
     if "e" in args.sections:
         kv_write(args)
+    if "f" in args.sections:
+        cascade(args)
     MD.append(f"total time: {time.time() - t0:.0f} s")
     write_report(args)
     if FAILURES:

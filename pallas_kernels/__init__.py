@@ -4,6 +4,10 @@ Each kernel sits beside its pure-jnp ``*_ref`` in its own module; both call one 
 Layout, backend selection and shared input checks: :mod:`pallas_kernels.common`.
 """
 
+from pallas_kernels.cascade_attention import (
+    shared_prefix_decode_attention,
+    shared_prefix_decode_attention_ref,
+)
 from pallas_kernels.decode_attention import paged_decode_attention, paged_decode_attention_ref
 from pallas_kernels.kv_write import write_kv, write_kv_pallas, write_kv_ref
 from pallas_kernels.prefill_attention import paged_prefill_attention, paged_prefill_attention_ref
@@ -14,6 +18,8 @@ __all__ = [
     "paged_decode_attention_ref",
     "paged_prefill_attention",
     "paged_prefill_attention_ref",
+    "shared_prefix_decode_attention",
+    "shared_prefix_decode_attention_ref",
     "splice_kv",
     "splice_kv_ref",
     "write_kv",

@@ -28,6 +28,11 @@ Algorithm
    the unnormalised partial output ``[G, D]``, running max ``m`` and sum ``l`` (fp32), and a
    small jnp step merges the splits: ``out = sum_s 2^(m_s - M) o_s / sum_s 2^(m_s - M) l_s``.
    A zero length yields zeros, never NaN.
+6. ``return_lse=True`` (default off; the cascade kernel's suffix part uses it) also returns
+   ``lse [B, Hq] float32``, the **natural-log** sum-exp of the scaled logits,
+   ``log(sum_t exp(sm_scale * q . k_t))``, and ``-inf`` for a zero length (whose output stays
+   0).  Direct path: the program also stores ``m + log2(l)`` per row; split path: from the
+   merged ``m``/``l``.  Either way the wrapper converts base 2 to natural log.
 
 Auto tuning knobs (both static): ``pages_per_block`` makes a block 64 tokens (page sizes 8..64);
 ``num_splits`` makes ``B * Hkv * num_splits`` about four programs per SM, but keeps at least two
@@ -48,6 +53,7 @@ from jax.experimental.pallas import triton as plt
 from pallas_kernels import common
 
 _LOG2E = math.log2(math.e)
+_LN2 = math.log(2.0)  # return_lse: base-2 log-sum-exp * ln 2 = natural log
 _M_INIT = -1e30  # finite "minus infinity" for the running max: empty splits stay NaN-free
 PROGRAMS_PER_SM = 4
 TARGET_BLOCK_TOKENS = 128  # H200 sweep (bench/NOTES.md): 128-token tiles beat 64 at every shape
@@ -87,7 +93,7 @@ def _decode_kernel(
     k_ref,  # [P*S, D] (head h, all pages)
     v_ref,  # [P*S, D]
     o_ref,  # [Gp, D] (final out) or [Gp, D] fp32 partial
-    *stat_refs,  # () or (m_ref [Gp], l_ref [Gp]) fp32
+    *stat_refs,  # () or (lse2_ref [Gp],) with the final out, or (m_ref [Gp], l_ref [Gp]) fp32
     group: int,
     page_size: int,
     block_tokens: int,
@@ -142,7 +148,7 @@ def _decode_kernel(
             slots_of(0))
     o, m, l, _ = lax.fori_loop(0, num_iters, body, init)
 
-    if stat_refs:  # partial result of one split
+    if len(stat_refs) == 2:  # partial result of one split
         m_ref, l_ref = stat_refs
         plt.store(o_ref.at[pl.ds(0, gp), :], o, mask=row_ok[:, None])
         plt.store(m_ref.at[pl.ds(0, gp)], m, mask=row_ok)
@@ -150,12 +156,15 @@ def _decode_kernel(
     else:
         out = o / jnp.where(l > 0, l, 1.0)[:, None]
         plt.store(o_ref.at[pl.ds(0, gp), :], out.astype(o_ref.dtype), mask=row_ok[:, None])
+        if stat_refs:  # return_lse: base-2 log-sum-exp, -inf for an empty sequence
+            lse2 = jnp.where(l > 0, m + jnp.log2(jnp.where(l > 0, l, 1.0)), -jnp.inf)
+            plt.store(stat_refs[0].at[pl.ds(0, gp)], lse2, mask=row_ok)
 
 
 @functools.partial(
     jax.jit,
     static_argnames=("sm_scale", "num_splits", "pages_per_block", "num_warps",
-                     "num_stages", "interpret"))
+                     "num_stages", "interpret", "return_lse"))
 def paged_decode_attention(
     q: jax.Array,  # [B, Hq, D]
     k_pages: jax.Array,  # [Hkv, P, S, D]
@@ -169,8 +178,13 @@ def paged_decode_attention(
     num_warps: int = 4,
     num_stages: int = 2,
     interpret: bool | None = None,
-) -> jax.Array:  # [B, Hq, D], dtype of q
-    """Attention of one query token per sequence over its paged KV cache (see module doc)."""
+    return_lse: bool = False,
+) -> jax.Array | tuple[jax.Array, jax.Array]:  # [B, Hq, D], dtype of q (+ lse [B, Hq] fp32)
+    """Attention of one query token per sequence over its paged KV cache (see module doc).
+
+    ``return_lse=True`` returns ``(out, lse)``, ``lse [B, Hq] float32`` the natural-log
+    log-sum-exp of the scaled logits (``-inf`` where ``lengths[b] == 0``; see item 6).
+    """
     b, hq, hkv, g, p, s, d, max_pages = check_decode_inputs(q, k_pages, v_pages, page_table,
                                                             lengths)
     common.check_power_of_two("page_size", s)
@@ -211,6 +225,9 @@ def paged_decode_attention(
     if num_splits == 1:
         out_shape = jax.ShapeDtypeStruct((b, hkv, g, d), q.dtype)
         out_specs = pl.BlockSpec((None, None, gp, d), lambda i, j, k: (i, j, 0, 0))
+        if return_lse:
+            out_shape = [out_shape, jax.ShapeDtypeStruct((b, hkv, g), jnp.float32)]  # lse2
+            out_specs = [out_specs, pl.BlockSpec((None, None, gp), lambda i, j, k: (i, j, 0))]
     else:
         out_shape = [
             jax.ShapeDtypeStruct((b, hkv, num_splits, g, d), jnp.float32),  # o
@@ -233,6 +250,9 @@ def paged_decode_attention(
         name=f"paged_decode_bk{block_tokens}_sp{num_splits}",
     )(lengths, page_table, q4, k2, v2)
     if num_splits == 1:
+        if return_lse:
+            out, lse2 = res  # [B, Hkv, G, D], [B, Hkv, G]
+            return out.reshape(b, hq, d), lse2.reshape(b, hq) * _LN2
         return res.reshape(b, hq, d)
     o, m, l = res  # [B, Hkv, NS, G, D], [B, Hkv, NS, G], [B, Hkv, NS, G]
     m_max = jnp.max(m, axis=2, keepdims=True)
@@ -240,7 +260,12 @@ def paged_decode_attention(
     l_tot = jnp.sum(l * w, axis=2)  # [B, Hkv, G]
     o_tot = jnp.sum(o * w[..., None], axis=2)  # [B, Hkv, G, D]
     out = o_tot / jnp.where(l_tot > 0, l_tot, 1.0)[..., None]
-    return out.reshape(b, hq, d).astype(q.dtype)
+    out = out.reshape(b, hq, d).astype(q.dtype)
+    if return_lse:
+        m_max = m_max[:, :, 0]  # [B, Hkv, G]
+        lse2 = jnp.where(l_tot > 0, m_max + jnp.log2(jnp.where(l_tot > 0, l_tot, 1.0)), -jnp.inf)
+        return out, lse2.reshape(b, hq) * _LN2
+    return out
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale",))
