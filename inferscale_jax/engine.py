@@ -70,6 +70,7 @@ class _Seq:
     computed: int  # tokens whose KV is in pages
     cached: int  # tokens whose KV was reused rather than computed
     cacheable: bool = True  # False for compose/blend: approximate KV never enters the prefix cache
+    shared: int = 0  # leading pages shared with the chain node it was prepared from (cascade decode)
 
 
 class Engine:
@@ -209,7 +210,8 @@ class Engine:
         if cow is not None:
             self.runner.copy_pages([cow], [new[0]])
         pages += new
-        return _Seq(root, list(tokens), pages, hashes, first_own=k + len(hits), computed=pos, cached=pos)
+        return _Seq(root, list(tokens), pages, hashes, first_own=k + len(hits), computed=pos, cached=pos,
+                    shared=k)
 
     def _register_full_pages(self, seq: _Seq) -> None:
         """Insert every newly computed full page of ``seq`` into the prefix cache."""
@@ -235,8 +237,8 @@ class Engine:
         self._register_full_pages(seq)
         return seq
 
-    def _step(self, rows: list[StepRow], num_logprobs: int) -> StepResult:
-        result = self.runner.step(rows, num_logprobs)
+    def _step(self, rows: list[StepRow], num_logprobs: int, shared_pages: int = 0) -> StepResult:
+        result = self.runner.step(rows, num_logprobs, shared_pages)
         if self.debug_checks:
             self.check_invariants()
         return result

@@ -8,7 +8,8 @@ them in place.  Page 0 is the null page that padding points at.
 ``attend`` is the model's one replaceable attention function (``models/transformer.py``):
 it scatters the chunk's new K/V into their slots (``AttnMeta.slots``), then runs paged
 attention over everything the sequence has in pages: the decode kernel for one token per
-sequence, the prefill kernel (cached pages + causal over the chunk) otherwise.  ``impl``
+sequence (or the cascade kernel when every row shares a prefix, read once for the batch), the
+prefill kernel (cached pages + causal over the chunk) otherwise.  ``impl``
 picks the Pallas kernels or their pure-jnp references (fast on the CPU, where Pallas only
 interprets).
 """
@@ -22,6 +23,8 @@ import jax.numpy as jnp
 
 from models.config import ModelConfig
 from models.dense_cache import dense_attention
+from pallas_kernels.cascade_attention import (shared_prefix_decode_attention,
+                                              shared_prefix_decode_attention_ref)
 from pallas_kernels.decode_attention import paged_decode_attention, paged_decode_attention_ref
 from pallas_kernels.kv_write import write_kv, write_kv_pallas
 from pallas_kernels.prefill_attention import paged_prefill_attention, paged_prefill_attention_ref
@@ -34,6 +37,10 @@ class AttnMeta:
     page_table: jax.Array  # [B, max_pages] int32
     q_lens: jax.Array  # [B] int32: new tokens of each sequence in this step
     kv_lens: jax.Array  # [B] int32: tokens in pages after this step (cached + new)
+    # cascade decode: the full pages every row shares ([Ps] int32, padded with the null page) and
+    # how many tokens they hold; page_table / kv_lens then describe each row's own suffix only
+    shared_pages: jax.Array | None = None
+    shared_len: jax.Array | None = None  # [] int32
     # blend's recompute: queries at arbitrary positions, each seeing keys at positions <= its own
     by_position: bool = dataclasses.field(default=False, metadata=dict(static=True))
 
@@ -71,6 +78,10 @@ class PagedKVCache:
         q = q.astype(dtype)
         if meta.by_position:
             out = paged_attention_by_position(q, kp, vp, meta.page_table, positions)
+        elif t == 1 and meta.shared_pages is not None:
+            fn = shared_prefix_decode_attention if pallas else shared_prefix_decode_attention_ref
+            out = fn(q[:, 0], kp, vp, meta.shared_pages, meta.shared_len, meta.page_table,
+                     meta.kv_lens)[:, None]  # [B, 1, Hq, D]
         elif t == 1:
             fn = paged_decode_attention if pallas else paged_decode_attention_ref
             out = fn(q[:, 0], kp, vp, meta.page_table, meta.kv_lens)[:, None]  # [B, 1, Hq, D]

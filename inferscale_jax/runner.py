@@ -60,7 +60,8 @@ class StepResult:
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "t", "num_logprobs"), donate_argnames=("cache",))
-def _model_step(params, cache: PagedKVCache, ints, floats, *, cfg: ModelConfig, t: int, num_logprobs: int):
+def _model_step(params, cache: PagedKVCache, ints, floats, shared=None, *, cfg: ModelConfig, t: int,
+                num_logprobs: int):
     """ints [B, 3T + MP + 6] int32 and floats [B, 2] float32 carry every per-step input, so a
     step costs two small host->device copies (layout: ``_pack``)."""
     tokens, positions, slots = ints[:, :t], ints[:, t:2 * t], ints[:, 2 * t:3 * t]  # [B, T] each
@@ -68,6 +69,8 @@ def _model_step(params, cache: PagedKVCache, ints, floats, *, cfg: ModelConfig, 
     q_lens, kv_lens, top_k, steps = ints[:, -6], ints[:, -5], ints[:, -4], ints[:, -3]
     keys = jax.lax.bitcast_convert_type(ints[:, -2:], jnp.uint32)  # [B, 2]
     meta = AttnMeta(slots=slots.reshape(-1), page_table=table, q_lens=q_lens, kv_lens=kv_lens)
+    if shared is not None:  # cascade decode: shared = [Ps + 1] int32, the pages then the length
+        meta = dataclasses.replace(meta, shared_pages=shared[:-1], shared_len=shared[-1])
     logits, cache = forward(params, cfg, tokens, positions, cache, meta, q_lens - 1)  # [B, V]
     tok, lp, top_ids, top_lp = sample_tokens(logits, floats[:, 0], top_k, floats[:, 1], keys, steps, num_logprobs)
     as_f32 = lambda x: jax.lax.bitcast_convert_type(x, jnp.float32)  # noqa: E731
@@ -107,8 +110,11 @@ class ModelRunner:
             self.compiles += 1
             log.info("compiling step for bucket %s (%d buckets so far)", key, self.compiles)
 
-    def step(self, rows: list[StepRow], num_logprobs: int = 0) -> StepResult:
-        """Run one device step over ``rows`` (each with 1..prefill_chunk new tokens)."""
+    def step(self, rows: list[StepRow], num_logprobs: int = 0, shared_pages: int = 0) -> StepResult:
+        """Run one device step over ``rows`` (each with 1..prefill_chunk new tokens).
+
+        ``shared_pages > 0`` (decode only): every row's first ``shared_pages`` pages are the same
+        full pages; attention reads them once for the whole batch (cascade)."""
         n = len(rows)
         assert 0 < n <= self.max_batch
         s = self.page_size
@@ -116,11 +122,14 @@ class ModelRunner:
         assert longest <= self.prefill_chunk
         b = min(next_pow2(n), self.max_batch)
         t = 1 if longest == 1 else next_pow2(longest, 16)
-        need_pages = max(-(-(r.start + len(r.tokens)) // s) for r in rows)
+        k = shared_pages
+        assert k == 0 or longest == 1, "cascade attention is a decode step"
+        need_pages = max(-(-(r.start + len(r.tokens)) // s) for r in rows) - k
         mp = min(next_pow2(need_pages, self.min_table_pages), next_pow2(self.max_pages_per_seq, 4))
         mp = max(mp, need_pages)
         nl = MAX_LOGPROBS if num_logprobs else 0
-        self._note_bucket((b, t, mp, nl))
+        kp = next_pow2(k, 4) if k else 0
+        self._note_bucket((b, t, mp, nl) + ((kp,) if k else ()))
 
         ints = np.zeros((b, 3 * t + mp + 6), np.int32)
         tokens, positions, slots = ints[:, :t], ints[:, t:2 * t], ints[:, 2 * t:3 * t]  # views
@@ -136,14 +145,20 @@ class ModelRunner:
             positions[i, :m] = pos
             positions[i, m:] = r.start + m - 1  # padding queries repeat the last position
             slots[i, :m] = pages[pos // s] * s + pos % s  # padding tokens -> null page slot 0
-            live = pages[:-(-(r.start + m) // s)]  # pages past this step's tokens are not read
+            live = pages[k:-(-(r.start + m) // s)]  # pages past this step's tokens are not read
             table[i, :len(live)] = live
-            ints[i, -6:-2] = (m, r.start + m, r.top_k, r.sample_step)
+            ints[i, -6:-2] = (m, r.start + m - k * s, r.top_k, r.sample_step)
             if r.key is not None:
                 ints[i, -2:] = np.asarray(r.key, np.uint32).view(np.int32)
             floats[i] = (r.temperature, r.top_p)
+        shared = None
+        if k:
+            shared = np.zeros((kp + 1,), np.int32)  # padding pages: the null page, past shared_len
+            shared[:k] = rows[0].pages[:k]
+            shared[-1] = k * s
+            shared = jax.device_put(shared)
         packed, self.cache = _model_step(
-            self.params, self.cache, jax.device_put(ints), jax.device_put(floats),
+            self.params, self.cache, jax.device_put(ints), jax.device_put(floats), shared,
             cfg=self.cfg, t=t, num_logprobs=nl)
         packed = np.asarray(jax.device_get(packed))[:n]  # [n, 2 + 2 * nl]
         ids = packed.view(np.int32)

@@ -195,13 +195,23 @@ class Scheduler:
             pos = len(req.seq.tokens) - 1  # the last sampled token, not yet in the cache
             rows.append(req.row([req.seq.tokens[pos]], pos))
         nl = MAX_LOGPROBS if any(r.sampling.logprobs is not None for r in decoding) else 0
-        res = e._step(rows, nl)
+        res = e._step(rows, nl, self._shared_prefix(decoding))
         outs = []
         for i, req in enumerate(decoding):
             req.seq.computed += 1
             e._register_full_pages(req.seq)
             outs.append(self._on_token(req, res, i))
         return outs
+
+    def _shared_prefix(self, decoding: list[Request]) -> int:
+        """Pages every decoding row shares (cascade decode), or 0: all rows must come from the same
+        chain node (exact mode), whose full pages each of them borrowed at admission."""
+        if not self.engine.config.cascade_decode or len(decoding) < 2:
+            return 0
+        node = decoding[0].nodes[-1] if decoding[0].nodes else None
+        if node is None or not all(r.nodes and r.nodes[-1] is node and r.seq.cacheable for r in decoding):
+            return 0
+        return min(r.seq.shared for r in decoding)
 
     # -- per token ------------------------------------------------------------------------
     def _on_token(self, req: Request, res, i: int) -> RequestOutput:
