@@ -108,13 +108,13 @@ class StepSpy:
         self.engine, self.orig = engine, engine.runner.step
         self.reset()
 
-        def step(rows, nl=0):
+        def step(rows, *args):
             n, longest = len(rows), max(len(r.tokens) for r in rows)
             self.steps += 1
             self.rows += n
             self.tokens += sum(len(r.tokens) for r in rows)
             self.padded += min(next_pow2(n), engine.runner.max_batch) * (1 if longest == 1 else next_pow2(longest, 16))
-            return self.orig(rows, nl)
+            return self.orig(rows, *args)
         engine.runner.step = step
 
     def reset(self):

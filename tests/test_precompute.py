@@ -95,7 +95,7 @@ def assert_kv_equal(got, want, what):
 def spy_steps(engine):
     calls = []
     orig = engine.runner.step
-    engine.runner.step = lambda rows, nl=0: (calls.append([len(r.tokens) for r in rows]), orig(rows, nl))[1]
+    engine.runner.step = lambda rows, *a: (calls.append([len(r.tokens) for r in rows]), orig(rows, *a))[1]
     return calls
 
 
