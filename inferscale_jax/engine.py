@@ -411,11 +411,12 @@ class Engine:
         """Submit every request (each a dict of ``generate``'s keyword arguments), run them
         continuously batched, and return their outputs in order."""
         ids = [self.submit(**r) for r in requests]
+        wanted = set(ids)
         done: dict[str, GenerationOutput] = {}
         try:
             while len(done) < len(ids):
                 for out in self.step():
-                    if out.finished and out.request_id in ids:
+                    if out.finished and out.request_id in wanted:
                         if out.error is not None:
                             raise out.error
                         done[out.request_id] = out.output

@@ -227,10 +227,13 @@ class Scheduler:
         if tok in stop_ids:
             return self._finish(req, "stop", [tok])
         if sp.stop:
-            text = e._decode(req.out_ids)
-            cut = min((text.find(x) for x in sp.stop if x in text), default=-1)
-            if cut >= 0:
-                req.text = text[:cut]
+            # only the tail can hold a stop string that this token completed: a string of L
+            # characters spans at most 4 L byte-level tokens, so decoding is O(L) per token
+            window = 4 * max(len(x) for x in sp.stop) + 8
+            tail = e._decode(req.out_ids[-window:])
+            if any(x in tail for x in sp.stop):
+                text = e._decode(req.out_ids)
+                req.text = text[:min(text.find(x) for x in sp.stop if x in text)]
                 return self._finish(req, "stop", [tok])
         if len(req.out_ids) >= sp.max_tokens:
             return self._finish(req, "length", [tok])
