@@ -17,11 +17,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from kernel_cases import TOL, fill_table, poisoned_pool
 from pallas_kernels import shared_prefix_decode_attention, shared_prefix_decode_attention_ref
 from pallas_kernels.decode_attention import paged_decode_attention, paged_decode_attention_ref
-
-TOL = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
-
 
 def make_case(seed, shared_len, num_shared, suffix_lens, *, hq, hkv, d, s, dtype,
               extra_cols=0):
@@ -39,15 +37,9 @@ def make_case(seed, shared_len, num_shared, suffix_lens, *, hq, hkv, d, s, dtype
     table = np.zeros((b, mp), np.int32)
     used = num_shared
     for i, (n, k) in enumerate(zip(suffix_lens, need)):
-        table[i, :k] = ids[used:used + k]
+        fill_table(table, valid, i, ids[used:used + k], n, s)
         used += k
-        for t in range(n):
-            valid[table[i, t // s] * s + t % s] = True
-    kq, kk, kv = jax.random.split(jax.random.PRNGKey(seed), 3)
-    q = jax.random.normal(kq, (b, hq, d), jnp.float32).astype(dtype)
-    ok = jnp.asarray(valid.reshape(num_pages, s))[None, :, :, None]
-    k_pages = jnp.where(ok, jax.random.normal(kk, (hkv, num_pages, s, d)), jnp.nan).astype(dtype)
-    v_pages = jnp.where(ok, jax.random.normal(kv, (hkv, num_pages, s, d)), jnp.nan).astype(dtype)
+    q, k_pages, v_pages = poisoned_pool(seed, valid, b=b, hq=hq, hkv=hkv, d=d, s=s, dtype=dtype)
     return (q, k_pages, v_pages, jnp.asarray(shared), jnp.asarray(shared_len, jnp.int32),
             jnp.asarray(table), jnp.asarray(suffix_lens, jnp.int32))
 

@@ -16,14 +16,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from kernel_cases import TOL, fill_table, poisoned_pool
 from pallas_kernels.decode_attention import (
     auto_num_splits,
     paged_decode_attention,
     paged_decode_attention_ref,
 )
-
-TOL = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
-
 
 def make_case(seed, lengths, *, hq, hkv, d, s, dtype, extra_pages=3, max_pages=None):
     """Random q and a poisoned page pool holding `lengths` tokens per sequence."""
@@ -37,17 +35,9 @@ def make_case(seed, lengths, *, hq, hkv, d, s, dtype, extra_pages=3, max_pages=N
     valid = np.zeros((num_pages * s,), bool)  # slots holding real tokens
     used = 0
     for i, (n, k) in enumerate(zip(lengths, need)):
-        table[i, :k] = ids[used:used + k]
+        fill_table(table, valid, i, ids[used:used + k], n, s)
         used += k
-        for t in range(n):
-            valid[table[i, t // s] * s + t % s] = True
-    kq, kk, kv = jax.random.split(jax.random.PRNGKey(seed), 3)
-    q = jax.random.normal(kq, (b, hq, d), jnp.float32).astype(dtype)
-    poison = jnp.asarray(valid.reshape(num_pages, s))[None, :, :, None]
-    k_pages = jax.random.normal(kk, (hkv, num_pages, s, d), jnp.float32)
-    v_pages = jax.random.normal(kv, (hkv, num_pages, s, d), jnp.float32)
-    k_pages = jnp.where(poison, k_pages, jnp.nan).astype(dtype)
-    v_pages = jnp.where(poison, v_pages, jnp.nan).astype(dtype)
+    q, k_pages, v_pages = poisoned_pool(seed, valid, b=b, hq=hq, hkv=hkv, d=d, s=s, dtype=dtype)
     return q, k_pages, v_pages, jnp.asarray(table), jnp.asarray(lengths, jnp.int32)
 
 
