@@ -523,7 +523,7 @@ def cascade(args):
     ours = functools.partial(shared_prefix_decode_attention, interpret=interp)
     dec = functools.partial(paged_decode_attention, interpret=interp)
     tok_bytes = 2 * HKV * D * 2  # K + V of one token, all kv heads, bf16
-    rows = []
+    rows, tune_rows = [], []
     for b in batches:
         num_pages = 1 + nv * (sp_pages + b * sf_pages)
         kp, vp = random_pool(jax.random.PRNGKey(50 + b), num_pages)
@@ -560,12 +560,44 @@ def cascade(args):
                      f"{logical / t_d / 1e9:.0f}", f"{err:.1e}"])
         log(f"  B={b}: cascade {t_c * 1e6:.1f} us, decode {t_d * 1e6:.1f} us "
             f"({t_d / t_c:.2f}x), suffix-only decode {t_s * 1e6:.1f} us")
+        if args.tune:
+            cascade_tune(args, b, kp, vp, n_sh, sf_lens, casc_vars, eff, tune_rows)
         del kp, vp, casc_vars, full_vars, outs_c, outs_d
     table(f"f. Shared-prefix (cascade) decode vs paged decode over full page lists "
           f"({HQ}/{HKV} heads, d={D}, page {S}, bf16)",
           ["B", "shared", "suffix", "cascade us", "decode us", "speedup", "suffix-only us",
            "cascade MiB (shared once)", "cascade GB/s", "of copy", "decode MiB", "decode GB/s",
            "rel err vs decode"], rows)
+    if tune_rows:
+        table("f'. Cascade knob sweep (shared part; best 4 per B)",
+              ["B", "block_rows", "block_kv", "warps", "stages", "splits", "us", "GB/s (shared once)"],
+              tune_rows)
+
+
+def cascade_tune(args, b, kp, vp, n_sh, sf_lens, casc_vars, eff, rows):
+    """Sweep the shared part's knobs at batch b; append the best 4 to rows."""
+    knobs = [(br, bk, w, st) for br in (64, 128) for bk in (32, 64, 128) for w in (4, 8)
+             for st in (2, 3)]
+    if args.quick:
+        knobs = knobs[:2]
+    results = []
+    for br, bk, w, st in knobs:
+        for ns in (None,):  # auto splits (2 programs per SM); compiles dominate the sweep
+            fn = functools.partial(shared_prefix_decode_attention, block_rows=br, block_kv=bk,
+                                   num_warps=w, num_stages=st, num_splits=ns,
+                                   interpret=args.interpret)
+            try:
+                t, _ = time_calls(lambda k, v, n, l, q, sh, st_: fn(q, k, v, sh, n, st_, l),
+                                  (kp, vp, n_sh, sf_lens), casc_vars, max(3, args.reps // 2))
+                results.append((t, br, bk, w, st, "auto" if ns is None else ns))
+            except Exception as e:  # noqa: BLE001 - e.g. out of shared memory: skip the combo
+                log(f"  B={b} rows={br} kv={bk} warps={w} stages={st} splits={ns}: "
+                    f"{type(e).__name__}: {str(e)[:120]}")
+    results.sort(key=lambda r: r[0])
+    for t, br, bk, w, st, ns in results[:4]:
+        rows.append([b, br, bk, w, st, ns, f"{t * 1e6:.1f}", f"{eff / t / 1e9:.0f}"])
+    if results:
+        log(f"  B={b} tune best: {results[0]}")
 
 
 # ---------------------------------------------------------------- report
