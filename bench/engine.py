@@ -143,6 +143,8 @@ def settings(args):
                  f_segs=4, f_ctx=2048, f_q=Q, f_max_tokens=16, f_n=100, f_rates=[10.0, 50.0],
                  f_prefill_b=8, f_decode_b=32,
                  g_ctx=2048, g_cold=3, g_reps=10)
+    if args.e_batches:
+        s["e_Bs"] = [int(x) for x in args.e_batches.split(",")]
     if args.rates:
         s["f_rates"] = [float(x) for x in args.rates.split(",")]
     if args.reps:
@@ -726,37 +728,44 @@ def shared_decode(args):
     eng.register_segment("shared_ctx", token_ids=shared_ids)
     log(f"  registered shared_ctx ({ctx} tokens): {time.perf_counter() - t0:.2f} s")
     private: list[str] = []
-    res = {"shared": {}, "private": {}}
+    res = {"shared": {}, "cascade": {}, "private": {}}
     R["batch"] = res
+    cascade0 = eng.config.cascade_decode
     try:
         def reqs(B, segs):
             return [dict(prompt_token_ids=fresh(q, cfg.vocab_size), segments=[segs[i % len(segs)]],
                          sampling=greedy(mt)) for i in range(B)]
 
         for B in Bs:
-            try:
-                r = best_of(eng, lambda: reqs(B, ["shared_ctx"]), s["e_reps"], f"shared B={B}")
-            except Exception:  # noqa: BLE001 - report, go on with the other batch sizes
-                tb = traceback.format_exc()
-                log(tb)
-                FAILURES.append(f"shared_decode (shared, B={B}): {tb.strip().splitlines()[-1]}")
-                continue
-            bad = sum(c != ctx for c in r["cached"])
-            if bad:
-                FAILURES.append(f"e shared B={B}: cached_tokens != {ctx} in {bad}/{B} requests")
-            if r["generated"] != B * mt:
-                FAILURES.append(f"e shared B={B}: generated {r['generated']} != {B * mt}")
-            res["shared"][B] = r
-            log(f"  shared  B={B:4d}: {r['tok_s']:.0f} tok/s ({ms(r['step'])} ms/step over {r['steps_win']} "
-                f"steps; runs {[round(x) for x in r['tok_s_all']]}), all first tokens {ms(r['all_first'])} ms, "
-                f"preemptions {r['preemptions']}")
+            for mode in [m for m in ("plain", "cascade") if m in args.e_modes]:
+                key = "shared" if mode == "plain" else "cascade"
+                # the scheduler reads config.cascade_decode every step: toggle it between runs
+                eng.config = dataclasses.replace(eng.config, cascade_decode=mode == "cascade")
+                try:
+                    r = best_of(eng, lambda: reqs(B, ["shared_ctx"]), s["e_reps"], f"{key} B={B}")
+                except Exception:  # noqa: BLE001 - report, go on with the other batch sizes
+                    tb = traceback.format_exc()
+                    log(tb)
+                    FAILURES.append(f"shared_decode ({key}, B={B}): {tb.strip().splitlines()[-1]}")
+                    continue
+                finally:
+                    eng.config = dataclasses.replace(eng.config, cascade_decode=cascade0)
+                bad = sum(c != ctx for c in r["cached"])
+                if bad:
+                    FAILURES.append(f"e {key} B={B}: cached_tokens != {ctx} in {bad}/{B} requests")
+                if r["generated"] != B * mt:
+                    FAILURES.append(f"e {key} B={B}: generated {r['generated']} != {B * mt}")
+                res[key][B] = r
+                log(f"  {key:7s} B={B:4d}: {r['tok_s']:.0f} tok/s ({ms(r['step'])} ms/step over "
+                    f"{r['steps_win']} steps; runs {[round(x) for x in r['tok_s_all']]}), all first tokens "
+                    f"{ms(r['all_first'])} ms, preemptions {r['preemptions']}")
 
         # private: as many B as the pool holds (segment pages + each request's own pages)
         per_req = -(-ctx // ps) + -(-(ctx + q + mt) // ps) - ctx // ps
         free = eng.pool.num_free
         cap = int((free * 0.98) // per_req)
         res["cap"], res["per_req_pages"], res["pool_pages"] = cap, per_req, eng.pool.num_pages - 1
-        pBs = [B for B in Bs if B <= cap]
+        pBs = [B for B in Bs if B <= cap] if "private" in args.e_modes else []
         log(f"  private: {per_req} pages per request, {free} free pages of {eng.pool.num_pages - 1}: "
             f"up to B={cap}; running B in {pBs}")
         try:
@@ -805,25 +814,30 @@ def shared_decode_table(s, res, cfg, ps):
     kv_ctx = kvt * (ctx + q + mt // 2)  # one sequence's KV at the middle of decode
     rows = []
     for B in Bs:
-        sh, pr = res["shared"].get(B, {}), res["private"].get(B, {})
+        sh, pr, ca = res["shared"].get(B, {}), res["private"].get(B, {}), res["cascade"].get(B, {})
         floor = B / (W / bw) if bw else None
         floor_sh = B / ((W + kvt * ctx + B * kvt * (q + mt // 2)) / bw) if bw else None
         floor_pr = B / ((W + B * kv_ctx) / bw) if bw else None
         res.setdefault("floor", {})[B] = (floor, floor_sh, floor_pr)
         f0 = lambda x: "n/a" if x is None else f"{x:.0f}"  # noqa: E731
         capped = res.get("cap") is not None and B > res["cap"]
-        rows.append([B, f0(sh.get("tok_s")), ms(sh.get("step")),
+        rows.append([B, f0(sh.get("tok_s")), ms(sh.get("step")), f0(ca.get("tok_s")), ms(ca.get("step")),
+                     ratio(ca.get("tok_s"), sh.get("tok_s")),
                      f0(pr.get("tok_s")) if pr else (f"(B > {res['cap']})" if capped else "n/a"), ms(pr.get("step")),
-                     ratio(sh.get("tok_s"), pr.get("tok_s")), f0(floor), ratio(sh.get("tok_s"), floor),
+                     ratio(sh.get("tok_s"), pr.get("tok_s")), ratio(ca.get("tok_s"), pr.get("tok_s")),
+                     f0(floor), ratio(max(sh.get("tok_s") or 0, ca.get("tok_s") or 0) or None, floor),
                      f0(floor_sh), f0(floor_pr), ms(sh.get("all_first")), f0(sh.get("sum_dec"))])
     table(f"e. Decode tokens/s at batch B, context {ctx} + {q}-token question, {mt} tokens each "
           f"(greedy, ignore_eos; median of {s['e_reps']} runs)",
-          ["B", "shared tok/s", "shared ms/step", "private tok/s", "private ms/step", "shared/private",
-           "weight floor tok/s", "shared/floor", "floor+KV shared", "floor+KV private",
+          ["B", "shared tok/s", "shared ms/step", "shared+cascade tok/s", "cascade ms/step", "cascade/shared",
+           "private tok/s", "private ms/step", "shared/private", "cascade/private",
+           "weight floor tok/s", "best/floor", "floor+KV shared", "floor+KV private",
            "shared: all first tokens ms", "shared: sum of per-request tok/s"], rows)
     MD.extend([
         f"tok/s = tokens generated after every request of the batch holds its first token / wall time "
         f"from then to the last token (host clock around `engine.step()`, which reads back every step); "
+        f"'shared' = plain paged decode (each row reads the shared pages itself), 'shared+cascade' = "
+        f"`EngineConfig.cascade_decode=True` (the shared pages read once per row block of the batch); "
         f"ms/step = that window / its steps.  Weight floor = B / (weight bytes {W / 1e9:.2f} GB / copy "
         f"bandwidth {(bw or 0) / 1e9:.0f} GB/s).  floor+KV adds the KV bytes one decode step must read at "
         f"least: shared = the shared context once plus each request's own tokens; private = every "
@@ -1094,12 +1108,15 @@ def new_summaries(args):
         rows = []
         for B in args.s["e_Bs"]:
             sh, pr = b["shared"].get(B, {}), b["private"].get(B, {})
+            ca = (b.get("cascade") or {}).get(B, {})
             fl = (b.get("floor") or {}).get(B, (None, None, None))
-            rows.append([B, f0(sh.get("tok_s")), f0(pr.get("tok_s")) if pr else "-",
+            rows.append([B, f0(sh.get("tok_s")), f0(ca.get("tok_s")), ratio(ca.get("tok_s"), sh.get("tok_s")),
+                         f0(pr.get("tok_s")) if pr else "-",
                          ratio(sh.get("tok_s"), pr.get("tok_s")), f0(fl[0]), ratio(sh.get("tok_s"), fl[0]),
-                         ms(sh.get("step")), ms(pr.get("step"))])
+                         ms(sh.get("step")), ms(ca.get("step")), ms(pr.get("step"))])
         out.append((f"Decode tok/s vs batch (ctx {args.s['e_ctx']}; private up to B={b.get('cap')})",
-                    ["B", "shared", "private", "sh/pr", "weight floor", "sh/floor", "sh ms/step", "pr ms/step"], rows))
+                    ["B", "shared", "cascade", "ca/sh", "private", "sh/pr", "weight floor", "sh/floor",
+                     "sh ms/step", "ca ms/step", "pr ms/step"], rows))
     if R.get("arrival"):
         out.append(("TTFT under Poisson arrivals (ms)", ["rate/s", "p50", "p99", "max", "mean in flight", "compiles"],
                     [[f"{k:g}", ms(r["p50"]), ms(r["p99"]), ms(r["max"]), f"{r['in_flight']:.1f}", r["compiles"]]
@@ -1124,7 +1141,8 @@ def plot_batch(args, plt, dev):
         if xs:
             ax.plot(xs, ys, **kw)
 
-    line(b["shared"], "tok_s", marker="o", label=f"shared {args.s['e_ctx']}-token context")
+    line(b["shared"], "tok_s", marker="o", label=f"shared {args.s['e_ctx']}-token context, plain decode")
+    line(b.get("cascade") or {}, "tok_s", marker="^", label="shared context, cascade decode")
     line(b["private"], "tok_s", marker="s", label=f"private contexts (pool holds B <= {b.get('cap')})")
     fl = b.get("floor") or {}
     line({B: v[0] for B, v in fl.items()}, None, ls="--", color="k", label="weight-read floor")
@@ -1169,6 +1187,10 @@ def write_report(args, total_s):
     summ += ["## Targets", "", "| ratio | value | target | verdict |", "|---|---|---|---|"]
     summ += ["| " + " | ".join(map(str, r)) + " |" for r in targets(args)] + [""]
     b = R.get("batch") or {}
+    casc = [B for B in args.s["e_Bs"] if B in b.get("shared", {}) and B in b.get("cascade", {})]
+    if casc:
+        summ += ["Cascade decode (section e): shared-context decode throughput cascade / plain = " + ", ".join(
+            f"{ratio(b['cascade'][B]['tok_s'], b['shared'][B]['tok_s'])} at B={B}" for B in casc) + ".", ""]
     both = [B for B in args.s["e_Bs"] if B in b.get("shared", {}) and B in b.get("private", {})]
     if both:
         summ += ["Shared vs private context (section e): decode throughput shared / private = " + ", ".join(
@@ -1226,6 +1248,10 @@ def main():
     ap.add_argument("--sections", default="abcdefg",
                     help="subset of a (copy), b (our TTFT), c (HF), d (decode), e (shared vs private context "
                          "decode at batch B), f (TTFT under Poisson arrivals), g (compose/blend vs exact)")
+    ap.add_argument("--e-modes", default="plain,cascade,private",
+                    help="section e cases: plain (shared context, paged decode), cascade (shared context, "
+                         "cascade decode), private (a private context per request)")
+    ap.add_argument("--e-batches", default=None, help="section e batch sizes, comma separated")
     ap.add_argument("--rates", default=None, help="section f arrival rates, req/s, comma separated")
     ap.add_argument("--reps", type=int, default=None, help="override the TTFT repetitions")
     ap.add_argument("--no-hf-child", action="store_true", help="do not retry the HF peer in a child process")

@@ -523,7 +523,7 @@ def cascade(args):
     ours = functools.partial(shared_prefix_decode_attention, interpret=interp)
     dec = functools.partial(paged_decode_attention, interpret=interp)
     tok_bytes = 2 * HKV * D * 2  # K + V of one token, all kv heads, bf16
-    rows, tune_rows = [], []
+    rows, tune_rows, profile_rows = [], [], []
     for b in batches:
         num_pages = 1 + nv * (sp_pages + b * sf_pages)
         kp, vp = random_pool(jax.random.PRNGKey(50 + b), num_pages)
@@ -562,16 +562,44 @@ def cascade(args):
             f"({t_d / t_c:.2f}x), suffix-only decode {t_s * 1e6:.1f} us")
         if args.tune:
             cascade_tune(args, b, kp, vp, n_sh, sf_lens, casc_vars, eff, tune_rows)
+        if args.profile:
+            profile_rows += cascade_profile(args, b, ours, dec, kp, vp, n_sh, sf_lens, full_lens,
+                                            casc_vars, full_vars)
         del kp, vp, casc_vars, full_vars, outs_c, outs_d
     table(f"f. Shared-prefix (cascade) decode vs paged decode over full page lists "
           f"({HQ}/{HKV} heads, d={D}, page {S}, bf16)",
           ["B", "shared", "suffix", "cascade us", "decode us", "speedup", "suffix-only us",
            "cascade MiB (shared once)", "cascade GB/s", "of copy", "decode MiB", "decode GB/s",
            "rel err vs decode"], rows)
+    if profile_rows:
+        table("f''. Device time per call by kernel (profiler trace; host timings above include dispatch)",
+              ["B", "call", "kernel", "us/call", "launches/call"], profile_rows)
     if tune_rows:
         table("f'. Cascade knob sweep (shared part; best 4 per B)",
               ["B", "block_rows", "block_kv", "warps", "stages", "splits", "us", "GB/s (shared once)"],
               tune_rows)
+
+
+def cascade_profile(args, b, ours, dec, kp, vp, n_sh, sf_lens, full_lens, casc_vars, full_vars):
+    """Kernel-by-kernel device time of the cascade call and of plain decode at batch b."""
+    from profile_ops import kernel_times
+    reps = 5
+    cas = jax.jit(lambda k, v, n, l, vs: [ours(q, k, v, sh, n, st, l) for q, sh, st in vs])
+    pla = jax.jit(lambda k, v, l, vs: [dec(q, k, v, ft, l) for q, ft in vs])
+    rows = []
+    for name, fn, a in (("cascade", cas, (kp, vp, n_sh, sf_lens, casc_vars)),
+                        ("decode", pla, (kp, vp, full_lens, full_vars))):
+        jax.block_until_ready(fn(*a))
+
+        def run(fn=fn, a=a):
+            for _ in range(reps):
+                jax.block_until_ready(fn(*a))
+        ktimes = kernel_times(run, reps * len(a[-1]))
+        tot = sum(t for _, _, t, _ in ktimes)
+        rows.append([b, name, "(all kernels)", f"{tot:.1f}", f"{sum(c for *_, c in ktimes):.1f}"])
+        rows += [[b, name, k, f"{t:.1f}", f"{c:.1f}"] for _, k, t, c in ktimes]
+        log(f"  B={b} {name}: device {tot:.1f} us/call over {len(ktimes)} kernel names")
+    return rows
 
 
 def cascade_tune(args, b, kp, vp, n_sh, sf_lens, casc_vars, eff, rows):
@@ -650,6 +678,8 @@ def main():
     ap.add_argument("--sections", default="abcde",
                     help="subset of a,b,c,d,e,f to run (f, cascade decode, only when named)")
     ap.add_argument("--reps", type=int, default=None)
+    ap.add_argument("--profile", action="store_true",
+                    help="section f: also the device time of each kernel (jax profiler trace)")
     args = ap.parse_args()
     args.interpret = jax.default_backend() != "gpu"
     args.reps = args.reps or (2 if args.quick else 10)

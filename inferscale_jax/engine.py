@@ -70,7 +70,11 @@ class _Seq:
     computed: int  # tokens whose KV is in pages
     cached: int  # tokens whose KV was reused rather than computed
     cacheable: bool = True  # False for compose/blend: approximate KV never enters the prefix cache
-    shared: int = 0  # leading pages shared with the chain node it was prepared from (cascade decode)
+    # cascade decode: the leading read-only pages it shares (a chain node's full pages, else its
+    # prefix-cache hits) as a tuple, and that tuple's hash, set once; decode rows with equal keys
+    # form one group
+    shared_key: tuple = ()
+    shared_hash: int = 0
 
 
 class Engine:
@@ -210,8 +214,9 @@ class Engine:
         if cow is not None:
             self.runner.copy_pages([cow], [new[0]])
         pages += new
+        key = tuple(pages[:k or len(hits)])
         return _Seq(root, list(tokens), pages, hashes, first_own=k + len(hits), computed=pos, cached=pos,
-                    shared=k)
+                    shared_key=key, shared_hash=hash(key))
 
     def _register_full_pages(self, seq: _Seq) -> None:
         """Insert every newly computed full page of ``seq`` into the prefix cache."""

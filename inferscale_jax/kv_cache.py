@@ -37,10 +37,12 @@ class AttnMeta:
     page_table: jax.Array  # [B, max_pages] int32
     q_lens: jax.Array  # [B] int32: new tokens of each sequence in this step
     kv_lens: jax.Array  # [B] int32: tokens in pages after this step (cached + new)
-    # cascade decode: the full pages every row shares ([Ps] int32, padded with the null page) and
-    # how many tokens they hold; page_table / kv_lens then describe each row's own suffix only
+    # cascade decode: the full pages the rows of one group share ([Ps] int32, padded with the null
+    # page), how many tokens they hold and which rows belong to the group ([B] bool); page_table /
+    # kv_lens then describe a group row's own suffix only, and any other row's whole context
     shared_pages: jax.Array | None = None
     shared_len: jax.Array | None = None  # [] int32
+    shared_rows: jax.Array | None = None  # [B] bool
     # blend's recompute: queries at arbitrary positions, each seeing keys at positions <= its own
     by_position: bool = dataclasses.field(default=False, metadata=dict(static=True))
 
@@ -81,7 +83,7 @@ class PagedKVCache:
         elif t == 1 and meta.shared_pages is not None:
             fn = shared_prefix_decode_attention if pallas else shared_prefix_decode_attention_ref
             out = fn(q[:, 0], kp, vp, meta.shared_pages, meta.shared_len, meta.page_table,
-                     meta.kv_lens)[:, None]  # [B, 1, Hq, D]
+                     meta.kv_lens, meta.shared_rows)[:, None]  # [B, 1, Hq, D]
         elif t == 1:
             fn = paged_decode_attention if pallas else paged_decode_attention_ref
             out = fn(q[:, 0], kp, vp, meta.page_table, meta.kv_lens)[:, None]  # [B, 1, Hq, D]

@@ -49,6 +49,7 @@ class StepRow:
     top_p: float = 1.0
     key: np.ndarray | None = None  # [2] uint32 request key
     sample_step: int = 0  # index of the token being sampled (folded into the key)
+    cascade: bool = False  # decode: pages[:shared_pages] are the step's shared prefix (see step)
 
 
 @dataclasses.dataclass
@@ -69,8 +70,10 @@ def _model_step(params, cache: PagedKVCache, ints, floats, shared=None, *, cfg: 
     q_lens, kv_lens, top_k, steps = ints[:, -6], ints[:, -5], ints[:, -4], ints[:, -3]
     keys = jax.lax.bitcast_convert_type(ints[:, -2:], jnp.uint32)  # [B, 2]
     meta = AttnMeta(slots=slots.reshape(-1), page_table=table, q_lens=q_lens, kv_lens=kv_lens)
-    if shared is not None:  # cascade decode: shared = [Ps + 1] int32, the pages then the length
-        meta = dataclasses.replace(meta, shared_pages=shared[:-1], shared_len=shared[-1])
+    if shared is not None:  # cascade decode: shared = [Ps + 1 + B] int32: pages, length, row mask
+        b = ints.shape[0]
+        meta = dataclasses.replace(meta, shared_pages=shared[:-1 - b], shared_len=shared[-1 - b],
+                                   shared_rows=shared[-b:] != 0)
     logits, cache = forward(params, cfg, tokens, positions, cache, meta, q_lens - 1)  # [B, V]
     tok, lp, top_ids, top_lp = sample_tokens(logits, floats[:, 0], top_k, floats[:, 1], keys, steps, num_logprobs)
     as_f32 = lambda x: jax.lax.bitcast_convert_type(x, jnp.float32)  # noqa: E731
@@ -113,8 +116,9 @@ class ModelRunner:
     def step(self, rows: list[StepRow], num_logprobs: int = 0, shared_pages: int = 0) -> StepResult:
         """Run one device step over ``rows`` (each with 1..prefill_chunk new tokens).
 
-        ``shared_pages > 0`` (decode only): every row's first ``shared_pages`` pages are the same
-        full pages; attention reads them once for the whole batch (cascade)."""
+        ``shared_pages > 0`` (decode only): the rows marked ``cascade`` all start with the same
+        ``shared_pages`` full pages; attention reads them once for the group (cascade kernel),
+        and every other row reads its whole page list as usual."""
         n = len(rows)
         assert 0 < n <= self.max_batch
         s = self.page_size
@@ -124,7 +128,7 @@ class ModelRunner:
         t = 1 if longest == 1 else next_pow2(longest, 16)
         k = shared_pages
         assert k == 0 or longest == 1, "cascade attention is a decode step"
-        need_pages = max(-(-(r.start + len(r.tokens)) // s) for r in rows) - k
+        need_pages = max(-(-(r.start + len(r.tokens)) // s) - (k if r.cascade else 0) for r in rows)
         mp = min(next_pow2(need_pages, self.min_table_pages), next_pow2(self.max_pages_per_seq, 4))
         mp = max(mp, need_pages)
         nl = MAX_LOGPROBS if num_logprobs else 0
@@ -145,17 +149,22 @@ class ModelRunner:
             positions[i, :m] = pos
             positions[i, m:] = r.start + m - 1  # padding queries repeat the last position
             slots[i, :m] = pages[pos // s] * s + pos % s  # padding tokens -> null page slot 0
-            live = pages[k:-(-(r.start + m) // s)]  # pages past this step's tokens are not read
+            own = k if r.cascade else 0  # leading pages read through the shared prefix
+            live = pages[own:-(-(r.start + m) // s)]  # pages past this step's tokens are not read
             table[i, :len(live)] = live
-            ints[i, -6:-2] = (m, r.start + m - k * s, r.top_k, r.sample_step)
+            ints[i, -6:-2] = (m, r.start + m - own * s, r.top_k, r.sample_step)
             if r.key is not None:
                 ints[i, -2:] = np.asarray(r.key, np.uint32).view(np.int32)
             floats[i] = (r.temperature, r.top_p)
         shared = None
         if k:
-            shared = np.zeros((kp + 1,), np.int32)  # padding pages: the null page, past shared_len
-            shared[:k] = rows[0].pages[:k]
-            shared[-1] = k * s
+            group = [r for r in rows if r.cascade]
+            assert group and group[-1].pages[:k] == group[0].pages[:k], \
+                "cascade rows must share their first shared_pages pages"  # (scheduler-built groups)
+            shared = np.zeros((kp + 1 + b,), np.int32)  # padding pages: the null page, past shared_len
+            shared[:k] = group[0].pages[:k]
+            shared[kp] = k * s
+            shared[kp + 1:kp + 1 + n] = [r.cascade for r in rows]
             shared = jax.device_put(shared)
         packed, self.cache = _model_step(
             self.params, self.cache, jax.device_put(ints), jax.device_put(floats), shared,

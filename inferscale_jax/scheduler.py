@@ -20,6 +20,10 @@
    pages are released and it goes back to the head of the waiting queue.  When re-admitted
    it recomputes prompt + generated tokens (mostly prefix-cache hits) and continues with the
    same per-step sampling keys, so its output is unchanged.
+   *Cascade*: decoding requests that start with the same read-only pages (one segment chain's
+   node, or the same prefix-cache hits) form a group; the largest group, when it saves enough
+   reads, has those pages read once per step for all its rows (``_cascade_group``, the
+   shared-prefix kernel), while the other rows in the same step read their own pages.
 5. **Finish**: EOS, a stop token or string, ``max_tokens``, or ``abort``: the request's page
    references are dropped at once (its full pages stay in the prefix cache) and its chain
    nodes lose a reader.
@@ -43,6 +47,9 @@ from inferscale_jax.sampling import MAX_LOGPROBS, SamplingParams
 from inferscale_jax.segments import ChainNode, Segment
 
 LOOKAHEAD = 8  # waiting requests considered for resident-first admission
+# cascade decode pays off once the group saves this many token reads per layer ((rows - 1) x
+# shared tokens): on the H200 a 4096-token prefix gains 1.16x at 8 rows (bench/NOTES.md)
+CASCADE_MIN_SAVED_TOKENS = 16384
 
 
 @dataclasses.dataclass
@@ -195,7 +202,10 @@ class Scheduler:
             pos = len(req.seq.tokens) - 1  # the last sampled token, not yet in the cache
             rows.append(req.row([req.seq.tokens[pos]], pos))
         nl = MAX_LOGPROBS if any(r.sampling.logprobs is not None for r in decoding) else 0
-        res = e._step(rows, nl, self._shared_prefix(decoding))
+        k, group = self._cascade_group(decoding)
+        for i in group:
+            rows[i].cascade = True
+        res = e._step(rows, nl, k)
         outs = []
         for i, req in enumerate(decoding):
             req.seq.computed += 1
@@ -203,15 +213,30 @@ class Scheduler:
             outs.append(self._on_token(req, res, i))
         return outs
 
-    def _shared_prefix(self, decoding: list[Request]) -> int:
-        """Pages every decoding row shares (cascade decode), or 0: all rows must come from the same
-        chain node (exact mode), whose full pages each of them borrowed at admission."""
+    def _cascade_group(self, decoding: list[Request]) -> tuple[int, list[int]]:
+        """(shared pages k, row indices) of the cascade group of this decode step, or (0, []).
+
+        Rows whose sequences share the same leading read-only pages (``_Seq.shared_key``: a chain
+        node's full pages, or prefix-cache hits) can read them once for the whole group.  The
+        largest such group (by page reads saved) is taken if it saves at least
+        ``CASCADE_MIN_SAVED_TOKENS`` token reads per layer: below that the cascade's extra kernel
+        and merge cost more than the reads they save (H200, bench/NOTES.md)."""
         if not self.engine.config.cascade_decode or len(decoding) < 2:
-            return 0
-        node = decoding[0].nodes[-1] if decoding[0].nodes else None
-        if node is None or not all(r.nodes and r.nodes[-1] is node and r.seq.cacheable for r in decoding):
-            return 0
-        return min(r.seq.shared for r in decoding)
+            return 0, []
+        groups: dict[int, list[int]] = {}
+        for i, r in enumerate(decoding):
+            if r.seq.shared_key:
+                groups.setdefault(r.seq.shared_hash, []).append(i)
+        best, best_saved = [], 0
+        for members in groups.values():
+            key = decoding[members[0]].seq.shared_key
+            members = [i for i in members if decoding[i].seq.shared_key == key]  # hash collisions
+            saved = (len(members) - 1) * len(key)
+            if saved > best_saved:
+                best, best_saved = members, saved
+        if not best or best_saved * self.engine.config.page_size < CASCADE_MIN_SAVED_TOKENS:
+            return 0, []
+        return len(decoding[best[0]].seq.shared_key), best
 
     # -- per token ------------------------------------------------------------------------
     def _on_token(self, req: Request, res, i: int) -> RequestOutput:

@@ -15,6 +15,9 @@ Inputs (one layer; page layout as in :mod:`pallas_kernels.common`):
   ``shared_len == 0`` (or ``Ps == 0``) is allowed: the result is plain paged decode.
 * ``suffix_table [B, MP] int32`` and ``suffix_lens [B] int32`` (``0 <= suffix_lens[b] <=
   MP * S``, 0 allowed): request ``b``'s own tokens after the prefix.
+* ``shared_rows [B] bool`` (optional, default all): the rows that read the prefix.  A row
+  outside the group attends to its suffix only (the engine gives it its whole page list), so
+  one batch can mix the requests of one shared context with any others.
 
 Semantics.  Row ``b`` attends over the concatenation (shared tokens ``0 .. shared_len - 1``)
 + (its ``suffix_lens[b]`` suffix tokens).  The engine guarantees page alignment: the shared
@@ -31,7 +34,7 @@ Algorithm.
 1. Shared part (Pallas, Triton style).  ``q`` is regrouped per KV head as
    ``[Hkv, B * G, D]`` (``G = Hq // Hkv``; row ``r`` = request ``r // G``, head
    ``h * G + r % G``) and padded to a multiple of ``block_rows`` rows (a power of two >= 16,
-   default ``min(128, next_pow2(B * G))``; 64 for fp32).  Grid
+   default 128; 64 for fp32).  Grid
    ``(row_blocks, Hkv, num_splits)``, row blocks fastest (dim 0 varies fastest on launch), so
    the programs that read the same K/V tile run side by side and share it through L2.
    Program ``(r, h, s)`` loads its ``[block_rows, D]`` query tile once, walks its split of the
@@ -44,8 +47,8 @@ Algorithm.
    ``lse_shared [B, Hq]`` (natural log, ``-inf`` when ``shared_len == 0``).
 3. Suffix part: ``paged_decode_attention(..., return_lse=True)`` on ``suffix_table`` /
    ``suffix_lens`` (natural-log lse, ``-inf`` and zeros for an empty suffix).
-4. Merge (jnp, fp32): ``out = (e^(lse_sh - M) o_sh + e^(lse_sf - M) o_sf) / (e^(lse_sh - M) +
-   e^(lse_sf - M))`` with ``M = max(lse_sh, lse_sf)``; zeros where both are empty.  Output in
+4. Merge (jnp, fp32; rows outside ``shared_rows`` get ``lse_sh = -inf``):
+   ``out = (e^(lse_sh - M) o_sh + e^(lse_sf - M) o_sf) / (e^(lse_sh - M) + e^(lse_sf - M))`` with ``M = max(lse_sh, lse_sf)``; zeros where both are empty.  Output in
    ``q``'s dtype.  (The suffix output arrives rounded to ``q``'s dtype: a bf16 rounding of
    one merge term, well inside the bf16 tolerance.)
 
@@ -75,12 +78,8 @@ PROGRAMS_PER_SM = 2  # shared-part programs are matmul tiles, heavier than decod
 MIN_BLOCKS_PER_SPLIT = 4
 
 
-def _next_pow2(x: int) -> int:
-    return 1 << max(0, (x - 1).bit_length())
-
-
 def check_shared_prefix_inputs(q, k_pages, v_pages, shared_pages, shared_len, suffix_table,
-                               suffix_lens) -> tuple[int, ...]:
+                               suffix_lens, shared_rows=None) -> tuple[int, ...]:
     """Validate both functions' inputs; return (B, Hq, Hkv, G, P, S, D, Ps, MP).
 
     Length *values* are checked too when concrete (eager calls), skipped under jit.
@@ -94,6 +93,10 @@ def check_shared_prefix_inputs(q, k_pages, v_pages, shared_pages, shared_len, su
     if shared_len.ndim != 0 or not jnp.issubdtype(shared_len.dtype, jnp.integer):
         common._fail("shared_len", f"{shared_len.dtype}{list(shared_len.shape)}",
                      "an int32 scalar (array)")
+    if shared_rows is not None and (shared_rows.shape != (b,) or not (
+            shared_rows.dtype == jnp.bool_ or jnp.issubdtype(shared_rows.dtype, jnp.integer))):
+        common._fail("shared_rows", f"{shared_rows.dtype}{list(shared_rows.shape)}",
+                     f"a bool (or 0/1 int) vector [B = {b}]")
     ps = int(shared_pages.shape[0])
     if common.is_concrete(shared_len, suffix_lens):
         n, lens = int(shared_len), np.asarray(suffix_lens)
@@ -254,9 +257,9 @@ def merge_lse(o_a, lse_a, o_b, lse_b):
 @functools.partial(jax.jit, static_argnames=(
     "sm_scale", "block_rows", "block_kv", "num_splits", "suffix_num_splits", "num_warps",
     "num_stages", "interpret"))
-def _cascade(q, k_pages, v_pages, shared_pages, shared_len, suffix_table, suffix_lens, *,
-             sm_scale, block_rows, block_kv, num_splits, suffix_num_splits, num_warps,
-             num_stages, interpret):
+def _cascade(q, k_pages, v_pages, shared_pages, shared_len, suffix_table, suffix_lens,
+             shared_rows, *, sm_scale, block_rows, block_kv, num_splits, suffix_num_splits,
+             num_warps, num_stages, interpret):
     o_sf, lse_sf = paged_decode_attention(q, k_pages, v_pages, suffix_table, suffix_lens,
                                           sm_scale=sm_scale, num_splits=suffix_num_splits,
                                           interpret=interpret, return_lse=True)
@@ -266,6 +269,8 @@ def _cascade(q, k_pages, v_pages, shared_pages, shared_len, suffix_table, suffix
                                 sm_scale=sm_scale, block_rows=block_rows, block_kv=block_kv,
                                 num_splits=num_splits, num_warps=num_warps,
                                 num_stages=num_stages, interpret=interpret)
+    if shared_rows is not None:  # rows outside the group: their suffix is their whole context
+        lse_sh = jnp.where(shared_rows.astype(bool)[:, None], lse_sh, -jnp.inf)
     out, _ = merge_lse(o_sh, lse_sh, o_sf, lse_sf)
     return out.astype(q.dtype)
 
@@ -278,6 +283,7 @@ def shared_prefix_decode_attention(
     shared_len: jax.Array,  # [] int32, 0 <= shared_len <= Ps * S (engine: a multiple of S)
     suffix_table: jax.Array,  # [B, MP] int32
     suffix_lens: jax.Array,  # [B] int32, 0 <= suffix_lens <= MP * S
+    shared_rows: jax.Array | None = None,  # [B] bool: rows that read the prefix (None: all)
     *,
     sm_scale: float | None = None,
     block_rows: int | None = None,
@@ -285,34 +291,39 @@ def shared_prefix_decode_attention(
     num_splits: int | None = None,
     suffix_num_splits: int | None = None,
     num_warps: int | None = None,
-    num_stages: int = 2,
+    num_stages: int | None = None,
     interpret: bool | None = None,
 ) -> jax.Array:  # [B, Hq, D], dtype of q
     """Decode attention over a shared prefix + per-row suffixes (see the module docstring).
 
     Knobs of the shared part: ``block_rows`` query rows per program (power of two >= 16;
-    default ``min(128, next_pow2(B * Hq/Hkv))``, 64 for fp32), ``block_kv`` tokens per tile
-    (power of two >= 16, default 64), ``num_splits`` of the shared range (None: fill the GPU
-    ~2 programs per SM; 1 in interpret mode), ``num_warps`` (default 8 for 128-row tiles,
-    else 4), ``num_stages``.  ``suffix_num_splits`` goes to the decode kernel (None: auto).
+    default 128, 64 for fp32), ``block_kv`` tokens per tile (power of two >= 16, default 64),
+    ``num_splits`` of the shared range (None: fill the GPU ~2 programs per SM; 1 in interpret
+    mode), ``num_warps`` / ``num_stages`` (default 8 / 3 when one row block holds all
+    ``B * Hq/Hkv`` rows, else 4 / 2).  ``suffix_num_splits`` goes to the decode kernel (None: auto).
     Eager calls also check the length values (one host sync); under jit only shapes are.
     """
     b, hq, hkv, g, p, s, d, ps, mp = check_shared_prefix_inputs(
-        q, k_pages, v_pages, shared_pages, shared_len, suffix_table, suffix_lens)
+        q, k_pages, v_pages, shared_pages, shared_len, suffix_table, suffix_lens, shared_rows)
     common.check_power_of_two("page_size", s)
     common.check_power_of_two("head_dim", d, common.MIN_DOT_DIM)
+    # defaults from the H200 sweep (bench/NOTES.md, `bench/kernels.py --sections f --tune`):
+    # 128-row tiles won at B*G = 32, 128 and 512 (even 3/4 padding: the tile is matmul-bound
+    # only at large B*G); 8 warps / 3 stages while one row block covers the batch, else 4 / 2
     if block_rows is None:
-        block_rows = min(64 if q.dtype.itemsize >= 4 else 128, _next_pow2(b * g))
-        block_rows = max(common.MIN_DOT_DIM, block_rows)
+        block_rows = 64 if q.dtype.itemsize >= 4 else 128  # fp32: a 128-row tile spills
     common.check_power_of_two("block_rows", block_rows, common.MIN_DOT_DIM)
     block_kv = 64 if block_kv is None else block_kv
     common.check_power_of_two("block_kv", block_kv, common.MIN_DOT_DIM)
+    one_block = b * g <= block_rows
     if num_warps is None:
-        num_warps = 8 if block_rows >= 128 else 4
+        num_warps = 8 if one_block else 4
+    if num_stages is None:
+        num_stages = 3 if one_block else 2
     sm_scale = 1.0 / math.sqrt(d) if sm_scale is None else float(sm_scale)
     interpret = common.default_interpret() if interpret is None else interpret
     return _cascade(q, k_pages, v_pages, shared_pages, jnp.asarray(shared_len, jnp.int32),
-                    suffix_table, suffix_lens, sm_scale=sm_scale, block_rows=block_rows,
+                    suffix_table, suffix_lens, shared_rows, sm_scale=sm_scale, block_rows=block_rows,
                     block_kv=block_kv, num_splits=num_splits,
                     suffix_num_splits=suffix_num_splits, num_warps=num_warps,
                     num_stages=num_stages, interpret=interpret)
@@ -326,6 +337,7 @@ def shared_prefix_decode_attention_ref(
     shared_len: jax.Array,  # [] int32
     suffix_table: jax.Array,  # [B, MP] int32
     suffix_lens: jax.Array,  # [B] int32
+    shared_rows: jax.Array | None = None,  # [B] bool
     *,
     sm_scale: float | None = None,
     **unused_knobs,
@@ -335,12 +347,14 @@ def shared_prefix_decode_attention_ref(
     The kernel's tuning arguments are accepted and ignored (one call site for both)."""
     del unused_knobs
     b, hq, hkv, g, p, s, d, ps, mp = check_shared_prefix_inputs(
-        q, k_pages, v_pages, shared_pages, shared_len, suffix_table, suffix_lens)
+        q, k_pages, v_pages, shared_pages, shared_len, suffix_table, suffix_lens, shared_rows)
     sm_scale = 1.0 / math.sqrt(d) if sm_scale is None else float(sm_scale)
     hi = lax.Precision.HIGHEST
-    shared_ok = jnp.arange(ps * s) < jnp.asarray(shared_len)  # [Ps*S]
+    shared_ok = jnp.broadcast_to(jnp.arange(ps * s) < jnp.asarray(shared_len), (b, ps * s))
+    if shared_rows is not None:
+        shared_ok = shared_ok & shared_rows.astype(bool)[:, None]  # [B, Ps*S]
     suffix_ok = jnp.arange(mp * s)[None, :] < suffix_lens[:, None]  # [B, MP*S]
-    valid = jnp.concatenate([jnp.broadcast_to(shared_ok, (b, ps * s)), suffix_ok], axis=1)
+    valid = jnp.concatenate([shared_ok, suffix_ok], axis=1)
 
     def gather(pages):  # [Hkv, P, S, D] -> [B, Hkv, Ps*S + MP*S, D] fp32, invalid rows 0
         sh = pages[:, shared_pages].reshape(hkv, 1, ps * s, d)

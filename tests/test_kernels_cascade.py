@@ -124,6 +124,26 @@ def test_empty_suffixes_attend_the_prefix_only():
     assert_close(out, prefix_only, jnp.bfloat16)
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_rows_outside_the_group_attend_their_own_pages_only(dtype):
+    """shared_rows: a batch mixing the group of one shared prefix with other requests."""
+    mask = np.array([1, 0, 1, 1, 0, 0, 1], bool)
+    q, kp, vp, shared, n, table, lens = make_case(24, 32, 4, [9, 0, 0, 8, 3, 16, 25], hq=8,
+                                                  hkv=2, d=64, s=8, dtype=dtype)
+    rows = jnp.asarray(mask)
+    out = shared_prefix_decode_attention(q, kp, vp, shared, n, table, lens, rows, num_splits=2)
+    assert_close(out, shared_prefix_decode_attention_ref(q, kp, vp, shared, n, table, lens, rows),
+                 dtype)
+    full, full_lens = concat_tables(shared, n, table, lens, 8)
+    in_group = paged_decode_attention_ref(q, kp, vp, full, full_lens)
+    alone = paged_decode_attention_ref(q, kp, vp, table, lens)  # the row's own pages only
+    want = jnp.where(rows[:, None, None], in_group, alone)
+    assert_close(out, want, dtype)
+    empty = ~mask & (np.asarray(lens) == 0)  # row 1: outside the group, no own tokens
+    assert empty.sum() == 1
+    np.testing.assert_array_equal(np.asarray(out, np.float32)[empty], 0)  # zeros, not NaN
+
+
 def test_traced_shared_len_under_jit():
     """shared_len is data, not a static argument: one compilation serves every length."""
     q, kp, vp, shared, _, table, lens = make_case(23, 48, 6, [5, 16, 0, 9], hq=4, hkv=1, d=64,
@@ -184,6 +204,8 @@ def test_decode_return_lse(num_splits, dtype):
     (lambda a: {**a, "suffix_lens": jnp.array([5, 99], jnp.int32)}, "suffix_lens"),
     (lambda a: {**a, "suffix_table": a["suffix_table"][0]}, "page_table.shape"),
     (lambda a: {**a, "q": a["q"].astype(jnp.bfloat16)}, "q.dtype"),
+    (lambda a: {**a, "shared_rows": jnp.ones((3,), bool)}, "shared_rows"),
+    (lambda a: {**a, "shared_rows": jnp.ones((2,), jnp.float32)}, "shared_rows"),
 ])
 def test_validation_errors_name_the_value(bad, match):
     q, kp, vp, shared, n, table, lens = make_case(40, 16, 2, [5, 9], hq=4, hkv=2, d=64, s=8,
