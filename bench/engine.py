@@ -730,7 +730,7 @@ def shared_decode(args):
     private: list[str] = []
     res = {"shared": {}, "cascade": {}, "private": {}}
     R["batch"] = res
-    cascade0 = eng.config.cascade_decode
+    cascade0 = ST.cascade0 = eng.config.cascade_decode
     try:
         def reqs(B, segs):
             return [dict(prompt_token_ids=fresh(q, cfg.vocab_size), segments=[segs[i % len(segs)]],
@@ -760,6 +760,9 @@ def shared_decode(args):
                     f"{r['steps_win']} steps; runs {[round(x) for x in r['tok_s_all']]}), all first tokens "
                     f"{ms(r['all_first'])} ms, preemptions {r['preemptions']}")
 
+        if args.profile_step and "cascade" in args.e_modes and max(Bs) in res["cascade"]:
+            profile_decode(eng, lambda: reqs(max(Bs), ["shared_ctx"]), max(Bs))
+
         # private: as many B as the pool holds (segment pages + each request's own pages)
         per_req = -(-ctx // ps) + -(-(ctx + q + mt) // ps) - ctx // ps
         free = eng.pool.num_free
@@ -777,6 +780,28 @@ def shared_decode(args):
     finally:
         drop_segments(eng, private + ["shared_ctx"])
     shared_decode_table(s, res, cfg, ps)
+
+
+def profile_decode(eng, make_reqs, B):
+    """Device time per decode step by kernel (profiler trace) for one run of B shared-context
+    requests with cascade decode: where the step time goes besides attention."""
+    from profile_ops import kernel_times
+    eng.config = dataclasses.replace(eng.config, cascade_decode=True)
+    box = {}
+
+    def run():
+        box["r"] = run_batch(eng, make_reqs())
+    try:
+        rows = kernel_times(run, 1, top=25)
+    finally:
+        eng.config = dataclasses.replace(eng.config, cascade_decode=ST.cascade0)
+    steps = box["r"]["steps"]
+    tot = sum(t for _, _, t, _ in rows)
+    table(f"e'. Device time by kernel, one run of B={B} shared-context requests with cascade decode "
+          f"({steps} steps incl. prefill; per step = total / steps; top 25 kernel names, {tot / 1e3:.1f} ms "
+          f"of device time in all, {box['r']['wall'] * 1e3:.1f} ms wall)",
+          ["kernel", "us per step", "launches per step"],
+          [[k, f"{t / steps:.1f}", f"{c / steps:.1f}"] for _, k, t, c in rows])
 
 
 def private_runs(eng, s, res, pBs, private, reqs, ctx):
@@ -1251,6 +1276,8 @@ def main():
     ap.add_argument("--e-modes", default="plain,cascade,private",
                     help="section e cases: plain (shared context, paged decode), cascade (shared context, "
                          "cascade decode), private (a private context per request)")
+    ap.add_argument("--profile-step", action="store_true",
+                    help="section e: device time by kernel of one cascade run at the largest B")
     ap.add_argument("--e-batches", default=None, help="section e batch sizes, comma separated")
     ap.add_argument("--rates", default=None, help="section f arrival rates, req/s, comma separated")
     ap.add_argument("--reps", type=int, default=None, help="override the TTFT repetitions")
