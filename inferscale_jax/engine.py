@@ -46,7 +46,7 @@ from inferscale_jax.kv_cache import PagedKVCache, page_bytes
 from inferscale_jax.outputs import GenerationOutput, RequestMetrics
 from inferscale_jax.page_pool import PagePool
 from inferscale_jax.prefix_cache import PUBLIC_TENANT, PrefixCache, page_hash, public_root, root_hash
-from inferscale_jax.runner import ModelRunner, StepResult, StepRow
+from inferscale_jax.runner import ModelRunner, StepResult, StepRow, freeze_heap
 from inferscale_jax.sampling import SamplingParams, request_key
 from inferscale_jax.scheduler import Request, RequestOutput, Scheduler
 from inferscale_jax.segments import ChainNode, Segment, SegmentInfo, SegmentStore
@@ -115,6 +115,7 @@ class Engine:
         self.scheduler = Scheduler(self)
         if self.persistence is not None:
             self.persistence.restore()  # last: restore may compute segments on the finished engine
+        freeze_heap()  # the long-lived heap out of the cyclic GC's walks (runner.freeze_heap)
 
     @classmethod
     def from_pretrained(cls, model_dir: str | None = None, config: EngineConfig | None = None) -> "Engine":

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import gc
 import logging
 
 import jax
@@ -32,6 +33,18 @@ from models import ModelConfig, forward
 from pallas_kernels.splice import splice_kv, splice_kv_ref
 
 log = logging.getLogger("inferscale.runner")
+
+
+def freeze_heap() -> None:
+    """Collect, then move every live object out of the cyclic GC's reach (``gc.freeze``).
+
+    The engine keeps a large, long-lived heap (jitted functions, tracing caches, the tokenizer);
+    a full collection walks all of it and stalled a decode step for 90-150 ms on the CPU
+    (gen-2 passes every few hundred steps).  Frozen objects are still freed by reference
+    counting; only cycles among them are never collected.  Called after engine construction
+    and after each new compile (whose tracing leaves a burst of new long-lived objects)."""
+    gc.collect()
+    gc.freeze()
 
 
 def next_pow2(n: int, minimum: int = 1) -> int:
@@ -107,11 +120,14 @@ class ModelRunner:
         self.buckets: set[tuple] = set()
         self.compiles = 0
 
-    def _note_bucket(self, key: tuple) -> None:
-        if key not in self.buckets:
-            self.buckets.add(key)
-            self.compiles += 1
-            log.info("compiling step for bucket %s (%d buckets so far)", key, self.compiles)
+    def _note_bucket(self, key: tuple) -> bool:
+        """Count a new bucket (its step compiles now); True when it is new."""
+        if key in self.buckets:
+            return False
+        self.buckets.add(key)
+        self.compiles += 1
+        log.info("compiling step for bucket %s (%d buckets so far)", key, self.compiles)
+        return True
 
     def step(self, rows: list[StepRow], num_logprobs: int = 0, shared_pages: int = 0) -> StepResult:
         """Run one device step over ``rows`` (each with 1..prefill_chunk new tokens).
@@ -133,7 +149,7 @@ class ModelRunner:
         mp = max(mp, need_pages)
         nl = MAX_LOGPROBS if num_logprobs else 0
         kp = next_pow2(k, 4) if k else 0
-        self._note_bucket((b, t, mp, nl) + ((kp,) if k else ()))
+        compiling = self._note_bucket((b, t, mp, nl) + ((kp,) if k else ()))
 
         ints = np.zeros((b, 3 * t + mp + 6), np.int32)
         tokens, positions, slots = ints[:, :t], ints[:, t:2 * t], ints[:, 2 * t:3 * t]  # views
@@ -141,20 +157,26 @@ class ModelRunner:
         ints[:, -6:-4] = 1  # padding rows: one query over one key, both in the null page
         floats = np.zeros((b, 2), np.float32)
         floats[:, 1] = 1.0  # top_p
-        for i, r in enumerate(rows):
-            m = len(r.tokens)
-            pos = np.arange(r.start, r.start + m)
-            pages = np.asarray(r.pages, np.int32)
-            tokens[i, :m] = r.tokens
-            positions[i, :m] = pos
-            positions[i, m:] = r.start + m - 1  # padding queries repeat the last position
-            slots[i, :m] = pages[pos // s] * s + pos % s  # padding tokens -> null page slot 0
+        keys = ints[:, -2:].view(np.uint32)
+        for i, r in enumerate(rows):  # per-row Python is host time on every step: keep it lean
+            m, start = len(r.tokens), r.start
+            end = start + m
             own = k if r.cascade else 0  # leading pages read through the shared prefix
-            live = pages[own:-(-(r.start + m) // s)]  # pages past this step's tokens are not read
+            live = r.pages[own:-(-end // s)]  # pages past this step's tokens are not read
             table[i, :len(live)] = live
-            ints[i, -6:-2] = (m, r.start + m - own * s, r.top_k, r.sample_step)
+            if m == 1:  # decode: one token, no numpy temporaries
+                tokens[i, 0] = r.tokens[0]
+                positions[i, 0] = start
+                slots[i, 0] = r.pages[start // s] * s + start % s
+            else:
+                pos = np.arange(start, end)
+                tokens[i, :m] = r.tokens
+                positions[i, :m] = pos
+                positions[i, m:] = end - 1  # padding queries repeat the last position
+                slots[i, :m] = np.asarray(r.pages, np.int32)[pos // s] * s + pos % s  # padding -> null slot 0
+            ints[i, -6:-2] = (m, end - own * s, r.top_k, r.sample_step)
             if r.key is not None:
-                ints[i, -2:] = np.asarray(r.key, np.uint32).view(np.int32)
+                keys[i] = r.key
             floats[i] = (r.temperature, r.top_p)
         shared = None
         if k:
@@ -170,6 +192,8 @@ class ModelRunner:
             self.params, self.cache, jax.device_put(ints), jax.device_put(floats), shared,
             cfg=self.cfg, t=t, num_logprobs=nl)
         packed = np.asarray(jax.device_get(packed))[:n]  # [n, 2 + 2 * nl]
+        if compiling:
+            freeze_heap()
         ids = packed.view(np.int32)
         return StepResult(ids[:, 0].copy(), packed[:, 1].copy(), ids[:, 2:2 + num_logprobs].copy(),
                           packed[:, 2 + nl:2 + nl + num_logprobs].copy())

@@ -74,6 +74,7 @@ class Request:
     finish_reason: str | None = None
     text: str | None = None
     preemptions: int = 0
+    stop_ids: frozenset | None = None  # stop token ids + EOS unless ignore_eos (set at the first token)
 
     @property
     def prefilling(self) -> bool:
@@ -248,8 +249,9 @@ class Scheduler:
             lp = {int(t): float(v) for t, v in zip(res.top_ids[i][:sp.logprobs], res.top_logprobs[i][:sp.logprobs])}
             lp[tok] = float(res.logprob[i])
             req.logprobs.append(lp)
-        stop_ids = set(sp.stop_token_ids) | (set() if sp.ignore_eos else set(e.cfg.eos_token_ids))
-        if tok in stop_ids:
+        if req.stop_ids is None:
+            req.stop_ids = frozenset(sp.stop_token_ids) | frozenset(() if sp.ignore_eos else e.cfg.eos_token_ids)
+        if tok in req.stop_ids:
             return self._finish(req, "stop", [tok])
         if sp.stop:
             # only the tail can hold a stop string that this token completed: a string of L
