@@ -22,6 +22,9 @@ class EngineConfig:
     # decode rows that share leading pages (one segment chain, or prefix-cache hits) read them once
     # per batch (cascade kernel; H200: 1.16x decode tok/s at 8 rows of a 4k context, 1.67x at 128)
     cascade_decode: bool = True
+    # dispatch each decode step before reading the previous one's tokens (they feed it on the
+    # device), so host work overlaps device work; outputs are identical either way
+    overlap_decode: bool = True
     prefix_caching: bool = True  # automatic prefix caching of full pages (segments work either way)
     blend_ratio: float = 0.15  # blend mode: fraction of segment tokens (2..n) recomputed
     min_table_pages: int = 4  # page-table width bucket floor: larger = fewer compiles, more bytes per step

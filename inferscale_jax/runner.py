@@ -74,12 +74,17 @@ class StepResult:
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "t", "num_logprobs"), donate_argnames=("cache",))
-def _model_step(params, cache: PagedKVCache, ints, floats, shared=None, *, cfg: ModelConfig, t: int,
-                num_logprobs: int):
-    """ints [B, 3T + MP + 6] int32 and floats [B, 2] float32 carry every per-step input, so a
-    step costs two small host->device copies (layout: ``_pack``)."""
+def _model_step(params, cache: PagedKVCache, ints, floats, prev_tokens, shared=None, *, cfg: ModelConfig,
+                t: int, num_logprobs: int):
+    """ints [B, 3T + MP + 7] int32 and floats [B, 2] float32 carry every per-step input, so a
+    step costs two small host->device copies (layout: ``ModelRunner.dispatch``).
+    ``prev_tokens [max_batch] int32`` are the ids the previous decode step sampled, still on the
+    device: a row whose source column ``ints[:, -7]`` is ``j >= 0`` feeds ``prev_tokens[j]``
+    instead of its host token (overlapped decode: the host has not read them yet)."""
     tokens, positions, slots = ints[:, :t], ints[:, t:2 * t], ints[:, 2 * t:3 * t]  # [B, T] each
-    table = ints[:, 3 * t:-6]  # [B, MP]
+    table = ints[:, 3 * t:-7]  # [B, MP]
+    src = ints[:, -7]
+    tokens = tokens.at[:, 0].set(jnp.where(src >= 0, prev_tokens[jnp.maximum(src, 0)], tokens[:, 0]))
     q_lens, kv_lens, top_k, steps = ints[:, -6], ints[:, -5], ints[:, -4], ints[:, -3]
     keys = jax.lax.bitcast_convert_type(ints[:, -2:], jnp.uint32)  # [B, 2]
     meta = AttnMeta(slots=slots.reshape(-1), page_table=table, q_lens=q_lens, kv_lens=kv_lens)
@@ -93,6 +98,30 @@ def _model_step(params, cache: PagedKVCache, ints, floats, shared=None, *, cfg: 
     # one [B, 2 + 2n] float32 result: a single device->host copy per step
     packed = jnp.concatenate([as_f32(tok)[:, None], lp[:, None], as_f32(top_ids), top_lp], axis=1)
     return packed, cache
+
+
+@functools.partial(jax.jit, static_argnames=("size",))
+def _sampled_ids(packed, *, size: int):
+    """[size] int32: the sampled ids of a step's packed result (column 0), zero-padded."""
+    ids = jax.lax.bitcast_convert_type(packed[:, 0], jnp.int32)
+    return jnp.zeros((size,), jnp.int32).at[:ids.shape[0]].set(ids)
+
+
+@dataclasses.dataclass
+class PendingStep:
+    """A dispatched step whose results are still on the device (``ModelRunner.collect`` reads
+    them).  ``sampled_ids()`` gives its sampled ids as a device array for the next step."""
+    packed: jax.Array  # [B, 2 + 2 * nl] float32 on the device
+    n: int  # real rows
+    nl: int  # padded log-prob width of the bucket
+    num_logprobs: int
+    size: int  # the runner's max_batch
+    _ids: jax.Array | None = None
+
+    def sampled_ids(self) -> jax.Array:
+        if self._ids is None:
+            self._ids = _sampled_ids(self.packed, size=self.size)
+        return self._ids
 
 
 @functools.partial(jax.jit, static_argnames=("use_kernel",), donate_argnames=("cache",))
@@ -119,6 +148,7 @@ class ModelRunner:
         self.inv_freq = jnp.asarray(inv_freq)
         self.buckets: set[tuple] = set()
         self.compiles = 0
+        self._no_prev: jax.Array | None = None  # prev_tokens of steps that feed host tokens only
 
     def _note_bucket(self, key: tuple) -> bool:
         """Count a new bucket (its step compiles now); True when it is new."""
@@ -130,11 +160,27 @@ class ModelRunner:
         return True
 
     def step(self, rows: list[StepRow], num_logprobs: int = 0, shared_pages: int = 0) -> StepResult:
-        """Run one device step over ``rows`` (each with 1..prefill_chunk new tokens).
+        """Run one device step over ``rows`` and wait for its results (``dispatch`` + ``collect``)."""
+        return self.collect(self.dispatch(rows, num_logprobs, shared_pages))
+
+    def collect(self, pending: PendingStep) -> StepResult:
+        """Read a dispatched step's results back (blocks until the device has computed them)."""
+        n, nl, k = pending.n, pending.nl, pending.num_logprobs
+        packed = np.asarray(jax.device_get(pending.packed))[:n]  # [n, 2 + 2 * nl]
+        ids = packed.view(np.int32)
+        return StepResult(ids[:, 0].copy(), packed[:, 1].copy(), ids[:, 2:2 + k].copy(),
+                          packed[:, 2 + nl:2 + nl + k].copy())
+
+    def dispatch(self, rows: list[StepRow], num_logprobs: int = 0, shared_pages: int = 0,
+                 prev: PendingStep | None = None, src: list[int] | None = None) -> PendingStep:
+        """Launch one device step over ``rows`` (each with 1..prefill_chunk new tokens); returns
+        at once (the device runs it while the host goes on).
 
         ``shared_pages > 0`` (decode only): the rows marked ``cascade`` all start with the same
         ``shared_pages`` full pages; attention reads them once for the group (cascade kernel),
-        and every other row reads its whole page list as usual."""
+        and every other row reads its whole page list as usual.  ``prev``/``src`` (decode only):
+        row ``i`` with ``src[i] = j >= 0`` feeds the id that row ``j`` of the step ``prev``
+        sampled, read on the device (its host token is ignored)."""
         n = len(rows)
         assert 0 < n <= self.max_batch
         s = self.page_size
@@ -151,10 +197,14 @@ class ModelRunner:
         kp = next_pow2(k, 4) if k else 0
         compiling = self._note_bucket((b, t, mp, nl) + ((kp,) if k else ()))
 
-        ints = np.zeros((b, 3 * t + mp + 6), np.int32)
+        assert src is None or (prev is not None and longest == 1 and len(src) == n)
+        ints = np.zeros((b, 3 * t + mp + 7), np.int32)
         tokens, positions, slots = ints[:, :t], ints[:, t:2 * t], ints[:, 2 * t:3 * t]  # views
         table = ints[:, 3 * t:3 * t + mp]
         ints[:, -6:-4] = 1  # padding rows: one query over one key, both in the null page
+        ints[:, -7] = -1  # token source: the host (>= 0: a row of the previous step, on the device)
+        if src is not None:
+            ints[:n, -7] = src
         floats = np.zeros((b, 2), np.float32)
         floats[:, 1] = 1.0  # top_p
         keys = ints[:, -2:].view(np.uint32)
@@ -188,15 +238,19 @@ class ModelRunner:
             shared[kp] = k * s
             shared[kp + 1:kp + 1 + n] = [r.cascade for r in rows]
             shared = jax.device_put(shared)
+        if prev is not None:
+            prev_ids = prev.sampled_ids()
+        else:
+            if self._no_prev is None:
+                self._no_prev = jnp.zeros((self.max_batch,), jnp.int32)
+            prev_ids = self._no_prev
         packed, self.cache = _model_step(
-            self.params, self.cache, jax.device_put(ints), jax.device_put(floats), shared,
+            self.params, self.cache, jax.device_put(ints), jax.device_put(floats), prev_ids, shared,
             cfg=self.cfg, t=t, num_logprobs=nl)
-        packed = np.asarray(jax.device_get(packed))[:n]  # [n, 2 + 2 * nl]
         if compiling:
+            jax.block_until_ready(packed)
             freeze_heap()
-        ids = packed.view(np.int32)
-        return StepResult(ids[:, 0].copy(), packed[:, 1].copy(), ids[:, 2:2 + num_logprobs].copy(),
-                          packed[:, 2 + nl:2 + nl + num_logprobs].copy())
+        return PendingStep(packed, n, nl, num_logprobs, self.max_batch)
 
     def copy_pages(self, src: list[int], dst: list[int]) -> None:
         """Copy whole pages src[i] -> dst[i] in every layer (copy-on-write; exact)."""

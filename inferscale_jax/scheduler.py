@@ -20,6 +20,9 @@
    pages are released and it goes back to the head of the waiting queue.  When re-admitted
    it recomputes prompt + generated tokens (mostly prefix-cache hits) and continues with the
    same per-step sampling keys, so its output is unchanged.
+   *Overlap*: the decode step is dispatched before the previous one is read (its sampled ids
+   feed the new step on the device), and the previous step's ids are processed while the
+   device computes (``_decode_step``).
    *Cascade*: decoding requests that start with the same read-only pages (one segment chain's
    node, or the same prefix-cache hits) form a group; the largest group, when it saves enough
    reads, has those pages read once per step for all its rows (``_cascade_group``, the
@@ -42,7 +45,7 @@ import numpy as np
 
 from inferscale_jax.errors import PoolExhausted
 from inferscale_jax.outputs import GenerationOutput, RequestMetrics
-from inferscale_jax.runner import StepRow
+from inferscale_jax.runner import PendingStep, StepRow
 from inferscale_jax.sampling import MAX_LOGPROBS, SamplingParams
 from inferscale_jax.segments import ChainNode, Segment
 
@@ -103,6 +106,8 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.preemptions = 0
         self.failed: list[RequestOutput] = []  # admission failures, reported by the next step
+        # overlapped decode: the decode step dispatched last, not yet read, and its requests
+        self.inflight: tuple[PendingStep, list[Request]] | None = None
 
     # -- queue ----------------------------------------------------------------------------
     def add(self, req: Request) -> None:
@@ -111,6 +116,11 @@ class Scheduler:
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
+
+    def drain(self) -> list[RequestOutput]:
+        """Read the in-flight decode step (if any) and process its tokens."""
+        prev, self.inflight = self.inflight, None
+        return self._collect(prev) if prev is not None else []
 
     def abort(self, request_id: str) -> RequestOutput | None:
         req = self.requests.get(request_id)
@@ -126,7 +136,7 @@ class Scheduler:
         outs, self.failed = self.failed, []
         if any(r.prefilling for r in self.running):
             outs += self._prefill_step()
-        if any(not r.prefilling for r in self.running):
+        if self.inflight is not None or any(not r.prefilling for r in self.running):
             outs += self._decode_step()
         return outs
 
@@ -179,36 +189,84 @@ class Scheduler:
         return outs
 
     def _decode_step(self) -> list[RequestOutput]:
+        """One decode step over every decoding request (module docstring, 4).
+
+        Overlapped (``EngineConfig.overlap_decode``, the default): the previous decode step may
+        still be in flight; this step is dispatched first, feeding each of its requests the id
+        that step sampled straight from the device, and only then are the previous step's ids
+        read and processed, so the host's work runs while the device computes.  A request whose
+        in-flight token turns out to end it (EOS, a stop string) has one extra row computed and
+        ignored; ``max_tokens`` is known ahead and costs nothing.  Page allocation that would
+        need a preemption first drains the in-flight step (preemption needs settled requests)."""
         e = self.engine
         s = e.config.page_size
+        outs: list[RequestOutput] = []
+        prev = self.inflight
+        pend = {id(r): j for j, r in enumerate(prev[1])} if prev is not None else {}
         for req in sorted((r for r in self.running if not r.prefilling), key=lambda r: r.arrival):
             if req.status != "running":
                 continue  # preempted while making room for an older request
             seq = req.seq
-            if (len(seq.tokens) - 1) // s >= len(seq.pages):  # the fed token starts a new page
+            pos = len(seq.tokens) - 1 + (id(req) in pend)  # the position of the token it feeds
+            if pos // s >= len(seq.pages):  # the fed token starts a new page
                 while True:
                     try:
                         seq.pages += e._allocate(1)
                         break
                     except PoolExhausted:
+                        if prev is not None:  # settle the in-flight step before preempting
+                            outs += self.drain()
+                            prev, pend = None, {}
+                            if req.status != "running":
+                                break  # it finished with the drained token
+                            continue
                         victim = max(self.running, key=lambda r: r.arrival)
                         self._preempt(victim)
                         if victim is req:
                             break
-        decoding = [r for r in self.running if not r.prefilling]
-        if not decoding:
-            return []
-        rows = []
-        for req in decoding:
-            pos = len(req.seq.tokens) - 1  # the last sampled token, not yet in the cache
-            rows.append(req.row([req.seq.tokens[pos]], pos))
-        nl = MAX_LOGPROBS if any(r.sampling.logprobs is not None for r in decoding) else 0
-        k, group = self._cascade_group(decoding)
-        for i in group:
-            rows[i].cascade = True
-        res = e._step(rows, nl, k)
+        rows, reqs, src = [], [], []
+        for req in self.running:
+            if req.prefilling or req.status != "running":
+                continue
+            j = pend.get(id(req))
+            if j is None:
+                pos = len(req.seq.tokens) - 1  # the last sampled token, not yet in the cache
+                rows.append(req.row([req.seq.tokens[pos]], pos))
+            elif len(req.out_ids) + 1 >= req.sampling.max_tokens:
+                continue  # its in-flight token is its last
+            else:  # its in-flight token, read on the device
+                row = req.row([0], len(req.seq.tokens))
+                row.sample_step += 1
+                rows.append(row)
+            reqs.append(req)
+            src.append(-1 if j is None else j)
+        pending = None
+        if rows:
+            nl = MAX_LOGPROBS if any(r.sampling.logprobs is not None for r in reqs) else 0
+            k, group = self._cascade_group(reqs)
+            for i in group:
+                rows[i].cascade = True
+            pending = e.runner.dispatch(rows, nl, k, prev=prev[0] if prev is not None else None,
+                                        src=src if prev is not None else None)
+        if prev is not None:
+            outs += self.drain()  # the device is busy with `pending` meanwhile
+        if pending is not None:
+            self.inflight = (pending, reqs)
+            if not e.config.overlap_decode:
+                outs += self.drain()
+        return outs
+
+    def _collect(self, inflight: tuple[PendingStep, list[Request]]) -> list[RequestOutput]:
+        """Read a dispatched decode step and hand each still-running request its token."""
+        e = self.engine
+        pending, reqs = inflight
+        res = e.runner.collect(pending)
+        if e.debug_checks:
+            e.check_invariants()
         outs = []
-        for i, req in enumerate(decoding):
+        for i, req in enumerate(reqs):
+            if req.status != "running":
+                continue  # finished by the step before (this row was computed for nothing) or aborted
             req.seq.computed += 1
             e._register_full_pages(req.seq)
             outs.append(self._on_token(req, res, i))

@@ -43,14 +43,14 @@ def assert_same(batched, alone, tol=1e-5):
 
 
 def spy_steps(engine):
-    """Record (shared_pages, cascade rows, rows) of every runner step."""
+    """Record (shared_pages, cascade rows, rows) of every device step the runner launches."""
     seen = []
-    orig = engine.runner.step
+    orig = engine.runner.dispatch
 
-    def step(rows, nl=0, shared=0):
+    def dispatch(rows, nl=0, shared=0, *a, **k):
         seen.append((shared, sum(r.cascade for r in rows), len(rows)))
-        return orig(rows, nl, shared)
-    engine.runner.step = step
+        return orig(rows, nl, shared, *a, **k)
+    engine.runner.dispatch = dispatch
     return seen
 
 
