@@ -875,21 +875,32 @@ def shared_decode_table(s, res, cfg, ps):
 
 # ---------------------------------------------------------------- (f) TTFT under arrivals
 
-def precompile(eng, pairs):
+def precompile(eng, pairs, cascade_pages=0):
     """Compile the (batch, chunk) step buckets in ``pairs`` now (one dummy runner step each,
-    over pages allocated and freed here), so a timed run does not compile."""
+    over pages allocated and freed here), so a timed run does not compile.  ``cascade_pages``
+    > 0: also the cascade-decode bucket of each decode pair (rows sharing that many pages)."""
     from inferscale_jax.runner import StepRow, next_pow2
     ps = eng.config.page_size
-    have = {(k[0], k[1]) for k in eng.runner.buckets}
-    todo = [(b, t) for b, t in pairs if (min(next_pow2(b), eng.config.max_batch), t) not in have]
+    kp = next_pow2(cascade_pages, 4) if cascade_pages else 0
+    have = {(k[0], k[1], len(k) > 4) for k in eng.runner.buckets}
+    todo = [(b, t, False) for b, t in pairs if (min(next_pow2(b), eng.config.max_batch), t, False) not in have]
+    if kp:
+        todo += [(b, 1, True) for b, t in pairs if t == 1 and b > 1
+                 and (min(next_pow2(b), eng.config.max_batch), 1, True) not in have]
     if not todo:
         return 0
-    pages = eng.pool.allocate(-(-(max(t for _, t in todo) + 1) // ps))
+    longest = max(max(t for _, t, _ in todo) + 1, (cascade_pages + 1) * ps)
+    pages = eng.pool.allocate(-(-longest // ps))
     assert pages is not None, "no free pages to precompile with"
     t0, c0 = time.perf_counter(), eng.compiles
     try:
-        for b, t in todo:
-            eng.runner.step([StepRow(fresh(t, ST.cfg.vocab_size), 0, pages) for _ in range(b)])
+        for b, t, casc in todo:
+            if casc:  # b rows sharing the first cascade_pages pages, each decoding one token after them
+                rows = [StepRow(fresh(1, ST.cfg.vocab_size), cascade_pages * ps, pages[:cascade_pages + 1],
+                                cascade=True) for _ in range(b)]
+                eng.runner.step(rows, 0, cascade_pages)
+            else:
+                eng.runner.step([StepRow(fresh(t, ST.cfg.vocab_size), 0, pages) for _ in range(b)])
     finally:
         eng.pool.decref(reversed(pages))
     log(f"  precompiled {eng.compiles - c0} bucket(s) {todo}: {time.perf_counter() - t0:.1f} s")
@@ -971,7 +982,9 @@ def arrival_ttft(args):
         mb = eng.config.max_batch
         pb = [1 << k for k in range(8) if (1 << k) <= min(s["f_prefill_b"], mb)]
         db = [1 << k for k in range(8) if (1 << k) <= min(s["f_decode_b"], mb)]
-        precompile(eng, [(b, s["f_q"]) for b in pb] + [(b, 1) for b in db])
+        # decode groups of one segment use the cascade bucket of its full pages (bos + segment)
+        casc = (1 + s["f_ctx"]) // eng.config.page_size if eng.config.cascade_decode else 0
+        precompile(eng, [(b, s["f_q"]) for b in pb] + [(b, 1) for b in db], cascade_pages=casc)
         # warm-up: a short run at the highest rate (host paths, any bucket not precompiled)
         w = arrival_run(eng, segs, max(s["f_rates"]), max(8, s["f_n"] // 4), s["f_q"], s["f_max_tokens"], 999)
         log(f"  warm-up: {w['n']} requests, {w['compiles']} compile(s), p50 {ms(w['p50'])} ms")

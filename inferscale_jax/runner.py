@@ -74,17 +74,12 @@ class StepResult:
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "t", "num_logprobs"), donate_argnames=("cache",))
-def _model_step(params, cache: PagedKVCache, ints, floats, prev_tokens, shared=None, *, cfg: ModelConfig,
-                t: int, num_logprobs: int):
+def _model_step(params, cache: PagedKVCache, ints, floats, shared=None, *, cfg: ModelConfig, t: int,
+                num_logprobs: int):
     """ints [B, 3T + MP + 7] int32 and floats [B, 2] float32 carry every per-step input, so a
-    step costs two small host->device copies (layout: ``ModelRunner.dispatch``).
-    ``prev_tokens [max_batch] int32`` are the ids the previous decode step sampled, still on the
-    device: a row whose source column ``ints[:, -7]`` is ``j >= 0`` feeds ``prev_tokens[j]``
-    instead of its host token (overlapped decode: the host has not read them yet)."""
+    step costs two small host->device copies (layout: ``ModelRunner.dispatch``)."""
     tokens, positions, slots = ints[:, :t], ints[:, t:2 * t], ints[:, 2 * t:3 * t]  # [B, T] each
     table = ints[:, 3 * t:-7]  # [B, MP]
-    src = ints[:, -7]
-    tokens = tokens.at[:, 0].set(jnp.where(src >= 0, prev_tokens[jnp.maximum(src, 0)], tokens[:, 0]))
     q_lens, kv_lens, top_k, steps = ints[:, -6], ints[:, -5], ints[:, -4], ints[:, -3]
     keys = jax.lax.bitcast_convert_type(ints[:, -2:], jnp.uint32)  # [B, 2]
     meta = AttnMeta(slots=slots.reshape(-1), page_table=table, q_lens=q_lens, kv_lens=kv_lens)
@@ -98,6 +93,16 @@ def _model_step(params, cache: PagedKVCache, ints, floats, prev_tokens, shared=N
     # one [B, 2 + 2n] float32 result: a single device->host copy per step
     packed = jnp.concatenate([as_f32(tok)[:, None], lp[:, None], as_f32(top_ids), top_lp], axis=1)
     return packed, cache
+
+
+@jax.jit
+def _feed_tokens(ints, prev_ids):
+    """Overlapped decode: a row whose source column ``ints[:, -7]`` is ``j >= 0`` gets the id row
+    ``j`` of the previous step sampled (still on the device) as its token (column 0).  A jit of
+    its own: inside ``_model_step`` the select changed XLA's fusion of the embedding lookup and
+    cost ~0.6 ms per step on the H200 (bench/NOTES.md)."""
+    src = ints[:, -7]
+    return ints.at[:, 0].set(jnp.where(src >= 0, prev_ids[jnp.maximum(src, 0)], ints[:, 0]))
 
 
 @functools.partial(jax.jit, static_argnames=("size",))
@@ -148,7 +153,7 @@ class ModelRunner:
         self.inv_freq = jnp.asarray(inv_freq)
         self.buckets: set[tuple] = set()
         self.compiles = 0
-        self._no_prev: jax.Array | None = None  # prev_tokens of steps that feed host tokens only
+        self.device = next(iter(cache.k[0].devices()))  # per-step inputs go here, committed
 
     def _note_bucket(self, key: tuple) -> bool:
         """Count a new bucket (its step compiles now); True when it is new."""
@@ -237,17 +242,19 @@ class ModelRunner:
             shared[:k] = group[0].pages[:k]
             shared[kp] = k * s
             shared[kp + 1:kp + 1 + n] = [r.cascade for r in rows]
-            shared = jax.device_put(shared)
-        if prev is not None:
-            prev_ids = prev.sampled_ids()
-        else:
-            if self._no_prev is None:
-                self._no_prev = jnp.zeros((self.max_batch,), jnp.int32)
-            prev_ids = self._no_prev
+            shared = jax.device_put(shared, self.device)
+        # committed to the device like a jit output (``_feed_tokens``): jit caches on committedness,
+        # so an uncommitted host copy here would compile every step bucket twice
+        ints_d = jax.device_put(ints, self.device)
+        if src is not None:
+            ints_d = _feed_tokens(ints_d, prev.sampled_ids())
         packed, self.cache = _model_step(
-            self.params, self.cache, jax.device_put(ints), jax.device_put(floats), prev_ids, shared,
+            self.params, self.cache, ints_d, jax.device_put(floats, self.device), shared,
             cfg=self.cfg, t=t, num_logprobs=nl)
         if compiling:
+            if t == 1:  # the overlapped-decode helpers of this bucket compile now, not mid-serving
+                ids = PendingStep(packed, n, nl, num_logprobs, self.max_batch).sampled_ids()
+                jax.block_until_ready(_feed_tokens(ints_d, ids))
             jax.block_until_ready(packed)
             freeze_heap()
         return PendingStep(packed, n, nl, num_logprobs, self.max_batch)
