@@ -215,7 +215,7 @@ def get_engine(args):
     log(f"params: {sum(x.size for x in leaves) / 1e9:.3f} B, {ST.weight_bytes / 1e9:.2f} GB, "
         f"init {time.time() - t0:.1f} s")
     kw = dict(dtype="bfloat16", page_size=16, hbm_pages=pool_pages(args, cfg), prefill_chunk=s["chunk"],
-              max_batch=s["max_batch"])
+              max_batch=s["max_batch"], overlap_decode=not args.no_overlap)
     if "min_table_pages" in {f.name for f in dataclasses.fields(EngineConfig)}:
         kw["min_table_pages"] = s["min_table"]
     else:
@@ -1289,6 +1289,8 @@ def main():
     ap.add_argument("--e-modes", default="plain,cascade,private",
                     help="section e cases: plain (shared context, paged decode), cascade (shared context, "
                          "cascade decode), private (a private context per request)")
+    ap.add_argument("--no-overlap", action="store_true",
+                    help="EngineConfig(overlap_decode=False): read each decode step before the next")
     ap.add_argument("--profile-step", action="store_true",
                     help="section e: device time by kernel of one cascade run at the largest B")
     ap.add_argument("--e-batches", default=None, help="section e batch sizes, comma separated")

@@ -55,7 +55,6 @@ from pallas_kernels import common
 _LOG2E = math.log2(math.e)
 _LN2 = math.log(2.0)  # return_lse: base-2 log-sum-exp * ln 2 = natural log
 _M_INIT = -1e30  # finite "minus infinity" for the running max: empty splits stay NaN-free
-_PREC = lax.Precision.HIGHEST  # fp32: IEEE matmul on Triton (DEFAULT = TF32); no-op for bf16
 PROGRAMS_PER_SM = 4
 TARGET_BLOCK_TOKENS = 128  # H200 sweep (bench/NOTES.md): 128-token tiles beat 64 at every shape
 MIN_BLOCKS_PER_SPLIT = 1  # H200: B=1 short contexts want every block in flight (latency-bound)
@@ -106,6 +105,9 @@ def _decode_kernel(
     gp, d = q_ref.shape
     row_ok = jnp.arange(gp) < group  # [Gp]
     q = plt.load(q_ref.at[pl.ds(0, gp), :], mask=row_ok[:, None], other=0)  # [Gp, D]
+    # fp32 pages: IEEE dots (Triton's DEFAULT is TF32); bf16 keeps the default, the path the
+    # H200 figures were measured with (bench/NOTES.md)
+    prec = lax.Precision.HIGHEST if q_ref.dtype == jnp.float32 else None
 
     length = jnp.minimum(lengths_ref[b], max_pages * page_size)
     tok_start = s * split_tokens
@@ -131,7 +133,7 @@ def _decode_kernel(
         # Prefetch: the next block's page ids load alongside this block's K/V, so the
         # page-table read is off the critical path (no dependent load inside an iteration).
         next_slot = slots_of(i + 1)
-        logits = lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=_PREC,
+        logits = lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=prec,
                                  preferred_element_type=jnp.float32)  # [Gp, BK]
         logits = jnp.where(valid[None, :], logits * scale_log2, -jnp.inf)
         m_new = jnp.maximum(m, jnp.max(logits, axis=1))  # [Gp]
@@ -139,7 +141,7 @@ def _decode_kernel(
         corr = jnp.exp2(m - m_new)  # [Gp]
         l_new = l * corr + jnp.sum(p, axis=1)
         v = jnp.where(valid[:, None], v, jnp.zeros_like(v))  # stale/NaN slots must not leak
-        pv = lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())), precision=_PREC,
+        pv = lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())), precision=prec,
                              preferred_element_type=jnp.float32)  # [Gp, D]
         return o * corr[:, None] + pv, m_new, l_new, next_slot
 
