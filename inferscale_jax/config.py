@@ -23,7 +23,8 @@ class EngineConfig:
     # per batch (cascade kernel; H200: 1.16x decode tok/s at 8 rows of a 4k context, 1.67x at 128)
     cascade_decode: bool = True
     # dispatch each decode step before reading the previous one's tokens (they feed it on the
-    # device), so host work overlaps device work; outputs are identical either way
+    # device), so host work overlaps device work; the same tokens either way (logprobs up to the
+    # rounding of a different batch shape: an ignored row can change a step's bucket)
     overlap_decode: bool = True
     prefix_caching: bool = True  # automatic prefix caching of full pages (segments work either way)
     blend_ratio: float = 0.15  # blend mode: fraction of segment tokens (2..n) recomputed

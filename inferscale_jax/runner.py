@@ -41,8 +41,11 @@ def freeze_heap() -> None:
     The engine keeps a large, long-lived heap (jitted functions, tracing caches, the tokenizer);
     a full collection walks all of it and stalled a decode step for 90-150 ms on the CPU
     (gen-2 passes every few hundred steps).  Frozen objects are still freed by reference
-    counting; only cycles among them are never collected.  Called after engine construction
-    and after each new compile (whose tracing leaves a burst of new long-lived objects)."""
+    counting; only cycles among them are never collected - so the engine's parts hold it through
+    weak proxies (a dropped engine is freed), and a compile in the middle of serving can pin
+    whatever cyclic garbage exists at that moment (bounded by the number of step buckets; warm
+    the buckets before traffic to avoid it).  Called after engine construction and after each
+    new compile (whose tracing leaves a burst of new long-lived objects)."""
     gc.collect()
     gc.freeze()
 

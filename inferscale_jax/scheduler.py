@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+import weakref
 from collections import deque
 
 import numpy as np
@@ -50,8 +51,8 @@ from inferscale_jax.sampling import MAX_LOGPROBS, SamplingParams
 from inferscale_jax.segments import ChainNode, Segment
 
 LOOKAHEAD = 8  # waiting requests considered for resident-first admission
-# cascade decode pays off once the group saves this many token reads per layer ((rows - 1) x
-# shared tokens): on the H200 a 4096-token prefix gains 1.16x at 8 rows (bench/NOTES.md)
+# cascade decode pays off once the group saves this many token reads per layer (about (rows - 1)
+# x shared tokens, see _cascade_group): on the H200 a 4096-token prefix gains 1.16x at 8 rows
 CASCADE_MIN_SAVED_TOKENS = 16384
 
 
@@ -100,7 +101,7 @@ class RequestOutput:
 
 class Scheduler:
     def __init__(self, engine):
-        self.engine = engine
+        self.engine = weakref.proxy(engine)  # no Engine <-> part cycle: engines free by refcount
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -207,6 +208,8 @@ class Scheduler:
             if req.status != "running":
                 continue  # preempted while making room for an older request
             seq = req.seq
+            if id(req) in pend and len(req.out_ids) + 1 >= req.sampling.max_tokens:
+                continue  # its in-flight token is its last: it feeds nothing more
             pos = len(seq.tokens) - 1 + (id(req) in pend)  # the position of the token it feeds
             if pos // s >= len(seq.pages):  # the fed token starts a new page
                 while True:
@@ -277,20 +280,26 @@ class Scheduler:
 
         Rows whose sequences share the same leading read-only pages (``_Seq.shared_key``: a chain
         node's full pages, or prefix-cache hits) can read them once for the whole group.  The
-        largest such group (by page reads saved) is taken if it saves at least
-        ``CASCADE_MIN_SAVED_TOKENS`` token reads per layer: below that the cascade's extra kernel
-        and merge cost more than the reads they save (H200, bench/NOTES.md)."""
+        group saving the most reads is taken if it saves at least ``CASCADE_MIN_SAVED_TOKENS``
+        token reads per layer: ``(rows - 1) x shared tokens``, less one prefix walk for each
+        128-row block of the step beyond the first (the shared kernel runs over every row and
+        masks the others).  Below that the cascade's extra kernel and merge cost more than the
+        reads they save (H200, bench/NOTES.md)."""
         if not self.engine.config.cascade_decode or len(decoding) < 2:
             return 0, []
         groups: dict[int, list[int]] = {}
         for i, r in enumerate(decoding):
             if r.seq.shared_key:
                 groups.setdefault(r.seq.shared_hash, []).append(i)
+        # the shared kernel walks the prefix once per 128-row block of the *whole* step (rows
+        # outside the group are masked after it): each extra block costs about one read
+        cfg = self.engine.cfg
+        extra_blocks = -(-len(decoding) * (cfg.num_heads // cfg.num_kv_heads) // 128) - 1
         best, best_saved = [], 0
         for members in groups.values():
             key = decoding[members[0]].seq.shared_key
             members = [i for i in members if decoding[i].seq.shared_key == key]  # hash collisions
-            saved = (len(members) - 1) * len(key)
+            saved = (len(members) - 1 - extra_blocks) * len(key)
             if saved > best_saved:
                 best, best_saved = members, saved
         if not best or best_saved * self.engine.config.page_size < CASCADE_MIN_SAVED_TOKENS:

@@ -142,7 +142,7 @@ class Persistence:
     """The registry and snapshots of one engine (``EngineConfig.snapshot_dir``)."""
 
     def __init__(self, engine):
-        self.engine = engine
+        self.engine = weakref.proxy(engine)  # no Engine <-> part cycle: engines free by refcount
         self.dir = engine.config.snapshot_dir
         self.snap_dir = os.path.join(self.dir, "snapshots")
         os.makedirs(self.snap_dir, exist_ok=True)

@@ -43,6 +43,7 @@ import os
 import shutil
 import tempfile
 import time
+import weakref
 from collections import OrderedDict
 
 import jax
@@ -108,7 +109,7 @@ class Tiers:
     """Owns the host and disk tiers of one engine; the engine's pool and store are HBM."""
 
     def __init__(self, engine):
-        self.engine = engine
+        self.engine = weakref.proxy(engine)  # no Engine <-> part cycle: engines free by refcount
         cfg, ec = engine.cfg, engine.config
         cache = engine.runner.cache
         self.device = next(iter(cache.k[0].devices()))

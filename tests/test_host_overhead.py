@@ -15,3 +15,20 @@ def test_engine_freezes_its_long_lived_heap():
     gc.unfreeze()
     engine.generate(prompt_token_ids=[1, 2, 3])  # compiles a new step bucket
     assert gc.get_freeze_count() > 0
+
+
+def test_a_dropped_engine_is_freed_without_the_cyclic_gc():
+    """Frozen objects are only freed by reference counting, so the engine must not sit in a
+    reference cycle (its parts hold it through weak proxies): else every engine ever built in a
+    process - and its KV pool - would live forever."""
+    import weakref
+
+    engine = make_engine(pages=32)
+    engine.generate(prompt_token_ids=[1, 2, 3])
+    ref = weakref.ref(engine)
+    gc.disable()
+    try:
+        del engine
+        assert ref() is None
+    finally:
+        gc.enable()

@@ -224,3 +224,21 @@ def test_cascade_policy_skips_groups_that_save_little(monkeypatch):
         return [dict(prompt_token_ids=[10 + i], segments=["kb"], sampling=greedy_lp(3)) for i in range(3)]
     assert not any(k for k, _, _ in cascade_runs("ref", reqs, setup, monkeypatch, threshold=2 * 32 + 1))
     assert (4, 3, 3) in cascade_runs("ref", reqs, setup, monkeypatch, threshold=2 * 32)
+
+
+def test_cascade_policy_charges_the_row_blocks_of_the_whole_step():
+    """The shared kernel walks the prefix once per 128-row block of every row in the step: a
+    small group in a large batch is not worth it, the same group in a small batch is."""
+    from types import SimpleNamespace
+    engine = make_engine(pages=16)
+    g = engine.cfg.num_heads // engine.cfg.num_kv_heads  # 2 query rows per kv head
+    key = tuple(range(1, 2049))  # 2048 shared pages: (2 - 1) x 16384 tokens saved by a pair
+
+    def rows(n, group):
+        return [SimpleNamespace(seq=SimpleNamespace(shared_key=key if i < group else (),
+                                                    shared_hash=hash(key) if i < group else 0))
+                for i in range(n)]
+    sched = engine.scheduler
+    assert sched._cascade_group(rows(128 // g, 2)) == (2048, [0, 1])  # one row block: taken
+    assert sched._cascade_group(rows(3 * 128 // g, 2)) == (0, [])  # 3 blocks cost more than it saves
+    assert sched._cascade_group(rows(3 * 128 // g, 4)) == (2048, [0, 1, 2, 3])  # saves 3 - 2 walks
