@@ -2,6 +2,7 @@
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 TOL = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
 
@@ -24,3 +25,10 @@ def poisoned_pool(seed, valid, *, b, hq, hkv, d, s, dtype):
     return q, k_pages, v_pages
 
 
+def assert_close(out, ref, dtype):
+    assert out.shape == ref.shape and out.dtype == ref.dtype
+    out32, ref32 = np.asarray(out, np.float32), np.asarray(ref, np.float32)
+    assert np.isfinite(out32).all(), "unwritten or NaN output elements"
+    assert np.isfinite(ref32).all()
+    err = np.max(np.abs(out32 - ref32)) / max(1.0, np.max(np.abs(ref32)))
+    assert err <= TOL[dtype], f"relative error {err:.3g} > {TOL[dtype]}"

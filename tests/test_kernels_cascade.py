@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kernel_cases import TOL, fill_table, poisoned_pool
+from kernel_cases import assert_close, fill_table, poisoned_pool
 from pallas_kernels import shared_prefix_decode_attention, shared_prefix_decode_attention_ref
 from pallas_kernels.decode_attention import paged_decode_attention, paged_decode_attention_ref
 
@@ -51,15 +51,6 @@ def concat_tables(shared, shared_len, table, lens, s):
     full = np.concatenate([np.broadcast_to(np.asarray(shared)[:n // s], (len(lens), n // s)),
                            np.asarray(table)], axis=1)
     return jnp.asarray(full, jnp.int32), lens + n
-
-
-def assert_close(out, ref, dtype):
-    assert out.shape == ref.shape and out.dtype == ref.dtype
-    out32, ref32 = np.asarray(out, np.float32), np.asarray(ref, np.float32)
-    assert np.isfinite(out32).all(), "unwritten or NaN output elements"
-    assert np.isfinite(ref32).all()
-    err = np.max(np.abs(out32 - ref32)) / max(1.0, np.max(np.abs(ref32)))
-    assert err <= TOL[dtype], f"relative error {err:.3g} > {TOL[dtype]}"
 
 
 def ragged_lens(rng, b, s):

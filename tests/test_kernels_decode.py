@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kernel_cases import TOL, fill_table, poisoned_pool
+from kernel_cases import assert_close, fill_table, poisoned_pool
 from pallas_kernels.decode_attention import (
     auto_num_splits,
     paged_decode_attention,
@@ -39,15 +39,6 @@ def make_case(seed, lengths, *, hq, hkv, d, s, dtype, extra_pages=3, max_pages=N
         used += k
     q, k_pages, v_pages = poisoned_pool(seed, valid, b=b, hq=hq, hkv=hkv, d=d, s=s, dtype=dtype)
     return q, k_pages, v_pages, jnp.asarray(table), jnp.asarray(lengths, jnp.int32)
-
-
-def assert_close(out, ref, dtype):
-    assert out.shape == ref.shape and out.dtype == ref.dtype
-    out32, ref32 = np.asarray(out, np.float32), np.asarray(ref, np.float32)
-    assert np.isfinite(out32).all(), "unwritten or NaN output elements"
-    assert np.isfinite(ref32).all()
-    err = np.max(np.abs(out32 - ref32)) / max(1.0, np.max(np.abs(ref32)))
-    assert err <= TOL[dtype], f"relative error {err:.3g} > {TOL[dtype]}"
 
 
 CASES = [
