@@ -86,7 +86,7 @@ sys.path.insert(0, ROOT)
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-from report import FAILURES, MD, log, section, table  # noqa: E402  (bench/report.py)
+from report import FAILURES, MD, log, pyplot, section, table, write_md  # noqa: E402  (bench/report.py)
 
 Q = 64  # question tokens
 R: dict = {"ours": {}, "hf": {}, "decode": {}, "registered": {}}
@@ -1201,7 +1201,6 @@ def plot_batch(args, plt, dev):
 
 
 def write_report(args, total_s):
-    os.makedirs(args.out, exist_ok=True)
     dev = jax.devices()[0]
     cmd = " ".join(shlex.quote(a) for a in [os.path.relpath(sys.argv[0], ROOT)] + sys.argv[1:])
     head = [f"# Engine benchmark ({'quick, tiny model' if args.quick else 'Llama-3-8B shape, random bf16'})",
@@ -1234,16 +1233,9 @@ def write_report(args, total_s):
         summ += ["Shared vs private context (section e): decode throughput shared / private = " + ", ".join(
             f"{ratio(b['shared'][B]['tok_s'], b['private'][B]['tok_s'])} at B={B}" for B in both)
             + f"; private runs stop at B={b.get('cap')} (pool).", ""]
-    path = os.path.join(args.out, "engine.md")
-    with open(path, "w") as f:
-        f.write("\n".join(head + summ + MD) + "\n")
-    log(f"\nwrote {path}")
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except Exception as e:  # noqa: BLE001
-        log(f"no plot: matplotlib unavailable ({e!r})")
+    write_md(args.out, "engine.md", head + summ + MD)
+    plt = pyplot()
+    if plt is None:
         return
     try:
         plot_batch(args, plt, dev)

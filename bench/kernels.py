@@ -48,7 +48,7 @@ import time
 
 import jax
 import jax.numpy as jnp
-from report import FAILURES, MD, log, section, table  # noqa: E402  (bench/report.py)
+from report import FAILURES, MD, log, pyplot, section, table, write_md  # noqa: E402  (bench/report.py)
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -631,25 +631,17 @@ def cascade_tune(args, b, kp, vp, n_sh, sf_lens, casc_vars, eff, rows):
 # ---------------------------------------------------------------- report
 
 def write_report(args):
-    os.makedirs(args.out, exist_ok=True)
     dev = jax.devices()[0]
     head = [f"# Kernel benchmark ({'quick' if args.quick else 'full'})", "",
             f"device: {dev.device_kind} ({dev.platform}), jax {jax.__version__}, "
             f"interpret={args.interpret}", ""]
     if FAILURES:
         head += ["**FAILURES:**", ""] + [f"- {f}" for f in FAILURES] + [""]
-    path = os.path.join(args.out, "kernels.md")
-    with open(path, "w") as f:
-        f.write("\n".join(head + MD) + "\n")
-    log(f"\nwrote {path}")
+    write_md(args.out, "kernels.md", head + MD)
     if not PLOT.get("decode"):
         return
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except Exception as e:  # noqa: BLE001
-        log(f"no plot: matplotlib unavailable ({e!r})")
+    plt = pyplot()
+    if plt is None:
         return
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for b in sorted({r[0] for r in PLOT["decode"]}):

@@ -54,7 +54,7 @@ sys.path.insert(0, ROOT)
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-from report import MD, log, table  # noqa: E402  (bench/report.py)
+from report import MD, log, table, write_md  # noqa: E402  (bench/report.py)
 
 
 
@@ -248,11 +248,7 @@ def main():
             f"- total time: {total:.0f} s", ""]
     if failure:
         head += ["**FAILED:**", "", "```", failure, "```", ""]
-    os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, "precompute.md")
-    with open(path, "w") as f:
-        f.write("\n".join(head + MD) + "\n")
-    log(f"\nwrote {path}")
+    write_md(args.out, "precompute.md", head + MD)
     if failure:
         sys.exit(1)
 

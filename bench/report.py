@@ -9,6 +9,7 @@ lose the rest of a (costly) GPU run.
 from __future__ import annotations
 
 import functools
+import os
 import time
 import traceback
 
@@ -18,6 +19,28 @@ MD: list[str] = []
 
 def log(msg=""):
     print(msg, flush=True)
+
+
+def write_md(out_dir, name, lines):
+    """Write the report ``lines`` to ``out_dir/name``; return the path."""
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, name)
+    with open(path, "w") as f:
+        f.write("\n".join(lines) + "\n")
+    log(f"\nwrote {path}")
+    return path
+
+
+def pyplot():
+    """matplotlib.pyplot with the file-only Agg backend, or None (logged) when not installed."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except Exception as e:  # noqa: BLE001 - plots are optional
+        log(f"no plot: matplotlib unavailable ({e!r})")
+        return None
+    return plt
 
 
 def table(title, headers, rows, md=True):

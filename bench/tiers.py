@@ -52,7 +52,7 @@ sys.path.insert(0, ROOT)
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-from report import FAILURES, MD, log, section, table  # noqa: E402  (bench/report.py)
+from report import FAILURES, MD, log, pyplot, section, table, write_md  # noqa: E402  (bench/report.py)
 
 R: dict = {}
 RNG = np.random.default_rng(1234)
@@ -296,7 +296,6 @@ def ttft(args):
 # ---------------------------------------------------------------- report
 
 def write_report(args, total_s):
-    os.makedirs(args.out, exist_ok=True)
     dev = jax.devices()[0]
     cmd = " ".join(shlex.quote(a) for a in [os.path.relpath(sys.argv[0], ROOT)] + sys.argv[1:])
     head = [f"# Tier benchmark ({'quick, small model' if args.quick else 'Llama-3-8B shape, random bf16'})", "",
@@ -318,16 +317,9 @@ def write_report(args, total_s):
     for tier, v in R.get("ttft", {}).items():
         summ.append(f"| TTFT, segment in {tier} | {fmt(v * 1e3)} ms | - |")
     summ.append("")
-    path = os.path.join(args.out, "tiers.md")
-    with open(path, "w") as f:
-        f.write("\n".join(head + summ + MD) + "\n")
-    log(f"\nwrote {path}")
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except Exception as err:  # noqa: BLE001
-        log(f"no plot: matplotlib unavailable ({err!r})")
+    write_md(args.out, "tiers.md", head + summ + MD)
+    plt = pyplot()
+    if plt is None:
         return
     try:
         fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
