@@ -204,12 +204,14 @@ class Scheduler:
         outs: list[RequestOutput] = []
         prev = self.inflight
         pend = {id(r): j for j, r in enumerate(prev[1])} if prev is not None else {}
+        # requests whose in-flight token is their last (max_tokens): they feed nothing more
+        ending = {i for i, j in pend.items() if len(prev[1][j].out_ids) + 1 >= prev[1][j].sampling.max_tokens}
         for req in sorted((r for r in self.running if not r.prefilling), key=lambda r: r.arrival):
             if req.status != "running":
                 continue  # preempted while making room for an older request
             seq = req.seq
-            if id(req) in pend and len(req.out_ids) + 1 >= req.sampling.max_tokens:
-                continue  # its in-flight token is its last: it feeds nothing more
+            if id(req) in ending:
+                continue
             pos = len(seq.tokens) - 1 + (id(req) in pend)  # the position of the token it feeds
             if pos // s >= len(seq.pages):  # the fed token starts a new page
                 while True:
@@ -219,7 +221,7 @@ class Scheduler:
                     except PoolExhausted:
                         if prev is not None:  # settle the in-flight step before preempting
                             outs += self.drain()
-                            prev, pend = None, {}
+                            prev, pend, ending = None, {}, set()
                             if req.status != "running":
                                 break  # it finished with the drained token
                             continue
@@ -229,14 +231,12 @@ class Scheduler:
                             break
         rows, reqs, src = [], [], []
         for req in self.running:
-            if req.prefilling or req.status != "running":
+            if req.prefilling or req.status != "running" or id(req) in ending:
                 continue
             j = pend.get(id(req))
             if j is None:
                 pos = len(req.seq.tokens) - 1  # the last sampled token, not yet in the cache
                 rows.append(req.row([req.seq.tokens[pos]], pos))
-            elif len(req.out_ids) + 1 >= req.sampling.max_tokens:
-                continue  # its in-flight token is its last
             else:  # its in-flight token, read on the device
                 row = req.row([0], len(req.seq.tokens))
                 row.sample_step += 1
