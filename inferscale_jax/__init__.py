@@ -1,6 +1,6 @@
 """InferScale-JAX: personalized LLM serving by KV injection.
 
-Public API (DESIGN.md): ``Engine``, ``EngineConfig``, ``SamplingParams`` and the exceptions
+Public API (docs/architecture.md): ``Engine``, ``EngineConfig``, ``SamplingParams`` and the exceptions
 ``SegmentNotFound``, ``SegmentExists``, ``RequestTooLong``, ``SnapshotMismatch``.
 """
 
@@ -8,8 +8,8 @@ from inferscale_jax.async_engine import AsyncEngine
 from inferscale_jax.config import EngineConfig
 from inferscale_jax.default_model import default_model_dir
 from inferscale_jax.engine import Engine
-from inferscale_jax.errors import (PoolExhausted, RequestTooLong, SegmentExists, SegmentNotFound,
-                                   SnapshotCorrupt, SnapshotMismatch)
+from inferscale_jax.errors import (EngineFault, PoolExhausted, RequestTooLong, SegmentExists, SegmentNotFound,
+                                   SnapshotCorrupt, SnapshotMismatch, StorageError)
 from inferscale_jax.outputs import GenerationOutput, RequestMetrics
 from inferscale_jax.sampling import SamplingParams
 from inferscale_jax.scheduler import RequestOutput
@@ -19,6 +19,7 @@ __all__ = [
     "AsyncEngine",
     "Engine",
     "EngineConfig",
+    "EngineFault",
     "GenerationOutput",
     "PoolExhausted",
     "RequestMetrics",
@@ -30,5 +31,6 @@ __all__ = [
     "SegmentNotFound",
     "SnapshotCorrupt",
     "SnapshotMismatch",
+    "StorageError",
     "default_model_dir",
 ]

@@ -1,4 +1,4 @@
-"""``EngineConfig``: the engine's settings (DESIGN.md), validated on construction."""
+"""``EngineConfig``: the engine's settings (docs/architecture.md), validated on construction."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import dataclasses
 
 DTYPES = ("bfloat16", "float32", "float16")
 ATTENTION_IMPLS = ("auto", "pallas", "ref")
+MATMUL_PRECISIONS = ("default", "high", "highest")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -19,6 +20,9 @@ class EngineConfig:
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     hbm_fraction: float = 0.85  # of free device memory given to the page pool when hbm_pages is None
     attention_impl: str = "auto"  # "pallas" kernels (GPU default), "ref" jnp (CPU default)
+    # matmul precision of the model's dots: "default" (bf16 inputs; TF32 for fp32 on a GPU),
+    # "high" or "highest"; None: "highest" for float32 engines (a user picking fp32 wants it exact)
+    matmul_precision: str | None = None
     # decode rows that share leading pages (one segment chain, or prefix-cache hits) read them once
     # per batch (cascade kernel; H200: 1.16x decode tok/s at 8 rows of a 4k context, 1.67x at 128)
     cascade_decode: bool = True
@@ -57,6 +61,8 @@ class EngineConfig:
             bad("blend_ratio", self.blend_ratio, "must be in [0, 1]")
         if self.min_table_pages < 1:
             bad("min_table_pages", self.min_table_pages, "must be >= 1")
+        if self.matmul_precision not in (None, *MATMUL_PRECISIONS):
+            bad("matmul_precision", self.matmul_precision, f"must be one of {MATMUL_PRECISIONS} or None")
         if self.attention_impl not in ATTENTION_IMPLS:
             bad("attention_impl", self.attention_impl, f"must be one of {ATTENTION_IMPLS}")
         if self.host_pages is not None and self.host_pages < 0:
@@ -67,3 +73,10 @@ class EngineConfig:
             bad("snapshot_interval_s", self.snapshot_interval_s, "must be > 0 or None")
         if self.snapshot_interval_s is not None and not self.snapshot_dir:
             bad("snapshot_interval_s", self.snapshot_interval_s, "needs snapshot_dir to be set")
+
+    @property
+    def resolved_matmul_precision(self) -> str:
+        """``matmul_precision``, with None resolved: "highest" for float32, else "default"."""
+        if self.matmul_precision is not None:
+            return self.matmul_precision
+        return "highest" if self.dtype == "float32" else "default"

@@ -1,4 +1,4 @@
-"""The engine's public exceptions (DESIGN.md): each message names the value, the limit and the fix."""
+"""The engine's public exceptions (docs/architecture.md): each message names the value, the limit and the fix."""
 
 
 class InferScaleError(Exception):
@@ -31,3 +31,13 @@ class SnapshotCorrupt(InferScaleError, RuntimeError):
 class PoolExhausted(InferScaleError, RuntimeError):
     """Not enough free KV pages right now (held by segments and running requests); requests
     wait for pages rather than fail, so this only escapes when nothing else can free any."""
+
+
+class StorageError(InferScaleError, OSError):
+    """A write to the snapshot, registry or disk-tier folder failed because the storage is full
+    or read-only (ENOSPC, EROFS, EDQUOT); the message names the folder and what to free or fix."""
+
+
+class EngineFault(InferScaleError, RuntimeError):
+    """An engine-wide failure (a device error, a broken invariant) that was not caused by one
+    request: the requests running at that moment fail with it; retrying later can succeed."""

@@ -1,6 +1,6 @@
 """Sampling parameters and the on-device sampler.
 
-``SamplingParams`` is the public, validated request-side description (DESIGN.md fields).
+``SamplingParams`` is the public, validated request-side description (docs/architecture.md fields).
 ``sample_tokens`` runs on the device for a whole batch at once, each row with its own
 temperature / top-k / top-p / key, so a batch of mixed requests is one op and the host reads
 back only the chosen ids (and, when asked, their log-probabilities).
@@ -10,7 +10,7 @@ same tokens whatever else shares the batch.  ``temperature == 0`` is greedy (arg
 top-p filter the temperature-scaled distribution (top-k first, then the smallest set of tokens
 whose probability reaches ``top_p``; the most likely token always survives).  Log-probabilities
 are always reported from the model's full, unfiltered distribution (``log_softmax`` of the raw
-logits), as DESIGN.md defines.
+logits), as docs/architecture.md defines.
 """
 
 from __future__ import annotations

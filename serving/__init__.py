@@ -1,4 +1,4 @@
-"""The OpenAI-compatible HTTP server (DESIGN.md, "HTTP API"): ``create_app(engine, ...)``.
+"""The OpenAI-compatible HTTP server (docs/architecture.md, "HTTP API"): ``create_app(engine, ...)``.
 
 ``app.py`` (the app and routes), ``generation.py`` (completions / chat, SSE streaming),
 ``schemas.py`` (request bodies), ``auth.py`` (API keys -> tenants), ``errors.py`` (OpenAI error

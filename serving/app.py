@@ -1,4 +1,4 @@
-"""``create_app``: the OpenAI-compatible FastAPI app over one engine (DESIGN.md, "HTTP API").
+"""``create_app``: the OpenAI-compatible FastAPI app over one engine (docs/architecture.md, "HTTP API").
 
 Threads: the ``Engine`` is owned by the ``AsyncEngine`` loop thread (continuous batching across
 all HTTP requests); handlers run on the asyncio event loop and reach the engine only through
@@ -21,7 +21,7 @@ Layers, outermost first:
 4. Routes: completions and chat (``generation.py``), segments, models, stats, health, metrics.
 
 Segments: ``POST /v1/segments`` computes the KV on the engine thread (the call returns when the
-segment is durable, per DESIGN.md); ``GET /v1/segments`` lists the caller's and the public
+segment is durable, per docs/architecture.md); ``GET /v1/segments`` lists the caller's and the public
 segments; ``GET`` / ``DELETE /v1/segments/{id}`` answer a foreign id exactly like a missing one.
 """
 
@@ -190,7 +190,7 @@ def create_app(engine_or_async_engine, *, api_keys=None, max_body_bytes: int = 2
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request, exc):
         if exc.status_code == 404:
-            err = APIError(404, f"no route {request.url.path}; see DESIGN.md 'HTTP API'", "route_not_found")
+            err = APIError(404, f"no route {request.url.path}; see docs/architecture.md 'HTTP API'", "route_not_found")
         elif exc.status_code == 405:
             err = APIError(405, f"method {request.method} not allowed on {request.url.path}", "method_not_allowed")
         else:

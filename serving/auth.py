@@ -1,4 +1,4 @@
-"""API keys -> tenants (DESIGN.md, "Tenancy and security").
+"""API keys -> tenants (docs/architecture.md, "Tenancy and security").
 
 The key file (``inferscale serve --api-keys FILE``) is JSON or TOML, one entry per key::
 

@@ -2,7 +2,7 @@
 
 Every error the server returns has the body ``{"error": {"message", "type", "param", "code"}}``
 (OpenAI's shape; ``param`` names the offending field when known, else null).  Statuses
-(DESIGN.md, "HTTP API"):
+(docs/architecture.md, "HTTP API"):
 
 =====  =======================  ==========================================================
  400   invalid_request_error    body is not JSON / not UTF-8 (``invalid_json``), request too

@@ -1,4 +1,4 @@
-"""Prometheus metrics (DESIGN.md names, prefix ``inferscale_``), one registry per app.
+"""Prometheus metrics (docs/architecture.md names, prefix ``inferscale_``), one registry per app.
 
 Each ``create_app`` owns a ``CollectorRegistry``, so several apps in one process (tests) never
 collide on the global default registry.  Two sources feed it:

@@ -69,7 +69,7 @@ def test_16_concurrent_requests_equal_running_alone(cascade, monkeypatch):
     register(engine)
     seen = spy_steps(engine)
     batched = engine.generate_batch(reqs)
-    for b, a in zip(batched, alone):  # cascade: the LSE merge sums in another order; DESIGN's
+    for b, a in zip(batched, alone):  # cascade: the LSE merge sums in another order; the documented
         assert_same(b, a, 1e-5 if cascade == "policy" else 1e-4)  # exactness bound is 1e-4
     cascaded = [(n, rows) for k, n, rows in seen if k]
     if cascade == "always":  # groups of segment "a" / "b" rows ran beside rows of other segments
@@ -174,7 +174,7 @@ def cascade_runs(impl, make_reqs, setup, monkeypatch, threshold=0):
         seens.append(spy_steps(engine))
         outs.append(engine.generate_batch(make_reqs()))
         assert_only_nodes_hold_pages(engine)
-    for plain, casc in zip(*outs):  # same tokens; logprobs within DESIGN's exactness bound (1e-4):
+    for plain, casc in zip(*outs):  # same tokens; logprobs within the documented exactness bound (1e-4):
         assert casc.token_ids == plain.token_ids  # the LSE merge sums in another order
         for x, y in zip(casc.logprobs, plain.logprobs):
             assert x.keys() == y.keys() and max(abs(x[k] - y[k]) for k in x) < 1e-4
