@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 
 DTYPES = ("bfloat16", "float32", "float16")
 ATTENTION_IMPLS = ("auto", "pallas", "ref")
@@ -42,6 +43,13 @@ class EngineConfig:
     strict_restore: bool = False  # a snapshot of another model/dtype/page size: raise (True) or log, start empty
 
     def __post_init__(self):
+        # folders are absolute from here on: orbax refuses relative paths, and a later chdir must
+        # not move the snapshots ("~" is expanded too, as a shell would)
+        for field in ("snapshot_dir", "disk_dir"):
+            value = getattr(self, field)
+            if value:
+                object.__setattr__(self, field, os.path.abspath(os.path.expanduser(value)))
+
         def bad(field, value, allowed):
             raise ValueError(f"EngineConfig.{field}={value!r} is invalid: {allowed}")
 
