@@ -11,33 +11,62 @@ plain Python state).  ``AsyncEngine`` owns it from one thread, the *engine loop*
 3. otherwise sleep until the next command arrives (and take a periodic snapshot when due).
 
 So request handlers never block the event loop on device work, and every HTTP request is
-continuously batched with the others.  ``stream()`` yields a request's deltas as they are
-produced; leaving it early (client disconnect, ``break``, task cancellation) aborts the request
-on the loop thread before the next step, which frees its pages at once.  An exception inside
-``engine.step()`` (a bug, not bad input: input is validated at submit) fails the requests in
-flight with that error and the loop keeps serving.
+continuously batched with the others.  Prompt and segment *text* is tokenized before the
+command is queued, on a small worker pool with private tokenizer copies, so a huge prompt
+delays only itself, never the engine loop.  ``stream()`` yields a request's deltas as they are
+produced, each with its ``text`` (incremental detokenization, ``detokenize.py``: never a split
+UTF-8 character, never the start of a stop string the engine may cut); leaving it early
+(client disconnect, ``break``, task cancellation) aborts the request on the loop thread before
+the next step, which frees its pages at once.
+
+Failures: the engine contains a request's own failure (that request's stream raises its error,
+the others go on) and an unexpected step error (the running requests get ``EngineFault``, the
+engine checks its page accounting and goes on).  A lost device sets ``engine.fault``: every
+open stream and every later call raises that ``EngineFault``, ``fatal`` holds it, and the
+``on_fatal`` callback (the server's: shut down and exit non-zero) is called once, so a broken
+engine never half-serves.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import copy
+import dataclasses
 import logging
 import queue
 import threading
 from typing import Any, AsyncIterator, Callable
 
+from inferscale_jax.detokenize import IncrementalDetokenizer
+from inferscale_jax.errors import EngineFault
 from inferscale_jax.outputs import GenerationOutput
 from inferscale_jax.scheduler import RequestOutput
+from inferscale_jax.tokenizer import encode_text
 
 log = logging.getLogger("inferscale.async")
 
 
+def _private_copy(tokenizer):
+    """A tokenizer of one's own (HF fast tokenizers are not safe to share across threads)."""
+    try:
+        return copy.deepcopy(tokenizer)
+    except Exception:  # noqa: BLE001 - an uncopyable tokenizer is shared (encode/decode are read-only)
+        return tokenizer
+
+
 class AsyncEngine:
-    def __init__(self, engine):
+    def __init__(self, engine, *, on_fatal: Callable[[EngineFault], None] | None = None,
+                 tokenizer_threads: int = 2):
         self.engine = engine
+        self.on_fatal = on_fatal
+        self.fatal: EngineFault | None = None
         self._cmds: queue.Queue = queue.Queue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        tok = getattr(engine, "tokenizer", None)
+        self._detok_tokenizer = _private_copy(tok) if tok is not None else None  # event-loop side
+        self._local = threading.local()  # each tokenizer thread's own copy
+        self._tok_pool = concurrent.futures.ThreadPoolExecutor(tokenizer_threads, thread_name_prefix="inferscale-tok")
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="inferscale-engine", daemon=True)
         self._thread.start()
@@ -62,15 +91,29 @@ class AsyncEngine:
                 self.engine.maybe_snapshot()  # periodic snapshot when due (runs in the background)
             except Exception:  # noqa: BLE001 - a failed snapshot must not stop serving
                 log.exception("periodic snapshot failed")
-            if self.engine.has_unfinished():
+            if self.fatal is None and self.engine.has_unfinished():
                 try:
                     outs = self.engine.step()
-                except Exception as e:  # noqa: BLE001 - keep serving; fail what was in flight
-                    log.exception("engine step failed")
-                    self._fail_all(e)
+                except Exception as e:  # noqa: BLE001 - the engine contains the rest (module docstring)
+                    self._on_step_error(e)
                     continue
                 for out in outs:
                     self._deliver(out.request_id, out.error if out.error is not None else out)
+
+    def _on_step_error(self, e: Exception) -> None:
+        fault = getattr(self.engine, "fault", None)
+        if fault is None:  # not a lost engine: fail what was in flight and keep serving
+            log.exception("engine step failed")
+            self._fail_all(e)
+            return
+        log.critical("the engine stopped serving: %s", fault)
+        self.fatal = fault
+        self._fail_all(fault)
+        if self.on_fatal is not None:
+            try:
+                self.on_fatal(fault)
+            except Exception:  # noqa: BLE001
+                log.exception("on_fatal callback failed")
 
     def _run_command(self, fn: Callable, fut: concurrent.futures.Future | None) -> None:
         if fut is not None and not fut.set_running_or_notify_cancel():
@@ -110,11 +153,38 @@ class AsyncEngine:
         self._cmds.put((lambda: fn(*args, **kwargs), fut))
         return await asyncio.wrap_future(fut)
 
+    def _encode(self, text: str) -> list[int]:
+        """On a tokenizer thread, with that thread's own copy of the tokenizer."""
+        tok = getattr(self._local, "tokenizer", None)
+        if tok is None:
+            tok = self._local.tokenizer = _private_copy(self.engine.tokenizer)
+        return encode_text(tok, text)
+
+    async def tokenize(self, text: str) -> list[int]:
+        """``text``'s token ids (as the engine encodes it), computed off the engine loop."""
+        if not isinstance(text, str) or getattr(self.engine, "tokenizer", None) is None:
+            raise ValueError("text needs a model with a tokenizer; pass token ids instead")
+        return await asyncio.get_running_loop().run_in_executor(self._tok_pool, self._encode, text)
+
+    async def _pretokenized(self, request: dict, field: str, ids_field: str) -> dict:
+        text = request.get(field)
+        if not isinstance(text, str) or getattr(self.engine, "tokenizer", None) is None \
+                or request.get(ids_field) is not None:
+            return request  # the engine gives the usual error for anything else
+        rest = {k: v for k, v in request.items() if k != field}
+        return {**rest, ids_field: await self.tokenize(text)}
+
     async def stream(self, **request) -> AsyncIterator[RequestOutput]:
-        """Submit a request (``Engine.submit``'s keyword arguments) and yield its deltas; the
-        last one has ``finished=True`` and the final ``GenerationOutput``."""
+        """Submit a request (``Engine.submit``'s keyword arguments) and yield its deltas, each
+        with the ``text`` its ids add; the last one has ``finished=True`` and the final
+        ``GenerationOutput`` (the deltas' texts concatenate to its ``text``)."""
+        if self.fatal is not None:
+            raise self.fatal
         loop = asyncio.get_running_loop()
         q: asyncio.Queue = asyncio.Queue()
+        request = await self._pretokenized(request, "prompt", "prompt_token_ids")
+        sampling = request.get("sampling")
+        detok = IncrementalDetokenizer(self._detok_tokenizer, getattr(sampling, "stop", None) or ())
 
         def submit():
             rid = self.engine.submit(**request)
@@ -135,7 +205,9 @@ class AsyncEngine:
                 if isinstance(item, BaseException):
                     finished = True
                     raise item
-                yield item
+                text = (detok.finish(item.output.text) if item.finished and item.output is not None
+                        else detok.push(item.new_token_ids))
+                yield dataclasses.replace(item, text=text)
                 if item.finished:
                     finished = True
                     return
@@ -151,6 +223,8 @@ class AsyncEngine:
         return out
 
     async def register_segment(self, *args, **kwargs):
+        """``Engine.register_segment``; its ``text`` is tokenized off the engine loop."""
+        kwargs = await self._pretokenized(kwargs, "text", "token_ids")
         return await self.call(self.engine.register_segment, *args, **kwargs)
 
     async def delete_segment(self, *args, **kwargs):
@@ -165,3 +239,4 @@ class AsyncEngine:
     def shutdown(self, timeout: float = 10.0) -> None:
         self._stop.set()
         self._thread.join(timeout)
+        self._tok_pool.shutdown(wait=False, cancel_futures=True)

@@ -33,6 +33,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import logging
+import secrets
 import time
 
 import jax
@@ -41,7 +42,7 @@ import numpy as np
 
 from inferscale_jax.blend import blend
 from inferscale_jax.config import EngineConfig
-from inferscale_jax.errors import PoolExhausted, RequestTooLong
+from inferscale_jax.errors import EngineFault, PoolExhausted, RequestTooLong
 from inferscale_jax.kv_cache import PagedKVCache, page_bytes
 from inferscale_jax.outputs import GenerationOutput, RequestMetrics
 from inferscale_jax.page_pool import PagePool
@@ -49,9 +50,10 @@ from inferscale_jax.prefix_cache import PUBLIC_TENANT, PrefixCache, page_hash, p
 from inferscale_jax.runner import ModelRunner, StepResult, StepRow, freeze_heap
 from inferscale_jax.sampling import SamplingParams, request_key
 from inferscale_jax.scheduler import Request, RequestOutput, Scheduler
-from inferscale_jax.segments import ChainNode, Segment, SegmentInfo, SegmentStore
+from inferscale_jax.segments import ChainNode, Segment, SegmentInfo, SegmentStore, check_segment_id
 from inferscale_jax.snapshot import Persistence
 from inferscale_jax.tiers import Tiers
+from inferscale_jax.tokenizer import decode_ids, encode_text
 from models import ModelConfig, inv_freq
 from models.loader import config_digest, load_params, weights_digest
 
@@ -109,6 +111,7 @@ class Engine:
                 self.bos_prefix = [tokenizer.bos_token_id]
         self._counters = dict(requests=0, prompt_tokens=0, cached_tokens=0, generated_tokens=0)
         self.debug_checks = False  # tests: check page accounting after every device step
+        self.fault: EngineFault | None = None  # set when the device failed: the engine serves no more
         # tiers and persistence (tiers.py, snapshot.py): restore runs on the finished engine
         self.tiers = Tiers(self)
         self.persistence = Persistence(self) if config.snapshot_dir else None
@@ -150,7 +153,7 @@ class Engine:
     def _encode(self, text: str, field: str) -> list[int]:
         if self.tokenizer is None:
             raise ValueError(f"{field}: this model folder has no tokenizer; pass token ids instead")
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
+        return encode_text(self.tokenizer, text)
 
     def _check_ids(self, ids, field: str) -> list[int]:
         ids = [int(t) for t in ids]
@@ -161,7 +164,7 @@ class Engine:
         return ids
 
     def _decode(self, ids: list[int]) -> str:
-        return "" if self.tokenizer is None else self.tokenizer.decode(ids, skip_special_tokens=True)
+        return decode_ids(self.tokenizer, ids)
 
     def _root(self, namespace: str) -> bytes:
         if namespace == PUBLIC_TENANT:
@@ -253,8 +256,7 @@ class Engine:
     def register_segment(self, segment_id: str, text: str | None = None, token_ids=None, *,
                          tenant: str = "default", public: bool = False, pin: bool = False) -> SegmentInfo:
         """Compute a segment's KV once and keep it under ``segment_id`` in the tenant's namespace."""
-        if not isinstance(segment_id, str) or not segment_id or len(segment_id) > 256:
-            raise ValueError(f"segment_id={segment_id!r} is invalid: use a non-empty string of at most 256 chars")
+        check_segment_id(segment_id)
         if (text is None) == (token_ids is None):
             raise ValueError("register_segment needs exactly one of text= or token_ids=")
         self._check_tenant(tenant)
@@ -298,8 +300,7 @@ class Engine:
             raise ValueError(f"step_tokens={step_tokens} is invalid: must be >= 16 (the smallest chunk bucket)")
         docs, seen = [], set()
         for segment_id, token_ids in items:
-            if not isinstance(segment_id, str) or not segment_id or len(segment_id) > 256:
-                raise ValueError(f"segment_id={segment_id!r} is invalid: use a non-empty string of at most 256 chars")
+            check_segment_id(segment_id)
             if segment_id in seen:
                 raise ValueError(f"segment_id={segment_id!r} appears twice in one batch: give each id once")
             seen.add(segment_id)
@@ -373,6 +374,8 @@ class Engine:
                request_id: str | None = None) -> str:
         """Validate and queue a request (``scheduler.py``, 1); returns its id."""
         t0 = time.perf_counter()
+        if self.fault is not None:
+            raise self.fault
         sampling = sampling or SamplingParams()
         sampling.validate(self.cfg.vocab_size)
         if mode not in MODES:
@@ -390,17 +393,64 @@ class Engine:
         tokens = list(self.bos_prefix) + [t for seg in chain for t in seg.token_ids] + ids
         self._check_fits(len(tokens) + sampling.max_tokens, "request",
                          detail=f" ({len(tokens)} prompt + {sampling.max_tokens} max_tokens)")
+        if mode != "exact" and len(chain) > 1:
+            self._check_composed_fits(chain, len(tokens) + sampling.max_tokens)
+        if request_id is not None and request_id in self.scheduler.requests:
+            raise ValueError(f"request_id={request_id!r} is already in use")
         self._counters["requests"] += 1
         rid = request_id or f"req-{self._counters['requests']}"
-        if rid in self.scheduler.requests:
-            raise ValueError(f"request_id={rid!r} is already in use")
-        key = np.asarray(request_key(sampling.seed, self._counters["requests"]))
+        if sampling.seed is not None:
+            key = np.asarray(request_key(sampling.seed, 0))
+        else:  # a fresh key from OS entropy: unseeded requests never repeat across processes
+            key = np.frombuffer(secrets.token_bytes(8), dtype=np.uint32).copy()
         self.scheduler.add(Request(rid, tenant, tokens, chain, sampling, mode, key, arrival=t0))
         return rid
 
     def step(self) -> list[RequestOutput]:
-        """One scheduler iteration: admit, one prefill step, one decode step (``scheduler.py``)."""
-        return self.scheduler.step()
+        """One scheduler iteration: admit, one prefill step, one decode step (``scheduler.py``).
+
+        Failures are contained: a request's own failure fails it alone (the scheduler isolates
+        it); an unexpected error fails the requests running at that moment with ``EngineFault``,
+        then the page accounting is checked and serving goes on; a lost device (or broken
+        accounting) sets ``fault``, after which ``step`` and ``submit`` raise it."""
+        if self.fault is not None:
+            raise self.fault
+        try:
+            return self.scheduler.step()
+        except EngineFault:
+            raise
+        except Exception as err:  # noqa: BLE001 - contained here: see the docstring
+            log.error("engine step failed; failing the running requests", exc_info=err)
+            self.check_device(err)
+            outs = self.scheduler.fail_running(EngineFault(
+                f"internal error in an engine step ({type(err).__name__}); the requests running at that "
+                "moment failed and the engine keeps serving: retry the request"))
+            try:
+                self.check_page_accounting()
+            except AssertionError as bad:
+                self.fault = EngineFault(f"page accounting is broken after a failed step ({bad}); "
+                                         "the engine stopped serving: restart it")
+                raise self.fault from err
+            return outs
+
+    def check_device(self, err: BaseException) -> None:
+        """After ``err`` in a device step: return if the KV cache is still usable, else set
+        ``fault`` and raise it (the pages' contents are gone: nothing more can be served)."""
+        if self.fault is not None:
+            raise self.fault
+        try:
+            leaves = jax.tree.leaves(self.runner.cache)
+            alive = not any(getattr(x, "is_deleted", lambda: False)() for x in leaves)
+            if alive:
+                jax.block_until_ready(leaves)
+        except Exception:  # noqa: BLE001 - a device that cannot even sync is lost
+            alive = False
+        if alive:
+            return
+        self.fault = EngineFault(f"the device failed ({type(err).__name__}: {err}) and the KV cache is lost; "
+                                 "the engine stopped serving: restart it (segments are restored from the "
+                                 "registry and snapshots)")
+        raise self.fault from err
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -539,6 +589,19 @@ class Engine:
                 f"{what} needs {total} tokens{detail} but the KV page pool holds at most {cap} tokens "
                 f"({self.pool.num_pages - 1} pages of {self.config.page_size}); raise hbm_pages or shorten it")
 
+    def _check_composed_fits(self, chain: list[Segment], total: int) -> None:
+        """compose / blend read every segment's own KV at once: the segments' pages and the
+        request's must fit the pool together, or the request could never be admitted."""
+        s, lb = self.config.page_size, len(self.bos_prefix)
+        seg_pages = sum(-(-(lb + len(seg.token_ids)) // s) for seg in chain)
+        own = -(-total // s) - (lb + len(chain[0].token_ids)) // s  # the first segment's full pages are shared
+        cap = self.pool.num_pages - 1
+        if seg_pages + own > cap:
+            raise RequestTooLong(
+                f"mode='compose'/'blend' needs the {len(chain)} segments' own KV ({seg_pages} pages) resident "
+                f"beside the request's {own} new pages, {seg_pages + own} pages in all, but the KV page pool "
+                f"holds {cap} pages of {s} tokens; use mode='exact', fewer segments, or raise hbm_pages")
+
     @property
     def compiles(self) -> int:
         return self.runner.compiles
@@ -566,6 +629,23 @@ class Engine:
             "tiers": self.tiers.stats(),
             "snapshot": self.persistence.stats() if self.persistence is not None else None,
         }
+
+    def check_page_accounting(self) -> None:
+        """Between steps: every page's refcount is exactly the chain nodes plus the running
+        requests that list it, and the pool's own invariants hold (``AssertionError`` if not)."""
+        want: dict[int, int] = {}
+        for node in self.store.nodes():
+            for p in node.pages:
+                want[p] = want.get(p, 0) + 1
+        for req in self.scheduler.running:
+            if req.seq is not None:
+                for p in req.seq.pages:
+                    want[p] = want.get(p, 0) + 1
+        for p in range(1, self.pool.num_pages):
+            got = self.pool.refcount(p)
+            assert got == want.get(p, 0), f"page {p} has refcount {got} but {want.get(p, 0)} holders"
+        self.pool.check_invariants()
+        self.check_invariants()
 
     def check_invariants(self) -> None:
         """Page accounting: pool/cache consistent; every node's pages referenced (tests call this)."""

@@ -38,18 +38,20 @@ when finished); ``AsyncEngine`` turns them into per-request streams.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 import weakref
 from collections import deque
 
 import numpy as np
 
-from inferscale_jax.errors import PoolExhausted
+from inferscale_jax.errors import EngineFault, PoolExhausted, SegmentNotFound
 from inferscale_jax.outputs import GenerationOutput, RequestMetrics
 from inferscale_jax.runner import PendingStep, StepRow
 from inferscale_jax.sampling import MAX_LOGPROBS, SamplingParams
 from inferscale_jax.segments import ChainNode, Segment
 
+log = logging.getLogger("inferscale.scheduler")
 LOOKAHEAD = 8  # waiting requests considered for resident-first admission
 # cascade decode pays off once the group saves this many token reads per layer (about (rows - 1)
 # x shared tokens, see _cascade_group): on the H200 a 4096-token prefix gains 1.16x at 8 rows
@@ -86,8 +88,13 @@ class Request:
 
     def row(self, tokens: list[int], start: int) -> StepRow:
         sp = self.sampling
-        return StepRow(tokens, start, self.seq.pages, temperature=float(sp.temperature), top_k=sp.top_k,
-                       top_p=float(sp.top_p), key=self.key, sample_step=len(self.out_ids))
+        row = StepRow(tokens, start, self.seq.pages, temperature=float(sp.temperature), top_k=sp.top_k,
+                      top_p=float(sp.top_p), key=self.key, sample_step=len(self.out_ids))
+        if sp.has_penalty:  # the lists themselves: the runner copies them when it packs the step
+            row.presence_penalty, row.frequency_penalty = float(sp.presence_penalty), float(sp.frequency_penalty)
+            row.repetition_penalty = float(sp.repetition_penalty)
+            row.output_ids, row.prompt_ids = self.out_ids, self.prompt_tokens
+        return row
 
 
 @dataclasses.dataclass
@@ -97,6 +104,7 @@ class RequestOutput:
     finished: bool
     output: GenerationOutput | None = None
     error: Exception | None = None  # set when the request could not be served
+    text: str = ""  # the text these ids add (``AsyncEngine.stream`` fills it; the engine leaves it "")
 
 
 class Scheduler:
@@ -151,6 +159,7 @@ class Scheduler:
             window = list(self.waiting)[:LOOKAHEAD]
             req = next((r for r in window if self._resident(r)), window[0])
             try:
+                self._check_segments(req)
                 e._start(req)
             except PoolExhausted as err:
                 if self.running:
@@ -158,9 +167,69 @@ class Scheduler:
                 self.waiting.remove(req)  # nothing will ever free pages for it: fail it
                 self.failed.append(self._finish(req, "error", error=err))
                 continue
+            except EngineFault:
+                raise
+            except Exception as err:  # noqa: BLE001 - this request's own failure: fail it alone
+                self.waiting.remove(req)
+                self._fail(req, err, self.failed)
+                continue
             self.waiting.remove(req)
             req.status = "running"
             self.running.append(req)
+
+    def _check_segments(self, req: Request) -> None:
+        """Before admission: every segment the request names must still be registered.  One
+        deleted (or replaced) after submit fails a request that never ran with ``SegmentNotFound``;
+        a preempted request already holds the segment's tokens in its prompt, so it continues
+        without the chain (its KV is recomputed exactly, mostly from the prefix cache)."""
+        store = self.engine.store
+        dead = [seg for seg in req.chain if not store.is_live(seg)]
+        if not dead:
+            return
+        if req.preemptions:
+            req.chain, req.mode = [], "exact"
+            return
+        raise SegmentNotFound(f"segment {dead[0].info.id!r} not found: it was deleted after this request was "
+                              "submitted; list your segments with GET /v1/segments and retry")
+
+    def _fail(self, req: Request, err: Exception, outs: list[RequestOutput]) -> None:
+        """Fail one request with ``err`` (its pages released) and report it in ``outs``."""
+        if isinstance(err, (SegmentNotFound, ValueError)):
+            log.info("request %s failed: %s", req.id, err)
+        else:
+            log.error("request %s failed", req.id, exc_info=err)
+        outs.append(self._finish(req, "error", error=err))
+
+    def fail_running(self, err: Exception) -> list[RequestOutput]:
+        """Fail every running request with ``err`` (an engine-wide fault); waiting ones stay queued."""
+        self.inflight = None  # whatever was in flight belongs to the failed requests
+        outs: list[RequestOutput] = []
+        for req in list(self.running):
+            outs.append(self._finish(req, "error", error=err))
+        return outs
+
+    def _run_alone(self, reqs: list[Request], rows: list[StepRow], err: Exception,
+                   outs: list[RequestOutput]) -> list[tuple[Request, StepRow, object]]:
+        """A synchronous step of ``rows`` raised ``err``: if the device is still sound, run each
+        row alone so only the request(s) that cause the failure fail; returns (request, row,
+        result) of the rows that ran.  A lost device raises ``EngineFault`` (``Engine.check_device``)."""
+        e = self.engine
+        e.check_device(err)
+        if len(reqs) == 1:
+            self._fail(reqs[0], err, outs)
+            return []
+        log.warning("a step of %d rows failed (%s: %s); running its rows one at a time", len(reqs),
+                    type(err).__name__, err)
+        done = []
+        for req, row in zip(reqs, rows):
+            try:
+                res = e._step([row], MAX_LOGPROBS if req.sampling.logprobs is not None else 0)
+            except Exception as one:  # noqa: BLE001 - this row's failure
+                e.check_device(one)
+                self._fail(req, one, outs)
+                continue
+            done.append((req, row, res))
+        return done
 
     def _prefill_step(self) -> list[RequestOutput]:
         e = self.engine
@@ -177,16 +246,22 @@ class Scheduler:
             rows.append(req.row(toks, seq.computed))
             reqs.append(req)
         nl = MAX_LOGPROBS if any(r.sampling.logprobs is not None for r in reqs) else 0
-        res = e._step(rows, nl)
-        outs = []
-        for i, (req, row) in enumerate(zip(reqs, rows)):
+        outs: list[RequestOutput] = []
+        try:
+            res = e._step(rows, nl)
+            done = [(req, row, res, i) for i, (req, row) in enumerate(zip(reqs, rows))]
+        except EngineFault:
+            raise
+        except Exception as err:  # noqa: BLE001 - isolate the request(s) it came from
+            done = [(req, row, res, 0) for req, row, res in self._run_alone(reqs, rows, err, outs)]
+        for req, row, res, i in done:
             req.seq.computed += len(row.tokens)
             e._register_full_pages(req.seq)
             if not req.prefilling:  # its last chunk: the sample is the next output token
                 if req.ttft_s is None:
                     req.ttft_s = time.perf_counter() - req.arrival
                     req.t_first = time.perf_counter()
-                outs.append(self._on_token(req, res, i))
+                outs.append(self._token(req, res, i))
         return outs
 
     def _decode_step(self) -> list[RequestOutput]:
@@ -243,20 +318,55 @@ class Scheduler:
                 rows.append(row)
             reqs.append(req)
             src.append(-1 if j is None else j)
-        pending = None
+        pending, failure = None, None
         if rows:
             nl = MAX_LOGPROBS if any(r.sampling.logprobs is not None for r in reqs) else 0
             k, group = self._cascade_group(reqs)
             for i in group:
                 rows[i].cascade = True
-            pending = e.runner.dispatch(rows, nl, k, prev=prev[0] if prev is not None else None,
-                                        src=src if prev is not None else None)
+            try:
+                pending = e.runner.dispatch(rows, nl, k, prev=prev[0] if prev is not None else None,
+                                            src=src if prev is not None else None)
+            except Exception as err:  # noqa: BLE001 - settled below, request by request
+                failure = err
         if prev is not None:
-            outs += self.drain()  # the device is busy with `pending` meanwhile
+            try:
+                outs += self.drain()  # the device is busy with `pending` meanwhile
+            except Exception as err:  # noqa: BLE001 - the previous step's results are lost
+                failure, pending = err, None  # `pending` was fed that step's ids: discard it too
+        if failure is not None:
+            outs += self._decode_alone(failure)
+            return outs
         if pending is not None:
             self.inflight = (pending, reqs)
             if not e.config.overlap_decode:
                 outs += self.drain()
+        return outs
+
+    def _decode_alone(self, err: Exception) -> list[RequestOutput]:
+        """A decode step failed (``err``) and nothing is in flight: run every decoding request's
+        next token as a step of its own, failing only the requests whose row fails.  Nothing of
+        the failed step was applied to the requests (their tokens and ``computed`` are as before
+        it), and rerunning a position rewrites the same KV, so the outputs are unchanged."""
+        e = self.engine
+        self.inflight = None
+        e.check_device(err)
+        reqs = [r for r in self.running if not r.prefilling and r.status == "running"]
+        log.warning("a decode step of %d rows failed (%s: %s); running its rows one at a time", len(reqs),
+                    type(err).__name__, err)
+        outs: list[RequestOutput] = []
+        for req in sorted(reqs, key=lambda r: r.arrival):
+            pos = len(req.seq.tokens) - 1
+            row = req.row([req.seq.tokens[pos]], pos)
+            try:
+                res = e._step([row], MAX_LOGPROBS if req.sampling.logprobs is not None else 0)
+            except Exception as one:  # noqa: BLE001 - this row's failure
+                e.check_device(one)
+                self._fail(req, one, outs)
+                continue
+            req.seq.computed += 1
+            e._register_full_pages(req.seq)
+            outs.append(self._token(req, res, 0))
         return outs
 
     def _collect(self, inflight: tuple[PendingStep, list[Request]]) -> list[RequestOutput]:
@@ -272,7 +382,7 @@ class Scheduler:
                 continue  # finished by the step before (this row was computed for nothing) or aborted
             req.seq.computed += 1
             e._register_full_pages(req.seq)
-            outs.append(self._on_token(req, res, i))
+            outs.append(self._token(req, res, i))
         return outs
 
     def _cascade_group(self, decoding: list[Request]) -> tuple[int, list[int]]:
@@ -307,6 +417,15 @@ class Scheduler:
         return len(decoding[best[0]].seq.shared_key), best
 
     # -- per token ------------------------------------------------------------------------
+    def _token(self, req: Request, res, i: int) -> RequestOutput:
+        """``_on_token``, failing only this request if processing its token raises."""
+        try:
+            return self._on_token(req, res, i)
+        except Exception as err:  # noqa: BLE001 - e.g. detokenizing for a stop string
+            failed: list[RequestOutput] = []
+            self._fail(req, err, failed)
+            return failed[0]
+
     def _on_token(self, req: Request, res, i: int) -> RequestOutput:
         e = self.engine
         sp = req.sampling

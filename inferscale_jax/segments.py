@@ -22,11 +22,26 @@ released least-recently-used first when the pool needs room (never while a reque
 from __future__ import annotations
 
 import dataclasses
+import re
 import time
 from collections import OrderedDict
 
 from inferscale_jax.errors import SegmentExists, SegmentNotFound
 from inferscale_jax.prefix_cache import PUBLIC_TENANT
+
+# segment ids: what every route can carry unescaped in a path (docs/architecture.md, "Segments")
+SEGMENT_ID_ALPHABET = "A-Z a-z 0-9 . _ - : /"
+SEGMENT_ID_RE = re.compile(r"[A-Za-z0-9._:/-]{1,256}")
+
+
+def check_segment_id(segment_id) -> str:
+    """``segment_id`` if it is 1-256 characters of ``SEGMENT_ID_ALPHABET``, else ``ValueError``."""
+    if not isinstance(segment_id, str) or SEGMENT_ID_RE.fullmatch(segment_id) is None:
+        shown = repr(segment_id) if not isinstance(segment_id, str) or len(segment_id) <= 80 \
+            else repr(segment_id[:80]) + "..."
+        raise ValueError(f"segment_id={shown} is invalid: use 1-256 characters of {SEGMENT_ID_ALPHABET} "
+                         "(no spaces, newlines or other characters)")
+    return segment_id
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,6 +105,10 @@ class SegmentStore:
             raise SegmentNotFound(
                 f"segment {segment_id!r} not found; list your segments with list_segments() / GET /v1/segments")
         return seg
+
+    def is_live(self, seg: Segment) -> bool:
+        """Whether ``seg`` is still registered (not deleted, nor replaced by a new registration)."""
+        return self._segments.get((seg.namespace, seg.info.id)) is seg
 
     def owned(self, segment_id: str, tenant: str) -> Segment:
         """A segment the tenant may delete: its own, or a public one it registered."""

@@ -1,14 +1,31 @@
-"""Tokenizer loading: ``transformers.AutoTokenizer`` from the checkpoint folder, local files only."""
+"""Tokenizer loading (``transformers.AutoTokenizer`` from the checkpoint folder, local files only)
+and the one encode/decode rule the engine, its async front and the server share."""
 
 from __future__ import annotations
 
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 
 def load_tokenizer(model_dir: str) -> PreTrainedTokenizerBase:
+    from transformers import AutoTokenizer
+
     try:
         return AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
     except (OSError, ValueError) as e:
         raise ValueError(
             f"could not load a tokenizer from {model_dir}: {e}. The folder needs tokenizer files "
             "(tokenizer.json or tokenizer.model + tokenizer_config.json); nothing is downloaded.") from e
+
+
+def encode_text(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
+    """The token ids of ``text`` as the engine sees them: no special tokens added (the engine
+    adds the model's BOS itself, once, in front of the whole sequence)."""
+    return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+def decode_ids(tokenizer: PreTrainedTokenizerBase | None, ids: list[int]) -> str:
+    """The text of generated ids (special tokens skipped); "" without a tokenizer."""
+    return "" if tokenizer is None else tokenizer.decode(ids, skip_special_tokens=True)

@@ -1,0 +1,66 @@
+"""Incremental detokenization: text deltas for a stream of generated token ids.
+
+Decoding the whole output at every token is O(n^2); decoding each token alone breaks words
+(SentencePiece's leading spaces) and UTF-8 characters split over byte-level tokens.  So, as
+vLLM does, each ``push`` decodes only a short window: the ids from ``prefix`` (a few tokens
+already emitted, for context) to the end, and emits what that window's text adds over the
+text of ``ids[prefix:read]`` (the part already emitted).  A window whose text ends in U+FFFD
+(an incomplete UTF-8 character) emits nothing until the character completes.
+
+Stop strings: the engine cuts the final text at the first stop string, so a streamed delta
+must never contain a stop string's first characters that might be cut later.  The text that
+could still start a stop string (its longest suffix that is a proper prefix of one) is held
+back; ``finish(final_text)`` emits the rest of the engine's final text, so the concatenated
+deltas always equal ``GenerationOutput.text``.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from inferscale_jax.tokenizer import decode_ids
+
+log = logging.getLogger("inferscale.detokenize")
+
+
+class IncrementalDetokenizer:
+    def __init__(self, tokenizer, stop: list[str] | tuple[str, ...] = ()):
+        self.tokenizer, self.stop = tokenizer, list(stop)
+        self.ids: list[int] = []
+        self.prefix = 0  # ids[prefix:read] is the context window already turned into text
+        self.read = 0
+        self.text = ""  # all text decoded so far (emitted + held back)
+        self.sent = 0  # characters of ``text`` emitted
+
+    def push(self, new_ids: list[int]) -> str:
+        """Add generated ids; return the text they make safe to emit ("" if none yet)."""
+        if self.tokenizer is None or not new_ids:
+            return ""
+        self.ids += new_ids
+        before = decode_ids(self.tokenizer, self.ids[self.prefix:self.read])
+        after = decode_ids(self.tokenizer, self.ids[self.prefix:])
+        if len(after) > len(before) and not after.endswith("\ufffd"):
+            self.text += after[len(before):]
+            self.prefix, self.read = self.read, len(self.ids)
+        return self._emit()
+
+    def _emit(self) -> str:
+        safe = len(self.text)
+        for s in self.stop:  # hold back a suffix that may be the start of a stop string
+            for k in range(min(len(s) - 1, safe - self.sent), 0, -1):
+                if self.text.endswith(s[:k]):
+                    safe = min(safe, len(self.text) - k)
+                    break
+        if safe <= self.sent:
+            return ""
+        delta, self.sent = self.text[self.sent:safe], safe
+        return delta
+
+    def finish(self, final_text: str) -> str:
+        """The rest of ``final_text`` (the engine's whole output text) after what was emitted."""
+        emitted = self.text[:self.sent]
+        if not final_text.startswith(emitted):
+            log.warning("streamed text diverged from the final text; sending nothing more")
+            return ""
+        self.text, self.sent = final_text, len(final_text)
+        return final_text[len(emitted):]
