@@ -10,19 +10,23 @@ uvicorn stops takes the final one.
 Layers, outermost first:
 
 1. ``ServingMiddleware`` (``middleware.py``): 413 on bodies over ``max_body_bytes`` before any
-   parsing; one JSON log line and ``requests_total`` per request.
+   parsing, 408 on bodies that do not arrive within ``body_timeout_s``; one JSON log line and
+   ``requests_total`` per request.
 2. Auth (``auth.py``): ``Authorization: Bearer`` -> tenant (+ admin flag); 401 otherwise.  No
    key file: the single tenant ``default``.  ``/health`` and ``/metrics`` need no key;
    ``/v1/stats`` needs an admin key.
 3. Body parsing (``_parse``): strict UTF-8, then JSON (NaN / Infinity / deep nesting rejected),
-   each failure a 400; then the pydantic model (``schemas.py``), whose errors are a 422 naming
-   the field.  Nothing malformed reaches the engine, and nothing malformed raises out of a
+   each failure a 400; then the pydantic model (``schemas.py``), whose errors are a 400 naming
+   the field (OpenAI's and vLLM's status, so OpenAI clients raise ``BadRequestError``).  Nothing malformed reaches the engine, and nothing malformed raises out of a
    handler: every exception becomes an OpenAI error body (``errors.py``), a 500 only for bugs.
 4. Routes: completions and chat (``generation.py``), segments, models, stats, health, metrics.
 
 Segments: ``POST /v1/segments`` computes the KV on the engine thread (the call returns when the
 segment is durable, per docs/architecture.md); ``GET /v1/segments`` lists the caller's and the public
 segments; ``GET`` / ``DELETE /v1/segments/{id}`` answer a foreign id exactly like a missing one.
+Ids may hold ``/`` and ``:`` (the routes match the rest of the path).  Deleting a public segment
+needs an admin key (403 ``admin_required``), like registering one; the check and the delete run
+as one call on the engine thread, so no other command slips between them.
 """
 
 from __future__ import annotations
@@ -42,7 +46,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from inferscale_jax.async_engine import AsyncEngine
 from serving.auth import LOCAL, Principal, load_api_keys
-from serving.errors import APIError, from_engine, internal_error, segment_not_found
+from serving.errors import APIError, from_engine, internal_error, invalid_field, segment_not_found
 from serving.generation import chat_job, completion_job, run_job
 from serving.metrics import ServerMetrics
 from serving.middleware import LOG_KEY, ServingMiddleware
@@ -50,6 +54,14 @@ from serving.schemas import ChatCompletionRequest, CompletionRequest, SegmentCre
 
 log = logging.getLogger("inferscale.server")
 MAX_JSON_DEPTH = 64
+# What ``uvicorn.run(app, ...)`` should be given (``inferscale serve`` passes these):
+# timeout_keep_alive: an idle keep-alive connection is closed after 5 s;
+# limit_concurrency: connections (and tasks) beyond this are answered 503 by uvicorn itself, before
+#   the app (a plain-text body: the app never sees them); keep it above max_waiting + max_batch;
+# timeout_graceful_shutdown: on SIGTERM, streams still open after 10 s are cut so shutdown (and
+#   the final snapshot) is not held up by a client that never leaves.
+# The request body itself is bounded by create_app's body_timeout_s (middleware.py).
+UVICORN_OPTIONS = dict(timeout_keep_alive=5, limit_concurrency=1024, timeout_graceful_shutdown=10)
 _TYPE_TAGS = {"str", "int", "float", "bool", "none", "dict", "list"}
 
 
@@ -127,7 +139,7 @@ async def _parse(request: Request, model):
         raise APIError(400, f"request body is not valid JSON: {msg}", "invalid_json") from None
     _check_json(obj)
     if not isinstance(obj, dict):
-        raise APIError(422, f"request body must be a JSON object, not {type(obj).__name__}", "invalid_field")
+        raise invalid_field(f"request body must be a JSON object, not {type(obj).__name__}")
     try:
         return model.model_validate(obj)
     except ValidationError as e:
@@ -141,13 +153,21 @@ def _validation_error(e: ValidationError) -> APIError:
     if first["type"] == "extra_forbidden":
         msg = f"unknown or unsupported field {loc!r}: this server rejects fields it would otherwise ignore"
     else:
-        msg = f"{loc or 'body'}: {first['msg']}"
+        text = first["msg"].removeprefix("Value error, ")  # pydantic's prefix for a validator's own message
+        msg = f"{loc or 'body'}: {text}"
         if "input" in first and first["type"] not in ("missing",) and len(repr(first["input"])) <= 80:
             msg += f" (got {first['input']!r})"
     more = len(e.errors()) - 1
     if more > 0:
         msg += f" (and {more} more error{'s' if more > 1 else ''})"
-    return APIError(422, msg, "invalid_field", loc or None)
+    return invalid_field(msg, loc or None)
+
+
+def public_needs_admin(action: str, segment_id: str, param: str | None = None) -> APIError:
+    """The 403 for a non-admin key registering, changing or deleting a public segment."""
+    return APIError(403, f"{action} the public segment {segment_id!r} needs an admin API key "
+                    '({"tenant": ..., "admin": true} in the key file); public segments are shared by '
+                    "every tenant", "admin_required", param)
 
 
 def _segment_json(info) -> dict:
@@ -156,14 +176,19 @@ def _segment_json(info) -> dict:
 
 
 def create_app(engine_or_async_engine, *, api_keys=None, max_body_bytes: int = 2 << 20, max_waiting: int = 256,
-               model_name: str = "inferscale", default_max_tokens: int = 256) -> FastAPI:
+               model_name: str = "inferscale", default_max_tokens: int = 256,
+               body_timeout_s: float = 30.0) -> FastAPI:
     """The app.  ``engine_or_async_engine``: an ``Engine`` (wrapped in an ``AsyncEngine`` the app
     owns and shuts down) or an ``AsyncEngine`` (the caller owns it).  ``api_keys``: ``None``
     (one local tenant), a path to a JSON/TOML key file, a mapping, or ``ApiKeys``.
     ``max_waiting``: queued requests beyond which new ones get 503.  ``default_max_tokens``: chat
-    requests that give no ``max_tokens`` (completions default to 16, like OpenAI)."""
+    requests that give no ``max_tokens`` (completions default to 16, like OpenAI).
+    ``body_timeout_s``: a request body must arrive completely within this many seconds (else 408
+    and the connection is closed).  Run it with ``uvicorn.run(app, ..., **UVICORN_OPTIONS)``."""
     if max_body_bytes < 1 or max_waiting < 1:
-        raise ValueError("max_body_bytes and max_waiting must be >= 1")
+        raise ValueError(f"max_body_bytes={max_body_bytes} and max_waiting={max_waiting} must both be >= 1")
+    if not body_timeout_s > 0:
+        raise ValueError(f"body_timeout_s={body_timeout_s!r} is invalid: must be > 0 seconds")
     owned = not hasattr(engine_or_async_engine, "stream")
     ae = AsyncEngine(engine_or_async_engine) if owned else engine_or_async_engine
     state = ServerState(ae, api_keys=load_api_keys(api_keys), max_waiting=max_waiting, model_name=model_name,
@@ -180,7 +205,8 @@ def create_app(engine_or_async_engine, *, api_keys=None, max_body_bytes: int = 2
 
     app = FastAPI(title="InferScale-JAX", lifespan=lifespan)
     app.state.serving = state
-    app.add_middleware(ServingMiddleware, max_body_bytes=max_body_bytes, metrics=state.metrics)
+    app.add_middleware(ServingMiddleware, max_body_bytes=max_body_bytes, metrics=state.metrics,
+                       body_timeout_s=body_timeout_s)
 
     @app.exception_handler(APIError)
     async def _api_error(request, exc: APIError):
@@ -201,7 +227,7 @@ def create_app(engine_or_async_engine, *, api_keys=None, max_body_bytes: int = 2
     async def _request_validation(request, exc):
         first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request"}
         loc = ".".join(str(x) for x in first.get("loc", ()))
-        return APIError(422, f"{loc}: {first.get('msg')}", "invalid_field", loc or None).response()
+        return invalid_field(f"{loc}: {first.get('msg')}", loc or None).response()
 
     @app.exception_handler(Exception)
     async def _unexpected(request, exc):
@@ -236,8 +262,7 @@ def create_app(engine_or_async_engine, *, api_keys=None, max_body_bytes: int = 2
         principal = state.principal(request)
         req = await _parse(request, SegmentCreate)
         if req.public and not principal.admin:
-            raise APIError(403, "registering a public segment needs an admin API key "
-                           '({"tenant": ..., "admin": true} in the key file)', "admin_required", "public")
+            raise public_needs_admin("registering", req.id, "public")
         request.scope[LOG_KEY]["segments"] = [req.id]
         info = await engine_call(engine.register_segment, req.id, text=req.text, token_ids=req.token_ids,
                                  tenant=principal.tenant, public=req.public, pin=req.pin)
@@ -268,12 +293,24 @@ def create_app(engine_or_async_engine, *, api_keys=None, max_body_bytes: int = 2
         info, tier = found
         return {**_segment_json(info), "tier": tier}
 
+    def _changed_is_public(segment_id: str, tenant: str) -> bool:
+        """On the engine thread: whether the segment a change by ``tenant`` would hit is public.
+        The engine changes the tenant's own segment of that id first, else the public one."""
+        infos = [i for i in engine.list_segments(tenant=tenant) if i.id == segment_id]
+        return bool(infos) and all(i.public for i in infos)
+
+    def _delete(segment_id: str, principal: Principal) -> None:
+        """On the engine thread, as one command: the admin check, then the delete."""
+        if not principal.admin and _changed_is_public(segment_id, principal.tenant):
+            raise public_needs_admin("deleting", segment_id)
+        engine.delete_segment(segment_id, tenant=principal.tenant)
+
     @app.delete("/v1/segments/{segment_id:path}")
     async def delete_segment(segment_id: str, request: Request):
         principal = state.principal(request)
         request.scope[LOG_KEY]["segments"] = [segment_id]
         try:
-            await engine_call(engine.delete_segment, segment_id, tenant=principal.tenant)
+            await engine_call(_delete, segment_id, principal)
         except APIError as e:
             raise segment_not_found(segment_id) if e.status == 404 else e
         return {"id": segment_id, "object": "segment", "deleted": True}

@@ -1,31 +1,42 @@
-"""Completions and chat completions: request -> engine stream -> OpenAI JSON or SSE.
+"""Completions and chat completions: request -> engine streams -> OpenAI JSON or SSE.
 
 The life of a generation request:
 
 1. **Build** (``completion_job`` / ``chat_job``): validated body -> ``Engine.submit`` keyword
    arguments (prompt text or token ids, segments, the caller's tenant, ``SamplingParams``,
-   mode, a server-made request id).  Chat renders the tokenizer's chat template to text.
+   mode, a server-made request id), one set per sample (``n``; with a ``seed``, sample i uses
+   ``seed + i``).  Chat renders the tokenizer's chat template to text.
 2. **Admit** (``ServerState.admit``): if the server's queued count (its requests submitted but
    not yet producing a token: engine-waiting or in prefill) has reached ``max_waiting``, answer
    503 with ``Retry-After``.  Counting on the server keeps the hot path free of engine round
    trips; ``engine.stats()["waiting"]`` is never larger than this count.
-3. **First delta**: ``AsyncEngine.stream`` submits on the engine thread and yields deltas.  The
-   handler awaits the first one *before* answering, so every validation error (unknown segment,
-   too long, bad sampling value) is a proper HTTP status, not an error inside a 200 stream.
-   While waiting it also watches the connection: a client that leaves is detected at once.
-4. **Answer**: non-streaming requests collect every delta and return one JSON body.  Streaming
-   requests return ``text/event-stream``: one ``data: {chunk}`` per delta in OpenAI's chunk
-   format (chat starts with the assistant role), a last chunk with ``finish_reason``, an optional
-   usage chunk (``stream_options.include_usage``), then ``data: [DONE]``.  An engine failure
-   after the stream started is sent as a ``data: {"error": ...}`` event before ``[DONE]``.
-5. **Cancel**: if the client disconnects, the response task is cancelled, which closes the
-   ``AsyncEngine.stream`` generator, which aborts the request on the engine thread before its
-   next step: its pages are freed at once.
+3. **First deltas** (``_start``): ``AsyncEngine.stream`` submits sample 0 on the engine thread;
+   the handler awaits its first delta, by which time the prompt's full pages are in the prefix
+   cache, and only then submits samples 1..n-1, which hit those pages (only the last, partial
+   page is computed again per sample).  Every sample's first delta is awaited *before*
+   answering, so every validation error (unknown segment, too long, bad sampling value) is a
+   proper HTTP status, not an error inside a 200 stream.  While waiting it also watches the
+   connection: a client that leaves is detected at once.
+4. **Answer**: non-streaming requests collect every sample's deltas and return one JSON body,
+   ``choices`` indexed 0..n-1; ``usage`` counts the prompt once and sums the samples' completion
+   tokens.  Streaming requests return ``text/event-stream``: one ``data: {chunk}`` per delta in
+   OpenAI's chunk format, the samples' chunks interleaved as they come and told apart by
+   ``index`` (chat starts each choice with the assistant role; completions with ``echo`` start
+   it with the prompt text), a chunk with ``finish_reason`` per choice, an optional usage chunk
+   (``stream_options.include_usage``), then ``data: [DONE]``.  An engine failure after the
+   stream started is sent as a ``data: {"error": ...}`` event before ``[DONE]``.
+5. **Cancel**: if the client disconnects, the response task is cancelled, which closes every
+   ``AsyncEngine.stream`` generator, which aborts the requests on the engine thread before the
+   next step: their pages are freed at once.
 
 Streamed text is decoded incrementally (``TextStream``): trailing incomplete UTF-8 and any
 suffix that could start a stop string are held back, so the concatenated deltas equal the
-non-streaming text.  ``logprobs`` are reported for non-streaming requests only (the engine's
-deltas carry token ids, its final output carries log-probs); with ``stream=true`` they are a 422.
+non-streaming text.  Log-probs (``logprobs``) come in OpenAI's shapes: completions
+``{tokens, token_logprobs, top_logprobs, text_offset}``, chat ``{content: [{token, logprob,
+bytes, top_logprobs}]}``; when streaming, each chunk carries those of the tokens it was made
+from.  Deltas carry their tokens' log-probs when the engine sets ``RequestOutput.logprobs``;
+where it does not, the chunks of a sample asked for log-probs are held until its final output,
+which carries them all, and then sent in order.
 """
 
 from __future__ import annotations
@@ -42,7 +53,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from inferscale_jax.sampling import SamplingParams
 from serving.auth import Principal
-from serving.errors import APIError, from_engine, internal_error
+from serving.errors import APIError, from_engine, internal_error, invalid_field
 from serving.middleware import LOG_KEY
 from serving.schemas import ChatCompletionRequest, CompletionRequest
 
@@ -53,11 +64,13 @@ COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 @dataclasses.dataclass
 class Job:
     kind: str  # "completion" | "chat"
-    submit: dict
+    id: str  # the response's id; sample i of n > 1 runs in the engine as "{id}-{i}"
+    submits: list[dict]  # Engine.submit keyword arguments, one per sample (n)
     stream: bool
     include_usage: bool
     logprobs: int | None  # alternatives per position (None: off)
     stop: list[str]
+    echo: str = ""  # completions with echo=true: the prompt text, put before each choice's text
 
 
 class TextStream:
@@ -99,31 +112,40 @@ def _check_model(state, model: str | None) -> None:
                        "(GET /v1/models)", "model_not_found", "model")
 
 
-def _sampling(req, max_tokens: int, logprobs: int | None) -> SamplingParams:
+def _sampling(req, max_tokens: int, logprobs: int | None, seed: int | None) -> SamplingParams:
     try:
         return SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
-                              top_k=req.top_k, seed=req.seed, stop=list(req.stop or []),
+                              top_k=req.top_k, seed=seed, stop=list(req.stop or []),
                               stop_token_ids=list(req.stop_token_ids), logprobs=logprobs,
-                              ignore_eos=req.ignore_eos)
+                              ignore_eos=req.ignore_eos, presence_penalty=req.presence_penalty,
+                              frequency_penalty=req.frequency_penalty, repetition_penalty=req.repetition_penalty)
     except ValueError as e:
         raise from_engine(e) from None
 
 
-def _job(state, kind: str, req, principal: Principal, prompt: dict, max_tokens: int, logprobs) -> Job:
+def _job(state, kind: str, req, principal: Principal, prompt: dict, max_tokens: int, logprobs,
+         echo: str = "") -> Job:
     _check_model(state, req.model)
-    if req.stream and logprobs is not None:
-        raise APIError(422, "logprobs are returned for stream=false only; drop logprobs or stream=false",
-                       "invalid_field", "logprobs")
+    if req.seed is not None and req.seed + req.n - 1 >= 2**63:
+        raise invalid_field(f"seed={req.seed} is too large for n={req.n}: sample i uses seed + i, which must stay "
+                            f"below 2**63; send a seed <= {2**63 - req.n}", "seed")
     rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
-    submit = dict(prompt, segments=list(req.segments), tenant=principal.tenant, mode=req.mode,
-                  sampling=_sampling(req, max_tokens, logprobs), request_id=rid)
-    return Job(kind, submit, req.stream, req.include_usage, logprobs, list(req.stop or []))
+    submits = []
+    for i in range(req.n):
+        seed = None if req.seed is None else req.seed + i
+        submits.append(dict(prompt, segments=list(req.segments), tenant=principal.tenant, mode=req.mode,
+                            sampling=_sampling(req, max_tokens, logprobs, seed),
+                            request_id=rid if req.n == 1 else f"{rid}-{i}"))
+    return Job(kind, rid, submits, req.stream, req.include_usage, logprobs, list(req.stop or []), echo)
 
 
 def completion_job(state, req: CompletionRequest, principal: Principal) -> Job:
-    prompt = dict(prompt=req.prompt) if isinstance(req.prompt, str) else dict(prompt_token_ids=req.prompt)
+    if isinstance(req.prompt, str):
+        prompt, echo = dict(prompt=req.prompt), req.prompt
+    else:
+        prompt, echo = dict(prompt_token_ids=req.prompt), state.decode(req.prompt) if req.echo else ""
     max_tokens = req.max_tokens or COMPLETION_DEFAULT_MAX_TOKENS
-    return _job(state, "completion", req, principal, prompt, max_tokens, req.logprobs)
+    return _job(state, "completion", req, principal, prompt, max_tokens, req.logprobs, echo if req.echo else "")
 
 
 def chat_job(state, req: ChatCompletionRequest, principal: Principal) -> Job:
@@ -167,36 +189,70 @@ async def _until_disconnect(request: Request, awaitable):
     return None
 
 
+async def _all(awaitables):
+    """Their results, in order; the first failure (or this task's cancellation) cancels the rest
+    and waits for them, so no stream is still being read when its caller closes it."""
+    tasks = [asyncio.ensure_future(a) for a in awaitables]
+    try:
+        return await asyncio.gather(*tasks)
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
 _GONE = object()
+
+
+async def _start(state, job: Job, streams: list) -> list:
+    """Step 3: submit sample 0 and await its first delta, then the other samples and theirs.
+    ``streams`` receives each stream as it is opened, so the caller can close them all."""
+    streams.append(state.async_engine.stream(**job.submits[0]))
+    first = await _first(streams[0])
+    if first is _GONE or len(job.submits) == 1:
+        return [first]
+    rest = [state.async_engine.stream(**sub) for sub in job.submits[1:]]
+    streams.extend(rest)
+    state.pending += len(rest)
+    try:
+        return [first, *await _all(_first(s) for s in rest)]
+    finally:
+        state.pending -= len(rest)
+
+
+async def _close(streams: list) -> None:
+    for s in streams:
+        await s.aclose()
 
 
 async def run_job(state, request: Request, job: Job) -> Response:
     """Steps 2-5 of the module docstring."""
     fields = request.scope.get(LOG_KEY, {})
-    fields.update(id=job.submit["request_id"], segments=job.submit["segments"], mode=job.submit["mode"],
-                  stream=job.stream)
+    fields.update(id=job.id, segments=job.submits[0]["segments"], mode=job.submits[0]["mode"], stream=job.stream)
+    if len(job.submits) > 1:
+        fields["n"] = len(job.submits)
     state.admit()
-    stream = state.async_engine.stream(**job.submit)
-    first = None
+    streams: list = []
+    firsts = None
     try:
-        first = await _until_disconnect(request, _first(stream))
+        firsts = await _until_disconnect(request, _start(state, job, streams))
     except Exception as e:
         raise _api_error(e, job) from None
     finally:
         state.pending -= 1
-        if first is None:
-            await stream.aclose()
-    if first is None:
+        if firsts is None or _GONE in firsts or len(firsts) < len(job.submits):
+            await _close(streams)
+    if firsts is None:
         return Response(status_code=499)  # the client left; nobody reads this
-    if first is _GONE:
-        raise internal_error(job.submit["request_id"])
+    if _GONE in firsts:
+        raise internal_error(job.id)
     if not job.stream:
-        out = await _until_disconnect(request, _collect(state, job, stream, first))
-        if out is None:
+        outs = await _until_disconnect(request, _all(_collect(state, job, s, f) for s, f in zip(streams, firsts)))
+        if outs is None:
             return Response(status_code=499)
-        _record(state, fields, out)
-        return JSONResponse(_full_response(state, job, out))
-    return StreamingResponse(_sse(state, job, stream, first, fields), media_type="text/event-stream",
+        _record(state, fields, outs)
+        return JSONResponse(_full_response(state, job, outs))
+    return StreamingResponse(_sse(state, job, streams, firsts, fields), media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
@@ -226,23 +282,26 @@ async def _collect(state, job, stream, first):
 def _api_error(e: Exception, job: Job) -> APIError:
     err = from_engine(e)
     if err.status == 500:
-        log.error("request %s failed", job.submit["request_id"], exc_info=e)
-        err = internal_error(job.submit["request_id"])
+        log.error("request %s failed", job.id, exc_info=e)
+        err = internal_error(job.id)
     return err
 
 
-def _record(state, fields: dict, out) -> None:
-    m = out.metrics
-    state.metrics.observe_finished(m)
+def _record(state, fields: dict, outs: list) -> None:
+    for out in outs:
+        state.metrics.observe_finished(out.metrics)
+    m = outs[0].metrics
     fields.update(prompt_tokens=m.prompt_tokens, cached_tokens=m.cached_tokens,
-                  generated_tokens=m.generated_tokens, ttft_s=round(m.ttft_s, 6),
-                  finish_reason=out.finish_reason)
+                  generated_tokens=sum(o.metrics.generated_tokens for o in outs), ttft_s=round(m.ttft_s, 6),
+                  finish_reason=outs[0].finish_reason if len(outs) == 1 else [o.finish_reason for o in outs])
 
 
-def _usage(out) -> dict:
-    m = out.metrics
-    return {"prompt_tokens": m.prompt_tokens, "completion_tokens": m.generated_tokens,
-            "total_tokens": m.prompt_tokens + m.generated_tokens,
+def _usage(outs: list) -> dict:
+    """The prompt once (sample 0's cached count: it computed the prompt), every sample's tokens."""
+    m = outs[0].metrics
+    completion = sum(o.metrics.generated_tokens for o in outs)
+    return {"prompt_tokens": m.prompt_tokens, "completion_tokens": completion,
+            "total_tokens": m.prompt_tokens + completion,
             "prompt_tokens_details": {"cached_tokens": m.cached_tokens}}
 
 
@@ -250,11 +309,10 @@ def _token_str(state, tid: int) -> str:
     return state.decode([tid])
 
 
-def _logprobs(state, job: Job, out):
-    if job.logprobs is None or out.logprobs is None:
-        return None
+def _logprobs(state, job: Job, token_ids: list[int], lps: list[dict[int, float]], offset: int = 0):
+    """OpenAI's log-probs object for these tokens; ``offset``: where their text starts (completions)."""
     n = job.logprobs
-    pairs = list(zip(out.token_ids, out.logprobs))
+    pairs = list(zip(token_ids, lps))
     if job.kind == "chat":
         content = []
         for tid, lp in pairs:
@@ -264,7 +322,7 @@ def _logprobs(state, job: Job, out):
                             "top_logprobs": [{"token": (t := _token_str(state, i)), "logprob": v,
                                               "bytes": list(t.encode())} for i, v in top]})
         return {"content": content}
-    tokens, offsets, pos = [], [], 0
+    tokens, offsets, pos = [], [], offset
     for tid, _ in pairs:
         s = _token_str(state, tid)
         tokens.append(s)
@@ -276,63 +334,133 @@ def _logprobs(state, job: Job, out):
             "text_offset": offsets}
 
 
-def _full_response(state, job: Job, out) -> dict:
-    rid, created = job.submit["request_id"], int(time.time())
-    lp = _logprobs(state, job, out)
-    if job.kind == "chat":
-        choice = {"index": 0, "message": {"role": "assistant", "content": out.text}, "logprobs": lp,
-                  "finish_reason": out.finish_reason}
-        obj = "chat.completion"
-    else:
-        choice = {"index": 0, "text": out.text, "logprobs": lp, "finish_reason": out.finish_reason}
-        obj = "text_completion"
-    return {"id": rid, "object": obj, "created": created, "model": state.model_name, "choices": [choice],
-            "usage": _usage(out)}
+def _full_response(state, job: Job, outs: list) -> dict:
+    choices = []
+    for i, out in enumerate(outs):
+        lp = None
+        if job.logprobs is not None and out.logprobs is not None:
+            lp = _logprobs(state, job, out.token_ids, out.logprobs)
+        if job.kind == "chat":
+            choices.append({"index": i, "message": {"role": "assistant", "content": out.text}, "logprobs": lp,
+                            "finish_reason": out.finish_reason})
+        else:
+            choices.append({"index": i, "text": job.echo + out.text, "logprobs": lp,
+                            "finish_reason": out.finish_reason})
+    obj = "chat.completion" if job.kind == "chat" else "text_completion"
+    return {"id": job.id, "object": obj, "created": int(time.time()), "model": state.model_name,
+            "choices": choices, "usage": _usage(outs)}
 
 
 def _chunk_object(job: Job) -> str:
     return "chat.completion.chunk" if job.kind == "chat" else "text_completion"
 
 
-def _chunk(state, job: Job, created: int, text: str | None, finish: str | None, role: bool = False) -> str:
+def _chunk(state, job: Job, created: int, index: int, text: str | None, finish: str | None,
+           role: bool = False, logprobs: dict | None = None) -> str:
     if job.kind == "chat":
         delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
-        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+        choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
     else:
-        choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
-    body = {"id": job.submit["request_id"], "object": _chunk_object(job), "created": created,
-            "model": state.model_name, "choices": [choice]}
+        choice = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
+    body = {"id": job.id, "object": _chunk_object(job), "created": created, "model": state.model_name,
+            "choices": [choice]}
     return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
 
 
-async def _sse(state, job: Job, stream, first, fields: dict):
-    created = int(time.time())
-    text = TextStream(state.decode, job.stop)
-    delta, last_t = first, time.perf_counter()
-    try:
-        if job.kind == "chat":
-            yield _chunk(state, job, created, None, None, role=True)
-        while True:
-            if delta.finished:
-                out = delta.output
-                rest = text.finish(out.text)
-                if rest:
-                    yield _chunk(state, job, created, rest, None)
-                yield _chunk(state, job, created, None, out.finish_reason)
-                _record(state, fields, out)
-                if job.include_usage:
-                    usage = {"id": job.submit["request_id"], "object": _chunk_object(job), "created": created,
-                             "model": state.model_name, "choices": [], "usage": _usage(out)}
-                    yield f"data: {json.dumps(usage)}\n\n"
-                break
-            piece = text.push(delta.new_token_ids)
+class _Choice:
+    """One sample's streaming state: its text decoder, log-prob position, and held chunks."""
+
+    def __init__(self, state, job: Job, index: int):
+        self.state, self.job, self.index = state, job, index
+        self.text = TextStream(state.decode, job.stop)
+        self.n_tokens = 0  # generated tokens already put into chunks (or held)
+        self.offset = len(job.echo)  # text_offset of the next token (completions' log-probs)
+        self.held: list[tuple[str, list[int]]] = []  # chunks waiting for their log-probs
+
+    def _lp(self, ids: list[int], lps) -> dict | None:
+        if self.job.logprobs is None or not ids:
+            return None
+        obj = _logprobs(self.state, self.job, ids, lps, self.offset)
+        self.offset += sum(len(t) for t in obj.get("tokens", ()))
+        return obj
+
+    def chunks(self, created: int, delta) -> list[str]:
+        """The chunks for one delta (none while held or when it adds nothing)."""
+        out, job = [], self.job
+        ids = list(delta.new_token_ids)
+        self.n_tokens += len(ids)
+        piece = self.text.push(ids) if not delta.finished else ""
+        if job.logprobs is None:
             if piece:
-                yield _chunk(state, job, created, piece, None)
-            delta = await stream.__anext__()
-            now = time.perf_counter()
-            if delta.new_token_ids:
-                state.metrics.inter_token.observe((now - last_t) / len(delta.new_token_ids))
-            last_t = now
+                out.append(_chunk(self.state, job, created, self.index, piece, None))
+        else:
+            lps = getattr(delta, "logprobs", None)  # RequestOutput.logprobs where the engine sets it
+            if lps is None or self.held:
+                self.held.append((piece, ids))
+            elif piece or ids:
+                out.append(_chunk(self.state, job, created, self.index, piece, None, logprobs=self._lp(ids, lps)))
+        if delta.finished:
+            result = delta.output
+            if self.held:  # the final output holds every position's log-probs
+                all_lps = result.logprobs or []
+                pos = self.n_tokens - sum(len(held_ids) for _, held_ids in self.held)
+                for held_piece, held_ids in self.held:
+                    lp = self._lp(held_ids, all_lps[pos:pos + len(held_ids)]) if all_lps else None
+                    pos += len(held_ids)
+                    if held_piece or lp:
+                        out.append(_chunk(self.state, job, created, self.index, held_piece, None, logprobs=lp))
+                self.held = []
+            rest = self.text.finish(result.text)
+            if rest:
+                out.append(_chunk(self.state, job, created, self.index, rest, None))
+            out.append(_chunk(self.state, job, created, self.index, None, result.finish_reason))
+        return out
+
+
+async def _sse(state, job: Job, streams: list, firsts: list, fields: dict):
+    created = int(time.time())
+    choices = [_Choice(state, job, i) for i in range(len(streams))]
+    queue: asyncio.Queue = asyncio.Queue(maxsize=len(streams))
+
+    async def pump(i: int) -> None:
+        """Sample i's deltas into the shared queue (an exception ends the whole stream)."""
+        delta, last_t = firsts[i], time.perf_counter()
+        try:
+            while True:
+                await queue.put((i, delta))
+                if delta.finished:
+                    return
+                delta = await streams[i].__anext__()
+                now = time.perf_counter()
+                if delta.new_token_ids:
+                    state.metrics.inter_token.observe((now - last_t) / len(delta.new_token_ids))
+                last_t = now
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001 - reported in-band by the reader below
+            await queue.put((i, e))
+
+    pumps = [asyncio.ensure_future(pump(i)) for i in range(len(streams))]
+    outs: list = [None] * len(streams)
+    try:
+        for c in choices:
+            if job.kind == "chat":
+                yield _chunk(state, job, created, c.index, None, None, role=True)
+            elif job.echo:
+                yield _chunk(state, job, created, c.index, job.echo, None)
+        while any(o is None for o in outs):
+            i, item = await queue.get()
+            if isinstance(item, Exception):
+                raise item
+            for chunk in choices[i].chunks(created, item):
+                yield chunk
+            if item.finished:
+                outs[i] = item.output
+        _record(state, fields, outs)
+        if job.include_usage:
+            usage = {"id": job.id, "object": _chunk_object(job), "created": created, "model": state.model_name,
+                     "choices": [], "usage": _usage(outs)}
+            yield f"data: {json.dumps(usage)}\n\n"
     except asyncio.CancelledError:
         raise
     except Exception as e:  # noqa: BLE001 - headers are sent: report in-band, then end the stream
@@ -340,5 +468,8 @@ async def _sse(state, job: Job, stream, first, fields: dict):
         fields.update(error=err.code)
         yield f"data: {json.dumps(err.body())}\n\n"
     finally:
-        await stream.aclose()
+        for p in pumps:
+            p.cancel()
+        await asyncio.gather(*pumps, return_exceptions=True)
+        await _close(streams)
     yield "data: [DONE]\n\n"

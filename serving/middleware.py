@@ -1,4 +1,5 @@
-"""The outer ASGI layer: body size limit (413) before any parsing, and one log line per request.
+"""The outer ASGI layer: body size limit (413) and body read timeout (408) before any parsing,
+and one log line per request.
 
 A pure ASGI middleware (not Starlette's ``BaseHTTPMiddleware``, which interferes with streaming
 and disconnect detection):
@@ -7,6 +8,10 @@ and disconnect detection):
    body is read chunk by chunk and the request is answered 413 as soon as the running total
    passes the limit (chunked uploads cannot sneak past).  The rest of an oversized body is
    drained (up to ``DRAIN_LIMIT``) so the client can read the answer, and the connection closed.
+   The whole body must arrive within ``body_timeout_s`` of the request's start: a stalled or
+   trickled upload is answered 408 and its connection closed (``Connection: close``), so it
+   holds no connection slot, task or buffer for longer than that.  The wait is bounded per
+   request, not per chunk, so sending a byte now and then does not extend it.
 2. The buffered body is replayed to the app; later ``receive`` calls pass through, so the app
    still sees ``http.disconnect`` (streaming handlers abort their request on it).
 3. When the response ends (or the app raised), one structured line is logged on
@@ -18,6 +23,7 @@ and disconnect detection):
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
@@ -29,9 +35,14 @@ DRAIN_LIMIT = 64 << 20
 LOG_KEY = "inferscale.log"
 
 
+class _BodyTimeout(Exception):
+    """The request body did not arrive within ``body_timeout_s``."""
+
+
 class ServingMiddleware:
-    def __init__(self, app, *, max_body_bytes: int, metrics):
+    def __init__(self, app, *, max_body_bytes: int, metrics, body_timeout_s: float = 30.0):
         self.app, self.max_body_bytes, self.metrics = app, max_body_bytes, metrics
+        self.body_timeout_s = body_timeout_s
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -73,7 +84,27 @@ class ServingMiddleware:
             self._finish(scope, fields, status or 499, time.perf_counter() - t0)
 
     async def _read_body(self, scope, receive, send) -> tuple[bytes | None, bool]:
-        """The whole body, or ``None`` after answering 413 / 400 itself."""
+        """The whole body, or ``None`` after answering 413 / 408 / 400 itself."""
+        deadline = time.monotonic() + self.body_timeout_s
+
+        async def timed_receive():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise _BodyTimeout
+            try:
+                return await asyncio.wait_for(receive(), left)
+            except asyncio.TimeoutError:
+                raise _BodyTimeout from None
+
+        try:
+            return await self._read_body_by(scope, timed_receive, send)
+        except _BodyTimeout:
+            await self._reject(send, APIError(
+                408, f"the request body did not arrive completely within {self.body_timeout_s:g} s "
+                "(body_timeout_s); send the whole body at once, or check the network", "body_timeout"))
+            return None, False
+
+    async def _read_body_by(self, scope, receive, send) -> tuple[bytes | None, bool]:
         limit = self.max_body_bytes
         declared = None
         for name, value in scope.get("headers", []):
@@ -104,14 +135,19 @@ class ServingMiddleware:
 
     @staticmethod
     async def _drain(receive, seen: int) -> None:
+        """Read (and drop) the rest of an oversized body, so the client reads the 413; a body
+        that stalls meanwhile is left unread (the connection is closed after the answer)."""
         total = 0
-        while total < DRAIN_LIMIT:
-            message = await receive()
-            if message["type"] != "http.request":
-                return
-            total += len(message.get("body", b""))
-            if not message.get("more_body", False):
-                return
+        try:
+            while total < DRAIN_LIMIT:
+                message = await receive()
+                if message["type"] != "http.request":
+                    return
+                total += len(message.get("body", b""))
+                if not message.get("more_body", False):
+                    return
+        except _BodyTimeout:
+            return
 
     @staticmethod
     async def _reject(send, err: APIError) -> None:

@@ -1,19 +1,60 @@
 """Request bodies: OpenAI field names and types, plus the ``segments`` / ``mode`` extensions.
 
 Validation is strict (pydantic strict mode): ``"16"`` is not an integer and ``true`` is not a
-number, as in OpenAI's API.  NaN and infinities are rejected.
+number, as in OpenAI's API.  NaN and infinities are rejected.  Every validation error is a 400
+(``invalid_field``) whose ``param`` names the field, as OpenAI and vLLM answer.
 
-**Unknown fields are rejected (422, ``invalid_field``), not ignored.**  OpenAI itself rejects
-unrecognized arguments; silently dropping a field this server does not implement (``n: 4``,
-``tools``, ``response_format``, a typo like ``max_token``) would return an answer to a question
-the client did not ask.  Fields OpenAI clients commonly send with neutral values are accepted
-when neutral and rejected otherwise with a message saying so: ``n`` (1), ``presence_penalty`` /
-``frequency_penalty`` (0), ``logit_bias`` (empty), ``echo`` (false), ``best_of`` (1),
-``suffix`` (null), ``user`` (accepted, unused).  Inside chat ``messages``, extra keys that clients
-echo back from earlier responses (``refusal``, ``annotations``, ...) are ignored.
+**Unknown fields are rejected (400, ``invalid_field``), not ignored.**  OpenAI itself rejects
+unrecognized arguments; silently dropping a field this server does not implement (``tools``,
+``response_format``, a typo like ``max_token``) would return an answer to a question the client
+did not ask.  The message says ``unknown or unsupported field 'NAME'``.  Fields OpenAI clients
+commonly send with neutral values are accepted when neutral and rejected otherwise.
+
+Parameters (C: ``/v1/completions``, Ch: ``/v1/chat/completions``):
+
+=========================  =====  ==============================================================
+ parameter                  where  support
+=========================  =====  ==============================================================
+ ``model``                  C Ch   optional; must name the served model (else 404)
+ ``prompt``                 C      a string or token ids; a list of one of them
+ ``messages``               Ch     roles system/developer/user/assistant/tool; text content
+ ``max_tokens``             C Ch   >= 1 (C default 16, Ch default: the server's);
+                                   ``max_completion_tokens`` (Ch) is the same
+ ``temperature``            C Ch   [0, 2]; 0 is greedy
+ ``top_p``                  C Ch   (0, 1]
+ ``n``                      C Ch   1..16 samples of one prompt; they share the prompt's KV pages;
+                                   with ``seed``, sample i uses ``seed + i``
+ ``seed``                   C Ch   [0, 2**63 - n]: reproducible sampling
+ ``stop``                   C Ch   a string or up to 16 non-empty strings
+ ``stream``                 C Ch   SSE; ``stream_options.include_usage`` adds a usage chunk
+ ``logprobs``               C Ch   C: 0..20 alternatives; Ch: true (+ ``top_logprobs`` 0..20);
+                                   streamed too: each chunk carries its tokens' log-probs
+ ``echo``                   C      the prompt text is put before the output text (the prompt
+                                   only, not the segments); not with ``logprobs`` (prompt
+                                   log-probs are not computed)
+ ``presence_penalty``       C Ch   [-2, 2] (vLLM's range)
+ ``frequency_penalty``      C Ch   [-2, 2]
+ ``repetition_penalty``     C Ch   (0, 2]; 1 is off (vLLM's extension)
+ ``user``                   C Ch   accepted, unused
+ ``best_of``                C      unsupported: only null or 1
+ ``suffix``                 C      unsupported: only null
+ ``logit_bias``             C Ch   unsupported: only null or {}
+ ``tools``, ``tool_choice``,
+ ``functions``,
+ ``function_call``,
+ ``response_format``,
+ ``parallel_tool_calls``,
+ any other field            C Ch   unsupported: 400 ``unknown or unsupported field 'NAME'``
+=========================  =====  ==============================================================
 
 Extensions (vLLM names where vLLM has one): ``segments`` (ids to inject, in order), ``mode``
-(``exact`` | ``compose`` | ``blend``), ``top_k``, ``stop_token_ids``, ``ignore_eos``.
+(``exact`` | ``compose`` | ``blend``), ``top_k``, ``stop_token_ids``, ``ignore_eos``,
+``repetition_penalty``.  Inside chat ``messages``, extra keys that clients echo back from
+earlier responses (``refusal``, ``annotations``, ...) are ignored.
+
+Segment ids (``POST /v1/segments``): 1-256 characters of ``A-Z a-z 0-9 . _ - : /``
+(docs/architecture.md, "Python API"); others are a 400 naming ``id``, since the
+``/v1/segments/{id}`` routes could never match them.
 """
 
 from __future__ import annotations
@@ -23,14 +64,20 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator, model_validator
 
 from inferscale_jax.sampling import MAX_LOGPROBS, MAX_STOP_STRINGS
+from inferscale_jax.segments import SEGMENT_ID_ALPHABET, SEGMENT_ID_RE
 
 SegmentId = Annotated[str, StringConstraints(min_length=1, max_length=256)]
 MAX_SEGMENTS_PER_REQUEST = 64
+MAX_N = 16  # samples per request
 MAX_MESSAGES = 4096
 
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+
+def unsupported(field: str, fix: str) -> str:
+    return f"unsupported field {field!r} with this value: {fix}"
 
 
 class StreamOptions(_Strict):
@@ -45,10 +92,11 @@ class _Generation(_Strict):
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int = 1
+    n: int = Field(1, ge=1, le=MAX_N)
     user: str | None = Field(None, max_length=256)
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(1.0, gt=0.0, le=2.0)
     logit_bias: dict[str, float] | None = None
     # extensions
     segments: list[SegmentId] = Field(default_factory=list, max_length=MAX_SEGMENTS_PER_REQUEST)
@@ -67,25 +115,11 @@ class _Generation(_Strict):
             raise ValueError("stop strings must be non-empty")
         return v
 
-    @field_validator("n")
-    @classmethod
-    def _n(cls, v):
-        if v != 1:
-            raise ValueError("only n=1 is supported: send one request per completion")
-        return v
-
-    @field_validator("presence_penalty", "frequency_penalty")
-    @classmethod
-    def _penalty(cls, v):
-        if v != 0:
-            raise ValueError("penalties are not supported: omit the field or send 0")
-        return v
-
     @field_validator("logit_bias")
     @classmethod
     def _logit_bias(cls, v):
         if v:
-            raise ValueError("logit_bias is not supported: omit the field or send {}")
+            raise ValueError(unsupported("logit_bias", "omit the field or send {}"))
         return v
 
     @property
@@ -110,14 +144,25 @@ class CompletionRequest(_Generation):
             return v[0]
         return v
 
+    @field_validator("best_of")
+    @classmethod
+    def _best_of(cls, v):
+        if v not in (None, 1):
+            raise ValueError(unsupported("best_of", "omit it or send 1; n=... returns several samples"))
+        return v
+
+    @field_validator("suffix")
+    @classmethod
+    def _suffix(cls, v):
+        if v is not None:
+            raise ValueError(unsupported("suffix", "omit it (insertion is not implemented)"))
+        return v
+
     @model_validator(mode="after")
-    def _neutral(self):
-        if self.echo:
-            raise ValueError("echo=true is not supported")
-        if self.best_of not in (None, 1):
-            raise ValueError("best_of > 1 is not supported")
-        if self.suffix is not None:
-            raise ValueError("suffix is not supported")
+    def _echo(self):
+        if self.echo and self.logprobs is not None:
+            raise ValueError("echo=true with logprobs is not supported: prompt log-probs are not computed; "
+                             "drop one of them")
         return self
 
 
@@ -166,11 +211,20 @@ class ChatCompletionRequest(_Generation):
 
 
 class SegmentCreate(_Strict):
-    id: SegmentId
+    id: str
     text: str | None = None
     token_ids: list[int] | None = None
     public: bool = False
     pin: bool = False
+
+    @field_validator("id")
+    @classmethod
+    def _id(cls, v):
+        if not SEGMENT_ID_RE.fullmatch(v):
+            why = "characters outside that set" if 1 <= len(v) <= 256 else f"{len(v)} characters"
+            raise ValueError(f"a segment id is 1-256 characters of {SEGMENT_ID_ALPHABET} (this one has {why}); "
+                             "choose an id of those characters only")
+        return v
 
     @model_validator(mode="after")
     def _one_source(self):
