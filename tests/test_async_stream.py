@@ -1,0 +1,93 @@
+"""``AsyncEngine.stream``: text deltas that concatenate to the final text, and prompt/segment text
+tokenized before the engine loop sees the request."""
+
+import asyncio
+import threading
+
+import pytest
+
+from inferscale_jax import AsyncEngine, Engine, EngineConfig, SamplingParams
+from inferscale_jax.detokenize import IncrementalDetokenizer
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return Engine.from_pretrained(None, EngineConfig(dtype="float32", hbm_pages=256))
+
+
+def _stream(ae, **request):
+    async def main():
+        deltas = []
+        async for d in ae.stream(**request):
+            deltas.append(d)
+        return deltas
+    return asyncio.run(main())
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_text_deltas_concatenate_to_the_output_text(engine, seed):
+    ae = AsyncEngine(engine)
+    try:
+        sp = SamplingParams(max_tokens=40, temperature=1.0, seed=seed)
+        deltas = _stream(ae, prompt="Q: Ünïcödé ✓ and the warranty? A:", sampling=sp)
+        out = deltas[-1].output
+        assert "".join(d.text for d in deltas) == out.text
+        assert len(out.token_ids) > 1 and sum(bool(d.text) for d in deltas) > 1  # incremental, not all at the end
+        assert not any(d.text.endswith("\ufffd") for d in deltas[:-1]) or out.text.count("\ufffd")
+    finally:
+        ae.shutdown()
+
+
+def test_text_deltas_never_show_a_stop_string_the_output_cuts(engine):
+    ae = AsyncEngine(engine)
+    try:
+        sp = SamplingParams(max_tokens=30, temperature=1.0, seed=3)
+        free = _stream(ae, prompt="Once", sampling=sp)[-1].output.text
+        stop = free[len(free) // 2: len(free) // 2 + 3]  # a string the unconstrained output contains
+        assert len(stop) == 3
+        sp = SamplingParams(max_tokens=30, temperature=1.0, seed=3, stop=[stop])
+        deltas = _stream(ae, prompt="Once", sampling=sp)
+        out = deltas[-1].output
+        assert out.finish_reason == "stop" and stop not in out.text
+        assert "".join(d.text for d in deltas) == out.text
+    finally:
+        ae.shutdown()
+
+
+def test_incremental_detokenizer_matches_whole_decoding_byte_by_byte(engine):
+    tok = engine.tokenizer
+    ids = tok.encode("héllo wörld ✓✓ 日本語 ok", add_special_tokens=False)
+    d = IncrementalDetokenizer(tok)
+    pieces = [d.push([i]) for i in ids]
+    assert "".join(pieces) == tok.decode(ids)
+    assert not any("\ufffd" in p for p in pieces)  # a multi-byte character is never split
+
+
+def test_prompt_and_segment_text_are_tokenized_off_the_engine_loop(engine, monkeypatch):
+    ae = AsyncEngine(engine)
+    seen = []
+    real_submit, real_register = engine.submit, engine.register_segment
+
+    def submit(**kw):
+        seen.append(("submit", threading.current_thread().name, set(kw)))
+        return real_submit(**kw)
+
+    def register(*a, **kw):
+        seen.append(("register", threading.current_thread().name, set(kw)))
+        return real_register(*a, **kw)
+    monkeypatch.setattr(engine, "submit", submit)
+    monkeypatch.setattr(engine, "register_segment", register)
+    try:
+        asyncio.run(ae.register_segment("kb", text="Warranty: three years. " * 20, tenant="t"))
+        sp = SamplingParams(max_tokens=4, temperature=0.0)
+        streamed = _stream(ae, prompt="Q: how long? A:", segments=["kb"], tenant="t", sampling=sp)[-1].output
+    finally:
+        ae.shutdown()
+    # the engine thread received token ids, never text
+    assert seen[0][0] == "register" and "token_ids" in seen[0][2] and "text" not in seen[0][2]
+    assert seen[1][0] == "submit" and "prompt_token_ids" in seen[1][2] and "prompt" not in seen[1][2]
+    assert {s[1] for s in seen} == {"inferscale-engine"}
+    monkeypatch.undo()
+    direct = engine.generate(prompt="Q: how long? A:", segments=["kb"], tenant="t", sampling=sp)
+    assert streamed.token_ids == direct.token_ids
+    engine.delete_segment("kb", tenant="t")
