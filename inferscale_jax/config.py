@@ -38,6 +38,10 @@ class EngineConfig:
     host_pages: int | None = None  # pinned-host tier capacity in pages; None: 4x the HBM pool, <= 1/4 of RAM
     disk_pages: int | None = None  # disk tier capacity in pages; None: unbounded; past it KV is recomputed
     disk_dir: str | None = None  # disk tier folder (a cache); None: <snapshot_dir>/disk_tier or a temp folder
+    # JAX's persistent compilation cache (compiled step executables on disk): a restart loads them
+    # instead of compiling again; None: <$INFERSCALE_CACHE or ~/.cache/inferscale>/jax-compile
+    compilation_cache: bool = True
+    compilation_cache_dir: str | None = None
     snapshot_interval_s: float | None = None  # periodic snapshots (when segments changed); None: only
     #   save_snapshot() and close()
     strict_restore: bool = False  # a snapshot of another model/dtype/page size: raise (True) or log, start empty
@@ -45,7 +49,7 @@ class EngineConfig:
     def __post_init__(self):
         # folders are absolute from here on: orbax refuses relative paths, and a later chdir must
         # not move the snapshots ("~" is expanded too, as a shell would)
-        for field in ("snapshot_dir", "disk_dir"):
+        for field in ("snapshot_dir", "disk_dir", "compilation_cache_dir"):
             value = getattr(self, field)
             if value:
                 object.__setattr__(self, field, os.path.abspath(os.path.expanduser(value)))

@@ -40,6 +40,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from inferscale_jax import compile_cache
 from inferscale_jax.blend import blend
 from inferscale_jax.config import EngineConfig
 from inferscale_jax.errors import EngineFault, PoolExhausted, RequestTooLong
@@ -96,6 +97,8 @@ class Engine:
         if impl == "auto":
             pow2 = cfg.head_dim >= 16 and cfg.head_dim & (cfg.head_dim - 1) == 0
             impl = "pallas" if jax.default_backend() == "gpu" and pow2 else "ref"
+        self.compilation_cache_dir = (compile_cache.enable(config.compilation_cache_dir)
+                                      if config.compilation_cache else None)
         self.pool = PagePool(num_pages)
         self.prefix_cache = PrefixCache(self.pool, s)
         self.store = SegmentStore()
@@ -622,6 +625,9 @@ class Engine:
             "generated_tokens": c["generated_tokens"],
             "hit_rate": c["cached_tokens"] / c["prompt_tokens"] if c["prompt_tokens"] else 0.0,
             "compiles": self.runner.compiles,
+            "compile_cache_dir": self.compilation_cache_dir,
+            "compile_cache_hits": compile_cache.counts()["hits"],
+            "compile_cache_misses": compile_cache.counts()["misses"],
             "running": len(self.scheduler.running),
             "waiting": len(self.scheduler.waiting),
             "preemptions": self.scheduler.preemptions,
