@@ -2,8 +2,11 @@
 
 One sequence: the prompt is padded to a power-of-two bucket and prefilled in one jitted call,
 then one jitted decode step per token; both donate the cache so it is updated in place.  The
-sampler is the engine's (``sampling.sample_tokens``).  The engine's paged path replaces this
-for serving; it stays as a small, independent reference.
+sampler is the engine's (``sampling.sample_tokens``, penalties included: the generated and
+prompt ids go with each token's sampling, padded to a power of two).  The model's dots run at
+``matmul_precision`` (None: "highest" for float32, as ``EngineConfig.resolved_matmul_precision``
+resolves it; docs/architecture.md).  The engine's paged path replaces this for serving; it
+stays as a small, independent reference.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from inferscale_jax.config import EngineConfig
 from inferscale_jax.sampling import SamplingParams, request_key, sample_tokens
 from models import DenseKVCache, ModelConfig, forward
 
@@ -23,16 +27,25 @@ def bucket(n: int, minimum: int = 16) -> int:
     return max(minimum, 1 << (n - 1).bit_length())
 
 
-@functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("cache",))
-def _step(params, cfg: ModelConfig, tokens, positions, cache, last):
+@functools.partial(jax.jit, static_argnames=("cfg", "precision"), donate_argnames=("cache",))
+def _step(params, cfg: ModelConfig, tokens, positions, cache, last, *, precision: str):
     """tokens/positions [1, T]; last [1]: index of the token whose next-token logits we want."""
-    logits, cache = forward(params, cfg, tokens, positions, cache, logits_index=last)
+    logits, cache = forward(params, cfg, tokens, positions, cache, logits_index=last, precision=precision)
     return logits, cache  # [1, V]
 
 
+def _padded(ids: list[int]) -> np.ndarray:
+    """[1, W] int32: ``ids`` padded with -1 to a power-of-two width >= 16 (few compiles)."""
+    out = np.full((1, bucket(len(ids) + 1)), -1, np.int32)
+    out[0, :len(ids)] = ids
+    return out
+
+
 def generate_dense(params: dict, cfg: ModelConfig, prompt_ids: list[int], sampling: SamplingParams,
-                   dtype=jnp.float32) -> tuple[list[int], dict]:
+                   dtype=jnp.float32, matmul_precision: str | None = None) -> tuple[list[int], dict]:
     """Generate up to ``sampling.max_tokens`` ids after ``prompt_ids``; returns (ids, timings)."""
+    sampling.validate(cfg.vocab_size)
+    precision = EngineConfig(dtype=jnp.dtype(dtype).name, matmul_precision=matmul_precision).resolved_matmul_precision
     n = len(prompt_ids)
     if n == 0:
         raise ValueError("prompt is empty: give at least one token")
@@ -46,18 +59,23 @@ def generate_dense(params: dict, cfg: ModelConfig, prompt_ids: list[int], sampli
     toks = np.zeros((1, t), np.int32)
     toks[0, :n] = prompt_ids
     pos = np.arange(t, dtype=np.int32)[None]
-    key = request_key(sampling.seed, 0)[None]
+    key = request_key(sampling.seed)[None]  # [1, 2]
     stop = set(sampling.stop_token_ids) | (set() if sampling.ignore_eos else set(cfg.eos_token_ids))
     temp = jnp.array([sampling.temperature], jnp.float32)
     top_k = jnp.array([sampling.top_k], jnp.int32)
     top_p = jnp.array([sampling.top_p], jnp.float32)
+    pen_params = np.array([[sampling.presence_penalty, sampling.frequency_penalty, sampling.repetition_penalty]],
+                          np.float32)
+    pen_prompt = _padded(prompt_ids if sampling.repetition_penalty != 1 else [])
 
     t0 = time.perf_counter()
-    logits, cache = _step(params, cfg, jnp.asarray(toks), jnp.asarray(pos), cache, jnp.array([n - 1]))
+    logits, cache = _step(params, cfg, jnp.asarray(toks), jnp.asarray(pos), cache, jnp.array([n - 1]),
+                          precision=precision)
     out: list[int] = []
     ttft = None
     for i in range(sampling.max_tokens):
-        tok, *_ = sample_tokens(logits, temp, top_k, top_p, key, jnp.array([i], jnp.int32))
+        penalties = (_padded(out), pen_prompt, pen_params) if sampling.has_penalty else None
+        tok, *_ = sample_tokens(logits, temp, top_k, top_p, key, jnp.array([i], jnp.int32), penalties=penalties)
         tid = int(tok[0])
         if ttft is None:
             ttft = time.perf_counter() - t0
@@ -65,6 +83,6 @@ def generate_dense(params: dict, cfg: ModelConfig, prompt_ids: list[int], sampli
         if tid in stop or i == sampling.max_tokens - 1:
             break
         logits, cache = _step(params, cfg, jnp.array([[tid]], jnp.int32),
-                              jnp.array([[n + i]], jnp.int32), cache, jnp.array([0]))
+                              jnp.array([[n + i]], jnp.int32), cache, jnp.array([0]), precision=precision)
     elapsed = time.perf_counter() - t0
     return out, {"ttft_s": ttft, "total_s": elapsed, "prompt_tokens": n, "generated_tokens": len(out)}

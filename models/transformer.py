@@ -12,11 +12,16 @@ dense cache for simple generation and tests; the engine's paged cache (page pool
 kernels) implements the same method, so the model never knows how KV is stored.
 
 Numerics follow transformers: RMSNorm in float32 then cast back, RoPE cos/sin in float32 cast
-to the activation dtype, softmax in float32, logits in float32.
+to the activation dtype, softmax in float32, logits in float32.  ``precision`` sets the matmul
+precision of every dot traced inside ``forward`` (``jax.default_matmul_precision``, so the
+cache's attention is covered too): JAX's default runs float32 dots as TF32 on a GPU, "highest"
+makes them IEEE float32 (``EngineConfig.matmul_precision``, docs/architecture.md).  Callers that
+jit ``forward`` pass it as a static argument, so each precision is its own compile.
 """
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Protocol
 
 import jax
@@ -75,14 +80,22 @@ def _layer(cfg: ModelConfig, p: dict, layer: int, x: jax.Array, cos: jax.Array, 
 
 
 def forward(params: dict, cfg: ModelConfig, tokens: jax.Array, positions: jax.Array,
-            cache: KVCache, meta: Any = None, logits_index: jax.Array | None = None
-            ) -> tuple[jax.Array, KVCache]:
+            cache: KVCache, meta: Any = None, logits_index: jax.Array | None = None,
+            precision: str | None = None) -> tuple[jax.Array, KVCache]:
     """tokens, positions [B, T] int32 -> (logits, cache).
 
     logits are ``[B, T, V]`` float32, or ``[B, V]`` at ``logits_index [B]`` (the position in
     the chunk whose next-token distribution is wanted) when that is given, which skips the LM
-    head for every other token.
+    head for every other token.  precision: "default" / "high" / "highest", or None for the
+    ambient ``jax.default_matmul_precision`` (module docstring).
     """
+    scope = jax.default_matmul_precision(precision) if precision is not None else contextlib.nullcontext()
+    with scope:
+        return _forward(params, cfg, tokens, positions, cache, meta, logits_index)
+
+
+def _forward(params: dict, cfg: ModelConfig, tokens: jax.Array, positions: jax.Array,
+             cache: KVCache, meta: Any, logits_index: jax.Array | None) -> tuple[jax.Array, KVCache]:
     x = params["embed"][tokens]  # [B, T, H]
     cos, sin = rope_cos_sin(positions, jnp.asarray(inv_freq(cfg.rope, cfg.head_dim)))
     for layer, p in enumerate(params["layers"]):
