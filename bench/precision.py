@@ -23,7 +23,9 @@ on a GPU) and "highest" (IEEE float32).  Figures per precision:
 - first token: the largest |engine - HF| log-prob over the engine's top-5 ids;
 - all tokens: the largest |engine - HF| log-prob of the chosen token (teacher-forced);
 - greedy: the first position where the engine's tokens differ from HF's own greedy run, and
-  HF's top-1 - top-2 logit margin there (a near tie is a legitimate split).
+  HF's top-1 - top-2 logit margin there (a near tie is a legitimate split);
+- the floor: the same log-prob errors against the HF model in float64, for the engine and for
+  HF float32 itself (float32 rounding alone, with torch's order of operations).
 
 Writes ``precision.md`` and ``precision.png`` (per-token error, when matplotlib is importable)
 to ``--out``.  Imports nothing from ``serving/`` (the GPU image has no fastapi).
@@ -105,18 +107,37 @@ def hf_reference(model, prompt: list[int], new: int, device: str):
             tok = int(torch.argmax(logits))
             ids.append(tok)
             out = model(torch.tensor([[tok]], device=device), past_key_values=out.past_key_values, use_cache=True)
-    R["hf"] = dict(ids=ids, margins=margins, first_logprobs=first)
+    R["hf"] = dict(ids=ids, margins=margins, first_logprobs=first, device=device)
     log(f"HF greedy: {ids[:16]}...; smallest top-2 margin {min(margins):.4f}")
 
 
-def teacher_forced(model, prompt: list[int], ids: list[int], device: str) -> np.ndarray:
-    """[len(ids)] HF log-prob of each of ``ids`` after prompt + ids[:i] (TF32 off)."""
+def teacher_forced(model, prompt: list[int], ids: list[int], device: str) -> tuple[np.ndarray, np.ndarray]:
+    """HF log-probs after prompt + ids[:i] (TF32 off), in the model's dtype: ([len(ids)] the
+    log-prob of each of ``ids``, [V] the whole first distribution)."""
     import torch
 
     with torch.no_grad():
-        logits = model(torch.tensor([prompt + ids[:-1]], device=device)).logits[0, len(prompt) - 1:].float()
+        logits = model(torch.tensor([prompt + ids[:-1]], device=device)).logits[0, len(prompt) - 1:]
         lp = torch.log_softmax(logits, -1)
-        return lp[torch.arange(len(ids), device=device), torch.tensor(ids, device=device)].cpu().numpy()
+        chosen = lp[torch.arange(len(ids), device=device), torch.tensor(ids, device=device)]
+        return chosen.double().cpu().numpy(), lp[0].double().cpu().numpy()
+
+
+@section
+def hf_float64_floor(model, prompt: list[int]):
+    """HF float32's own log-prob error against float64 on its greedy tokens (the floor)."""
+    import copy
+
+    import torch
+
+    R["model64"] = copy.deepcopy(model).to(torch.float64)
+    hf = R["hf"]
+    lp32, first32 = teacher_forced(model, prompt, hf["ids"], hf["device"])
+    lp64, first64 = teacher_forced(R["model64"], prompt, hf["ids"], hf["device"])
+    top5 = np.argsort(first32)[-5:]
+    R["hf32"] = dict(first_err64=float(np.abs(first32[top5] - first64[top5]).max()), err64=np.abs(lp32 - lp64))
+    log(f"HF float32 vs float64: first-token {R['hf32']['first_err64']:.2e}, all tokens max "
+        f"{R['hf32']['err64'].max():.2e}")
 
 
 @section
@@ -140,12 +161,16 @@ def engine_run(model_dir: str, model, seg: list[int], question: list[int], new: 
     hf = R["hf"]
     first_ids = list(out.logprobs[0])
     first_err = max(abs(out.logprobs[0][t] - float(hf["first_logprobs"][t])) for t in first_ids)
-    ref = teacher_forced(model, seg + question, ids, device)
+    ref, _ = teacher_forced(model, seg + question, ids, device)
     ours = np.array([out.logprobs[i][t] for i, t in enumerate(ids)])
     err = np.abs(ours - ref)
     div = next((i for i, (a, b) in enumerate(zip(ids, hf["ids"])) if a != b), None)
     R[precision] = dict(ids=ids, first_err=first_err, err=err, div=div, wall=wall)
-    log(f"{precision}: first-token max |dlogprob| {first_err:.2e}, all tokens max {err.max():.2e}, "
+    if "model64" in R:
+        ref64, first64 = teacher_forced(R["model64"], seg + question, ids, device)
+        R[precision]["err64"] = np.abs(ours - ref64)
+        R[precision]["first_err64"] = max(abs(out.logprobs[0][t] - first64[t]) for t in first_ids)
+    log(f"{precision}: first-token max abs(dlogprob) {first_err:.2e}, all tokens max {err.max():.2e}, "
         f"first divergence {div}, {wall:.1f} s")
     eng.close()
 
@@ -164,15 +189,25 @@ def report(sh: dict, args) -> None:
                      "" if div is None else f"{hf['margins'][div]:.4f}"])
     table(f"float32 engine vs HF torch float32 (TF32 off), {sh['seg']}-token injected segment + "
           f"{sh['question']}-token question, {sh['new']} greedy tokens",
-          ["matmul_precision", "first-token max |dlogprob| (top-5)", f"max |dlogprob| ({sh['new']} tokens)",
-           "median |dlogprob|", "greedy vs HF", "HF top-2 margin there"], rows)
+          ["matmul_precision", "first-token max abs(dlogprob) (top-5)", f"max abs(dlogprob) ({sh['new']} tokens)",
+           "median abs(dlogprob)", "greedy vs HF", "HF top-2 margin there"], rows)
+    floor = []
+    for name, r in [("HF torch float32, TF32 off", R.get("hf32"))] + [(f"engine, {p}", R.get(p)) for p in PRECISIONS]:
+        if r is not None and "err64" in r:
+            floor.append([name, f"{r['first_err64']:.2e}", f"{r['err64'].max():.2e}", f"{np.median(r['err64']):.2e}"])
+    if floor:
+        table("The same against HF torch float64 (the float32 rounding floor)",
+              ["model", "first-token max abs(dlogprob) (top-5)", f"max abs(dlogprob) ({sh['new']} tokens)",
+               "median abs(dlogprob)"], floor)
     plt = pyplot()
     if plt is not None and all(p in R for p in PRECISIONS):
         fig, ax = plt.subplots(figsize=(8, 4))
         for p in PRECISIONS:
-            ax.semilogy(np.maximum(R[p]["err"], 1e-9), marker=".", label=f'matmul_precision="{p}"')
+            ax.semilogy(np.maximum(R[p]["err"], 1e-9), marker=".", label=f'engine, matmul_precision="{p}"')
+        if "hf32" in R:  # HF float32 against float64 on its own tokens: the rounding floor
+            ax.semilogy(np.maximum(R["hf32"]["err64"], 1e-9), "k--", label="HF float32 vs HF float64 (floor)")
         ax.set_xlabel("generated token")
-        ax.set_ylabel("|engine - HF fp32| log-prob of the chosen token")
+        ax.set_ylabel("|log-prob error| of the chosen token")
         ax.set_title(f"float32 engine vs HF float32 ({jax.devices()[0].device_kind})")
         ax.legend()
         fig.tight_layout()
@@ -202,6 +237,8 @@ def main():
         model = build_checkpoint(sh, model_dir, device)
         log(f"checkpoint built and saved in {time.perf_counter() - t0:.1f} s")
         hf_reference(model, seg + question, sh["new"], device)
+        if "hf" in R:
+            hf_float64_floor(model, seg + question)
         for p in PRECISIONS:
             if "hf" in R:
                 engine_run(model_dir, model, seg, question, sh["new"], p, device)
