@@ -27,15 +27,34 @@ Schema
 
 The registry is shared by the engine thread and the snapshot writer thread (which records
 ``snapshot_step``); a lock serializes them.
+
+Damage and full storage
+=======================
+
+Opening runs ``PRAGMA quick_check``; a file that is not a database or fails the check raises
+``SnapshotCorrupt`` naming the file and the fix (move it aside: ``snapshot.py`` then rebuilds
+the rows from the newest snapshot).  A write that fails because the folder is full or read-only
+(``database or disk is full``, ``attempt to write a readonly database``, ENOSPC, EROFS,
+EDQUOT) raises ``StorageError`` naming the folder; the transaction is rolled back (or was
+already rolled back by SQLite), so the registry holds the write whole or not at all.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import errno
+import os
 import sqlite3
 import threading
 
 import numpy as np
+
+from inferscale_jax.errors import SnapshotCorrupt, StorageError
+
+STORAGE_ERRNOS = (errno.ENOSPC, errno.EROFS, errno.EDQUOT)
+STORAGE_MESSAGES = ("database or disk is full", "attempt to write a readonly database",
+                    "no space left on device", "read-only file system", "disk quota exceeded")
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -65,6 +84,28 @@ CREATE TABLE IF NOT EXISTS segment_meta (
     PRIMARY KEY (fingerprint, namespace, id, key)
 );
 """
+
+
+def storage_error(err: BaseException, folder: str, what: str) -> StorageError | None:
+    """``err`` (or an exception it was raised from) as a ``StorageError`` naming ``folder`` when
+    it says the storage is full or read-only; ``None`` for any other error."""
+    seen = set()
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        if isinstance(err, StorageError):
+            return err
+        text = str(err).lower()
+        if ((isinstance(err, OSError) and err.errno in STORAGE_ERRNOS)
+                or (isinstance(err, (OSError, sqlite3.Error, ValueError, RuntimeError))
+                    and any(m in text for m in STORAGE_MESSAGES))):
+            mapped = StorageError(
+                f"{what} failed: the storage of {folder} is full or read-only ({type(err).__name__}: {err}). "
+                f"Free space on that file system or make {folder} writable (or move the folder elsewhere)")
+            mapped.errno = err.errno if isinstance(err, OSError) and err.errno else (
+                errno.EROFS if "read" in text else errno.ENOSPC)
+            return mapped
+        err = err.__cause__ or err.__context__
+    return None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,11 +145,52 @@ class SegmentRow:
 class Registry:
     def __init__(self, path: str, identity: Identity):
         self.path, self.identity = path, identity
+        self.folder = os.path.dirname(os.path.abspath(path))
         self._lock = threading.Lock()
-        self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
-        self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute("PRAGMA synchronous=FULL")
-        self._db.executescript(SCHEMA)
+        self._db = None
+        try:
+            self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
+            self._db.execute("PRAGMA journal_mode=WAL")
+            self._db.execute("PRAGMA synchronous=FULL")
+            problems = [r[0] for r in self._db.execute("PRAGMA quick_check").fetchall()]
+            if problems != ["ok"]:
+                raise sqlite3.DatabaseError("; ".join(problems[:3]))
+            self._db.executescript(SCHEMA)
+        except sqlite3.Error as err:
+            if self._db is not None:
+                self._db.close()
+            mapped = storage_error(err, self.folder, f"opening the segment registry {path}")
+            if mapped is None and isinstance(err, sqlite3.OperationalError) and not os.access(self.folder, os.W_OK):
+                mapped = storage_error(OSError(errno.EROFS, "read-only file system"), self.folder,
+                                       f"opening the segment registry {path}")
+            if mapped is not None:
+                raise mapped from err
+            if isinstance(err, sqlite3.OperationalError):  # locked, unopenable: not damage
+                raise
+            raise SnapshotCorrupt(
+                f"the segment registry {path} is damaged ({type(err).__name__}: {err}). Move it aside "
+                f"together with its -wal and -shm files (e.g. rename them to *.bad); the next start rebuilds "
+                f"the segments from the newest snapshot in {os.path.join(self.folder, 'snapshots')}") from err
+
+    @contextlib.contextmanager
+    def _transaction(self, what: str):
+        """One fsynced write transaction under the lock; storage failures become ``StorageError``."""
+        with self._lock:
+            try:
+                self._db.execute("BEGIN IMMEDIATE")
+                try:
+                    yield self._db
+                    self._db.execute("COMMIT")
+                except BaseException:
+                    if self._db.in_transaction:  # a failed COMMIT may have rolled back already
+                        with contextlib.suppress(sqlite3.Error):
+                            self._db.execute("ROLLBACK")
+                    raise
+            except sqlite3.Error as err:
+                mapped = storage_error(err, self.folder, f"{what} in the segment registry {self.path}")
+                if mapped is not None:
+                    raise mapped from err
+                raise
 
     # -- reads ----------------------------------------------------------------------------
     def rows(self) -> list[SegmentRow]:
@@ -149,55 +231,42 @@ class Registry:
 
     # -- writes (each one fsynced transaction) --------------------------------------------
     def add(self, row: SegmentRow) -> None:
+        self.add_many([row], f"recording segment {row.id!r}")
+
+    def add_many(self, rows: list[SegmentRow], what: str = "recording segments") -> None:
+        """Insert ``rows`` and advance ``next_uid`` past them, in one transaction."""
         ident = self.identity
-        blob = np.asarray(row.token_ids, "<i4").tobytes()
-        with self._lock:
-            self._db.execute("BEGIN IMMEDIATE")
-            try:
-                self._db.execute(
-                    "INSERT INTO segments VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                    (ident.fingerprint, ident.model, ident.dtype, ident.page_size, row.namespace, row.id, row.uid,
-                     row.tenant, blob, row.parent, int(row.public), int(row.pin), row.created))
-                self._db.execute(
-                    "INSERT INTO meta VALUES ('next_uid', ?) ON CONFLICT(key) DO UPDATE SET "
-                    "value = MAX(CAST(value AS INTEGER), CAST(excluded.value AS INTEGER))", (str(row.uid + 1),))
-                self._db.execute("COMMIT")
-            except BaseException:
-                self._db.execute("ROLLBACK")
-                raise
+        with self._transaction(what) as db:
+            db.executemany(
+                "INSERT INTO segments VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                [(ident.fingerprint, ident.model, ident.dtype, ident.page_size, row.namespace, row.id, row.uid,
+                  row.tenant, np.asarray(row.token_ids, "<i4").tobytes(), row.parent, int(row.public), int(row.pin),
+                  row.created) for row in rows])
+            db.execute(
+                "INSERT INTO meta VALUES ('next_uid', ?) ON CONFLICT(key) DO UPDATE SET "
+                "value = MAX(CAST(value AS INTEGER), CAST(excluded.value AS INTEGER))",
+                (str(max(row.uid for row in rows) + 1),))
 
     def delete(self, namespace: str, segment_id: str) -> None:
         key = (self.identity.fingerprint, namespace, segment_id)
-        with self._lock:
-            self._db.execute("BEGIN IMMEDIATE")
-            try:
-                self._db.execute("DELETE FROM segments WHERE fingerprint = ? AND namespace = ? AND id = ?", key)
-                self._db.execute("DELETE FROM segment_meta WHERE fingerprint = ? AND namespace = ? AND id = ?", key)
-                self._db.execute("COMMIT")
-            except BaseException:
-                self._db.execute("ROLLBACK")
-                raise
+        with self._transaction(f"deleting segment {segment_id!r}") as db:
+            db.execute("DELETE FROM segments WHERE fingerprint = ? AND namespace = ? AND id = ?", key)
+            db.execute("DELETE FROM segment_meta WHERE fingerprint = ? AND namespace = ? AND id = ?", key)
 
     def set_segment_meta(self, key: str, entries: list[tuple[str, str, int, str]]) -> None:
         """Record ``key`` for many segments, ``entries`` = ``(namespace, id, uid, value)``, in one
         fsynced transaction (the value replaces any earlier one)."""
         fp = self.identity.fingerprint
-        with self._lock:
-            self._db.execute("BEGIN IMMEDIATE")
-            try:
-                self._db.executemany(
-                    "INSERT INTO segment_meta VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT(fingerprint, namespace, id, key) "
-                    "DO UPDATE SET uid = excluded.uid, value = excluded.value",
-                    [(fp, ns, sid, uid, key, value) for ns, sid, uid, value in entries])
-                self._db.execute("COMMIT")
-            except BaseException:
-                self._db.execute("ROLLBACK")
-                raise
+        with self._transaction(f"recording {key!r} of {len(entries)} segment(s)") as db:
+            db.executemany(
+                "INSERT INTO segment_meta VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT(fingerprint, namespace, id, key) "
+                "DO UPDATE SET uid = excluded.uid, value = excluded.value",
+                [(fp, ns, sid, uid, key, value) for ns, sid, uid, value in entries])
 
     def set_meta(self, key: str, value: str) -> None:
-        with self._lock:
-            self._db.execute("INSERT INTO meta VALUES (?, ?) ON CONFLICT(key) DO UPDATE SET value = excluded.value",
-                             (key, value))
+        with self._transaction(f"recording {key}={value}") as db:
+            db.execute("INSERT INTO meta VALUES (?, ?) ON CONFLICT(key) DO UPDATE SET value = excluded.value",
+                       (key, value))
 
     def close(self) -> None:
         with self._lock:

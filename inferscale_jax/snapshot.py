@@ -5,7 +5,8 @@ before ``register_segment`` returns, so its KV can always be recomputed; snapsho
 restarts fast.  Files under ``snapshot_dir``::
 
     registry.sqlite3                 durable segment rows + the committed snapshot step
-    snapshots/<step>/                orbax: item "kv" {u<uid>: [L, 2, Hkv, nb, S, D]}, item "meta" (JSON)
+    snapshots/<step>/                orbax: item "kv" {u<uid>: [L, 2, Hkv, nb, S, D]}, item "meta" (JSON),
+                                     item "tokens" {"ids": [T] int32: every segment's token ids, concatenated}
     snapshots/<step>.orbax-checkpoint-tmp    a save that never committed (removed at startup)
     disk_tier/                       the disk KV tier (tiers.py): a cache, wiped at startup
 
@@ -14,8 +15,10 @@ Life of a snapshot (``save``):
 1. Engine thread: every segment's KV is copied to host arrays (``Tiers.host_copies``: HBM pages
    gathered and copied out in groups, host entries as they are, disk entries read back) and
    checksummed (CRC-32 per array).  ``meta`` records the identity (model digest, dtype, page
-   size, fingerprint, layout) and per segment: namespace, id, uid, token digest, token and page
-   counts, checksum and LRU rank.
+   size, fingerprint, layout) and per segment: namespace, id, uid, tenant, public, pin, creation
+   time, token digest, token and page counts, where its token ids lie in the "tokens" item, and
+   for segments with KV (all but the recompute tier) the "kv" key, checksum and LRU rank.  With
+   the token ids the snapshot alone can rebuild the registry's rows.
 2. Writer (the caller's thread, or a background thread for periodic snapshots): an orbax
    ``Checkpointer`` writes both items into ``<step>.orbax-checkpoint-tmp`` and renames it to
    ``<step>`` (``AtomicRenameTemporaryPath``: atomic on local file systems).
@@ -25,7 +28,11 @@ Life of a snapshot (``save``):
 5. Steps other than this one and the previously committed one are deleted.
 
 A kill before 4 leaves the previous committed step referenced and intact, and segments
-registered since are recomputed from the registry.  Test hook: with
+registered since are recomputed from the registry.  A save that fails (full or read-only
+storage: ``StorageError`` naming the folder) removes its temporary folder (and its renamed but
+uncommitted step) at once.  Periodic saves then back off: the next attempt waits the interval
+times 2, 4, 8... (at most ``MAX_BACKOFF_S``); the first failure of a run of identical ones is
+logged as an error (without traceback), the repeats at debug level.  Test hook: with
 ``INFERSCALE_TEST_SNAPSHOT_PAUSE_S`` set, the save sleeps between 2's data and its rename (and
 first writes the temp path to ``INFERSCALE_TEST_SNAPSHOT_PAUSE_MARKER`` if set), so a test can
 ``kill -9`` it mid-snapshot.
@@ -33,17 +40,25 @@ first writes the temp path to ``INFERSCALE_TEST_SNAPSHOT_PAUSE_MARKER`` if set),
 Restore (engine construction with ``snapshot_dir``), all reads and checks before any change:
 
 1. Remove unfinished temp steps.  Rows of this engine's fingerprint are loaded from the
-   registry; rows of another model/dtype/page size are left alone (``strict_restore``: raise
-   ``SnapshotMismatch`` naming the part that differs; else log it).
+   registry (a damaged registry file is ``SnapshotCorrupt``, ``registry.py``); rows of another
+   model/dtype/page size are left alone (``strict_restore``: raise ``SnapshotMismatch`` naming
+   the part that differs; else log it).
 2. The committed step's ``meta`` is read; another identity is ``SnapshotMismatch`` (strict) or
-   a logged warning and no KV restored (segments are then all recomputed).
+   a logged warning and no KV restored (segments are then all recomputed).  The registry is
+   cross-checked against it: uids only grow and a deletion never lowers ``next_uid``, so a
+   snapshot segment whose uid is at or past the registry's ``next_uid`` was registered but its
+   row is gone (an emptied or replaced registry file, a lost write-ahead log).  Those rows are
+   rebuilt from the snapshot's records and token ids (checked against the token digest) and
+   logged as a warning naming both files; a snapshot without token ids (older format) cannot
+   rebuild them and the start is refused with ``SnapshotCorrupt`` naming both files and the fix.
 3. The KV item is read into host memory; each registry row whose (namespace, id, uid, token
    digest) matches a snapshot record gets that array after its shape, dtype and CRC-32 are
    checked.  Any failure is ``SnapshotCorrupt`` naming the file and the fix; nothing has
    been changed yet.
-4. Segments are re-added under their uids.  Pinned ones go to HBM; segments with no
-   snapshot KV are recomputed; the rest fill HBM most-recently-used first while 1/8 of the
-   pool stays free for requests, then the host tier (and disk, by its capacity).
+4. Rebuilt rows are written to the registry; segments are re-added under their uids. Pinned
+   ones go to HBM; segments with no snapshot KV are recomputed; the rest fill HBM
+   most-recently-used first while 1/8 of the pool stays free for requests, then the host tier
+   (and disk, by its capacity).
 
 Periodic snapshots: ``maybe_snapshot()`` (called after registrations and deletions, and by any
 serving loop) saves in the background when segments changed and ``snapshot_interval_s`` has
@@ -68,8 +83,8 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from inferscale_jax.errors import SnapshotCorrupt, SnapshotMismatch
-from inferscale_jax.registry import Identity, Registry, SegmentRow
+from inferscale_jax.errors import SnapshotCorrupt, SnapshotMismatch, StorageError
+from inferscale_jax.registry import Identity, Registry, SegmentRow, storage_error
 from inferscale_jax.segments import Segment, SegmentInfo
 
 log = logging.getLogger("inferscale.snapshot")
@@ -78,6 +93,9 @@ TMP_SUFFIX = ".orbax-checkpoint-tmp"
 PAUSE_ENV = "INFERSCALE_TEST_SNAPSHOT_PAUSE_S"
 PAUSE_MARKER_ENV = "INFERSCALE_TEST_SNAPSHOT_PAUSE_MARKER"
 HEADROOM_FRACTION = 8  # restore leaves 1/8 of the pool free
+MAX_BACKOFF_S = 600.0  # longest wait between periodic attempts after failed snapshots
+if logging.getLogger("absl").level == logging.NOTSET:
+    logging.getLogger("absl").setLevel(logging.WARNING)  # orbax logs ~20 absl INFO lines per save
 
 
 class _RenameCommit(ocp.path.atomicity.AtomicRenameTemporaryPath):
@@ -145,18 +163,22 @@ class Persistence:
         self.engine = weakref.proxy(engine)  # no Engine <-> part cycle: engines free by refcount
         self.dir = engine.config.snapshot_dir
         self.snap_dir = os.path.join(self.dir, "snapshots")
-        os.makedirs(self.snap_dir, exist_ok=True)
+        try:
+            os.makedirs(self.snap_dir, exist_ok=True)
+        except OSError as err:
+            raise storage_error(err, self.dir, f"creating {self.snap_dir}") or err
         self.identity = Identity(engine.fingerprint, engine.model_fingerprint, engine.config.dtype,
                                  engine.config.page_size)
         self.registry = Registry(os.path.join(self.dir, "registry.sqlite3"), self.identity)
         self._writer: threading.Thread | None = None
         self._dirty = False
         self._last_save = time.monotonic()
+        self._retry_at = 0.0  # periodic saves wait until then after a failure (backoff)
         self._closed = False
         self.counters = dict(snapshots=0, last_step=None, last_duration_s=0.0, last_capture_s=0.0, last_bytes=0,
-                             last_disk_bytes=0, last_error=None, restored_step=None, restore_s=0.0,
+                             last_disk_bytes=0, last_error=None, failures=0, restored_step=None, restore_s=0.0,
                              restore_read_s=0.0, restore_compile_s=0.0, restore_bytes=0, restored_hbm=0,
-                             restored_host=0, recomputed=0)
+                             restored_host=0, recomputed=0, rebuilt=0)
         atexit.register(_close_at_exit, weakref.ref(self))
 
     # -- registry hooks -------------------------------------------------------------------
@@ -180,14 +202,35 @@ class Persistence:
 
     # -- saving ---------------------------------------------------------------------------
     def maybe_snapshot(self) -> bool:
-        """Start a background snapshot if segments changed and ``snapshot_interval_s`` has passed."""
+        """Start a background snapshot if segments changed and ``snapshot_interval_s`` has passed
+        (and any failure's backoff); never raises: a periodic snapshot's failure is logged."""
         interval = self.engine.config.snapshot_interval_s
         if interval is None or not self._dirty or (self._writer is not None and self._writer.is_alive()):
             return False
-        if time.monotonic() - self._last_save < interval:
+        now = time.monotonic()
+        if now - self._last_save < interval or now < self._retry_at:
             return False
-        self.save(wait=False)
+        try:
+            self.save(wait=False)
+        except Exception as err:  # noqa: BLE001 - the capture failed; the caller's own work succeeded
+            self._failed(None, err)
+            return False
         return True
+
+    def _failed(self, path: str | None, err: BaseException) -> None:
+        """Count a failed snapshot, schedule the next periodic attempt, log it (once per distinct error)."""
+        c = self.counters
+        c["failures"] += 1
+        base = self.engine.config.snapshot_interval_s or 1.0
+        delay = min(MAX_BACKOFF_S, base * 2.0 ** c["failures"])
+        self._retry_at = time.monotonic() + delay
+        self._dirty = True
+        text = str(err) if isinstance(err, StorageError) else (
+            f"snapshot {path or '(capture)'} failed: {type(err).__name__}: {err}")
+        level = logging.DEBUG if text == c["last_error"] else logging.ERROR
+        log.log(level, "%s (%d failed in a row). The previous snapshot stays in use; the next periodic attempt "
+                "is in %.0f s", text, c["failures"], delay)
+        c["last_error"] = text
 
     def wait(self) -> None:
         if self._writer is not None:
@@ -207,15 +250,21 @@ class Persistence:
         records, tree = [], {}
         kept = [seg for seg in segs if seg.uid in arrays]  # the rest are in the recompute tier
         sums = dict(zip([seg.uid for seg in kept], crc32_many([arrays[seg.uid] for seg in kept])))
-        for seg in kept:
-            arr = arrays[seg.uid]
+        ids, at = [], 0
+        for seg in segs:
             tokens = e.bos_prefix + seg.token_ids
-            key = f"u{seg.uid}"
-            records.append(dict(key=key, namespace=seg.namespace, id=seg.info.id, uid=seg.uid,
-                                num_tokens=len(tokens), num_pages=-(-len(tokens) // e.config.page_size),
-                                digest=token_digest(tokens), crc32=sums[seg.uid], rank=rank.get(seg.uid, len(rank)),
-                                pin=seg.info.pin))
-            tree[key] = arr
+            i = seg.info
+            rec = dict(key=None, namespace=seg.namespace, id=i.id, uid=seg.uid, tenant=i.tenant, public=i.public,
+                       pin=i.pin, created=i.created, num_tokens=len(tokens),
+                       num_pages=-(-len(tokens) // e.config.page_size), digest=token_digest(tokens),
+                       tokens_at=[at, at + len(seg.token_ids)])
+            ids.append(np.asarray(seg.token_ids, np.int32))
+            at += len(seg.token_ids)
+            if seg.uid in arrays:
+                rec.update(key=f"u{seg.uid}", crc32=sums[seg.uid], rank=rank.get(seg.uid, len(rank)))
+                tree[rec["key"]] = arrays[seg.uid]
+            records.append(rec)
+        token_ids = np.concatenate(ids) if ids else np.zeros(0, np.int32)  # [T]
         ident = self.identity
         meta = dict(format=FORMAT, fingerprint=ident.fingerprint, model=ident.model, dtype=ident.dtype,
                     page_size=ident.page_size, layout=list(e.tiers.layout), created=time.time(), segments=records)
@@ -224,43 +273,65 @@ class Persistence:
         capture_s = time.perf_counter() - t0
         steps = self._steps(include_tmp=True)
         step = max(steps, default=0) + 1
+        args = (step, tree, token_ids, meta, t0, capture_s)
         if wait:
-            return self._write(step, tree, meta, t0, capture_s)
-        self._writer = threading.Thread(target=self._write, args=(step, tree, meta, t0, capture_s, False),
-                                        name="inferscale-snapshot", daemon=True)
+            return self._write(*args)
+        self._writer = threading.Thread(target=self._write, args=(*args, False), name="inferscale-snapshot",
+                                        daemon=True)
         self._writer.start()
         return dict(step=step, segments=len(records), capture_s=capture_s, bytes=sum(a.nbytes for a in tree.values()))
 
-    def _write(self, step: int, tree: dict, meta: dict, t0: float, capture_s: float, reraise: bool = True) -> dict:
+    def _write(self, step: int, tree: dict, token_ids: np.ndarray, meta: dict, t0: float, capture_s: float,
+               reraise: bool = True) -> dict:
         path = os.path.join(self.snap_dir, str(step))
+        committed = False
         try:
             prev = self.registry.get_meta("snapshot_step")
             items = dict(meta=ocp.args.JsonSave(meta))
             if tree:
                 items["kv"] = ocp.args.PyTreeSave(tree)
+            if token_ids.size:
+                items["tokens"] = ocp.args.PyTreeSave({"ids": token_ids})
             _checkpointer().save(path, args=ocp.args.Composite(**items))
             _fsync_tree(path)
             _fsync_dir(self.snap_dir)
             self.registry.set_meta("snapshot_step", str(step))  # the commit point
+            committed = True
             keep = {str(step), prev}
             for name in os.listdir(self.snap_dir):
                 if name not in keep:
                     shutil.rmtree(os.path.join(self.snap_dir, name), ignore_errors=True)
         except BaseException as err:
-            self.counters["last_error"] = f"{type(err).__name__}: {err}"
-            log.error("snapshot %s failed: %s (the previous snapshot stays in use)", path, err)
-            self._dirty = True
+            self._remove_failed(step, committed)
+            mapped = storage_error(err, self.snap_dir, f"snapshot {path}") if isinstance(err, Exception) else None
+            self._failed(path, mapped or err)
             if reraise:
+                if mapped is not None and mapped is not err:
+                    raise mapped from err
                 raise
             return {}
         c = self.counters
+        if c["failures"]:
+            log.info("snapshot %d succeeded after %d failed attempt(s)", step, c["failures"])
+        self._retry_at = 0.0
         c.update(snapshots=c["snapshots"] + 1, last_step=step, last_duration_s=time.perf_counter() - t0,
                  last_capture_s=capture_s, last_bytes=sum(a.nbytes for a in tree.values()),
-                 last_disk_bytes=_dir_bytes(path), last_error=None)
+                 last_disk_bytes=_dir_bytes(path), last_error=None, failures=0)
         log.info("snapshot %d: %d segments, %.1f MB in %.2f s", step, len(meta["segments"]), c["last_bytes"] / 1e6,
                  c["last_duration_s"])
         return dict(step=step, segments=len(meta["segments"]), bytes=c["last_bytes"],
                     disk_bytes=c["last_disk_bytes"], duration_s=c["last_duration_s"], capture_s=capture_s)
+
+    def _remove_failed(self, step: int, committed: bool) -> None:
+        """Delete what a failed save of ``step`` left: its temporary folder, and the renamed
+        step itself unless the registry committed it (a full disk must not fill up further)."""
+        try:
+            names = os.listdir(self.snap_dir)
+        except OSError:
+            return
+        for name in names:
+            if name.startswith(f"{step}{TMP_SUFFIX}") or (name == str(step) and not committed):
+                shutil.rmtree(os.path.join(self.snap_dir, name), ignore_errors=True)
 
     def _steps(self, include_tmp: bool = False) -> list[int]:
         out = []
@@ -317,6 +388,7 @@ class Persistence:
         step = self._committed_step()
         arrays: dict[int, np.ndarray] = {}
         rank: dict[int, int] = {}
+        lost: list[SegmentRow] = []
         if step is not None:
             path = os.path.join(self.snap_dir, str(step))
             try:
@@ -334,10 +406,21 @@ class Persistence:
                                            "start without its KV")
                 log.warning("%s; starting without its KV (registered segments of this model are recomputed)", msg)
             else:
-                arrays, rank = self._load(path, meta, rows)
+                lost = self._lost_rows(path, meta, rows)
+                arrays, rank = self._load(path, meta, rows + lost)
                 self.counters["restored_step"] = step
         t_read = time.perf_counter()
         # -- from here on the engine changes (everything above only read and checked) --
+        if lost:
+            self.registry.add_many(lost, f"rebuilding {len(lost)} segment(s) from snapshot {step}")
+            log.warning("the segment registry %s held %d segment(s) but snapshot %s holds %d more, registered "
+                        "before it and missing from the registry (an emptied or replaced registry file, or a lost "
+                        "write-ahead log): rebuilt them from the snapshot (%s). Segments registered after that "
+                        "snapshot cannot be rebuilt; per-segment metadata (precompute's text hashes) is not kept "
+                        "in snapshots", self.registry.path, len(rows), path, len(lost),
+                        ", ".join(repr(r.id) for r in lost[:5]) + (", ..." if len(lost) > 5 else ""))
+            rows = sorted(rows + lost, key=lambda r: r.uid)
+            self.counters["rebuilt"] = len(lost)
         e.store.reserve_uids(self.registry.next_uid())
         segs = []
         for row in rows:
@@ -369,6 +452,45 @@ class Persistence:
                      len(segs), f"snapshot {step}" if step is not None else "the registry", c["restored_hbm"],
                      c["restored_host"], c["recomputed"], nbytes / 1e6, t1 - t0)
 
+    def _lost_rows(self, path: str, meta: dict, rows: list[SegmentRow]) -> list[SegmentRow]:
+        """The registry rows this snapshot proves were lost (module docstring, restore 2),
+        rebuilt from its records and token ids; ``SnapshotCorrupt`` when it cannot rebuild them."""
+        e, next_uid = self.engine, self.registry.next_uid()
+        have = {(r.namespace, r.id) for r in rows}
+        try:
+            recs = [r for r in meta["segments"] if int(r["uid"]) >= next_uid]
+            clash = [r for r in recs if (r["namespace"], r["id"]) in have]
+        except (KeyError, TypeError, ValueError) as err:
+            raise self._corrupt(path, f"its segment records are malformed ({type(err).__name__}: {err})") from err
+        for rec in clash:  # the registry's own row of that id wins
+            log.warning("snapshot %s holds segment %r (uid %s) that the registry %s lacks, but the registry has "
+                        "another segment of that id: keeping the registry's", path, rec["id"], rec["uid"],
+                        self.registry.path)
+        recs = [r for r in recs if r not in clash]
+        if not recs:
+            return []
+        names = ", ".join(repr(r["id"]) for r in recs[:5]) + (", ..." if len(recs) > 5 else "")
+        if any("tokens_at" not in r for r in recs):
+            raise SnapshotCorrupt(
+                f"the segment registry {self.registry.path} lacks {len(recs)} segment(s) that snapshot {path} holds "
+                f"({names}), and that snapshot has no token ids to rebuild them (an older format). Nothing was "
+                f"restored. Put back the registry file the snapshot was taken with, or move {self.snap_dir} aside "
+                "to start with only the registry's segments")
+        try:
+            ids = _checkpointer().restore(path, args=ocp.args.Composite(tokens=ocp.args.PyTreeRestore(
+                restore_args={"ids": ocp.RestoreArgs(restore_type=np.ndarray)}))).tokens["ids"]
+            out = []
+            for rec in recs:
+                lo, hi = rec["tokens_at"]
+                tokens = [int(t) for t in ids[lo:hi]]
+                if token_digest(e.bos_prefix + tokens) != rec["digest"]:
+                    raise ValueError(f"the token ids of segment {rec['id']!r} do not match its digest")
+                out.append(SegmentRow(rec["namespace"], rec["id"], int(rec["uid"]), rec["tenant"], tokens,
+                                      bool(rec["public"]), bool(rec["pin"]), float(rec["created"])))
+        except Exception as err:  # noqa: BLE001 - any failure to read is corruption
+            raise self._corrupt(path, f"its token ids cannot be read ({type(err).__name__}: {err})") from err
+        return out
+
     def _load(self, path: str, meta: dict, rows: list[SegmentRow]) -> tuple[dict[int, np.ndarray], dict[int, int]]:
         """Read the KV item and check every record a registry row needs (all or nothing)."""
         e = self.engine
@@ -378,12 +500,13 @@ class Persistence:
             for row in rows:
                 rec = records.get(row.uid)
                 tokens = e.bos_prefix + row.token_ids
-                if (rec is not None and rec["namespace"] == row.namespace and rec["id"] == row.id
+                if (rec is not None and rec.get("key") and rec["namespace"] == row.namespace and rec["id"] == row.id
                         and rec["digest"] == token_digest(tokens)):
                     want[row.uid] = rec
             if not want:
                 return {}, {}
-            restore_args = {r["key"]: ocp.RestoreArgs(restore_type=np.ndarray) for r in meta["segments"]}
+            restore_args = {r["key"]: ocp.RestoreArgs(restore_type=np.ndarray)
+                            for r in meta["segments"] if r.get("key")}
             kv = _checkpointer().restore(
                 path, args=ocp.args.Composite(kv=ocp.args.PyTreeRestore(restore_args=restore_args))).kv
         except Exception as err:  # noqa: BLE001

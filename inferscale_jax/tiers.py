@@ -19,6 +19,9 @@ Life of an eviction (``Engine._allocate`` found no free pages and no evictable c
    and its page references released (its full pages stay in the prefix cache until reused).
 3. If the host tier now holds more than ``host_pages`` pages, its LRU entries go to disk;
    if the disk tier holds more than ``disk_pages``, its LRU entries are dropped (recompute).
+   A disk write that fails because the folder is full or read-only is ``StorageError`` naming
+   the folder; during an eviction the entry is then dropped to the recompute tier instead (the
+   disk tier is a cache: the KV is recomputed from its tokens) and the failure logged once.
 
 Life of a promotion (``Engine._walk_chain`` needs a root that is not in HBM): the entry leaves
 its tier (so the allocation below cannot demote it again), pages are allocated (which may
@@ -39,6 +42,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import os
 import shutil
 import tempfile
@@ -51,8 +55,12 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import SingleDeviceSharding
 
+from inferscale_jax.errors import StorageError
 from inferscale_jax.kv_cache import PagedKVCache, page_bytes
+from inferscale_jax.registry import storage_error
 from inferscale_jax.segments import ChainNode, Segment
+
+log = logging.getLogger("inferscale.tiers")
 
 LOWER_TIERS = ("host", "disk", "recompute")
 TRANSFER_GROUP_BYTES = 256 << 20  # device bytes gathered at once when copying many segments out
@@ -135,6 +143,7 @@ class Tiers:
                     os.remove(os.path.join(self._disk_dir, name))
         self._entries: OrderedDict[int, TierEntry] = OrderedDict()  # uid -> entry, LRU first
         self._in_flight: int | None = None  # uid being recomputed into HBM (in no tier meanwhile)
+        self._disk_error: str | None = None  # the last disk write failure logged (each distinct one once)
         self.counters = dict(evictions_hbm=0, evictions_host=0, evictions_disk=0, promotions_host=0,
                              promotions_disk=0, promotions_recompute=0, promotion_s=0.0, promotion_bytes=0,
                              transfer_s=0.0, last_promotion_s=0.0, last_promotion_gbps=0.0)
@@ -198,16 +207,34 @@ class Tiers:
 
     def _enforce_capacity(self) -> None:
         while self.pages_in("host") > self.host_capacity:
-            self._host_to_disk(next(x for x in self._entries.values() if x.tier == "host"))
+            entry = next(x for x in self._entries.values() if x.tier == "host")
+            try:
+                self._host_to_disk(entry)
+            except StorageError as err:
+                if str(err) != self._disk_error:
+                    log.warning("%s; segments leaving the host tier are recomputed when next used instead", err)
+                    self._disk_error = str(err)
+                entry.tier, entry.kv = "recompute", None
+                self.counters["evictions_host"] += 1
         while self.disk_capacity is not None and self.pages_in("disk") > self.disk_capacity:
             self._drop(next(x for x in self._entries.values() if x.tier == "disk"))
 
     def _host_to_disk(self, entry: TierEntry) -> None:
         arr = np.ascontiguousarray(np.asarray(entry.kv))
-        path = os.path.join(self.disk_dir(), f"{entry.uid}.kv")
-        with open(path + ".tmp", "wb") as f:
-            f.write(memoryview(arr.reshape(-1).view(np.uint8)))
-        os.replace(path + ".tmp", path)
+        folder = self._disk_dir or "the disk tier folder"
+        try:
+            folder = self.disk_dir()
+            path = os.path.join(folder, f"{entry.uid}.kv")
+            try:
+                with open(path + ".tmp", "wb") as f:
+                    f.write(memoryview(arr.reshape(-1).view(np.uint8)))
+                os.replace(path + ".tmp", path)
+            except BaseException:
+                if os.path.exists(path + ".tmp"):
+                    os.remove(path + ".tmp")  # a partial file must not hold the space
+                raise
+        except OSError as err:
+            raise storage_error(err, folder, f"writing the KV of segment uid {entry.uid} to the disk tier") or err
         entry.tier, entry.kv, entry.path = "disk", None, path
         self.counters["evictions_host"] += 1
 
