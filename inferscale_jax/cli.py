@@ -8,12 +8,111 @@ tokenizer files); without it, the embedded default model is used (built locally 
     inferscale precompute CORPUS --snapshot-dir DIR   a corpus -> segments + snapshot (precompute.py)
     inferscale demo                      KV injection vs full prefill: TTFT and identical outputs
     inferscale serve [--port N] [--api-keys FILE] [--snapshot-dir DIR]   the HTTP server (serving/)
+
+What ``main`` does at the boundary, for every command:
+
+- **Quiet third parties** before anything imports them: transformers' advisories ("PyTorch was
+  not found" on a machine without torch) and its info logs are off; absl/orbax INFO lines
+  stay off whatever ``--log-level`` is (``serve``'s logging setup re-enables only ours).
+- **Absolute paths**: every path the user gives (``--model``, ``--snapshot-dir``,
+  ``--api-keys``, the corpus) is made absolute against the current folder before it reaches
+  the engine (orbax refuses relative paths), and a ``--model`` that is not a folder is refused
+  before anything loads.
+- **One dtype rule**: ``--dtype auto`` (the default of every command) is bfloat16 on a GPU or
+  TPU and float32 on the CPU (``resolve_dtype``), so ``precompute`` and ``serve`` on the same
+  machine agree and a snapshot one writes is restored by the other (a snapshot's fingerprint
+  includes the dtype).
+- **Compile cache**: XLA's persistent compilation cache lives in ``<cache>/xla`` (``$INFERSCALE_CACHE``
+  or ``~/.cache/inferscale``), so the step buckets one run compiles are reused by later runs.
+- **One line per known failure**: the engine's exceptions (``inferscale_jax.errors``), invalid
+  values (``ValueError``), a missing file or folder and an unreadable SQLite registry print
+  ``error: <message>`` on stderr and exit 2 (usage: bad values, missing paths) or 1 (everything
+  else).  ``--debug`` shows the traceback instead.  Anything else is a bug and keeps its traceback.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+DTYPE_HELP = ("weights and KV dtype; auto = bfloat16 on a GPU/TPU, float32 on the CPU; precompute and serve "
+              "must use the same one (default: %(default)s)")
+USAGE_EXIT, FAILURE_EXIT = 2, 1
+
+
+def quiet_third_party() -> None:
+    """Turn off transformers' advisory warnings and info logs; call before it is imported."""
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+
+def quiet_loggers() -> None:
+    """absl (orbax logs through it) and jax stay at WARNING, whatever level the root logger has."""
+    import logging
+
+    for name in ("absl", "jax", "orbax"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+
+
+def use_compile_cache() -> None:
+    """XLA's persistent compilation cache in ``<cache root>/xla`` (unless ``JAX_COMPILATION_CACHE_DIR``
+    names another): later runs reuse the compiles."""
+    import jax
+
+    from inferscale_jax.default_model import cache_root
+
+    if not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+        jax.config.update("jax_compilation_cache_dir", os.path.join(cache_root(), "xla"))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+
+
+def resolve_dtype(name: str) -> str:
+    """``auto`` -> bfloat16 on a GPU or TPU, float32 on the CPU; any other name unchanged."""
+    if name != "auto":
+        return name
+    import jax
+
+    return "bfloat16" if jax.default_backend() in ("gpu", "cuda", "rocm", "tpu") else "float32"
+
+
+def absolute(path: str | None) -> str | None:
+    return None if path is None else os.path.abspath(os.path.expanduser(path))
+
+
+def make_paths_absolute(args) -> None:
+    """Resolve every user path against the current folder; refuse a ``--model`` that is no folder."""
+    for field in ("model", "snapshot_dir", "api_keys", "corpus"):
+        if getattr(args, field, None) is not None:
+            setattr(args, field, absolute(getattr(args, field)))
+    if getattr(args, "model", None) is not None and not os.path.isdir(args.model):
+        kind = NotADirectoryError if os.path.exists(args.model) else FileNotFoundError
+        what = "is not a folder" if os.path.exists(args.model) else "does not exist"
+        raise kind(f"--model {args.model} {what}: give a local HF checkpoint folder (config.json, "
+                   f"*.safetensors, tokenizer files), or leave --model out to use the embedded default model")
+
+
+def describe_error(err: BaseException, args) -> tuple[int, str] | None:
+    """(exit code, one-line message) for a known failure; ``None`` for anything else (a bug)."""
+    import sqlite3
+
+    from inferscale_jax.errors import InferScaleError
+
+    if isinstance(err, InferScaleError):
+        return FAILURE_EXIT, str(err)
+    if isinstance(err, sqlite3.DatabaseError):
+        where = getattr(args, "snapshot_dir", None)
+        where = f"the segment registry in {where}" if where else "a SQLite file"
+        return FAILURE_EXIT, (f"{where} is unreadable (sqlite3: {err}): move that folder aside or delete it "
+                              "to start with an empty registry")
+    if isinstance(err, (FileNotFoundError, NotADirectoryError, IsADirectoryError)):
+        return USAGE_EXIT, str(err)
+    if isinstance(err, ValueError):
+        return USAGE_EXIT, str(err)
+    if isinstance(err, OSError):
+        return FAILURE_EXIT, str(err)
+    return None
 
 
 def _model_dir(args) -> str:
@@ -37,9 +136,10 @@ def cmd_generate(args) -> int:
     from inferscale_jax.tokenizer import load_tokenizer
     from models import ModelConfig, load_params
 
+    use_compile_cache()
     model_dir = _model_dir(args)
     cfg = ModelConfig.from_pretrained(model_dir)
-    dtype = jnp.dtype(args.dtype)
+    dtype = jnp.dtype(resolve_dtype(args.dtype))
     params = load_params(model_dir, cfg, dtype)
     tok = load_tokenizer(model_dir)
     sampling = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
@@ -56,7 +156,8 @@ def cmd_generate(args) -> int:
 def cmd_demo(args) -> int:
     from inferscale_jax.demo import run_demo
 
-    return 0 if run_demo(args.model, max_tokens=args.max_tokens) else 1
+    use_compile_cache()
+    return 0 if run_demo(args.model, max_tokens=args.max_tokens, dtype=args.dtype) else 1
 
 
 def cmd_precompute(args) -> int:
@@ -64,8 +165,9 @@ def cmd_precompute(args) -> int:
     from inferscale_jax.engine import Engine
     from inferscale_jax.precompute import precompute
 
-    config = EngineConfig(dtype=args.dtype, page_size=args.page_size, snapshot_dir=args.snapshot_dir,
-                          max_batch=args.batch)
+    use_compile_cache()
+    config = EngineConfig(dtype=resolve_dtype(args.dtype), page_size=args.page_size,
+                          snapshot_dir=args.snapshot_dir, max_batch=args.batch)
     with Engine.from_pretrained(_model_dir(args), config) as engine:
         res = precompute(engine, args.corpus, tenant=args.tenant, public=args.public, batch=args.batch)
     print(res.summary())
@@ -75,7 +177,6 @@ def cmd_precompute(args) -> int:
 def cmd_serve(args) -> int:
     """The HTTP server (``serving/``) over one engine, with uvicorn; a final snapshot on shutdown."""
     import logging
-    import os
 
     import uvicorn
 
@@ -84,9 +185,10 @@ def cmd_serve(args) -> int:
     from inferscale_jax.engine import Engine
     from serving import create_app, load_api_keys
 
+    use_compile_cache()
     logging.basicConfig(level=getattr(logging, args.log_level.upper()),
                         format="%(asctime)s %(levelname)s %(name)s %(message)s", force=True)
-    logging.getLogger("jax").setLevel(logging.WARNING)
+    quiet_loggers()
     keys = load_api_keys(args.api_keys) if args.api_keys else None  # fail before loading the model
     if keys is None and args.host not in ("127.0.0.1", "localhost", "::1"):
         print(f"warning: serving on {args.host} without --api-keys: anyone who can reach it is tenant 'default'",
@@ -95,7 +197,7 @@ def cmd_serve(args) -> int:
     if args.snapshot_dir:
         extra = dict(snapshot_dir=args.snapshot_dir, strict_restore=args.strict_restore,
                      snapshot_interval_s=args.snapshot_interval)
-    config = EngineConfig(dtype=args.dtype, page_size=args.page_size, hbm_pages=args.hbm_pages,
+    config = EngineConfig(dtype=resolve_dtype(args.dtype), page_size=args.page_size, hbm_pages=args.hbm_pages,
                           max_batch=args.max_batch, **extra)
     engine = Engine.from_pretrained(args.model, config)
     name = args.model_name or (os.path.basename(os.path.normpath(args.model)) if args.model else "inferscale-default")
@@ -116,29 +218,37 @@ def cmd_serve(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="inferscale", description="InferScale-JAX: serving by KV injection")
+    p = argparse.ArgumentParser(prog="inferscale", description="InferScale-JAX: serving by KV injection. "
+                                "Relative paths are resolved against the current folder.")
     sub = p.add_subparsers(dest="command", required=True)
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--debug", action="store_true", help="show the full traceback of an error "
+                        "(default: one 'error: ...' line)")
 
-    s = sub.add_parser("init-default", help="build the embedded default model and print its folder")
+    def add(name: str, help: str):
+        return sub.add_parser(name, help=help, description=help, parents=[common])
+
+    s = add("init-default", help="build the embedded default model and print its folder")
     s.set_defaults(fn=cmd_init_default)
 
-    s = sub.add_parser("demo", help="KV injection vs full prefill side by side (TTFT, identical outputs)")
+    s = add("demo", help="KV injection vs full prefill side by side (TTFT, identical outputs)")
     s.add_argument("--model", help="HF checkpoint folder (default: the embedded default model)")
-    s.add_argument("--max-tokens", type=int, default=24)
+    s.add_argument("--max-tokens", type=int, default=24, help="tokens generated per answer (default: %(default)s)")
+    s.add_argument("--dtype", default="auto", choices=DTYPES, help=DTYPE_HELP)
     s.set_defaults(fn=cmd_demo)
 
-    s = sub.add_parser("generate", help="generate a completion for a prompt")
+    s = add("generate", help="generate a completion for a prompt (a plain dense-cache run, no engine)")
     s.add_argument("--model", help="HF checkpoint folder (default: the embedded default model)")
-    s.add_argument("--prompt", required=True)
-    s.add_argument("--max-tokens", type=int, default=32)
-    s.add_argument("--temperature", type=float, default=0.0)
-    s.add_argument("--top-p", type=float, default=1.0)
-    s.add_argument("--top-k", type=int, default=0)
-    s.add_argument("--seed", type=int, default=0)
-    s.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    s.add_argument("--prompt", required=True, help="the prompt text")
+    s.add_argument("--max-tokens", type=int, default=32, help="tokens to generate (default: %(default)s)")
+    s.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default: %(default)s)")
+    s.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default: %(default)s)")
+    s.add_argument("--top-k", type=int, default=0, help="0 = off (default: %(default)s)")
+    s.add_argument("--seed", type=int, default=0, help="sampling seed (default: %(default)s)")
+    s.add_argument("--dtype", default="auto", choices=DTYPES, help=DTYPE_HELP)
     s.set_defaults(fn=cmd_generate)
 
-    s = sub.add_parser("precompute", help="store every document of a corpus as a segment (batched prefill), "
+    s = add("precompute", help="store every document of a corpus as a segment (batched prefill), "
                                           "then snapshot")
     s.add_argument("corpus", help="JSONL file (one {\"id\", \"text\"} object per line) or a folder of .txt/.md "
                                   "files (id = relative path)")
@@ -147,17 +257,16 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--tenant", default="default", help="namespace of the segments (default: %(default)s)")
     s.add_argument("--public", action="store_true", help="register public segments (readable by every tenant)")
     s.add_argument("--batch", type=int, default=64, help="documents computed per device step (default: %(default)s)")
-    s.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"],
-                   help="KV dtype; must match the server's (default: %(default)s)")
+    s.add_argument("--dtype", default="auto", choices=DTYPES, help=DTYPE_HELP)
     s.add_argument("--page-size", type=int, default=16, choices=[8, 16, 32, 64],
                    help="KV page size; must match the server's (default: %(default)s)")
     s.set_defaults(fn=cmd_precompute)
 
-    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server with segments, tenants, streaming, metrics")
+    s = add("serve", help="OpenAI-compatible HTTP server with segments, tenants, streaming, metrics")
     s.add_argument("--model", help="HF checkpoint folder (default: the embedded default model)")
     s.add_argument("--model-name", help="the model id clients send and /v1/models lists (default: folder name)")
     s.add_argument("--host", default="127.0.0.1", help="bind address (default: %(default)s)")
-    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--port", type=int, default=8000, help="(default: %(default)s)")
     s.add_argument("--api-keys", metavar="FILE", help="JSON/TOML mapping key -> tenant or "
                    "{tenant, admin}; without it: one tenant 'default', no auth")
     s.add_argument("--snapshot-dir", help="durable segments + KV snapshots (restored at startup)")
@@ -165,25 +274,36 @@ def build_parser() -> argparse.ArgumentParser:
                    help="refuse to start on a snapshot of another model/dtype/page size (default: start empty)")
     s.add_argument("--snapshot-interval", type=float, default=300.0,
                    help="seconds between periodic snapshots with --snapshot-dir (default: %(default)s)")
-    s.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
-    s.add_argument("--page-size", type=int, default=16, choices=[8, 16, 32, 64])
+    s.add_argument("--dtype", default="auto", choices=DTYPES, help=DTYPE_HELP)
+    s.add_argument("--page-size", type=int, default=16, choices=[8, 16, 32, 64],
+                   help="KV page size; must match the one precompute used (default: %(default)s)")
     s.add_argument("--hbm-pages", type=int, help="KV pool pages (default: sized from free device memory)")
     s.add_argument("--max-batch", type=int, default=64, help="sequences per device step (default: %(default)s)")
     s.add_argument("--max-waiting", type=int, default=256,
                    help="queued requests beyond which new ones get 503 + Retry-After (default: %(default)s)")
     s.add_argument("--max-body-bytes", type=int, default=2 << 20, help="request body limit (default: %(default)s)")
-    s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
+                   help="level of the server's own log lines (default: %(default)s)")
     s.set_defaults(fn=cmd_serve)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
+    quiet_third_party()
     args = build_parser().parse_args(argv)
     try:
+        make_paths_absolute(args)
         return args.fn(args)
-    except (ValueError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    except Exception as err:
+        known = None if args.debug else describe_error(err, args)
+        if known is None:
+            raise
+        code, message = known
+        print("error: " + " ".join(message.split()), file=sys.stderr)  # one line, whatever the message
+        return code
 
 
 if __name__ == "__main__":
