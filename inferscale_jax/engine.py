@@ -678,9 +678,11 @@ class Engine:
 
     def close(self) -> None:
         """Clean shutdown: a final snapshot if segments changed since the last one."""
-        if self.persistence is not None:
-            self.persistence.close()
-        self.tiers.close()
+        try:
+            if self.persistence is not None:
+                self.persistence.close()
+        finally:
+            self.tiers.close()  # its temporary disk-tier folder goes even if the final snapshot fails
 
     def __enter__(self) -> "Engine":
         return self
