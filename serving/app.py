@@ -234,14 +234,17 @@ def create_app(engine_or_async_engine, *, api_keys=None, max_body_bytes: int = 2
         log.error("unhandled error on %s", request.url.path, exc_info=exc)
         return internal_error().response()
 
+    def _engine_error(e: Exception, what: str) -> APIError:
+        err = from_engine(e)
+        if err.status == 500:
+            log.error("engine call %s failed", what, exc_info=e)
+        return err
+
     async def engine_call(fn, *args, **kwargs):
         try:
             return await ae.call(fn, *args, **kwargs)
         except Exception as e:
-            err = from_engine(e)
-            if err.status == 500:
-                log.error("engine call %s failed", getattr(fn, "__name__", fn), exc_info=e)
-            raise err from None
+            raise _engine_error(e, getattr(fn, "__name__", str(fn))) from None
 
     # -- generation -------------------------------------------------------------------------
     @app.post("/v1/completions")
@@ -264,8 +267,11 @@ def create_app(engine_or_async_engine, *, api_keys=None, max_body_bytes: int = 2
         if req.public and not principal.admin:
             raise public_needs_admin("registering", req.id, "public")
         request.scope[LOG_KEY]["segments"] = [req.id]
-        info = await engine_call(engine.register_segment, req.id, text=req.text, token_ids=req.token_ids,
-                                 tenant=principal.tenant, public=req.public, pin=req.pin)
+        try:  # AsyncEngine.register_segment tokenizes the text off the engine thread
+            info = await ae.register_segment(req.id, text=req.text, token_ids=req.token_ids,
+                                             tenant=principal.tenant, public=req.public, pin=req.pin)
+        except Exception as e:
+            raise _engine_error(e, "register_segment") from None
         return JSONResponse(_segment_json(info), status_code=201)
 
     @app.get("/v1/segments")

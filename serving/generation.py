@@ -29,9 +29,9 @@ The life of a generation request:
    ``AsyncEngine.stream`` generator, which aborts the requests on the engine thread before the
    next step: their pages are freed at once.
 
-Streamed text is decoded incrementally (``TextStream``): trailing incomplete UTF-8 and any
-suffix that could start a stop string are held back, so the concatenated deltas equal the
-non-streaming text.  Log-probs (``logprobs``) come in OpenAI's shapes: completions
+Streamed text is each delta's ``text`` (``AsyncEngine.stream`` decodes incrementally, holding
+back incomplete UTF-8 and any suffix that could start a stop string), so the concatenated
+deltas equal the non-streaming text.  Log-probs (``logprobs``) come in OpenAI's shapes: completions
 ``{tokens, token_logprobs, top_logprobs, text_offset}``, chat ``{content: [{token, logprob,
 bytes, top_logprobs}]}``; when streaming, each chunk carries those of the tokens it was made
 from.  Deltas carry their tokens' log-probs when the engine sets ``RequestOutput.logprobs``;
@@ -71,39 +71,6 @@ class Job:
     logprobs: int | None  # alternatives per position (None: off)
     stop: list[str]
     echo: str = ""  # completions with echo=true: the prompt text, put before each choice's text
-
-
-class TextStream:
-    """Incremental detokenization with hold-back (module docstring)."""
-
-    def __init__(self, decode, stop: list[str]):
-        self.decode, self.stop = decode, stop
-        self.ids: list[int] = []
-        self.sent = ""
-
-    def push(self, new_ids: list[int]) -> str:
-        self.ids += new_ids
-        text = self.decode(self.ids)
-        safe = len(text)
-        while safe and text[safe - 1] == "\ufffd":
-            safe -= 1
-        for s in self.stop:
-            for k in range(min(len(s) - 1, safe), 0, -1):
-                if text[safe - k:safe] == s[:k]:
-                    safe -= k
-                    break
-        if safe <= len(self.sent) or not text.startswith(self.sent):
-            return ""
-        delta = text[len(self.sent):safe]
-        self.sent += delta
-        return delta
-
-    def finish(self, final_text: str) -> str:
-        if not final_text.startswith(self.sent):
-            log.warning("streamed text diverged from the final text; sending nothing more")
-            return ""
-        delta, self.sent = final_text[len(self.sent):], final_text
-        return delta
 
 
 def _check_model(state, model: str | None) -> None:
@@ -368,12 +335,11 @@ def _chunk(state, job: Job, created: int, index: int, text: str | None, finish: 
 
 
 class _Choice:
-    """One sample's streaming state: its text decoder, log-prob position, and held chunks."""
+    """One sample's streaming state: its log-prob position and the chunks held for log-probs."""
 
     def __init__(self, state, job: Job, index: int):
         self.state, self.job, self.index = state, job, index
-        self.text = TextStream(state.decode, job.stop)
-        self.n_tokens = 0  # generated tokens already put into chunks (or held)
+        self.n_tokens = 0  # generated tokens seen so far
         self.offset = len(job.echo)  # text_offset of the next token (completions' log-probs)
         self.held: list[tuple[str, list[int]]] = []  # chunks waiting for their log-probs
 
@@ -384,21 +350,25 @@ class _Choice:
         self.offset += sum(len(t) for t in obj.get("tokens", ()))
         return obj
 
+    def _content(self, created: int, piece: str, logprobs: dict | None) -> list[str]:
+        if not piece and logprobs is None:
+            return []
+        return [_chunk(self.state, self.job, created, self.index, piece, None, logprobs=logprobs)]
+
     def chunks(self, created: int, delta) -> list[str]:
-        """The chunks for one delta (none while held or when it adds nothing)."""
-        out, job = [], self.job
-        ids = list(delta.new_token_ids)
+        """The chunks for one delta: its text (``delta.text``, AsyncEngine's incremental
+        detokenization) with its tokens' log-probs, and the finish chunk after the last one."""
+        job, ids, piece = self.job, list(delta.new_token_ids), delta.text
         self.n_tokens += len(ids)
-        piece = self.text.push(ids) if not delta.finished else ""
+        out: list[str] = []
         if job.logprobs is None:
-            if piece:
-                out.append(_chunk(self.state, job, created, self.index, piece, None))
+            out += self._content(created, piece, None)
         else:
             lps = getattr(delta, "logprobs", None)  # RequestOutput.logprobs where the engine sets it
             if lps is None or self.held:
                 self.held.append((piece, ids))
-            elif piece or ids:
-                out.append(_chunk(self.state, job, created, self.index, piece, None, logprobs=self._lp(ids, lps)))
+            else:
+                out += self._content(created, piece, self._lp(ids, lps))
         if delta.finished:
             result = delta.output
             if self.held:  # the final output holds every position's log-probs
@@ -407,12 +377,8 @@ class _Choice:
                 for held_piece, held_ids in self.held:
                     lp = self._lp(held_ids, all_lps[pos:pos + len(held_ids)]) if all_lps else None
                     pos += len(held_ids)
-                    if held_piece or lp:
-                        out.append(_chunk(self.state, job, created, self.index, held_piece, None, logprobs=lp))
+                    out += self._content(created, held_piece, lp)
                 self.held = []
-            rest = self.text.finish(result.text)
-            if rest:
-                out.append(_chunk(self.state, job, created, self.index, rest, None))
             out.append(_chunk(self.state, job, created, self.index, None, result.finish_reason))
         return out
 

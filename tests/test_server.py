@@ -14,9 +14,11 @@ import pytest
 from inferscale_jax import Engine, EngineConfig, SamplingParams, default_model_dir
 from server_util import ENGINE_KW, Server, cache_dir, sse_events, stream_text, wait_for
 
-KEYS = {"key-acme-0123456789": {"tenant": "acme", "admin": True}, "key-beta-9876543210": "beta"}
+KEYS = {"key-acme-0123456789": {"tenant": "acme", "admin": True}, "key-beta-9876543210": "beta",
+        "key-acme-user-5555555": "acme"}
 A = {"Authorization": "Bearer key-acme-0123456789"}
 B = {"Authorization": "Bearer key-beta-9876543210"}
+A_USER = {"Authorization": "Bearer key-acme-user-5555555"}  # acme's tenant, without admin rights
 FAQ = ("Acme warranty policy. Every Acme product carries a two year warranty from the date of "
        "purchase. Returns are accepted within thirty days with the original receipt. Repairs under "
        "warranty are free; shipping is paid by the customer. Contact support by email for help.")
@@ -193,6 +195,18 @@ def test_tenancy_and_auth(http):
     assert http.post("/v1/segments", json={"id": "pub-faq", "text": FAQ, "public": True}, headers=A).status_code == 201
     r = http.post("/v1/completions", json={"prompt": "hello", "segments": ["pub-faq"], "max_tokens": 2}, headers=B)
     assert r.status_code == 200 and r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    # deleting a public segment needs an admin key too, even one of the tenant that registered it
+    for headers in (A_USER, B):
+        r = http.delete("/v1/segments/pub-faq", headers=headers)
+        assert r.status_code == 403 and r.json()["error"]["code"] == "admin_required", r.text
+        assert "pub-faq" in r.json()["error"]["message"] and "admin" in r.json()["error"]["message"]
+    assert http.get("/v1/segments/pub-faq", headers=B).status_code == 200  # still there
+    # a non-admin still deletes its tenant's private segment of that id, which the delete hits first
+    assert http.post("/v1/segments", json={"id": "pub-faq", "text": "acme's own"}, headers=A_USER).status_code == 201
+    assert http.delete("/v1/segments/pub-faq", headers=A_USER).status_code == 200
+    assert http.get("/v1/segments/pub-faq", headers=A_USER).json()["public"] is True
+    assert http.delete("/v1/segments/pub-faq", headers=A).status_code == 200
+    assert http.get("/v1/segments/pub-faq", headers=B).status_code == 404
     # no key, bad key, malformed header -> 401 with an OpenAI error body
     for headers in ({}, {"Authorization": "Bearer nope"}, {"Authorization": "key-acme-0123456789"},
                     {"Authorization": "Basic a2V5"}, {"Authorization": "Bearer key-acme-012345678"}):
@@ -228,6 +242,21 @@ def test_openai_client(server, http, ref):
         client.completions.create(model="tiny", prompt="x", extra_body={"segments": ["no-such-segment"]})
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=server.url + "/v1", api_key="wrong", max_retries=0).models.list()
+    # invalid fields are 400 as in OpenAI and vLLM, so clients catch them as BadRequestError
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="tiny", prompt="x", temperature=-1)
+    assert e.value.status_code == 400 and e.value.body["param"] == "temperature"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="tiny", messages=messages, n=17)
+    assert e.value.body["param"] == "n" and e.value.body["code"] == "invalid_field"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="tiny", messages=messages, response_format={"type": "json_object"})
+    assert "unsupported field 'response_format'" in e.value.body["message"]
+    with pytest.raises(openai.BadRequestError):
+        client.post("/segments", body={"id": "bad id", "text": "x"}, cast_to=object)
+    # n samples through the client: indices 0..n-1
+    out = client.completions.create(model="tiny", prompt=PROMPTS[2], max_tokens=4, n=2, seed=3)
+    assert [c.index for c in out.choices] == [0, 1]
 
 
 def test_disconnect_aborts_and_frees_pages(http):
@@ -299,9 +328,10 @@ def test_load_64_streaming_clients(server, http, ref):
 
 
 def test_request_logs_hold_no_secrets(server, http):
-    http.post("/v1/completions", json={"prompt": SECRET_PROMPT, "max_tokens": 2}, headers=A)
-    lines = wait_for(lambda: [ln for ln in server.request_lines() if ln["endpoint"] == "/v1/completions"], 10)
-    line = lines[-1]
+    assert http.get("/v1/models", headers={"Authorization": "Bearer key-acme-0123456789x"}).status_code == 401
+    rid = http.post("/v1/completions", json={"prompt": SECRET_PROMPT, "max_tokens": 2}, headers=A).json()["id"]
+    # the line is written once the response is sent: wait for this request's own line
+    (line,) = wait_for(lambda: [ln for ln in server.request_lines() if ln.get("id") == rid], 10)
     for field in ("id", "tenant", "segments", "prompt_tokens", "cached_tokens", "generated_tokens", "ttft_s",
                   "status"):
         assert field in line, field
@@ -312,3 +342,138 @@ def test_request_logs_hold_no_secrets(server, http):
     for key in KEYS:
         assert key not in log
     assert server.alive()
+
+
+def test_segment_ids_with_slash_and_colon(http):
+    sid = "team/faq:v1.2"
+    r = http.post("/v1/segments", json={"id": sid, "text": FAQ}, headers=A)
+    assert r.status_code == 201 and r.json()["id"] == sid
+    got = http.get(f"/v1/segments/{sid}", headers=A)
+    assert got.status_code == 200 and got.json()["id"] == sid
+    r = http.post("/v1/completions", json={"prompt": "hi", "segments": [sid], "max_tokens": 2}, headers=A)
+    assert r.status_code == 200 and r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    assert http.delete(f"/v1/segments/{sid}", headers=A).status_code == 200
+    assert http.get(f"/v1/segments/{sid}", headers=A).status_code == 404
+    # ids the routes could not carry are refused at registration, naming the field and the alphabet
+    for bad in ("team faq", "faq\nv2", "faq?v=1", "a#b", "x" * 257):
+        r = http.post("/v1/segments", json={"id": bad, "text": FAQ}, headers=A)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "id", bad
+        assert "A-Z a-z 0-9 . _ - : /" in r.json()["error"]["message"]
+
+
+def _metric(http, name: str) -> float:
+    for line in http.get("/metrics").text.splitlines():
+        if line.startswith(name + " ") or line.startswith(name + "{"):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"no metric {name}")
+
+
+def test_n_samples(http, ref):
+    """n samples: indices 0..n-1, the prompt counted once, seed + i per sample (each equals the
+    single request with that seed), and samples 1..n-1 reuse the prompt's full pages."""
+    prompt = "Samples share pages: " + " ".join(f"tok{i}" for i in range(40))  # several full pages
+    body = {"prompt": prompt, "max_tokens": 8, "temperature": 0.9, "seed": 11, "n": 3}
+    cached_before = _metric(http, "inferscale_cached_tokens_total")
+    r = http.post("/v1/completions", json=body, headers=A)
+    assert r.status_code == 200, r.text
+    out = r.json()
+    cached_after = _metric(http, "inferscale_cached_tokens_total")
+    assert [c["index"] for c in out["choices"]] == [0, 1, 2]
+    singles = [http.post("/v1/completions", json={**body, "n": 1, "seed": 11 + i}, headers=A).json()
+               for i in range(3)]
+    assert [c["text"] for c in out["choices"]] == [s["choices"][0]["text"] for s in singles]
+    usage = out["usage"]
+    assert usage["prompt_tokens"] == singles[0]["usage"]["prompt_tokens"]  # counted once
+    assert usage["completion_tokens"] == sum(s["usage"]["completion_tokens"] for s in singles)
+    assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+    full_pages = (usage["prompt_tokens"] - 1) // 16 * 16
+    assert full_pages >= 32
+    assert cached_after - cached_before >= 2 * full_pages  # samples 1 and 2 hit sample 0's pages
+    # chat, streaming: chunks interleave by index; each choice's text equals the non-streaming one
+    messages = [{"role": "user", "content": PROMPTS[4]}]
+    chat = {"messages": messages, "max_tokens": 8, "temperature": 0.9, "seed": 5, "n": 2}
+    whole = http.post("/v1/chat/completions", json=chat, headers=A).json()
+    with http.stream("POST", "/v1/chat/completions", json={**chat, "stream": True,
+                                                           "stream_options": {"include_usage": True}},
+                     headers=A) as r:
+        assert r.status_code == 200
+        events = sse_events(list(r.iter_lines()))
+    assert events[-1] == "[DONE]"
+    texts, finishes, roles = {0: "", 1: ""}, {}, set()
+    for ev in events[:-1]:
+        if not ev["choices"]:
+            assert ev["usage"]["completion_tokens"] == whole["usage"]["completion_tokens"]
+            continue
+        (ch,) = ev["choices"]
+        texts[ch["index"]] += ch["delta"].get("content") or ""
+        if ch["delta"].get("role"):
+            roles.add(ch["index"])
+        if ch["finish_reason"]:
+            finishes[ch["index"]] = ch["finish_reason"]
+    assert roles == {0, 1} and set(finishes) == {0, 1}
+    assert [texts[0], texts[1]] == [c["message"]["content"] for c in whole["choices"]]
+
+
+def test_echo(http, ref):
+    want = greedy(ref, PROMPTS[5], max_tokens=6)
+    body = {"prompt": PROMPTS[5], "max_tokens": 6, "temperature": 0, "echo": True}
+    r = http.post("/v1/completions", json=body, headers=A).json()
+    assert r["choices"][0]["text"] == PROMPTS[5] + want.text
+    with http.stream("POST", "/v1/completions", json={**body, "stream": True}, headers=A) as resp:
+        events = sse_events(list(resp.iter_lines()))
+    assert events[0]["choices"][0]["text"] == PROMPTS[5]  # the prompt comes first
+    assert stream_text(events) == PROMPTS[5] + want.text
+    ids = ref.tokenizer.encode(PROMPTS[5], add_special_tokens=False)
+    r = http.post("/v1/completions", json={**body, "prompt": ids}, headers=A).json()
+    assert r["choices"][0]["text"] == ref.tokenizer.decode(ids, skip_special_tokens=True) + want.text
+
+
+def test_penalties_reach_the_engine(http, ref):
+    prompt = "one two one two one two one two"
+    plain = greedy(ref, prompt)
+    changed = 0
+    for penalties in ({"presence_penalty": 1.5}, {"frequency_penalty": 2.0}, {"repetition_penalty": 1.8}):
+        want = ref.generate(prompt=prompt, sampling=SamplingParams(max_tokens=12, temperature=0.0, **penalties))
+        r = http.post("/v1/completions", json={"prompt": prompt, "max_tokens": 12, "temperature": 0, **penalties},
+                      headers=A)
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["text"] == want.text, penalties
+        changed += want.token_ids != plain.token_ids
+    assert changed >= 1  # a penalty changed the greedy output: it was applied, not dropped
+
+
+@pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions"])
+def test_streamed_logprobs(http, route):
+    """Each SSE chunk carries the log-probs of its own tokens, in OpenAI's shape; together they
+    equal the non-streaming answer's."""
+    chat = route.endswith("chat/completions")
+    body = {"max_tokens": 10, "temperature": 0, "ignore_eos": True}
+    if chat:
+        body.update(messages=[{"role": "user", "content": PROMPTS[6]}], logprobs=True, top_logprobs=2)
+    else:
+        body.update(prompt=PROMPTS[6], logprobs=2)
+    whole = http.post(route, json=body, headers=A).json()["choices"][0]["logprobs"]
+    with http.stream("POST", route, json={**body, "stream": True}, headers=A) as r:
+        assert r.status_code == 200
+        events = sse_events(list(r.iter_lines()))
+    parts = [ev["choices"][0]["logprobs"] for ev in events[:-1] if ev["choices"] and ev["choices"][0]["logprobs"]]
+    assert len(parts) >= 2, "log-probs come with the chunks, not in one piece"
+    close = lambda a, b: a == pytest.approx(b, abs=1e-4)  # noqa: E731 - a prefix-cache hit may round differently
+    if chat:
+        content = [entry for p in parts for entry in p["content"]]
+        assert len(content) == len(whole["content"]) == 10
+        for got, want in zip(content, whole["content"]):
+            assert (got["token"], got["bytes"]) == (want["token"], want["bytes"]) and close(got["logprob"],
+                                                                                           want["logprob"])
+            assert [t["token"] for t in got["top_logprobs"]] == [t["token"] for t in want["top_logprobs"]]
+            assert close([t["logprob"] for t in got["top_logprobs"]], [t["logprob"] for t in want["top_logprobs"]])
+            assert len(got["top_logprobs"]) == 2
+    else:
+        merged = {k: [v for p in parts for v in p[k]] for k in ("tokens", "token_logprobs", "top_logprobs",
+                                                                 "text_offset")}
+        assert len(merged["tokens"]) == 10
+        assert merged["tokens"] == whole["tokens"] and merged["text_offset"] == whole["text_offset"]
+        assert close(merged["token_logprobs"], whole["token_logprobs"])
+        for got, want in zip(merged["top_logprobs"], whole["top_logprobs"]):
+            assert got.keys() == want.keys() and close(list(got.values()), list(want.values()))
+        assert merged["text_offset"] == sorted(merged["text_offset"])
