@@ -1,0 +1,142 @@
+"""Connection limits and engine-fault statuses, against a real uvicorn server (loopback, in a
+thread) over a stub engine (no model needed): a stalled upload gets 408 and its connection closed
+while other requests are served; ``UVICORN_OPTIONS`` holds the keep-alive timeout; StorageError
+is a 507 naming the folder, EngineFault a 503 with Retry-After."""
+
+import asyncio
+import socket
+import threading
+import time
+import types
+
+import httpx
+import pytest
+import uvicorn
+
+from inferscale_jax.errors import EngineFault, StorageError
+from serving import UVICORN_OPTIONS, create_app
+from server_util import free_port
+
+
+class StubAsyncEngine:
+    """What the app needs of an ``AsyncEngine``: ``engine``, ``call``, ``stream``, ``register_segment``."""
+
+    def __init__(self, register_error=None, stream_error=None):
+        self.engine = types.SimpleNamespace(tokenizer=None, stats=lambda: {}, list_segments=lambda tenant: [])
+        self.register_error, self.stream_error = register_error, stream_error
+
+    async def call(self, fn, *args, **kwargs):
+        return fn(*args, **kwargs)
+
+    async def register_segment(self, *args, **kwargs):
+        raise self.register_error
+
+    async def stream(self, **request):
+        raise self.stream_error
+        yield  # an async generator, like AsyncEngine.stream
+
+
+class ThreadedServer:
+    def __init__(self, app):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning", **UVICORN_OPTIONS)
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    def __enter__(self):
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            assert time.monotonic() < deadline, "uvicorn did not start"
+            time.sleep(0.05)
+        return self
+
+    def __exit__(self, *exc):
+        self.server.should_exit = True
+        self.thread.join(30)
+
+
+def test_uvicorn_options():
+    assert UVICORN_OPTIONS["timeout_keep_alive"] <= 10
+    assert UVICORN_OPTIONS["limit_concurrency"] > 256  # above the default max_waiting
+    uvicorn.Config(lambda *a: None, **UVICORN_OPTIONS)  # every option is one uvicorn knows
+
+
+def test_stalled_body_gets_408_and_the_connection_is_closed():
+    app = create_app(StubAsyncEngine(), body_timeout_s=1.0)
+    with ThreadedServer(app) as srv, socket.create_connection(("127.0.0.1", srv.port), timeout=10) as sock:
+        t0 = time.monotonic()
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 1000\r\n\r\n" + b'{"prompt":')  # 10 of 1000 bytes, then nothing
+        # meanwhile other requests are served at once
+        with httpx.Client(base_url=srv.url, timeout=5) as c:
+            assert c.get("/health").status_code == 200
+            assert c.get("/v1/models").status_code == 200
+        assert time.monotonic() - t0 < 1.0
+        received = b""
+        while chunk := sock.recv(65536):  # until the server closes the connection
+            received += chunk
+        elapsed = time.monotonic() - t0
+        assert 0.9 < elapsed < 5, elapsed
+        head, _, body = received.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 408"), received[:200]
+        assert b"connection: close" in head.lower()
+        assert b'"code": "body_timeout"' in body and b"body_timeout_s" in body
+
+
+def test_trickled_body_is_bounded_per_request():
+    """A byte now and then does not extend the wait: the bound is on the whole body."""
+    app = create_app(StubAsyncEngine(), body_timeout_s=1.0)
+    with ThreadedServer(app) as srv, socket.create_connection(("127.0.0.1", srv.port), timeout=10) as sock:
+        t0 = time.monotonic()
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n")
+        try:
+            for _ in range(20):
+                sock.sendall(b" ")
+                time.sleep(0.2)
+        except OSError:  # the server closed the connection
+            pass
+        received = sock.recv(65536)
+        assert received.startswith(b"HTTP/1.1 408"), received[:200]
+        assert time.monotonic() - t0 < 3.5
+
+
+def test_whole_body_in_time_is_served():
+    app = create_app(StubAsyncEngine(), body_timeout_s=1.0)
+    with ThreadedServer(app) as srv, httpx.Client(base_url=srv.url, timeout=5) as c:
+        r = c.post("/v1/completions", json={"prompt": "hi", "temperature": -1})  # reaches validation
+        assert r.status_code == 400 and r.json()["error"]["param"] == "temperature"
+
+
+def test_create_app_rejects_bad_body_timeout():
+    with pytest.raises(ValueError, match="body_timeout_s"):
+        create_app(StubAsyncEngine(), body_timeout_s=0)
+
+
+def _post(app, path, body):
+    async def go():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as c:
+            return await c.post(path, json=body)
+    return asyncio.run(go())
+
+
+def test_storage_full_is_507_naming_the_folder():
+    err = StorageError("the segment registry folder /data/kv/registry is full (ENOSPC): free space there")
+    r = _post(create_app(StubAsyncEngine(register_error=err)), "/v1/segments", {"id": "s1", "text": "x"})
+    assert r.status_code == 507, r.text
+    e = r.json()["error"]
+    assert e["code"] == "storage_full" and "/data/kv/registry" in e["message"]
+    assert set(e) == {"message", "type", "param", "code"}
+
+
+def test_engine_fault_is_503_with_retry_after():
+    fault = EngineFault("XLA device lost: CUDA_ERROR_ILLEGAL_ADDRESS at 0x7f00")
+    app = create_app(StubAsyncEngine(stream_error=fault))
+    r = _post(app, "/v1/completions", {"prompt": "hi"})
+    assert r.status_code == 503 and r.headers["retry-after"] == "1", r.text
+    e = r.json()["error"]
+    assert e["code"] == "engine_fault" and e["type"] == "server_error"
+    assert "0x7f00" not in e["message"]  # device internals stay in the server log
+    r = _post(create_app(StubAsyncEngine(register_error=fault)), "/v1/segments", {"id": "s1", "text": "x"})
+    assert r.status_code == 503 and r.json()["error"]["code"] == "engine_fault"
