@@ -22,8 +22,12 @@ What ``main`` does at the boundary, for every command:
   TPU and float32 on the CPU (``resolve_dtype``), so ``precompute`` and ``serve`` on the same
   machine agree and a snapshot one writes is restored by the other (a snapshot's fingerprint
   includes the dtype).
-- **Compile cache**: XLA's persistent compilation cache lives in ``<cache>/xla`` (``$INFERSCALE_CACHE``
-  or ``~/.cache/inferscale``), so the step buckets one run compiles are reused by later runs.
+- **Compile cache**: engines keep JAX's persistent compilation cache on (``compile_cache.py``);
+  ``generate``, which runs without an engine, switches it on itself.  Later runs load the
+  compiles of the first.
+- **Signals**: ``serve`` stops on SIGTERM or Ctrl-C after uvicorn's graceful shutdown, then
+  takes the final snapshot and exits 0 (uvicorn would re-raise the signal and kill the
+  process before the snapshot).
 - **One line per known failure**: the engine's exceptions (``inferscale_jax.errors``), invalid
   values (``ValueError``), a missing file or folder and an unreadable SQLite registry print
   ``error: <message>`` on stderr and exit 2 (usage: bad values, missing paths) or 1 (everything
@@ -33,7 +37,9 @@ What ``main`` does at the boundary, for every command:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+import signal
 import sys
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -54,18 +60,6 @@ def quiet_loggers() -> None:
 
     for name in ("absl", "jax", "orbax"):
         logging.getLogger(name).setLevel(logging.WARNING)
-
-
-def use_compile_cache() -> None:
-    """XLA's persistent compilation cache in ``<cache root>/xla`` (unless ``JAX_COMPILATION_CACHE_DIR``
-    names another): later runs reuse the compiles."""
-    import jax
-
-    from inferscale_jax.default_model import cache_root
-
-    if not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
-        jax.config.update("jax_compilation_cache_dir", os.path.join(cache_root(), "xla"))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 
 
 def resolve_dtype(name: str) -> str:
@@ -131,12 +125,13 @@ def cmd_init_default(args) -> int:
 def cmd_generate(args) -> int:
     import jax.numpy as jnp
 
+    from inferscale_jax import compile_cache
     from inferscale_jax.dense_generate import generate_dense
     from inferscale_jax.sampling import SamplingParams
     from inferscale_jax.tokenizer import load_tokenizer
     from models import ModelConfig, load_params
 
-    use_compile_cache()
+    compile_cache.enable(None)
     model_dir = _model_dir(args)
     cfg = ModelConfig.from_pretrained(model_dir)
     dtype = jnp.dtype(resolve_dtype(args.dtype))
@@ -156,7 +151,6 @@ def cmd_generate(args) -> int:
 def cmd_demo(args) -> int:
     from inferscale_jax.demo import run_demo
 
-    use_compile_cache()
     return 0 if run_demo(args.model, max_tokens=args.max_tokens, dtype=args.dtype) else 1
 
 
@@ -165,13 +159,26 @@ def cmd_precompute(args) -> int:
     from inferscale_jax.engine import Engine
     from inferscale_jax.precompute import precompute
 
-    use_compile_cache()
     config = EngineConfig(dtype=resolve_dtype(args.dtype), page_size=args.page_size,
                           snapshot_dir=args.snapshot_dir, max_batch=args.batch)
     with Engine.from_pretrained(_model_dir(args), config) as engine:
         res = precompute(engine, args.corpus, tenant=args.tenant, public=args.public, batch=args.batch)
     print(res.summary())
     return 0
+
+
+@contextlib.contextmanager
+def _stop_signals_return():
+    """While uvicorn runs: SIGTERM / SIGINT handlers that do nothing.  uvicorn installs its own
+    during ``run`` (graceful shutdown) and, on the way out, restores these and re-raises the
+    signal it caught: with the default handlers that would kill the process (SIGTERM) or raise
+    KeyboardInterrupt (SIGINT) before the engine's final snapshot.  Restored afterwards."""
+    saved = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
 
 
 def cmd_serve(args) -> int:
@@ -185,7 +192,6 @@ def cmd_serve(args) -> int:
     from inferscale_jax.engine import Engine
     from serving import create_app, load_api_keys
 
-    use_compile_cache()
     logging.basicConfig(level=getattr(logging, args.log_level.upper()),
                         format="%(asctime)s %(levelname)s %(name)s %(message)s", force=True)
     quiet_loggers()
@@ -209,8 +215,9 @@ def cmd_serve(args) -> int:
               f"({len(keys) if keys else 'no'} API keys)", file=sys.stderr, flush=True)
         # log_config=None: uvicorn keeps the logging set up above (its own dictConfig would drop
         # the root handler that prints the per-request lines of ``inferscale.server``)
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,
-                    log_config=None)
+        with _stop_signals_return():
+            uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,
+                        log_config=None)
     finally:
         async_engine.shutdown()
         engine.close()

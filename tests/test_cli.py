@@ -96,6 +96,7 @@ def test_precompute_twice_then_serve_restores_relative_snapshot_dir(tmp_path, en
     # survives SIGTERM + restart, its KV restored from the snapshot (not recomputed)
     server = Serve(tmp_path, env, "--snapshot-dir", "./kv")
     try:
+        assert restored(server) == (2, 0)
         got = httpx.get(server.url + "/v1/segments/doc-a", timeout=30)
         assert got.status_code == 200 and got.json()["tier"] in ("hbm", "host"), got.text
         made = httpx.post(server.url + "/v1/segments", json={"id": "faq", "text": "Returns within 30 days."},
@@ -108,6 +109,7 @@ def test_precompute_twice_then_serve_restores_relative_snapshot_dir(tmp_path, en
 
     server = Serve(tmp_path, env, "--snapshot-dir", "./kv")
     try:
+        assert restored(server) == (3, 0)  # the final snapshot on SIGTERM holds 'faq'
         for sid in ("doc-a", "doc-b", "faq"):
             got = httpx.get(server.url + f"/v1/segments/{sid}", timeout=30)
             assert got.status_code == 200 and got.json()["tier"] in ("hbm", "host"), (sid, got.text)
@@ -117,7 +119,14 @@ def test_precompute_twice_then_serve_restores_relative_snapshot_dir(tmp_path, en
         assert out.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
     finally:
         log = server.stop()
+    assert server.proc.returncode == 0, log[-3000:]
     assert_quiet(log)
+
+
+def restored(server) -> tuple[int, int]:
+    """(segments whose KV came from the snapshot, segments recomputed) at the server's start."""
+    snap = httpx.get(server.url + "/v1/stats", timeout=30).json()["snapshot"]
+    return snap["restored_hbm"] + snap["restored_host"], snap["recomputed"]
 
 
 def one_error_line(result, *expected: str) -> str:
