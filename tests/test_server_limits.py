@@ -4,6 +4,7 @@ while other requests are served; ``UVICORN_OPTIONS`` holds the keep-alive timeou
 is a 507 naming the folder, EngineFault a 503 with Retry-After."""
 
 import asyncio
+import json
 import socket
 import threading
 import time
@@ -140,3 +141,50 @@ def test_engine_fault_is_503_with_retry_after():
     assert "0x7f00" not in e["message"]  # device internals stay in the server log
     r = _post(create_app(StubAsyncEngine(register_error=fault)), "/v1/segments", {"id": "s1", "text": "x"})
     assert r.status_code == 503 and r.json()["error"]["code"] == "engine_fault"
+
+
+class LetterTokenizer:
+    """Token id 5 + i is the letter 'a' + i; no chat template."""
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(ord("a") + i - 5) for i in ids)
+
+
+class ScriptedAsyncEngine(StubAsyncEngine):
+    """Streams fixed deltas; ``with_logprobs``: each delta carries its tokens' log-probs (as an
+    engine setting ``RequestOutput.logprobs`` does), else only the final output has them."""
+
+    def __init__(self, with_logprobs: bool):
+        super().__init__()
+        self.with_logprobs = with_logprobs
+        self.engine.tokenizer = LetterTokenizer()
+
+    async def stream(self, **request):
+        ids, texts = [5, 6, 7], ["a", "b", "c"]
+        lps = [{t: -0.5 * (i + 1)} for i, t in enumerate(ids)]
+        out = types.SimpleNamespace(text="abc", token_ids=ids, logprobs=lps, finish_reason="length",
+                                    metrics=types.SimpleNamespace(prompt_tokens=2, cached_tokens=0, generated_tokens=3,
+                                                                  ttft_s=0.0, e2e_s=0.0, decode_tokens_per_s=0.0))
+        for i in range(3):
+            last = i == 2
+            yield types.SimpleNamespace(new_token_ids=[ids[i]], text=texts[i], finished=last,
+                                        output=out if last else None,
+                                        logprobs=[lps[i]] if self.with_logprobs else None)
+
+
+@pytest.mark.parametrize("with_logprobs", [True, False])
+def test_streamed_logprobs_per_chunk(with_logprobs):
+    app = create_app(ScriptedAsyncEngine(with_logprobs))
+
+    async def go():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as c:
+            r = await c.post("/v1/completions", json={"prompt": [1, 2], "logprobs": 1, "stream": True,
+                                                      "max_tokens": 3})
+            return [ln for ln in r.text.splitlines() if ln.startswith("data: {")]
+
+    chunks = [json.loads(ln[6:])["choices"][0] for ln in asyncio.run(go())]
+    content = [c for c in chunks if c["text"]]
+    assert [c["text"] for c in content] == ["a", "b", "c"]  # one chunk per delta, in order
+    assert [c["logprobs"]["token_logprobs"] for c in content] == [[-0.5], [-1.0], [-1.5]]
+    assert [c["logprobs"]["text_offset"] for c in content] == [[0], [1], [2]]
+    assert chunks[-1]["finish_reason"] == "length"
