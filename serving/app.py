@@ -17,8 +17,9 @@ Layers, outermost first:
    ``/v1/stats`` needs an admin key.
 3. Body parsing (``_parse``): strict UTF-8, then JSON (NaN / Infinity / deep nesting rejected),
    each failure a 400; then the pydantic model (``schemas.py``), whose errors are a 400 naming
-   the field (OpenAI's and vLLM's status, so OpenAI clients raise ``BadRequestError``).  Nothing malformed reaches the engine, and nothing malformed raises out of a
-   handler: every exception becomes an OpenAI error body (``errors.py``), a 500 only for bugs.
+   the field (OpenAI's and vLLM's status, so OpenAI clients raise ``BadRequestError``).  Nothing
+   malformed reaches the engine, and nothing malformed raises out of a handler: every exception
+   becomes an OpenAI error body (``errors.py``), a 500 only for bugs.
 4. Routes: completions and chat (``generation.py``), segments, models, stats, health, metrics.
 
 Segments: ``POST /v1/segments`` computes the KV on the engine thread (the call returns when the

@@ -120,7 +120,8 @@ CASES = [
 PARAMS = {"stream as string": "stream", "max_tokens negative": "max_tokens", "temperature < 0": "temperature",
           "seed 2**64": "seed", "chat: unknown role": "messages.0.role", "typo max_token": "max_token",
           "token id beyond vocab": None, "stop list too long": "stop", "segment: pin not bool": "pin",
-          "n = 17": "n", "max_tokens 10**30": "max_tokens", "seed + n overflows": "seed", "presence_penalty > 2": "presence_penalty",
+          "n = 17": "n", "max_tokens 10**30": "max_tokens", "seed + n overflows": "seed",
+          "presence_penalty > 2": "presence_penalty",
           "repetition_penalty > 2": "repetition_penalty", "best_of 2": "best_of", "suffix": "suffix",
           "logit_bias": "logit_bias", "chat: response_format": "response_format", "chat: echo": "echo",
           "segment: id with newline": "id", "segment: id with space": "id", "segment: id too long": "id"}
