@@ -190,7 +190,7 @@ def cmd_serve(args) -> int:
     from inferscale_jax.async_engine import AsyncEngine
     from inferscale_jax.config import EngineConfig
     from inferscale_jax.engine import Engine
-    from serving import create_app, load_api_keys
+    from serving import UVICORN_OPTIONS, create_app, load_api_keys
 
     logging.basicConfig(level=getattr(logging, args.log_level.upper()),
                         format="%(asctime)s %(levelname)s %(name)s %(message)s", force=True)
@@ -210,14 +210,15 @@ def cmd_serve(args) -> int:
     async_engine = AsyncEngine(engine)
     try:
         app = create_app(async_engine, api_keys=keys, max_body_bytes=args.max_body_bytes,
-                         max_waiting=args.max_waiting, model_name=name)
+                         max_waiting=args.max_waiting, model_name=name, body_timeout_s=args.body_timeout,
+                         default_max_tokens=args.default_max_tokens)
         print(f"serving {name} on http://{args.host}:{args.port} "
               f"({len(keys) if keys else 'no'} API keys)", file=sys.stderr, flush=True)
         # log_config=None: uvicorn keeps the logging set up above (its own dictConfig would drop
         # the root handler that prints the per-request lines of ``inferscale.server``)
         with _stop_signals_return():
             uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,
-                        log_config=None)
+                        log_config=None, **UVICORN_OPTIONS)
     finally:
         async_engine.shutdown()
         engine.close()
@@ -289,6 +290,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-waiting", type=int, default=256,
                    help="queued requests beyond which new ones get 503 + Retry-After (default: %(default)s)")
     s.add_argument("--max-body-bytes", type=int, default=2 << 20, help="request body limit (default: %(default)s)")
+    s.add_argument("--body-timeout", type=float, default=30.0,
+                   help="seconds a request body may take to arrive, then 408 (default: %(default)s)")
+    s.add_argument("--default-max-tokens", type=int, default=256,
+                   help="max_tokens of a chat request that sets none (default: %(default)s)")
     s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                    help="level of the server's own log lines (default: %(default)s)")
     s.set_defaults(fn=cmd_serve)
