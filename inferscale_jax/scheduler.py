@@ -105,6 +105,7 @@ class RequestOutput:
     output: GenerationOutput | None = None
     error: Exception | None = None  # set when the request could not be served
     text: str = ""  # the text these ids add (``AsyncEngine.stream`` fills it; the engine leaves it "")
+    logprobs: list[dict[int, float]] | None = None  # per new id, when the request asked for logprobs
 
 
 class Scheduler:
@@ -451,7 +452,7 @@ class Scheduler:
         if len(req.out_ids) >= sp.max_tokens:
             return self._finish(req, "length", [tok])
         req.seq.tokens.append(tok)  # fed to the next decode step
-        return RequestOutput(req.id, [tok], False)
+        return RequestOutput(req.id, [tok], False, logprobs=req.logprobs[-1:] if sp.logprobs is not None else None)
 
     def _release(self, req: Request) -> None:
         if req.seq is not None:
@@ -488,4 +489,6 @@ class Scheduler:
             text=req.text if req.text is not None else e._decode(req.out_ids), token_ids=list(req.out_ids),
             finish_reason=reason, metrics=metrics,
             logprobs=list(req.logprobs) if req.sampling.logprobs is not None else None, request_id=req.id)
-        return RequestOutput(req.id, list(new or []), True, out, error)
+        new = list(new or [])
+        lps = req.logprobs[len(req.logprobs) - len(new):] if new and req.sampling.logprobs is not None else None
+        return RequestOutput(req.id, new, True, out, error, logprobs=lps)

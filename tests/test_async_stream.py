@@ -91,3 +91,15 @@ def test_prompt_and_segment_text_are_tokenized_off_the_engine_loop(engine, monke
     direct = engine.generate(prompt="Q: how long? A:", segments=["kb"], tenant="t", sampling=sp)
     assert streamed.token_ids == direct.token_ids
     engine.delete_segment("kb", tenant="t")
+
+
+def test_deltas_carry_their_tokens_logprobs(engine):
+    ae = AsyncEngine(engine)
+    try:
+        deltas = _stream(ae, prompt="Q: A:", sampling=SamplingParams(max_tokens=12, temperature=1.0, seed=5, logprobs=3))
+    finally:
+        ae.shutdown()
+    out = deltas[-1].output
+    streamed = [lp for d in deltas for lp in (d.logprobs or [])]
+    assert streamed == out.logprobs and len(streamed) == len(out.token_ids)
+    assert all(len(d.logprobs) == len(d.new_token_ids) for d in deltas if d.new_token_ids)
