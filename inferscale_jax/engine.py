@@ -33,7 +33,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import logging
-import secrets
 import time
 
 import jax
@@ -107,7 +106,8 @@ class Engine:
                                   prefill_chunk=config.prefill_chunk,
                                   max_pages_per_seq=-(-self.max_model_len // s),
                                   inv_freq=inv_freq(cfg.rope, cfg.head_dim),
-                                  min_table_pages=config.min_table_pages)
+                                  min_table_pages=config.min_table_pages,
+                                  matmul_precision=config.resolved_matmul_precision)
         self.bos_prefix: list[int] = []
         if tokenizer is not None and getattr(tokenizer, "bos_token_id", None) is not None:
             if tokenizer("a").input_ids[:1] == [tokenizer.bos_token_id]:
@@ -402,10 +402,7 @@ class Engine:
             raise ValueError(f"request_id={request_id!r} is already in use")
         self._counters["requests"] += 1
         rid = request_id or f"req-{self._counters['requests']}"
-        if sampling.seed is not None:
-            key = np.asarray(request_key(sampling.seed, 0))
-        else:  # a fresh key from OS entropy: unseeded requests never repeat across processes
-            key = np.frombuffer(secrets.token_bytes(8), dtype=np.uint32).copy()
+        key = request_key(sampling.seed)  # no seed: OS entropy, so processes never repeat a stream
         self.scheduler.add(Request(rid, tenant, tokens, chain, sampling, mode, key, arrival=t0))
         return rid
 

@@ -73,8 +73,6 @@ def test_runner_precision_is_part_of_the_compile_key():
     assert MODEL_STEP._cache_size() == compiled + 1
 
 
-@pytest.mark.xfail(strict=True, reason="engine.py does not pass EngineConfig.resolved_matmul_precision to "
-                   "ModelRunner yet (one-line change in Engine.__init__); remove this mark with it")
 def test_engine_hands_its_precision_to_the_runner():
     assert make_engine().runner.matmul_precision == "highest"  # float32 engine, precision None
     assert make_engine(matmul_precision="high").runner.matmul_precision == "high"
