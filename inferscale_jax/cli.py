@@ -207,7 +207,13 @@ def cmd_serve(args) -> int:
                           max_batch=args.max_batch, **extra)
     engine = Engine.from_pretrained(args.model, config)
     name = args.model_name or (os.path.basename(os.path.normpath(args.model)) if args.model else "inferscale-default")
-    async_engine = AsyncEngine(engine)
+    server: uvicorn.Server | None = None
+
+    def on_fatal(fault) -> None:  # the engine lost its device: stop serving rather than half-serve
+        if server is not None:
+            server.should_exit = True
+
+    async_engine = AsyncEngine(engine, on_fatal=on_fatal)
     try:
         app = create_app(async_engine, api_keys=keys, max_body_bytes=args.max_body_bytes,
                          max_waiting=args.max_waiting, model_name=name, body_timeout_s=args.body_timeout,
@@ -216,12 +222,16 @@ def cmd_serve(args) -> int:
               f"({len(keys) if keys else 'no'} API keys)", file=sys.stderr, flush=True)
         # log_config=None: uvicorn keeps the logging set up above (its own dictConfig would drop
         # the root handler that prints the per-request lines of ``inferscale.server``)
+        server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                                               access_log=False, log_config=None, **UVICORN_OPTIONS))
         with _stop_signals_return():
-            uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,
-                        log_config=None, **UVICORN_OPTIONS)
+            server.run()
     finally:
         async_engine.shutdown()
         engine.close()
+    if async_engine.fatal is not None:
+        print(f"error: {async_engine.fatal}", file=sys.stderr)
+        return 1
     return 0
 
 
