@@ -137,14 +137,13 @@ class SamplingParams:
                 f"must be a finite number in (0, {MAX_PENALTY:g}] (1 = off)")
 
 
-def request_key(seed: int | None = None, *_ignored) -> np.ndarray:
+def request_key(seed: int | None = None) -> np.ndarray:
     """A request's [2] uint32 PRNG key (threefry): ``[seed >> 32, seed & 0xffffffff]``.
 
     That is ``jax.random.PRNGKey(seed)`` for every seed in [0, 2**63) as JAX computes it with
     x64 on; with x64 off ``PRNGKey`` keeps only the low 32 bits (seeds 5 and 2**32 + 5 would
     collide), so the key is built here on the host from both halves instead.  ``seed=None``:
-    64 bits from the OS's entropy (``secrets``), a different stream in every process.
-    Arguments after ``seed`` are ignored."""
+    64 bits from the OS's entropy (``secrets``), a different stream in every process."""
     if seed is None:
         seed = secrets.randbits(64)
     seed = int(seed)
