@@ -1,0 +1,63 @@
+"""The serving benchmark (``bench/serve.py``) run through ``inferscale bench serve`` against a real
+server with a tiny load: every figure of its JSON is there, nothing failed, warm-segment requests
+read cached tokens, and percentiles are ordered.  No timing thresholds (speed is measured by the
+benchmark, not asserted here).  About 30-60 s on a 2-core CPU (server start and compiles included)."""
+
+import json
+import os
+import subprocess
+import sys
+
+from server_util import REPO, cache_dir
+
+DIST_KEYS = {"p50", "p90", "p99", "mean", "n"}
+POINT_KEYS = {"mode", "rate", "concurrency", "requests", "completed", "errors", "error_samples", "wall_s",
+              "request_throughput", "output_throughput", "ttft_ms", "itl_ms", "tpot_ms", "e2e_ms", "register_ms",
+              "prompt_tokens", "cached_tokens", "completion_tokens", "cached_ratio", "tokens_per_chunk",
+              "by_kind", "compiles"}
+KIND_KEYS = {"requests", "errors", "ttft_ms", "e2e_ms", "register_ms", "prompt_tokens", "cached_tokens",
+             "cached_ratio"}
+
+
+def ordered(d: dict) -> bool:
+    return d["p50"] <= d["p90"] <= d["p99"]
+
+
+def test_bench_serve_tiny_load(tmp_path, tmp_path_factory):
+    cache = os.environ.get("INFERSCALE_CACHE") or cache_dir(tmp_path_factory)
+    env = dict(os.environ, INFERSCALE_CACHE=cache, JAX_PLATFORMS=os.environ.get("JAX_PLATFORMS", "cpu"),
+               JAX_COMPILATION_CACHE_DIR=os.path.join(cache, "jax-compile-cache"))
+    prefix = tmp_path / "serve_test"
+    cmd = [sys.executable, "-m", "inferscale_jax.cli", "bench", "serve", "--rates", "4", "--num-requests", "4",
+           "--max-tokens", "4", "--tenants", "2", "--segments-per-tenant", "1", "--segment-tokens", "48",
+           "--question-tokens", "8", "--warmup-requests", "1", "--warmup-burst", "2", "--hbm-pages", "256",
+           "--seed", "3", "--device", "cpu", "--out", str(prefix)]
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    tail = f"\n--- output (tail) ---\n{proc.stdout[-4000:]}\n{proc.stderr[-3000:]}"
+    assert proc.returncode == 0, tail
+    summary = json.loads(prefix.with_suffix(".json").read_text())
+    assert (tmp_path / "serve_test.md").read_text().count("| 4 req/s |") == 4, tail  # the point + 3 kinds
+    assert summary["device"] == "cpu" and summary["texts_inexact"] == 0, tail
+    assert summary["warmup"]["errors"] == 0 and summary["warmup"]["compiles"] > 0, tail
+
+    [point] = summary["points"]
+    assert set(point) == POINT_KEYS, tail
+    assert point["mode"] == "rate" and point["rate"] == 4.0 and point["concurrency"] is None
+    assert point["requests"] == point["completed"] == 4 and point["errors"] == 0, point["error_samples"]
+    assert point["completion_tokens"] == 4 * 4  # ignore_eos: every request makes max_tokens
+    assert point["request_throughput"] > 0 and point["output_throughput"] > 0
+    assert isinstance(point["compiles"], int) and point["compiles"] >= 0
+    for key in ("ttft_ms", "itl_ms", "tpot_ms", "e2e_ms"):
+        assert set(point[key]) == DIST_KEYS and ordered(point[key]), (key, point[key])
+    assert point["ttft_ms"]["n"] == point["e2e_ms"]["n"] == 4
+    assert point["ttft_ms"]["p50"] <= point["e2e_ms"]["p50"]
+
+    # default mix 0.5 / 0.25 / 0.25 of 4 requests: 2 warm, 1 cold, 1 without a segment
+    kinds = point["by_kind"]
+    assert {k: v["requests"] for k, v in kinds.items()} == {"warm": 2, "cold": 1, "none": 1}
+    for kind in kinds.values():
+        assert set(kind) == KIND_KEYS and kind["errors"] == 0
+    # a warm request's prompt is its 48-token segment (cached) + an 8-token question
+    assert kinds["warm"]["cached_ratio"] > 0 and kinds["warm"]["cached_tokens"] >= 2 * 48 - 2 * 16
+    assert kinds["cold"]["register_ms"]["n"] == 1 and kinds["warm"]["register_ms"] is None
+    assert 0 < point["cached_ratio"] < 1
