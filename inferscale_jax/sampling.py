@@ -51,6 +51,7 @@ import jax.numpy as jnp
 import numpy as np
 
 MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 256  # per stop string: each token decodes a tail window proportional to it
 MAX_STOP_TOKEN_IDS = 256
 MAX_LOGPROBS = 20
 INT32_MAX = 2**31 - 1  # ids, counts and top-k travel to the device as int32
@@ -114,6 +115,9 @@ class SamplingParams:
             bad("stop", self.stop, "must be a list of non-empty strings")
         if len(self.stop) > MAX_STOP_STRINGS:
             bad("stop", f"<{len(self.stop)} strings>", f"at most {MAX_STOP_STRINGS} stop strings")
+        if any(len(x) > MAX_STOP_CHARS for x in self.stop):
+            longest = max(len(x) for x in self.stop)
+            bad("stop", f"<a string of {longest} characters>", f"each stop string has at most {MAX_STOP_CHARS} characters")
         if not isinstance(self.stop_token_ids, (list, tuple)):
             bad("stop_token_ids", self.stop_token_ids, "must be a list of token ids")
         if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:

@@ -221,6 +221,12 @@ class Scheduler:
             return []
         log.warning("a step of %d rows failed (%s: %s); running its rows one at a time", len(reqs),
                     type(err).__name__, err)
+        return self._each_alone(reqs, rows, outs)
+
+    def _each_alone(self, reqs: list[Request], rows: list[StepRow],
+                    outs: list[RequestOutput]) -> list[tuple[Request, StepRow, object]]:
+        """Run each row as a step of its own; a row that fails fails its request only."""
+        e = self.engine
         done = []
         for req, row in zip(reqs, rows):
             try:
@@ -356,15 +362,9 @@ class Scheduler:
         log.warning("a decode step of %d rows failed (%s: %s); running its rows one at a time", len(reqs),
                     type(err).__name__, err)
         outs: list[RequestOutput] = []
-        for req in sorted(reqs, key=lambda r: r.arrival):
-            pos = len(req.seq.tokens) - 1
-            row = req.row([req.seq.tokens[pos]], pos)
-            try:
-                res = e._step([row], MAX_LOGPROBS if req.sampling.logprobs is not None else 0)
-            except Exception as one:  # noqa: BLE001 - this row's failure
-                e.check_device(one)
-                self._fail(req, one, outs)
-                continue
+        reqs.sort(key=lambda r: r.arrival)
+        rows = [r.row([r.seq.tokens[-1]], len(r.seq.tokens) - 1) for r in reqs]
+        for req, _, res in self._each_alone(reqs, rows, outs):
             req.seq.computed += 1
             e._register_full_pages(req.seq)
             outs.append(self._token(req, res, 0))

@@ -32,7 +32,7 @@ BAD = [
     ("stop_token_ids", [2**31], None), ("stop_token_ids", [True], None), ("stop_token_ids", [V], V),
     ("stop_token_ids", [-1], None), ("stop_token_ids", list(range(257)), None), ("stop_token_ids", "ab", None),
     ("logprobs", 21, None), ("logprobs", True, None), ("logprobs", -1, None),
-    ("ignore_eos", 1, None),
+    ("ignore_eos", 1, None), ("stop", ["x" * 257], None), ("stop", ["ok", ""], None), ("stop", ["a"] * 17, None),
     ("presence_penalty", math.nan, None), ("presence_penalty", 2.5, None), ("presence_penalty", -2.01, None),
     ("frequency_penalty", math.inf, None), ("frequency_penalty", True, None),
     ("repetition_penalty", 0.0, None), ("repetition_penalty", 2.1, None), ("repetition_penalty", math.nan, None),
