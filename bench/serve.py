@@ -23,8 +23,9 @@ Life of a run:
 3. **Segments.** Each tenant registers ``--segments-per-tenant`` segments of ``--segment-tokens``
    tokens (``POST /v1/segments``, text).
 4. **Warm-up** (not measured): one request per warm segment (so every one has been used), then
-   ``--warmup-requests`` of each kind one after another, then a burst of ``--warmup-burst``
-   mixed requests at once (batch shapes compile here rather than in the measured part).
+   ``--warmup-requests`` of each kind one after another, then bursts of 2, 4, ... up to
+   ``--warmup-burst`` mixed requests sent at once (batch shapes compile here rather than in the
+   measured part; ``compiles`` per load point shows what was still left).
 5. **Load points**, one per ``--rates`` value (seeded Poisson arrivals; ``inf``: all at once) or
    per ``--concurrency`` value (that many clients, each sending its next request when the last
    ends); ``--num-requests`` each.  A request is a streamed completion (``stream: true``,
@@ -136,8 +137,8 @@ def parse_args(argv=None):
     g.add_argument("--seed", type=int, default=0, help="arrivals, kinds, tenants and texts (default: %(default)s)")
     g.add_argument("--warmup-requests", type=int, default=2, help="sequential warm-up requests of each kind "
                    "(default: %(default)s)")
-    g.add_argument("--warmup-burst", type=int, default=4, help="mixed warm-up requests sent at once "
-                   "(default: %(default)s)")
+    g.add_argument("--warmup-burst", type=int, default=8, help="the largest burst of mixed warm-up requests "
+                   "sent at once; bursts of 2, 4, ... up to it run first (default: %(default)s)")
     g.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request (default: %(default)s)")
     g = p.add_argument_group("output")
     g.add_argument("--out", help="prefix of the .json/.md/.png results (default: bench/results/serve_<device>)")
@@ -560,16 +561,16 @@ def plot(summary: dict, path: str) -> None:
     xs = [(p["rate"] if p["mode"] == "rate" else p["concurrency"]) if numeric else i for i, p in enumerate(pts)]
     xlabel = "request rate (req/s, Poisson)" if pts[0]["mode"] == "rate" else "concurrent clients"
     fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.5))
-    for metric, style in (("ttft_ms", "-"), ("itl_ms", ":"), ("e2e_ms", "--")):
-        for q, marker in zip(PCTS, "os^"):
+    for metric, color in (("ttft_ms", "tab:blue"), ("itl_ms", "tab:green"), ("e2e_ms", "tab:red")):
+        for q, style in zip(PCTS, ("-o", "--s", ":^")):
             ys = [p[metric][f"p{q}"] if p[metric] else float("nan") for p in pts]
-            a.plot(xs, ys, style, marker=marker, label=f"{metric[:-3].upper()} p{q}")
+            a.plot(xs, ys, style, color=color, label=f"{metric[:-3].upper()} p{q}")
     a.set(xlabel=xlabel, ylabel="ms", yscale="log", title="latency percentiles")
     a.legend(fontsize=7, ncol=3)
     b.plot(xs, [p["output_throughput"] or 0 for p in pts], "-o", label="output tokens/s")
     b.set(xlabel=xlabel, ylabel="output tokens/s", title="throughput")
     b2 = b.twinx()
-    b2.plot(xs, [p["request_throughput"] or 0 for p in pts], "--s", color="tab:orange", label="requests/s")
+    b2.plot(xs, [p["request_throughput"] or 0 for p in pts], ":s", color="tab:orange", label="requests/s")
     b2.set_ylabel("requests/s")
     b.legend(loc="upper left", fontsize=8)
     b2.legend(loc="lower right", fontsize=8)
@@ -585,6 +586,15 @@ def plot(summary: dict, path: str) -> None:
 
 
 # ---------------------------------------------------------------- the run
+
+def burst_sizes(largest: int) -> list[int]:
+    """2, 4, 8, ... below ``largest``, then ``largest`` (none for 0)."""
+    sizes, size = [], 2
+    while size < largest:
+        sizes.append(size)
+        size *= 2
+    return sizes + [largest] if largest > 0 else sizes
+
 
 async def bench(args, client: Client, maker: TextMaker) -> dict:
     rng = np.random.default_rng(args.seed)
@@ -605,8 +615,9 @@ async def bench(args, client: Client, maker: TextMaker) -> dict:
         kinds = [k for k in KINDS for _ in range(args.warmup_requests)]
         warm = [*firsts, *make_specs(len(kinds), kinds, args, tenants, warm_ids, maker, rng, "warmup")]
         results = [await client.run(s, args) for s in warm]
-        burst = make_specs(args.warmup_burst, None, args, tenants, warm_ids, maker, rng, "burst")
-        results += await asyncio.gather(*(client.run(s, args) for s in burst))
+        for size in burst_sizes(args.warmup_burst):  # the batch sizes load will bring
+            burst = make_specs(size, None, args, tenants, warm_ids, maker, rng, f"burst{size}")
+            results += await asyncio.gather(*(client.run(s, args) for s in burst))
         stats = await client.stats()
         warmup = {"requests": len(results), "errors": sum(not r.ok for r in results),
                   "error_samples": sorted({r.error for r in results if not r.ok})[:5],
