@@ -48,8 +48,8 @@ one engine delta, normally one token: ``tokens_per_chunk`` in the JSON says how 
 request's whole time, ``[DONE]`` included; cached ratio = usage ``cached_tokens`` /
 ``prompt_tokens`` summed over the requests.  Per point: requests/s and output tokens/s over the
 wall time from the first request sent to the last one done.  A request is an error when its
-status is not 200, its stream has an error event or no usage, or the connection fails.  p99 over
-fewer than 1000 samples is indicative only (bench/NOTES.md, "How to measure").
+status is not 200, its stream has an error event or no usage, or the connection fails.  A p99
+over fewer than 1000 samples is indicative only (the ``n`` of each figure says how many).
 
 Writes ``PREFIX.json`` (every figure), ``PREFIX.md`` (tables) and ``PREFIX.png`` (latency
 percentiles and throughput vs load) for ``--out PREFIX`` (default ``bench/results/serve_<device>``).
