@@ -58,7 +58,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import dataclasses
 import datetime
 import itertools
 import json
@@ -66,20 +65,16 @@ import math
 import os
 import random
 import shlex
-import signal
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
-import time
 from collections import Counter
 
 import httpx
 
 from report import MD, log, table, write_md  # bench/report.py (this script's folder is on sys.path)
+from soak_state import ROOT, Result, Seg, Server, Version, now, wall
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 TENANTS = ("alpha", "beta", "gamma")
 ADMIN = "ops"
@@ -96,138 +91,6 @@ CHURN_IDS = ("churn-0", "churn-1", "churn-2")
 # queue full, or the KV pool held by running requests.  Any other 5xx (engine_fault included) is a failure.
 BACKPRESSURE = ("overloaded", "out_of_pages")
 RETRIED = "503 backpressure (Retry-After)"
-
-
-def now() -> float:
-    return time.monotonic()
-
-
-_WALL = time.time() - time.monotonic()
-
-
-def wall(t: float | None) -> str:
-    """A ``now()`` time as the server log writes its clock (to find the lines of a failure)."""
-    if t is None:
-        return "-"
-    return time.strftime("%H:%M:%S", time.localtime(t + _WALL)) + f",{int((t + _WALL) % 1 * 1000):03d}"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@dataclasses.dataclass
-class Version:
-    """One content of a segment id, between the request that created it and the one that ended it."""
-    content: int  # index into TEXTS
-    sent: float  # the creating request was sent
-    acked: float  # ... and acknowledged
-    present_from: float  # certainly present since (an update keeps its predecessor's)
-    end_sent: float | None = None  # the deleting / replacing request was sent
-    end_acked: float | None = None
-
-
-@dataclasses.dataclass
-class Seg:
-    sid: str
-    owner: str  # the tenant whose key changes it (ADMIN for public segments)
-    public: bool
-    stable: bool
-    versions: list = dataclasses.field(default_factory=list)
-    unsure: list = dataclasses.field(default_factory=list)  # [start, end] where its state is unknown
-
-    def current(self) -> Version | None:
-        v = self.versions[-1] if self.versions else None
-        return v if v is not None and v.end_sent is None else None
-
-    def certain(self) -> bool:
-        return not self.unsure or self.unsure[-1][1] is not None
-
-    def overlaps_unsure(self, t0: float, t1: float) -> bool:
-        return any(a <= t1 and (b is None or b >= t0) for a, b in self.unsure)
-
-    def candidates(self, t0: float, t1: float) -> list[int]:
-        """Contents the server may have used for a request in flight during [t0, t1]."""
-        return sorted({v.content for v in self.versions
-                       if v.sent <= t1 and (v.end_acked is None or v.end_acked >= t0)})
-
-    def present_throughout(self, t0: float, t1: float) -> bool:
-        return any(v.present_from <= t0 and (v.end_sent is None or v.end_sent >= t1) for v in self.versions)
-
-    def history(self, t0: float, t1: float) -> str:
-        """The versions near [t0, t1], wall-clock (failure messages)."""
-        near = [v for v in self.versions if v.sent <= t1 + 3 and (v.end_acked is None or v.end_acked >= t0 - 3)]
-        return f"{self.owner}/{self.sid}: " + "; ".join(
-            f"text {v.content} sent {wall(v.sent)} acked {wall(v.acked)} end sent {wall(v.end_sent)} "
-            f"acked {wall(v.end_acked)}" for v in near)
-
-
-@dataclasses.dataclass
-class Result:
-    status: int
-    body: object = None
-    text: str | None = None  # the whole answer (None: not complete)
-    disconnected: bool = False
-    retry_after: str | None = None
-
-
-class Server:
-    """``inferscale serve`` in a subprocess; each ``start()`` (a new *life*) keeps the port and the
-    snapshot folder."""
-
-    def __init__(self, args, workdir: str):
-        self.args, self.workdir = args, workdir
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.keys = os.path.join(workdir, "keys.json")
-        with open(self.keys, "w") as f:
-            json.dump(KEYS, f)
-        self.snapshot_dir = os.path.join(workdir, "snapshots")
-        self.life = 0
-        self.proc = None
-        self.logs: list[str] = []
-
-    def start(self) -> None:
-        self.life += 1
-        path = os.path.join(self.workdir, f"server-{self.life}.log")
-        self.logs.append(path)
-        a = self.args
-        cmd = [sys.executable, "-m", "inferscale_jax.cli", "serve", "--host", "127.0.0.1", "--port", str(self.port),
-               "--api-keys", self.keys, "--snapshot-dir", self.snapshot_dir, "--snapshot-interval",
-               str(a.snapshot_interval), "--dtype", a.dtype, "--page-size", str(a.page_size), "--hbm-pages",
-               str(a.hbm_pages), "--model-name", "soak"]
-        with open(path, "w") as out:
-            self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
-        log(f"[soak] server life {self.life}: pid {self.proc.pid}, {shlex.join(cmd[1:])}")
-
-    def rss_kb(self) -> int | None:
-        try:
-            with open(f"/proc/{self.proc.pid}/status") as f:
-                return next((int(ln.split()[1]) for ln in f if ln.startswith("VmRSS:")), None)
-        except OSError:  # the process is gone
-            return None
-
-    def kill9(self) -> None:
-        self.proc.send_signal(signal.SIGKILL)
-        self.proc.wait(60)
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-
-    def error_lines(self) -> list[str]:
-        out = []
-        for path in self.logs:
-            with open(path, errors="replace") as f:
-                out += [f"{os.path.basename(path)}: {ln.rstrip()}" for ln in f if " ERROR " in ln]
-        return out
 
 
 class Soak:
@@ -934,7 +797,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     workdir = args.workdir or tempfile.mkdtemp(prefix="inferscale-soak-")
     os.makedirs(workdir, exist_ok=True)
-    server = Server(args, workdir)
+    server = Server(args, workdir, KEYS)
     soak = Soak(args, server)
     t0 = now()
     try:
