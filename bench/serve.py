@@ -259,7 +259,7 @@ class Server:
         with open(key_file, "w") as f:
             json.dump(self.keys, f)
         self.url = f"http://127.0.0.1:{free_port()}"
-        self.cmd = [sys.executable, "-m", "inferscale_jax.cli", "serve", "--host", "127.0.0.1",
+        self.cmd = [sys.executable, "-m", "inferscale_cli", "serve", "--host", "127.0.0.1",
                     "--port", self.url.rsplit(":", 1)[1], "--api-keys", key_file, "--log-level", "warning"]
         for flag, value in (("--model", args.model), ("--hbm-pages", args.hbm_pages), ("--max-batch", args.max_batch)):
             if value is not None:
@@ -654,7 +654,7 @@ async def bench(args, client: Client, maker: TextMaker) -> dict:
 
 
 def main(argv=None) -> int:
-    from inferscale_jax.cli import quiet_third_party
+    from inferscale_cli.main import quiet_third_party
 
     quiet_third_party()
     args = parse_args(argv)

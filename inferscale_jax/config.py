@@ -92,3 +92,12 @@ class EngineConfig:
         if self.matmul_precision is not None:
             return self.matmul_precision
         return "highest" if self.dtype == "float32" else "default"
+
+
+def resolve_dtype(name: str) -> str:
+    """``auto`` -> bfloat16 on a GPU or TPU, float32 on the CPU; any other name unchanged."""
+    if name != "auto":
+        return name
+    import jax
+
+    return "bfloat16" if jax.default_backend() in ("gpu", "cuda", "rocm", "tpu") else "float32"

@@ -8,7 +8,7 @@
    shape the table uses (the model's prefill step for the chunk sizes and page-table width of
    these prompts, its one-token decode step, the copy of the segment's partly filled last
    page), so no compile lands in the timings.  The CLI keeps XLA's compilation cache on disk
-   (``cli.py``), so a second run mostly loads these compiles instead of redoing them.
+   (``inferscale_cli/main.py``), so a second run mostly loads these compiles instead of redoing them.
 4. Ask each question twice - injected (``segments=["kb"]``) and as one long prompt holding the
    same tokens - and print TTFT with / without, prompt vs cached tokens, and whether the
    generated tokens are identical.  In exact mode they must be: the command exits 1 otherwise.
@@ -32,7 +32,7 @@ from importlib import resources
 
 import jax
 
-from inferscale_jax.cli import resolve_dtype
+from inferscale_jax.config import resolve_dtype
 from inferscale_jax.config import EngineConfig
 from inferscale_jax.default_model import default_model_dir
 from inferscale_jax.engine import Engine
@@ -76,7 +76,7 @@ def demo_pool_pages(kb_tokens: int, max_tokens: int, page_size: int = 16) -> int
 def run_demo(model_dir: str | None = None, max_tokens: int = 24, out=sys.stdout, dtype: str = "auto",
              progress: Progress | None = None) -> bool:
     """Run the demo; True when every injected answer equals full prefill.  ``dtype="auto"``:
-    bfloat16 on a GPU/TPU, float32 on the CPU (``cli.resolve_dtype``)."""
+    bfloat16 on a GPU/TPU, float32 on the CPU (``config.resolve_dtype``)."""
     progress = progress or Progress(out=out)
     dtype = resolve_dtype(dtype)
     kb = knowledge_base()

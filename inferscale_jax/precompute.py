@@ -1,6 +1,6 @@
 """Bulk precompute: a corpus of documents -> segments, through a grain pipeline and batched prefill.
 
-``inferscale precompute CORPUS --snapshot-dir DIR`` (``cli.py``) and ``precompute(engine, corpus)``
+``inferscale precompute CORPUS --snapshot-dir DIR`` (``inferscale_cli/main.py``) and ``precompute(engine, corpus)``
 store every document of a corpus as a segment (id = the document's id) and write a snapshot, so a
 server started on that ``snapshot_dir`` has their KV ready.
 

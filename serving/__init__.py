@@ -3,7 +3,7 @@
 ``app.py`` (the app and routes), ``generation.py`` (completions / chat, SSE streaming),
 ``schemas.py`` (request bodies), ``auth.py`` (API keys -> tenants), ``errors.py`` (OpenAI error
 bodies and statuses), ``metrics.py`` (Prometheus), ``middleware.py`` (413, request log lines).
-``inferscale serve`` (``inferscale_jax/cli.py``) runs it with uvicorn, passing ``UVICORN_OPTIONS``
+``inferscale serve`` (``inferscale_cli/main.py``) runs it with uvicorn, passing ``UVICORN_OPTIONS``
 (keep-alive timeout, connection limit, graceful-shutdown bound).
 """
 

@@ -33,7 +33,7 @@ def free_port() -> int:
 
 
 class Server:
-    """``python -m inferscale_jax.cli serve`` on a free loopback port, until ``stop()``."""
+    """``python -m inferscale_cli serve`` on a free loopback port, until ``stop()``."""
 
     def __init__(self, tmp_dir, cache: str, *args: str):
         """Start the process; ``wait_ready()`` before use (so callers can load things meanwhile)."""
@@ -44,7 +44,7 @@ class Server:
         self.url = f"http://127.0.0.1:{self.port}"
         self._log = open(self.log_path, "w")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "inferscale_jax.cli", "serve", "--port", str(self.port), *SERVE_ARGS, *args],
+            [sys.executable, "-m", "inferscale_cli", "serve", "--port", str(self.port), *SERVE_ARGS, *args],
             cwd=REPO, env=env, stdout=self._log, stderr=subprocess.STDOUT)
 
     def wait_ready(self, timeout: float = 240.0) -> "Server":

@@ -28,7 +28,7 @@ def test_bench_serve_tiny_load(tmp_path, tmp_path_factory):
     env = dict(os.environ, INFERSCALE_CACHE=cache, JAX_PLATFORMS=os.environ.get("JAX_PLATFORMS", "cpu"),
                JAX_COMPILATION_CACHE_DIR=os.path.join(cache, "jax-compile-cache"))
     prefix = tmp_path / "serve_test"
-    cmd = [sys.executable, "-m", "inferscale_jax.cli", "bench", "serve", "--rates", "4", "--num-requests", "4",
+    cmd = [sys.executable, "-m", "inferscale_cli", "bench", "serve", "--rates", "4", "--num-requests", "4",
            "--max-tokens", "4", "--tenants", "2", "--segments-per-tenant", "1", "--segment-tokens", "48",
            "--question-tokens", "8", "--warmup-requests", "1", "--warmup-burst", "2", "--hbm-pages", "256",
            "--seed", "3", "--device", "cpu", "--out", str(prefix)]

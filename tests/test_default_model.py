@@ -38,7 +38,7 @@ def test_builds_byte_identical_and_loads_offline(tmp_path, monkeypatch):
 def test_cli_generate_uses_default_model(tmp_path):
     env = {**os.environ, "INFERSCALE_CACHE": str(tmp_path), "HF_HUB_OFFLINE": "1"}
     run = lambda: subprocess.run(
-        [sys.executable, "-m", "inferscale_jax.cli", "generate", "--prompt", "How long is the warranty?",
+        [sys.executable, "-m", "inferscale_cli", "generate", "--prompt", "How long is the warranty?",
          "--max-tokens", "8"], env=env, capture_output=True, text=True, timeout=300)
     first, second = run(), run()
     assert first.returncode == 0, first.stderr

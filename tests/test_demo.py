@@ -7,7 +7,7 @@ import sys
 
 def test_demo_reports_identical_outputs(tmp_path):
     env = {**os.environ, "INFERSCALE_CACHE": str(tmp_path), "HF_HUB_OFFLINE": "1"}
-    r = subprocess.run([sys.executable, "-m", "inferscale_jax.cli", "demo", "--max-tokens", "8"],
+    r = subprocess.run([sys.executable, "-m", "inferscale_cli", "demo", "--max-tokens", "8"],
                        env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "all outputs identical to full prefill: yes" in r.stdout

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from inferscale_jax import Engine, EngineConfig, SegmentExists
-from inferscale_jax.cli import main as cli_main
+from inferscale_cli.main import main as cli_main
 from inferscale_jax.default_model import default_model_dir
 from inferscale_jax.precompute import HASH_KEY, length_bucket, precompute
 from inferscale_jax.tokenizer import load_tokenizer

@@ -243,7 +243,7 @@ def test_api_key_file_validation(tmp_path):
     with pytest.raises(ValueError, match="neither valid JSON nor valid TOML"):
         ApiKeys.from_file(str(tmp_path / "garbage.json"))
     # the CLI refuses it before loading the model, without echoing the key
-    proc = subprocess.run([sys.executable, "-m", "inferscale_jax.cli", "serve", "--api-keys",
+    proc = subprocess.run([sys.executable, "-m", "inferscale_cli", "serve", "--api-keys",
                            str(tmp_path / "reserved.json")], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "reserved" in proc.stderr and "sk-secret-1" not in proc.stderr
 

@@ -39,7 +39,7 @@ def test_in_flight_requests_get_503_and_health_reports_the_failure(monkeypatch):
 
 
 def test_serve_exits_nonzero_when_the_engine_loses_its_device(monkeypatch, capsys):
-    from inferscale_jax import cli
+    from inferscale_cli import main as cli
 
     e = make_engine()
     monkeypatch.setattr(Engine, "from_pretrained", classmethod(lambda cls, *a, **k: e))

@@ -43,6 +43,8 @@ import os
 import signal
 import sys
 
+from inferscale_jax.config import resolve_dtype
+
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DTYPE_HELP = ("weights and KV dtype; auto = bfloat16 on a GPU/TPU, float32 on the CPU; precompute and serve "
               "must use the same one (default: %(default)s)")
@@ -61,15 +63,6 @@ def quiet_loggers() -> None:
 
     for name in ("absl", "jax", "orbax"):
         logging.getLogger(name).setLevel(logging.WARNING)
-
-
-def resolve_dtype(name: str) -> str:
-    """``auto`` -> bfloat16 on a GPU or TPU, float32 on the CPU; any other name unchanged."""
-    if name != "auto":
-        return name
-    import jax
-
-    return "bfloat16" if jax.default_backend() in ("gpu", "cuda", "rocm", "tpu") else "float32"
 
 
 def absolute(path: str | None) -> str | None:
