@@ -6,11 +6,16 @@ What a request goes through here (the scheduler, ``scheduler.py``, decides *when
    public one); an unknown or foreign id is ``SegmentNotFound``.  Check lengths against the
    model and the pool (``RequestTooLong``) and the sampling parameters (``ValueError`` naming
    the field).
-2. **Chain** (``_walk_chain``, at admission): walk the chain index for ``[s1]``,
-   ``[s1, s2]``, ... (``segments.py``).  A segment evicted to host or disk is promoted back
-   first (``tiers.py``).  A missing node ``[s1..si]`` is computed once, exactly: its parent's
-   pages are reused (full pages shared, the partially filled last page copied), ``si``'s
-   tokens are prefilled at their real positions over that context, and the node is cached.
+2. **Chain** (``_start`` -> ``_walk_chain``, at admission): walk the chain index for ``[s1]``,
+   ``[s1, s2]``, ... (``segments.py``), taking a reader on each node found.  A segment evicted
+   to host or disk is promoted back first (``tiers.py``).  At the first missing node
+   ``[s1..si]`` the walk stops and ``_start`` returns it with its parent: the scheduler computes
+   it as a *node job* (``scheduler.py``, 2) inside its normal prefill steps, once for every
+   request that needs it.  The job's pages come from ``_node_seq`` (the parent's full pages
+   shared, its partially filled last page copied, ``si``'s tokens at their real positions over
+   that context); when its last chunk is computed ``_add_node`` caches it (unless one of its
+   segments was deleted meanwhile: then its pages are released) and the requests waiting on it
+   are admitted again, finding it (a deeper chain may then need the next node's job).
    compose / blend take the segments' own nodes instead (``_start_composed``, ``blend.py``).
 3. **Prepare** the request's sequence (``_prepare``): share the final node's pages, look up
    the prompt's following full pages in the prefix cache (hash chain seeded with the tenant
@@ -24,9 +29,10 @@ What a request goes through here (the scheduler, ``scheduler.py``, decides *when
 5. **Release** the request's page references (its full pages stay cached, reusable until the
    pool needs them) and the chain nodes' reader counts.
 
-Shared pages are never written: a request writes only pages it allocated (including its
-private copy of a shared partial page).  Segments themselves are computed synchronously
-(``_materialize``), in ``register_segment`` / ``register_segments_batch`` or at admission.
+Shared pages are never written: a request or node job writes only pages it allocated
+(including its private copy of a shared partial page).  Registered segments themselves are
+computed synchronously (``_materialize``, ``register_segments_batch``), as is a root segment
+brought back from the recompute tier at admission (``tiers.py``); chain nodes never are.
 """
 from __future__ import annotations
 
@@ -240,7 +246,7 @@ class Engine:
         seq.first_own = max(seq.first_own, full)
 
     def _materialize(self, root: bytes, tokens: list[int], base: ChainNode | None) -> _Seq:
-        """Prepare and compute ``tokens`` now, one chunk per step (segments and chain nodes)."""
+        """Prepare and compute ``tokens`` now, one chunk per step (registered segments)."""
         seq = self._prepare(root, tokens, base, want_logits=False)
         chunk = self.config.prefill_chunk
         for c in range(seq.computed, len(tokens), chunk):
@@ -483,22 +489,38 @@ class Engine:
             raise
         return [done[rid] for rid in ids]
 
-    def _start(self, req: Request) -> None:
-        """Admission (``scheduler.py``, 2): chain nodes, then the request's pages."""
-        if req.mode != "exact" and len(req.chain) > 1:
-            return self._start_composed(req)
-        nodes: list[ChainNode] = []
+    def _start(self, req: Request) -> tuple[list[Segment], ChainNode] | None:
+        """Admission (``scheduler.py``, 2): chain nodes, then the request's pages.
+
+        Returns ``(chain, parent)`` when the chain node ``chain`` is missing: the request then
+        holds readers on the nodes before it (``req.nodes``, ``parent`` last) and no pages, and
+        the scheduler computes the node.  Readers the request held on entry (the nodes found
+        before it waited on a node job, and that node) are released once the walk has taken
+        its own, so a node computed for the request cannot be evicted before it is admitted."""
+        held, req.nodes = req.nodes, []
         try:
-            node, computed_now = self._walk_chain(req.chain, nodes)
-            tokens = req.prompt_tokens + req.out_ids
-            seq = self._prepare(self._root(req.tenant), tokens, node, want_logits=True)
-        except BaseException:
-            for nd in nodes:
+            if req.mode != "exact" and len(req.chain) > 1:
+                self._start_composed(req)
+                return None
+            nodes: list[ChainNode] = []
+            try:
+                node, missing = self._walk_chain(req.chain, nodes)
+                if missing is not None:
+                    req.nodes = nodes
+                    return missing, node
+                tokens = req.prompt_tokens + req.out_ids
+                seq = self._prepare(self._root(req.tenant), tokens, node, want_logits=True)
+            except BaseException:
+                for nd in nodes:
+                    nd.readers -= 1
+                raise
+        finally:
+            for nd in held:
                 nd.readers -= 1
-            raise
         req.seq, req.nodes, req.prefill_end = seq, nodes, len(tokens)
         if req.cached_tokens is None:
-            req.cached_tokens = max(0, seq.cached - computed_now)
+            req.cached_tokens = max(0, seq.cached - req.chain_computed)
+        return None
 
     def _start_composed(self, req: Request) -> None:
         """compose / blend admission (``blend.py``): segment 1 exact, the others spliced from their
@@ -553,8 +575,12 @@ class Engine:
         c["cached_tokens"] += metrics.cached_tokens
         c["generated_tokens"] += metrics.generated_tokens
 
-    def _walk_chain(self, chain: list[Segment], nodes: list[ChainNode]) -> tuple[ChainNode | None, int]:
-        node, computed = None, 0
+    def _walk_chain(self, chain: list[Segment], nodes: list[ChainNode]
+                    ) -> tuple[ChainNode | None, list[Segment] | None]:
+        """Take a reader on each cached node ``[s1]``, ``[s1, s2]``, ... (appended to ``nodes``)
+        up to the first missing one; returns (the last node found, the missing node's chain or
+        ``None`` when the whole chain is cached)."""
+        node = None
         for i in range(len(chain)):
             sub = chain[:i + 1]
             found = self.store.node(sub)
@@ -562,16 +588,38 @@ class Engine:
                 found = self.tiers.promote(sub[0])  # tiers: an evicted segment comes back to HBM
             if found is None:
                 assert node is not None, "a registered segment always has its root node"
-                ns = self.store.chain_namespace(sub)
-                toks = list(self.bos_prefix) + [t for seg in sub for t in seg.token_ids]
-                seq = self._materialize(self._root(ns), toks, node)
-                computed += len(toks) - seq.cached
-                found = ChainNode(ns, tuple(seg.uid for seg in sub), len(toks), seq.pages)
-                self.store.add_node(found)
+                return node, sub
             found.readers += 1
             nodes.append(found)
             node = found
-        return node, computed
+        return node, None
+
+    def _node_tokens(self, chain: list[Segment]) -> list[int]:
+        return list(self.bos_prefix) + [t for seg in chain for t in seg.token_ids]
+
+    def _node_seq(self, chain: list[Segment], parent: ChainNode) -> _Seq:
+        """Pages for the missing chain node ``chain`` over its cached ``parent`` (``_prepare``;
+        ``PoolExhausted`` if the pool cannot hold them).  Its tokens from ``computed`` on are
+        still to be computed (the scheduler's node job)."""
+        ns = self.store.chain_namespace(chain)
+        return self._prepare(self._root(ns), self._node_tokens(chain), parent, want_logits=False)
+
+    def _add_node(self, chain: list[Segment], seq: _Seq) -> ChainNode | None:
+        """A node job's computed ``seq`` becomes the chain node of ``chain`` (the node owns its
+        page references).  If a segment of ``chain`` was deleted (or replaced) meanwhile, its
+        pages are released instead and ``None`` is returned: nothing is cached under a dead uid."""
+        if not all(self.store.is_live(seg) for seg in chain):
+            self.pool.decref(reversed(seq.pages))
+            return None
+        existing = self.store.node(chain, touch=False)
+        if existing is not None:  # cached by another path meanwhile: keep that one
+            self.pool.decref(reversed(seq.pages))
+            return existing
+        self._register_full_pages(seq)
+        node = ChainNode(self.store.chain_namespace(chain), tuple(seg.uid for seg in chain), len(seq.tokens),
+                         seq.pages)
+        self.store.add_node(node)
+        return node
 
     # -- checks and stats -----------------------------------------------------------------
     def _check_tenant(self, tenant: str) -> None:
@@ -626,7 +674,9 @@ class Engine:
             "compile_cache_hits": compile_cache.counts()["hits"],
             "compile_cache_misses": compile_cache.counts()["misses"],
             "running": len(self.scheduler.running),
-            "waiting": len(self.scheduler.waiting),
+            # queued requests and those waiting on a node job (scheduler.py, 2)
+            "waiting": len(self.scheduler.waiting) + sum(len(j.waiters) for j in self.scheduler.jobs.values()),
+            "node_jobs": len(self.scheduler.jobs),
             "preemptions": self.scheduler.preemptions,
             "attention_impl": self.runner.cache.impl,
             "tiers": self.tiers.stats(),
@@ -634,8 +684,9 @@ class Engine:
         }
 
     def check_page_accounting(self) -> None:
-        """Between steps: every page's refcount is exactly the chain nodes plus the running
-        requests that list it, and the pool's own invariants hold (``AssertionError`` if not)."""
+        """Between steps: every page's refcount is exactly the chain nodes, the running requests
+        and the node jobs (``scheduler.py``, 2) that list it, and the pool's own invariants hold
+        (``AssertionError`` if not)."""
         want: dict[int, int] = {}
         for node in self.store.nodes():
             for p in node.pages:
@@ -643,6 +694,10 @@ class Engine:
         for req in self.scheduler.running:
             if req.seq is not None:
                 for p in req.seq.pages:
+                    want[p] = want.get(p, 0) + 1
+        for job in self.scheduler.jobs.values():
+            if job.seq is not None:
+                for p in job.seq.pages:
                     want[p] = want.get(p, 0) + 1
         for p in range(1, self.pool.num_pages):
             got = self.pool.refcount(p)

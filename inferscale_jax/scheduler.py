@@ -5,13 +5,28 @@
 2. **Admit** (``_admit``, start of every ``step``): waiting requests are taken first come,
    first served, except that within a short look-ahead window a request whose segment chain is
    already resident (no chain node to compute) goes before one that needs work.  Admission
-   walks the chain (computing missing chain nodes once, exactly), then *prepares* the
+   walks the chain (``Engine._start``).  If a chain node ``[s1..si]`` is missing, the request
+   waits on that node's *node job* (``NodeJob``): one per missing node, shared by every request
+   that needs it, holding a reader on the node's parent and, once it has them, the node's
+   pages (``Engine._node_seq``; if the pool cannot hold them the job waits like a request, and
+   admission stops behind it; when nothing running or computing could ever free pages, its
+   requests fail with ``PoolExhausted``).  The job's tokens are computed as chunks of the
+   prefill steps (3) while other requests keep decoding.  After its last chunk the node is
+   cached (``Engine._add_node``; not if one of its segments was deleted meanwhile) and its
+   requests go back to the head of the waiting queue, holding a reader on it: admitted again,
+   they find it (a deeper chain may then wait on the next node's job).  A job whose segments
+   are deleted is dropped (its pages released) and its requests re-admitted, which fails them
+   with ``SegmentNotFound`` as for any deleted segment.  Aborting the last request waiting on
+   a job cancels the job and frees its pages (nothing is cached); a job whose rows fail fails
+   the requests waiting on it only.  With the whole chain cached, admission *prepares* the
    sequence: shared pages of the final node, prefix-cache hits, a private copy of a shared
    partial page, fresh pages for the rest.  If the pool cannot hold it, the request stays
-   waiting (and so do those behind it: no starvation).  At most ``max_batch`` run at once.
-3. **Prefill** (``_prefill_step``): every running request that still has prompt tokens to
-   compute contributes its next chunk (at most ``prefill_chunk`` tokens), and all chunks go
-   through one device step; a long prompt therefore never stalls decodes for more than one
+   waiting (and so do those behind it: no starvation).  At most ``max_batch`` requests run or
+   wait on node jobs at once.
+3. **Prefill** (``_prefill_step``): every node job with pages, then every running request
+   that still has prompt tokens to compute, contributes its next chunk (at most
+   ``prefill_chunk`` tokens, within a token budget per step), and all chunks go through one
+   device step; a long prompt or chain node therefore never stalls decodes for more than one
    chunk.  When a request's last chunk is computed, the token sampled from its logits is its
    first output token (TTFT).
 4. **Decode** (``_decode_step``): every decoding request feeds its last sampled token in one
@@ -29,7 +44,7 @@
    shared-prefix kernel), while the other rows in the same step read their own pages.
 5. **Finish**: EOS, a stop token or string, ``max_tokens``, or ``abort``: the request's page
    references are dropped at once (its full pages stay in the prefix cache) and its chain
-   nodes lose a reader.
+   nodes lose a reader; one waiting on a node job leaves it (the last one cancels it).
 
 Every step returns ``RequestOutput`` deltas (new token ids, and the final ``GenerationOutput``
 when finished); ``AsyncEngine`` turns them into per-request streams.
@@ -49,7 +64,7 @@ from inferscale_jax.errors import EngineFault, PoolExhausted, SegmentNotFound
 from inferscale_jax.outputs import GenerationOutput, RequestMetrics
 from inferscale_jax.runner import PendingStep, StepRow
 from inferscale_jax.sampling import MAX_LOGPROBS, SamplingParams
-from inferscale_jax.segments import ChainNode, Segment
+from inferscale_jax.segments import ChainNode, Segment, SegmentStore
 
 log = logging.getLogger("inferscale.scheduler")
 LOOKAHEAD = 8  # waiting requests considered for resident-first admission
@@ -68,8 +83,10 @@ class Request:
     mode: str
     key: np.ndarray  # [2] uint32
     arrival: float
-    status: str = "waiting"  # waiting | running | finished
+    status: str = "waiting"  # waiting | node (on a node job) | running | finished
     seq: object = None  # engine._Seq while running
+    job: NodeJob | None = None  # the node job it waits on (status "node")
+    chain_computed: int = 0  # tokens of chain nodes computed for it (not counted as cached)
     prefill_end: int = 0  # seq.computed reaches this when the (re)admitted prompt is computed
     nodes: list[ChainNode] = dataclasses.field(default_factory=list)
     out_ids: list[int] = dataclasses.field(default_factory=list)
@@ -86,6 +103,10 @@ class Request:
     def prefilling(self) -> bool:
         return self.seq is not None and self.seq.computed < self.prefill_end
 
+    @property
+    def wants_logprobs(self) -> bool:
+        return self.sampling.logprobs is not None
+
     def row(self, tokens: list[int], start: int) -> StepRow:
         sp = self.sampling
         row = StepRow(tokens, start, self.seq.pages, temperature=float(sp.temperature), top_k=sp.top_k,
@@ -95,6 +116,22 @@ class Request:
             row.repetition_penalty = float(sp.repetition_penalty)
             row.output_ids, row.prompt_ids = self.out_ids, self.prompt_tokens
         return row
+
+
+@dataclasses.dataclass
+class NodeJob:
+    """A missing chain node computed as prefill rows for the requests waiting on it (module
+    docstring, 2).  It holds one reader on ``parent`` while it exists and one reference on each
+    of ``seq``'s pages until the node takes them over (or the job is dropped)."""
+    key: tuple  # the node's chain-index key (namespace, uids)
+    chain: list[Segment]
+    parent: ChainNode
+    waiters: list[Request] = dataclasses.field(default_factory=list)
+    seq: object = None  # engine._Seq once its pages are allocated
+    wants_logprobs = False
+
+    def row(self, tokens: list[int], start: int) -> StepRow:
+        return StepRow(tokens, start, self.seq.pages)
 
 
 @dataclasses.dataclass
@@ -114,6 +151,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
+        self.jobs: dict[tuple, NodeJob] = {}  # node jobs by node key, oldest first
         self.preemptions = 0
         self.failed: list[RequestOutput] = []  # admission failures, reported by the next step
         # overlapped decode: the decode step dispatched last, not yet read, and its requests
@@ -125,7 +163,7 @@ class Scheduler:
         self.waiting.append(req)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.jobs)
 
     def drain(self) -> list[RequestOutput]:
         """Read the in-flight decode step (if any) and process its tokens."""
@@ -144,7 +182,7 @@ class Scheduler:
     def step(self) -> list[RequestOutput]:
         self._admit()
         outs, self.failed = self.failed, []
-        if any(r.prefilling for r in self.running):
+        if any(r.prefilling for r in self.running) or any(j.seq is not None for j in self.jobs.values()):
             outs += self._prefill_step()
         if self.inflight is not None or any(not r.prefilling for r in self.running):
             outs += self._decode_step()
@@ -154,17 +192,24 @@ class Scheduler:
         store = self.engine.store
         return all(store.node(req.chain[:i + 1], touch=False) is not None for i in range(len(req.chain)))
 
+    def _active(self) -> int:
+        """Requests running or waiting on a node job (at most ``max_batch``)."""
+        return len(self.running) + sum(len(j.waiters) for j in self.jobs.values())
+
     def _admit(self) -> None:
         e = self.engine
-        while self.waiting and len(self.running) < e.config.max_batch:
+        self._prune_jobs()
+        if not self._provision_jobs():
+            return
+        while self.waiting and self._active() < e.config.max_batch:
             window = list(self.waiting)[:LOOKAHEAD]
             req = next((r for r in window if self._resident(r)), window[0])
             try:
                 self._check_segments(req)
-                e._start(req)
+                missing = e._start(req)
             except PoolExhausted as err:
-                if self.running:
-                    return  # stays waiting until running requests free pages
+                if self.running or self.jobs:
+                    return  # stays waiting until running requests (or node jobs) free pages
                 self.waiting.remove(req)  # nothing will ever free pages for it: fail it
                 self.failed.append(self._finish(req, "error", error=err))
                 continue
@@ -175,8 +220,92 @@ class Scheduler:
                 self._fail(req, err, self.failed)
                 continue
             self.waiting.remove(req)
+            if missing is not None:
+                self._wait_for_node(req, *missing)
+                if not self._provision_jobs():
+                    return
+                continue
             req.status = "running"
             self.running.append(req)
+
+    # -- node jobs (module docstring, 2) ---------------------------------------------------
+    def _wait_for_node(self, req: Request, chain: list[Segment], parent: ChainNode) -> None:
+        key = (SegmentStore.chain_namespace(chain), tuple(seg.uid for seg in chain))
+        job = self.jobs.get(key)
+        if job is None:
+            job = self.jobs[key] = NodeJob(key, chain, parent)
+            parent.readers += 1
+        job.waiters.append(req)
+        req.job, req.status = job, "node"
+
+    def _provision_jobs(self) -> bool:
+        """Pages for the node jobs that have none yet, oldest first.  False when one must wait
+        for pages (admission stops behind it); a job that could never get them (nothing
+        running, no other job computing) fails its requests with ``PoolExhausted``."""
+        e = self.engine
+        for job in list(self.jobs.values()):
+            if job.seq is not None:
+                continue
+            try:
+                job.seq = e._node_seq(job.chain, job.parent)
+            except PoolExhausted as err:
+                if self.running or any(j.seq is not None for j in self.jobs.values()):
+                    return False
+                self._fail_job(job, err, self.failed)
+                continue
+            except EngineFault:
+                raise
+            except Exception as err:  # noqa: BLE001 - this job's own failure: its requests fail
+                self._fail_job(job, err, self.failed)
+                continue
+            if job.seq.computed >= len(job.seq.tokens):  # every page was a prefix-cache hit
+                self._complete_job(job)
+        return True
+
+    def _prune_jobs(self) -> None:
+        """Drop the jobs of nodes with a deleted (or replaced) segment; their requests are
+        re-admitted (``_check_segments`` decides their fate)."""
+        store = self.engine.store
+        for job in list(self.jobs.values()):
+            if not all(store.is_live(seg) for seg in job.chain):
+                self._requeue(self._drop_job(job))
+
+    def _drop_job(self, job: NodeJob) -> list[Request]:
+        """Forget ``job``: its pages (if any) and its parent reader are released; returns its
+        requests, detached from it (they keep their own node readers)."""
+        del self.jobs[job.key]
+        if job.seq is not None:
+            self.engine.pool.decref(reversed(job.seq.pages))
+            job.seq = None
+        job.parent.readers -= 1
+        waiters, job.waiters = job.waiters, []
+        for req in waiters:
+            req.job = None
+        return waiters
+
+    def _requeue(self, reqs: list[Request]) -> None:
+        """Back to the head of the waiting queue, in their order, for admission next step."""
+        for req in reversed(reqs):
+            req.status = "waiting"
+            self.waiting.appendleft(req)
+
+    def _fail_job(self, job: NodeJob, err: Exception, outs: list[RequestOutput]) -> None:
+        for req in self._drop_job(job):
+            self._fail(req, err, outs)
+
+    def _complete_job(self, job: NodeJob) -> None:
+        """The job's last chunk is computed: cache the node (``Engine._add_node``), give each of
+        its requests a reader on it and requeue them."""
+        seq, job.seq = job.seq, None  # the node takes over its page references
+        waiters = self._drop_job(job)
+        node = self.engine._add_node(job.chain, seq)
+        if node is not None:
+            if waiters:
+                waiters[0].chain_computed += len(seq.tokens) - seq.cached
+            node.readers += len(waiters)
+            for req in waiters:
+                req.nodes.append(node)
+        self._requeue(waiters)
 
     def _check_segments(self, req: Request) -> None:
         """Before admission: every segment the request names must still be registered.  One
@@ -193,8 +322,11 @@ class Scheduler:
         raise SegmentNotFound(f"segment {dead[0].info.id!r} not found: it was deleted after this request was "
                               "submitted; list your segments with GET /v1/segments and retry")
 
-    def _fail(self, req: Request, err: Exception, outs: list[RequestOutput]) -> None:
-        """Fail one request with ``err`` (its pages released) and report it in ``outs``."""
+    def _fail(self, req: Request | NodeJob, err: Exception, outs: list[RequestOutput]) -> None:
+        """Fail one request with ``err`` (its pages released) and report it in ``outs``; for a
+        node job, every request waiting on it."""
+        if isinstance(req, NodeJob):
+            return self._fail_job(req, err, outs)
         if isinstance(err, (SegmentNotFound, ValueError)):
             log.info("request %s failed: %s", req.id, err)
         else:
@@ -209,11 +341,12 @@ class Scheduler:
             outs.append(self._finish(req, "error", error=err))
         return outs
 
-    def _run_alone(self, reqs: list[Request], rows: list[StepRow], err: Exception,
-                   outs: list[RequestOutput]) -> list[tuple[Request, StepRow, object]]:
+    def _run_alone(self, reqs: list[Request | NodeJob], rows: list[StepRow], err: Exception,
+                   outs: list[RequestOutput]) -> list[tuple[Request | NodeJob, StepRow, object]]:
         """A synchronous step of ``rows`` raised ``err``: if the device is still sound, run each
-        row alone so only the request(s) that cause the failure fail; returns (request, row,
-        result) of the rows that ran.  A lost device raises ``EngineFault`` (``Engine.check_device``)."""
+        row alone so only the request(s) (or node job: its waiting requests) that cause the
+        failure fail; returns (request or job, row, result) of the rows that ran.  A lost device
+        raises ``EngineFault`` (``Engine.check_device``)."""
         e = self.engine
         e.check_device(err)
         if len(reqs) == 1:
@@ -223,14 +356,15 @@ class Scheduler:
                     type(err).__name__, err)
         return self._each_alone(reqs, rows, outs)
 
-    def _each_alone(self, reqs: list[Request], rows: list[StepRow],
-                    outs: list[RequestOutput]) -> list[tuple[Request, StepRow, object]]:
-        """Run each row as a step of its own; a row that fails fails its request only."""
+    def _each_alone(self, reqs: list[Request | NodeJob], rows: list[StepRow],
+                    outs: list[RequestOutput]) -> list[tuple[Request | NodeJob, StepRow, object]]:
+        """Run each row as a step of its own; a row that fails fails its request (or its node
+        job's requests) only."""
         e = self.engine
         done = []
         for req, row in zip(reqs, rows):
             try:
-                res = e._step([row], MAX_LOGPROBS if req.sampling.logprobs is not None else 0)
+                res = e._step([row], MAX_LOGPROBS if req.wants_logprobs else 0)
             except Exception as one:  # noqa: BLE001 - this row's failure
                 e.check_device(one)
                 self._fail(req, one, outs)
@@ -241,28 +375,33 @@ class Scheduler:
     def _prefill_step(self) -> list[RequestOutput]:
         e = self.engine
         chunk = e.config.prefill_chunk
-        rows, reqs = [], []
+        rows, owners = [], []
         budget = 4 * chunk  # new tokens per prefill step (rows are padded to the longest chunk)
-        for req in self.running:
-            if not req.prefilling:
-                continue
-            seq = req.seq
-            toks = seq.tokens[seq.computed:min(seq.computed + chunk, req.prefill_end)]
+        work = [j for j in self.jobs.values() if j.seq is not None] + [r for r in self.running if r.prefilling]
+        for owner in work:
+            seq = owner.seq
+            end = owner.prefill_end if isinstance(owner, Request) else len(seq.tokens)
+            toks = seq.tokens[seq.computed:min(seq.computed + chunk, end)]
             if rows and (len(rows) + 1) * max(len(toks), max(len(r.tokens) for r in rows)) > budget:
                 break
-            rows.append(req.row(toks, seq.computed))
-            reqs.append(req)
-        nl = MAX_LOGPROBS if any(r.sampling.logprobs is not None for r in reqs) else 0
+            rows.append(owner.row(toks, seq.computed))
+            owners.append(owner)
+        nl = MAX_LOGPROBS if any(o.wants_logprobs for o in owners) else 0
         outs: list[RequestOutput] = []
         try:
             res = e._step(rows, nl)
-            done = [(req, row, res, i) for i, (req, row) in enumerate(zip(reqs, rows))]
+            done = [(owner, row, res, i) for i, (owner, row) in enumerate(zip(owners, rows))]
         except EngineFault:
             raise
-        except Exception as err:  # noqa: BLE001 - isolate the request(s) it came from
-            done = [(req, row, res, 0) for req, row, res in self._run_alone(reqs, rows, err, outs)]
-        for req, row, res, i in done:
-            req.seq.computed += len(row.tokens)
+        except Exception as err:  # noqa: BLE001 - isolate the request(s) or node job it came from
+            done = [(owner, row, res, 0) for owner, row, res in self._run_alone(owners, rows, err, outs)]
+        for owner, row, res, i in done:
+            owner.seq.computed += len(row.tokens)
+            if isinstance(owner, NodeJob):
+                if owner.seq.computed >= len(owner.seq.tokens):
+                    self._complete_job(owner)
+                continue
+            req = owner
             e._register_full_pages(req.seq)
             if not req.prefilling:  # its last chunk: the sample is the next output token
                 if req.ttft_s is None:
@@ -455,6 +594,13 @@ class Scheduler:
         return RequestOutput(req.id, [tok], False, logprobs=req.logprobs[-1:] if sp.logprobs is not None else None)
 
     def _release(self, req: Request) -> None:
+        """Drop the request's pages and node readers; the last request leaving a node job
+        cancels the job (its pages freed, nothing cached)."""
+        job, req.job = req.job, None
+        if job is not None:
+            job.waiters.remove(req)
+            if not job.waiters:
+                self._drop_job(job)
         if req.seq is not None:
             self.engine.pool.decref(reversed(req.seq.pages))
             req.seq = None
