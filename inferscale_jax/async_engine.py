@@ -108,12 +108,12 @@ class AsyncEngine:
             return
         log.critical("the engine stopped serving: %s", fault)
         self.fatal = fault
-        self._fail_all(fault)
-        if self.on_fatal is not None:
-            try:
+        if self.on_fatal is not None:  # before the streams learn of it: whoever reads their errors
+            try:                       # sees the server already stopping
                 self.on_fatal(fault)
             except Exception:  # noqa: BLE001
                 log.exception("on_fatal callback failed")
+        self._fail_all(fault)
 
     def _run_command(self, fn: Callable, fut: concurrent.futures.Future | None) -> None:
         if fut is not None and not fut.set_running_or_notify_cancel():

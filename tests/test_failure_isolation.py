@@ -166,7 +166,7 @@ def test_async_engine_fails_every_stream_once_and_calls_on_fatal(monkeypatch):
         assert all(isinstance(x, EngineFault) for x in errs)
         assert len(fatal) == 1 and ae.fatal is fatal[0]
         with pytest.raises(EngineFault):
-            asyncio.run(one(P1) if False else ae.generate(prompt_token_ids=P1, tenant="t", sampling=GREEDY))
+            asyncio.run(ae.generate(prompt_token_ids=P1, tenant="t", sampling=GREEDY))
     finally:
         ae.shutdown()
 
