@@ -8,7 +8,7 @@ import sys
 
 CHILD = r"""
 import json, sys
-sys.path.insert(0, {tests!r})
+sys.path[:0] = [{tests!r}, {root!r}]
 from inferscale_jax import EngineConfig, SamplingParams
 from tiny_engine import make_engine
 e = make_engine(compilation_cache_dir={cache!r})
@@ -20,7 +20,8 @@ print(json.dumps(dict(hits=s["compile_cache_hits"], misses=s["compile_cache_miss
 
 
 def _run(tmp_path, cache):
-    code = CHILD.format(tests=os.path.dirname(__file__), cache=cache)
+    tests = os.path.dirname(os.path.abspath(__file__))
+    code = CHILD.format(tests=tests, root=os.path.dirname(tests), cache=cache)
     env = {**os.environ, "INFERSCALE_CACHE": str(tmp_path / "home")}
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600,
                          cwd=tmp_path)

@@ -2,6 +2,7 @@
 
 import asyncio
 
+import jax
 import numpy as np
 import pytest
 
@@ -69,8 +70,11 @@ def test_16_concurrent_requests_equal_running_alone(cascade, monkeypatch):
     register(engine)
     seen = spy_steps(engine)
     batched = engine.generate_batch(reqs)
-    for b, a in zip(batched, alone):  # cascade: the LSE merge sums in another order; the documented
-        assert_same(b, a, 1e-5 if cascade == "policy" else 1e-4)  # exactness bound is 1e-4
+    # cascade, or the GPU kernels (their split count follows the batch size): sums in another
+    # order, so the documented exactness bound (1e-4); the CPU reference path agrees to 1e-5
+    tight = cascade == "policy" and jax.default_backend() == "cpu"
+    for b, a in zip(batched, alone):
+        assert_same(b, a, 1e-5 if tight else 1e-4)
     cascaded = [(n, rows) for k, n, rows in seen if k]
     if cascade == "always":  # groups of segment "a" / "b" rows ran beside rows of other segments
         assert cascaded and all(n >= 2 for n, _ in cascaded)
