@@ -65,8 +65,6 @@ import json
 import math
 import os
 import shlex
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -85,6 +83,7 @@ for _p in (BENCH, ROOT):  # report.py beside this file; the engine package (run 
         sys.path.insert(0, _p)
 
 from report import MD, log, pyplot, table, write_md  # noqa: E402  (bench/report.py)
+from servers import free_port, stop_process  # noqa: E402  (bench/servers.py)
 
 KINDS = ("warm", "cold", "none")
 ADMIN = "bench-admin"
@@ -231,12 +230,6 @@ class Result:
 
 # ---------------------------------------------------------------- server and client
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def detect_device() -> str:
     """The platform of jax's first device (``cpu``, ``gpu``, ``tpu``) and its kind in parentheses
     where they differ, asked in a child process (this one stays free of an accelerator context)."""
@@ -288,13 +281,7 @@ class Server:
             return f.read()[-chars:]
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_process(self.proc)
 
 
 def keys_from_file(path: str) -> dict:

@@ -8,12 +8,12 @@ import json
 import os
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 import time
 
 from report import log  # bench/report.py (this script's folder is on sys.path)
+from servers import free_port, stop_process  # bench/servers.py
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -30,12 +30,6 @@ def wall(t: float | None) -> str:
     if t is None:
         return "-"
     return time.strftime("%H:%M:%S", time.localtime(t + _WALL)) + f",{int((t + _WALL) % 1 * 1000):03d}"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclasses.dataclass
@@ -134,13 +128,7 @@ class Server:
         self.proc.wait(60)
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_process(self.proc)
 
     def error_lines(self) -> list[str]:
         out = []
