@@ -74,7 +74,7 @@ class AsyncEngine:
     # -- the engine thread ----------------------------------------------------------------
     def _loop(self) -> None:
         while not self._stop.is_set():
-            busy = self.engine.has_unfinished()
+            busy = self.fatal is None and self.engine.has_unfinished()
             try:
                 fn, fut = self._cmds.get(block=not busy, timeout=0.05)
             except queue.Empty:

@@ -42,8 +42,9 @@ def default_dir() -> str:
     return os.path.join(os.path.abspath(cache_root()), "jax-compile")
 
 
-def enable(path: str | None) -> str:
-    """Use ``path`` (None: ``default_dir()``) as JAX's compilation cache; returns the folder in use."""
+def enable(path: str | None) -> str | None:
+    """Use ``path`` (None: ``default_dir()``) as JAX's compilation cache; returns the folder in
+    use, or None when it cannot be created (a read-only home: the engine runs without a cache)."""
     global _listening
     path = path or default_dir()
     current = jax.config.jax_compilation_cache_dir
@@ -51,7 +52,12 @@ def enable(path: str | None) -> str:
         log.info("the JAX compilation cache already uses %s; keeping it (not %s)", current, path)
         path = current
     else:
-        os.makedirs(path, exist_ok=True)
+        try:
+            os.makedirs(path, exist_ok=True)
+        except OSError as err:
+            log.warning("no compilation cache: cannot create %s (%s); every start compiles its steps "
+                        "(set EngineConfig.compilation_cache_dir to a writable folder)", path, err)
+            return None
         jax.config.update("jax_compilation_cache_dir", path)
         jax.config.update("jax_persistent_cache_min_compile_time_secs", MIN_COMPILE_SECONDS)
     with _lock:

@@ -224,9 +224,13 @@ class Engine:
         except Exception:
             self.pool.decref(reversed(pages))
             raise
-        if cow is not None:
-            self.runner.copy_pages([cow], [new[0]])
         pages += new
+        if cow is not None:
+            try:
+                self.runner.copy_pages([cow], [new[0]])
+            except Exception:
+                self.pool.decref(reversed(pages))
+                raise
         key = tuple(pages[:k or len(hits)])
         return _Seq(root, list(tokens), pages, hashes, first_own=k + len(hits), computed=pos, cached=pos,
                     shared_key=key, shared_hash=hash(key))
@@ -428,7 +432,8 @@ class Engine:
         except Exception as err:  # noqa: BLE001 - contained here: see the docstring
             log.error("engine step failed; failing the running requests", exc_info=err)
             self.check_device(err)
-            outs = self.scheduler.fail_running(EngineFault(
+            outs = self.scheduler.finished_in_step()  # requests the step finished before it failed
+            outs += self.scheduler.fail_running(EngineFault(
                 f"internal error in an engine step ({type(err).__name__}); the requests running at that "
                 "moment failed and the engine keeps serving: retry the request"))
             try:
@@ -540,9 +545,9 @@ class Engine:
             pages = first.pages[:fork // s]
             self.pool.incref(pages)
             new = self._allocate(-(-n // s) - len(pages))
+            pages = pages + new  # from here on the except below releases them all
             if fork % s:
                 self.runner.copy_pages([first.pages[fork // s]], [new[0]])
-            pages = pages + new
             src, dst, shift, blended = [], [], [], []
             pos = first.num_tokens
             for node, seg in zip(nodes[1:], req.chain[1:]):

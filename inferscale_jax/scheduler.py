@@ -154,6 +154,7 @@ class Scheduler:
         self.jobs: dict[tuple, NodeJob] = {}  # node jobs by node key, oldest first
         self.preemptions = 0
         self.failed: list[RequestOutput] = []  # admission failures, reported by the next step
+        self._finished: list[RequestOutput] = []  # the final outputs of the current step
         # overlapped decode: the decode step dispatched last, not yet read, and its requests
         self.inflight: tuple[PendingStep, list[Request]] | None = None
 
@@ -180,6 +181,7 @@ class Scheduler:
 
     # -- one iteration --------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        self._finished = []  # every request this step finishes (``finished_in_step``)
         self._admit()
         outs, self.failed = self.failed, []
         if any(r.prefilling for r in self.running) or any(j.seq is not None for j in self.jobs.values()):
@@ -333,6 +335,12 @@ class Scheduler:
             log.error("request %s failed", req.id, exc_info=err)
         outs.append(self._finish(req, "error", error=err))
 
+    def finished_in_step(self) -> list[RequestOutput]:
+        """The final outputs of the requests the current step finished: after the step raised,
+        they are reported from here (its return value is lost), so no request's stream hangs."""
+        outs, self._finished = self._finished, []
+        return outs
+
     def fail_running(self, err: Exception) -> list[RequestOutput]:
         """Fail every running request with ``err`` (an engine-wide fault); waiting ones stay queued."""
         self.inflight = None  # whatever was in flight belongs to the failed requests
@@ -441,7 +449,10 @@ class Scheduler:
                         break
                     except PoolExhausted:
                         if prev is not None:  # settle the in-flight step before preempting
-                            outs += self.drain()
+                            try:
+                                outs += self.drain()
+                            except Exception as err:  # noqa: BLE001 - its results are lost: recompute
+                                return outs + self._decode_alone(err)
                             prev, pend, ending = None, {}, set()
                             if req.status != "running":
                                 break  # it finished with the drained token
@@ -502,6 +513,13 @@ class Scheduler:
                     type(err).__name__, err)
         outs: list[RequestOutput] = []
         reqs.sort(key=lambda r: r.arrival)
+        for req in list(reqs):  # the page of the position each one feeds (a failed step may not have it)
+            if (len(req.seq.tokens) - 1) // e.config.page_size >= len(req.seq.pages):
+                try:
+                    req.seq.pages += e._allocate(1)
+                except PoolExhausted:
+                    self._preempt(req)  # recomputed later, same output
+                    reqs.remove(req)
         rows = [r.row([r.seq.tokens[-1]], len(r.seq.tokens) - 1) for r in reqs]
         for req, _, res in self._each_alone(reqs, rows, outs):
             req.seq.computed += 1
@@ -586,8 +604,10 @@ class Scheduler:
             tail = e._decode(req.out_ids[-window:])
             if any(x in tail for x in sp.stop):
                 text = e._decode(req.out_ids)
-                req.text = text[:min(text.find(x) for x in sp.stop if x in text)]
-                return self._finish(req, "stop", [tok])
+                hits = [text.find(x) for x in sp.stop if x in text]
+                if hits:  # (a window cut inside a character can show a stop the full text lacks)
+                    req.text = text[:min(hits)]
+                    return self._finish(req, "stop", [tok])
         if len(req.out_ids) >= sp.max_tokens:
             return self._finish(req, "length", [tok])
         req.seq.tokens.append(tok)  # fed to the next decode step
@@ -631,10 +651,17 @@ class Scheduler:
             cached_tokens=req.cached_tokens or 0, generated_tokens=n,
             decode_tokens_per_s=(n - 1) / dec_s if n > 1 and dec_s > 0 else 0.0, e2e_s=now - req.arrival)
         e._count_finished(metrics)
+        try:
+            text = req.text if req.text is not None else e._decode(req.out_ids)
+        except Exception as err:  # noqa: BLE001 - e.g. ids the tokenizer cannot decode: this request fails
+            log.error("request %s: its output could not be decoded", req.id, exc_info=err)
+            text, reason, error = "", "error", error or err
+            req.finish_reason = reason
         out = GenerationOutput(
-            text=req.text if req.text is not None else e._decode(req.out_ids), token_ids=list(req.out_ids),
-            finish_reason=reason, metrics=metrics,
+            text=text, token_ids=list(req.out_ids), finish_reason=reason, metrics=metrics,
             logprobs=list(req.logprobs) if req.sampling.logprobs is not None else None, request_id=req.id)
         new = list(new or [])
         lps = req.logprobs[len(req.logprobs) - len(new):] if new and req.sampling.logprobs is not None else None
-        return RequestOutput(req.id, new, True, out, error, logprobs=lps)
+        res = RequestOutput(req.id, new, True, out, error, logprobs=lps)
+        self._finished.append(res)
+        return res

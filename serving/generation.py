@@ -106,11 +106,22 @@ def _job(state, kind: str, req, principal: Principal, prompt: dict, max_tokens: 
     return Job(kind, rid, submits, req.stream, req.include_usage, logprobs, list(req.stop or []), echo)
 
 
+def _echo_ids(state, req: CompletionRequest) -> str:
+    """The text of a token-id prompt to echo; ids outside the vocabulary are the client's 400
+    (checked here: the tokenizer would raise on them before the engine could)."""
+    vocab = state.engine.cfg.vocab_size
+    bad = next((t for t in req.prompt if not 0 <= t < vocab), None)
+    if bad is not None:
+        raise APIError(400, f"prompt holds token id {bad} outside [0, {vocab}) (the model's vocab size)",
+                       "invalid_field", "prompt")
+    return state.decode(req.prompt)
+
+
 def completion_job(state, req: CompletionRequest, principal: Principal) -> Job:
     if isinstance(req.prompt, str):
         prompt, echo = dict(prompt=req.prompt), req.prompt
     else:
-        prompt, echo = dict(prompt_token_ids=req.prompt), state.decode(req.prompt) if req.echo else ""
+        prompt, echo = dict(prompt_token_ids=req.prompt), _echo_ids(state, req) if req.echo else ""
     max_tokens = req.max_tokens or COMPLETION_DEFAULT_MAX_TOKENS
     return _job(state, "completion", req, principal, prompt, max_tokens, req.logprobs, echo if req.echo else "")
 

@@ -222,3 +222,61 @@ def test_compose_that_can_never_fit_is_request_too_long_naming_the_sizes():
     # exact mode shares the chain's pages: the same request fits
     rid = e.submit(prompt_token_ids=P1, segments=["a", "b"], tenant="t", mode="exact", sampling=GREEDY)
     assert not isinstance(_run(e, [rid])[rid], Exception)
+
+
+def test_outputs_finished_earlier_in_a_failing_step_are_still_reported(monkeypatch):
+    e = make_engine()
+    e.register_segment("a", token_ids=SEG_A, tenant="t1")
+    running = e.submit(prompt_token_ids=P2, tenant="t", sampling=GREEDY)
+    e.step()  # admitted and prefilled: decoding from now on
+    gone = e.submit(prompt_token_ids=P1, segments=["a"], tenant="t1", sampling=GREEDY)
+    short = e.submit(prompt_token_ids=P3, tenant="t", sampling=SamplingParams(max_tokens=1, temperature=0.0))
+    e.delete_segment("a", tenant="t1")  # `gone` fails at admission, `short` finishes in its prefill
+    monkeypatch.setattr(e.scheduler, "_cascade_group", lambda reqs: 1 / 0)  # then the decode part raises
+    outs = {o.request_id: o for o in e.step()}
+    assert set(outs) == {running, gone, short}
+    assert isinstance(outs[gone].error, SegmentNotFound)
+    assert outs[short].error is None and outs[short].output.token_ids == _solo(P3)[:1]
+    assert isinstance(outs[running].error, EngineFault)
+    e.check_page_accounting()
+
+
+def test_an_output_that_cannot_be_decoded_fails_only_its_request(monkeypatch):
+    a_ids, b_ids = _solo(P1), _solo(P2)
+    marker = next(t for t in a_ids if t not in b_ids)
+    e = make_engine()
+    real = e._decode
+
+    def decode(ids):
+        if marker in ids:
+            raise IndexError("piece id is out of range")  # a slow tokenizer on a padded vocab
+        return real(ids)
+    monkeypatch.setattr(e, "_decode", decode)
+    stop = SamplingParams(max_tokens=6, temperature=0.0, stop=["zz"])  # decodes every token
+    ra = e.submit(prompt_token_ids=P1, tenant="t", sampling=stop)
+    rb = e.submit(prompt_token_ids=P2, tenant="t", sampling=stop)
+    done = _run(e, [ra, rb])
+    assert isinstance(done[ra], IndexError)
+    assert done[rb].token_ids == b_ids
+    assert e.fault is None
+    e.check_page_accounting()
+
+
+def test_a_failing_copy_on_write_leaks_no_page(monkeypatch):
+    e = make_engine()
+    e.register_segment("a", token_ids=SEG_A, tenant="t")  # 20 tokens: a partially filled last page
+    real, calls = e.runner.copy_pages, {"n": 0}
+
+    def copy_pages(src, dst):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("INTERNAL: copy failed")
+        return real(src, dst)
+    monkeypatch.setattr(e.runner, "copy_pages", copy_pages)
+    free = e.pool.num_free
+    r1 = e.submit(prompt_token_ids=P1, segments=["a"], tenant="t", sampling=GREEDY)
+    assert isinstance(_run(e, [r1])[r1], RuntimeError)
+    e.check_page_accounting()
+    assert e.pool.num_free == free
+    r2 = e.submit(prompt_token_ids=P1, segments=["a"], tenant="t", sampling=GREEDY)
+    assert _run(e, [r2])[r2].token_ids == _solo(P1, [SEG_A])

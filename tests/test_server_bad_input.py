@@ -67,6 +67,8 @@ CASES = [
     ("n = 17", "POST", C, {"prompt": "hi", "n": 17}, 400, "invalid_field"),
     ("n as string", "POST", C, {"prompt": "hi", "n": "2"}, 400, "invalid_field"),
     ("seed + n overflows", "POST", C, {"prompt": "hi", "n": 4, "seed": 2**63 - 2}, 400, "invalid_field"),
+    ("echo of a negative token id", "POST", C, {"prompt": [-1], "echo": True}, 400, "invalid_field"),
+    ("echo of a huge token id", "POST", C, {"prompt": [2**40], "echo": True}, 400, "invalid_field"),
     ("presence_penalty > 2", "POST", C, {"prompt": "hi", "presence_penalty": 2.5}, 400, "invalid_field"),
     ("frequency_penalty < -2", "POST", C, {"prompt": "hi", "frequency_penalty": -3}, 400, "invalid_field"),
     ("repetition_penalty 0", "POST", C, {"prompt": "hi", "repetition_penalty": 0}, 400, "invalid_field"),
