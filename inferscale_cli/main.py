@@ -45,6 +45,8 @@ import sys
 
 from inferscale_jax.config import resolve_dtype
 
+SHUTDOWN_WAIT_S = 300.0  # serve: how long the engine thread may take to finish its step at shutdown
+
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DTYPE_HELP = ("weights and KV dtype; auto = bfloat16 on a GPU/TPU, float32 on the CPU; precompute and serve "
               "must use the same one (default: %(default)s)")
@@ -221,8 +223,12 @@ def cmd_serve(args) -> int:
         with _stop_signals_return():
             server.run()
     finally:
-        async_engine.shutdown()
-        engine.close()
+        async_engine.shutdown(timeout=SHUTDOWN_WAIT_S)  # a step (or a compile) in flight finishes first
+        if async_engine.stopped:
+            engine.close()  # the final snapshot, with the engine thread gone
+        else:
+            print(f"error: the engine thread did not stop within {SHUTDOWN_WAIT_S:.0f} s; no final snapshot "
+                  "(the last periodic one and the registry stand)", file=sys.stderr)
     if async_engine.fatal is not None:
         print(f"error: {async_engine.fatal}", file=sys.stderr)
         return 1

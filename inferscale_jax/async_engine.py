@@ -236,7 +236,13 @@ class AsyncEngine:
     async def stats(self) -> dict:
         return await self.call(self.engine.stats)
 
+    @property
+    def stopped(self) -> bool:
+        """Whether the engine loop thread has ended (after ``shutdown``)."""
+        return not self._thread.is_alive()
+
     def shutdown(self, timeout: float = 10.0) -> None:
+        """Stop the loop after its current step; wait up to ``timeout`` s (``stopped`` tells)."""
         self._stop.set()
         self._thread.join(timeout)
         self._tok_pool.shutdown(wait=False, cancel_futures=True)
