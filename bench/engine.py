@@ -54,7 +54,7 @@ g. compose / blend TTFT vs exact for 3 segments of 2k + a 64-token question: exa
    chain, compose and blend (first call with its compiles shown apart); plus exact over one
    segment and a full prefill of 6144+64 as references.
 
-Targets (PERF.md): TTFT(4k injected) / TTFT(question alone) <= 1.5; HF full prefill / ours
+Targets: TTFT(4k injected) / TTFT(question alone) <= 1.5; HF full prefill / ours
 injected >= 15x at 4k; HF prefix reuse / ours injected >= 5x at 4k; decode step / floor <= 1.3.
 Writes ``engine.md``, ``engine.png`` (TTFT) and ``engine_batch.png`` (section e) to ``--out`` and
 prints the summary table last.
