@@ -40,10 +40,10 @@ import dataclasses
 import hashlib
 import logging
 import time
+from collections import Counter
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from inferscale_jax import compile_cache
 from inferscale_jax.blend import blend
@@ -680,7 +680,7 @@ class Engine:
             "compile_cache_misses": compile_cache.counts()["misses"],
             "running": len(self.scheduler.running),
             # queued requests and those waiting on a node job (scheduler.py, 2)
-            "waiting": len(self.scheduler.waiting) + sum(len(j.waiters) for j in self.scheduler.jobs.values()),
+            "waiting": self.scheduler.num_waiting,
             "node_jobs": len(self.scheduler.jobs),
             "preemptions": self.scheduler.preemptions,
             "attention_impl": self.runner.cache.impl,
@@ -692,21 +692,12 @@ class Engine:
         """Between steps: every page's refcount is exactly the chain nodes, the running requests
         and the node jobs (``scheduler.py``, 2) that list it, and the pool's own invariants hold
         (``AssertionError`` if not)."""
-        want: dict[int, int] = {}
-        for node in self.store.nodes():
-            for p in node.pages:
-                want[p] = want.get(p, 0) + 1
-        for req in self.scheduler.running:
-            if req.seq is not None:
-                for p in req.seq.pages:
-                    want[p] = want.get(p, 0) + 1
-        for job in self.scheduler.jobs.values():
-            if job.seq is not None:
-                for p in job.seq.pages:
-                    want[p] = want.get(p, 0) + 1
+        seqs = [r.seq for r in self.scheduler.running] + [j.seq for j in self.scheduler.jobs.values()]
+        want = Counter(p for holder in [*self.store.nodes(), *(q for q in seqs if q is not None)]
+                       for p in holder.pages)
         for p in range(1, self.pool.num_pages):
             got = self.pool.refcount(p)
-            assert got == want.get(p, 0), f"page {p} has refcount {got} but {want.get(p, 0)} holders"
+            assert got == want[p], f"page {p} has refcount {got} but {want[p]} holders"
         self.pool.check_invariants()
         self.check_invariants()
 

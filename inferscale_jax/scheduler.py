@@ -194,9 +194,14 @@ class Scheduler:
         store = self.engine.store
         return all(store.node(req.chain[:i + 1], touch=False) is not None for i in range(len(req.chain)))
 
+    @property
+    def num_waiting(self) -> int:
+        """Requests queued or waiting on a node job."""
+        return len(self.waiting) + sum(len(j.waiters) for j in self.jobs.values())
+
     def _active(self) -> int:
         """Requests running or waiting on a node job (at most ``max_batch``)."""
-        return len(self.running) + sum(len(j.waiters) for j in self.jobs.values())
+        return len(self.running) + self.num_waiting - len(self.waiting)
 
     def _admit(self) -> None:
         e = self.engine
@@ -477,7 +482,7 @@ class Scheduler:
             src.append(-1 if j is None else j)
         pending, failure = None, None
         if rows:
-            nl = MAX_LOGPROBS if any(r.sampling.logprobs is not None for r in reqs) else 0
+            nl = MAX_LOGPROBS if any(r.wants_logprobs for r in reqs) else 0
             k, group = self._cascade_group(reqs)
             for i in group:
                 rows[i].cascade = True

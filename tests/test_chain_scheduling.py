@@ -141,18 +141,25 @@ def test_a_three_segment_chain_computes_its_two_missing_nodes_in_turn():
     assert_only_nodes_hold_pages(e)
 
 
+def _mid_job(e, other_sampling):
+    """Segments a and b registered, a plain request and one naming [a, b] submitted, one step
+    run: (plain request id, chain request id, its node job, now part-way computed)."""
+    e.register_segment("a", token_ids=SEG_A)
+    e.register_segment("b", token_ids=SEG_B)
+    other = e.submit(prompt_token_ids=P3, sampling=other_sampling)
+    r = e.submit(prompt_token_ids=P1, segments=["a", "b"], sampling=GREEDY)
+    e.step()
+    (job,) = e.scheduler.jobs.values()
+    assert job.seq is not None and job.seq.computed < len(job.seq.tokens)  # mid-job
+    return other, r, job
+
+
 @pytest.mark.parametrize("deleted", ["a", "b"])
 def test_a_segment_deleted_while_its_node_job_runs_fails_the_request_and_caches_nothing(deleted):
     """The waiting request never ran: it fails with ``SegmentNotFound`` like any request whose
     segment was deleted before it ran; the job's pages are released, no node is cached."""
     e = make_engine()
-    e.register_segment("a", token_ids=SEG_A)
-    e.register_segment("b", token_ids=SEG_B)
-    other = e.submit(prompt_token_ids=P3, sampling=GREEDY)
-    r = e.submit(prompt_token_ids=P1, segments=["a", "b"], sampling=GREEDY)
-    e.step()
-    (job,) = e.scheduler.jobs.values()
-    assert job.seq is not None and job.seq.computed < len(job.seq.tokens)  # mid-job
+    other, r, job = _mid_job(e, GREEDY)
     uid = e.store.resolve(deleted, "default").uid
     e.delete_segment(deleted)
     e.check_page_accounting()
@@ -167,13 +174,7 @@ def test_a_segment_deleted_while_its_node_job_runs_fails_the_request_and_caches_
 
 def test_aborting_the_only_waiter_cancels_the_node_job():
     e = make_engine()
-    e.register_segment("a", token_ids=SEG_A)
-    e.register_segment("b", token_ids=SEG_B)
-    other = e.submit(prompt_token_ids=P3, sampling=LONG)
-    r = e.submit(prompt_token_ids=P1, segments=["a", "b"], sampling=GREEDY)
-    e.step()
-    (job,) = e.scheduler.jobs.values()
-    assert job.seq is not None and job.seq.computed < len(job.seq.tokens)
+    other, r, job = _mid_job(e, LONG)
     free_mid = e.pool.num_free
     assert e.abort(r).finished
     assert not e.scheduler.jobs and job.seq is None

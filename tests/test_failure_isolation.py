@@ -125,7 +125,7 @@ def _lose_device(engine, monkeypatch):
     real = engine.runner.collect
 
     def collect(pending):
-        out = real(pending)
+        real(pending)  # the step ran; reading its result is what fails
         for leaf in jax.tree.leaves(engine.runner.cache):
             leaf.delete()  # the KV cache is gone, as after a device fault
         raise RuntimeError("INTERNAL: CUDA error: an illegal memory access was encountered")
