@@ -9,8 +9,8 @@ asked), so the host reads back a few bytes per step.
 Shapes are bucketed so requests of new lengths do not recompile: the batch to a power of two
 (<= ``max_batch``), the chunk to 1 (decode) or a power of two >= 16 (<= ``prefill_chunk``), the
 page table to a power of two >= 4 pages, log-probs to 0 or ``MAX_LOGPROBS``, and (only in
-steps where a row has a sampling penalty) the generated / prompt id arrays to powers of two
->= 16 (``sampling.py`` says why the ids travel per step).  Each new bucket is logged once and
+steps where a row has a sampling penalty) the generated / prompt id arrays to powers of four
+>= 16 (``penalty_width``) (``sampling.py`` says why the ids travel per step).  Each new bucket is logged once and
 counted in ``compiles``.  Padding rows use one query and one key in
 the null page; padding tokens write into the null page.
 
@@ -61,6 +61,16 @@ def freeze_heap() -> None:
 
 def next_pow2(n: int, minimum: int = 1) -> int:
     return max(minimum, 1 << max(0, n - 1).bit_length())
+
+
+def penalty_width(n: int) -> int:
+    """Width of a penalty step's id array: a power of 4 >= 16, so requests of every length
+    share a few compiled variants (a power-of-two ladder let each new length band compile
+    again) at up to 4x padding of a few int32 ids per row."""
+    w = 16
+    while w < n:
+        w *= 4
+    return w
 
 
 @dataclasses.dataclass
@@ -309,8 +319,8 @@ class ModelRunner:
         pen_rows = [r for r in rows if r.has_penalty]
         gen_n = max(len(r.output_ids or ()) for r in pen_rows)
         prompt_n = max((len(r.prompt_ids or ()) for r in pen_rows if r.repetition_penalty != 1), default=0)
-        gen = np.full((b, next_pow2(gen_n, 16)), -1, np.int32)
-        prompt = np.full((b, next_pow2(prompt_n, 16) if prompt_n else 0), -1, np.int32)
+        gen = np.full((b, penalty_width(gen_n)), -1, np.int32)
+        prompt = np.full((b, penalty_width(prompt_n) if prompt_n else 0), -1, np.int32)
         params = np.zeros((b, 3), np.float32)
         params[:, 2] = 1.0
         for i, r in enumerate(rows):

@@ -25,7 +25,8 @@ tokens.  Greedy decoding takes the argmax of the penalized logits.
 
 How the counts reach the device: each row of a step that has a penalty sends its generated ids
 (and its prompt ids when ``repetition_penalty != 1``) as a padded int32 array, bucketed to a
-power-of-two width, and ``apply_penalties`` builds the ``[B, V]`` counts with one scatter-add.
+power-of-four width (``runner.penalty_width``: few compiled variants), and ``apply_penalties``
+builds the ``[B, V]`` counts with one scatter-add.
 A step in which no row has a penalty passes ``penalties=None``, which is the unchanged,
 separately compiled common path.  The cost is host packing and a host->device copy of
 O(prompt + generated) ids per penalty row per step (16 KB for a 4k-token prompt), plus a scatter

@@ -256,3 +256,12 @@ def test_repetition_penalty_matches_hf(hf_llama, penalty):
     plain = engine.generate(prompt_token_ids=prompt, sampling=SamplingParams(
         max_tokens=16, temperature=0.0, ignore_eos=True))
     assert plain.token_ids != want  # the penalty changed this greedy run
+
+
+def test_penalty_id_widths_are_a_short_ladder():
+    """Varied prompt and output lengths share a few compiled penalty variants."""
+    from inferscale_jax.runner import penalty_width
+
+    widths = {penalty_width(n) for n in range(0, 20000)}
+    assert widths == {16, 64, 256, 1024, 4096, 16384, 65536}
+    assert all(penalty_width(n) >= n for n in (0, 1, 16, 17, 64, 65, 5000, 19999))
