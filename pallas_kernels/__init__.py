@@ -11,6 +11,7 @@ from pallas_kernels.cascade_attention import (
 from pallas_kernels.decode_attention import paged_decode_attention, paged_decode_attention_ref
 from pallas_kernels.kv_write import write_kv, write_kv_pallas, write_kv_ref
 from pallas_kernels.prefill_attention import paged_prefill_attention, paged_prefill_attention_ref
+from pallas_kernels.ragged_attention import ragged_paged_attention, ragged_paged_attention_ref
 from pallas_kernels.splice import splice_kv, splice_kv_ref
 
 __all__ = [
@@ -18,6 +19,8 @@ __all__ = [
     "paged_decode_attention_ref",
     "paged_prefill_attention",
     "paged_prefill_attention_ref",
+    "ragged_paged_attention",
+    "ragged_paged_attention_ref",
     "shared_prefix_decode_attention",
     "shared_prefix_decode_attention_ref",
     "splice_kv",

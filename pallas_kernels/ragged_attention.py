@@ -1,0 +1,425 @@
+"""Ragged paged attention: one flat token batch mixing decode rows and prefill chunks.
+
+Inputs (one layer; page layout as in :mod:`pallas_kernels.common`):
+
+* ``q [N, Hq, D]``: the flat new query tokens of one engine step.  Row (sequence) ``r`` owns
+  tokens ``[cu_q_lens[r], cu_q_lens[r + 1])``; ``q_len[r] = cu_q_lens[r + 1] - cu_q_lens[r]``
+  may be 0 (an empty padding row), 1 (a decode row) or many (a prefill chunk).  Tokens at
+  index ``>= cu_q_lens[R]`` are padding.
+* ``k_pages, v_pages [Hkv, P, S, D]``, ``page_table [R, max_pages] int32``.
+* ``cu_q_lens [R + 1] int32``: nondecreasing, ``cu_q_lens[0] == 0``, ``cu_q_lens[R] <= N``.
+* ``kv_lens [R] int32 = cached + q_len``: the new tokens' K/V are already in the pages.
+
+Semantics.  Query ``i`` of row ``r`` sits at absolute position ``kv_lens[r] - q_len[r] + i``
+and attends exactly the keys at positions ``<= `` its own: the cached tokens plus, causally,
+its own chunk.  The softmax runs in fp32; the output has ``q``'s dtype.  Output rows of
+padding tokens are exact zeros.  Key slots at positions ``>= kv_lens[r]`` (the tail of the
+last page, padded table entries, the null page) may hold anything, NaN included: their scores
+are masked *and* their V rows zeroed, as in :mod:`pallas_kernels.prefill_attention`.
+
+Work list.  Shapes (``N``, ``R``, ``max_pages``) are static, lengths are traced.  The wrapper
+cuts every row into query blocks of ``block_q`` tokens (``cdiv(q_len, block_q)`` blocks) with
+jnp ops of static size, plus the padding tokens ``[cu_q_lens[R], N)`` as a pseudo-row without
+keys (its blocks run no KV iterations and store zeros, so every output row is written).  At
+most ``min(R, N) + N // block_q + 1`` blocks exist, the static grid size; blocks past the
+actual count do nothing.  Each block is described by five int32 words (first flat token,
+token count, position of its first query, the row's kv_len, the row's page-table offset)
+that the program reads before anything else.  Blocks are launched last-first: a chunk's later
+blocks have the longest loops, and engines put chunks after the decode rows.
+
+Kernel (Triton-style Pallas, FlashAttention-2 online softmax in base 2).  A program owns one
+query block and one kv head ``h`` and, as in prefill, packs all ``G = Hq // Hkv`` query heads
+of ``h`` into its tile rows (row ``i`` = token ``i // G``, head ``h * G + i % G``), gathered
+straight from ``q`` viewed as ``[N * Hq, D]`` and stored back with the same row indices.
+Tile rows past the block's last token repeat that token (clamped indices): they compute and
+store identical values, so no load or store needs a mask and no row of another sequence is
+touched.  Two tile shapes live in one kernel, picked per block with a ``lax.cond`` on the
+block's token count:
+
+* the *big* tile (``block_q * G`` rows, default 128 or 64, KV block ``block_kv``) for chunks;
+  the same tile choices as :func:`paged_prefill_attention` (shared ``_choose_blocks``, with
+  ``N`` in place of the chunk length);
+* the *small* tile (``max(16, G)`` rows rounded to a power of two, ``max(1, 16 // G)``
+  tokens; KV block ``2 * block_kv`` = 128 keys, the decode kernel's tile, with 2 pipeline
+  stages, ``block_kv`` with 3 to stay within shared memory) for blocks of at most that many
+  tokens: decode rows (and the short tail block of a chunk).  A decode row in a 128-row tile
+  would do 8-32x the MMA work of its G real rows and turn a bandwidth-bound row
+  compute-bound; 16 rows is what :func:`paged_decode_attention` uses.  Its loop prefetches
+  the next block's page slots (the K/V gather of iteration ``j`` never waits on a page-table
+  read).  When ``N`` is so small that the big tile is no bigger, only this one is compiled.
+
+Only ``num_warps`` / ``num_stages`` are shared by the two tiles (one kernel); the defaults
+follow the big tile's (prefill) choice.
+
+Per block, with first query position ``p0`` and ``c`` tokens: keys ``< p0`` are visible to
+every row, so KV blocks ``[0, p0 // block_kv)`` run unmasked and the rest up to
+``cdiv(p0 + c, block_kv)`` apply the causal/length mask.  Page-table reads are clamped to
+the row; slots past ``kv_len`` read the null page's slot 0 (masked).
+
+Split-KV (flash-decoding style): when ``Hkv * (min(R, N) + N // block_q)`` programs cannot
+fill the GPU (a short chunk, a few decode rows), each block's KV range is split ``kv_splits``
+ways; the kernel then writes fp32 partial outputs plus a log2-sum-exp per row and a jnp
+epilogue merges them.  ``kv_splits=None`` picks about two programs per SM, at least
+``_MIN_SPLIT_KEYS`` keys of capacity per split, bounded partial buffers; 1 in interpret mode.
+
+``ragged_paged_attention_ref`` is the pure-jnp reference (each token gathers its row's pages
+densely, fp32 softmax); both call :func:`check_ragged_inputs`.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+
+from pallas_kernels import common
+from pallas_kernels.prefill_attention import _LOG2E, _MASK, _PREC, _choose_blocks, _next_pow2
+
+_MIN_SPLIT_KEYS = 256  # kv_splits=None: at least this much KV capacity per split
+_SPLITS_PER_SM = 2  # kv_splits=None: aim for about this many programs per SM
+_MAX_PARTIAL_BYTES = 1 << 28  # kv_splits=None: fp32 partial outputs stay below 256 MiB
+_META = 5  # int32 words per query block: tok0, count, pos0, kv_len, page-table offset
+_REF_CHUNK_BYTES = 1 << 25  # the reference gathers K/V for this many bytes of tokens at once (32 MiB: the
+# engine runs it on the CPU, where the allocator keeps its high-water mark as resident memory)
+
+
+def check_ragged_inputs(q, k_pages, v_pages, page_table, cu_q_lens, kv_lens) -> tuple[int, ...]:
+    """Validate the arguments of both ragged functions; return (N, R, Hq, Hkv, P, S, D).
+
+    Length *values* are checked too when they are concrete (eager calls), skipped under jit.
+    """
+    if q.ndim != 3:
+        common._fail("q.shape", q.shape, "[N, Hq, D] (3 dims: flat tokens, heads, head_dim)")
+    num_tokens, num_q_heads, head_dim = (int(x) for x in q.shape)
+    num_kv_heads, num_pages, page_size, d_kv = common.check_pages(k_pages, v_pages)
+    if d_kv != head_dim:
+        common._fail("k_pages.shape[-1]", d_kv, f"q's head_dim {head_dim}")
+    common.check_gqa(num_q_heads, num_kv_heads)
+    if kv_lens.ndim != 1:
+        common._fail("kv_lens.shape", kv_lens.shape, "[R] (one length per row)")
+    rows = int(kv_lens.shape[0])
+    max_pages = common.check_page_table(page_table, rows)
+    common.check_int_vector("cu_q_lens", cu_q_lens, rows + 1)
+    common.check_int_vector("kv_lens", kv_lens, rows)
+    if q.dtype != k_pages.dtype:
+        common._fail("q.dtype", q.dtype, f"the dtype of k_pages ({k_pages.dtype}); cast one")
+    if common.is_concrete(cu_q_lens, kv_lens):
+        cu, kl = np.asarray(cu_q_lens, np.int64), np.asarray(kv_lens, np.int64)
+        ql = np.diff(cu)
+        if cu[0] != 0 or (ql < 0).any() or cu[-1] > num_tokens:
+            common._fail("cu_q_lens", cu.tolist(),
+                         f"nondecreasing offsets from 0 up to at most N={num_tokens}")
+        capacity = max_pages * page_size
+        if ((kl < ql) | (kl > capacity)).any():
+            common._fail(
+                "kv_lens", kl.tolist(),
+                f"q_len <= kv_lens <= max_pages * page_size = {capacity} "
+                "(kv_lens counts cached + new tokens, all already written to the pages)")
+    return num_tokens, rows, num_q_heads, num_kv_heads, num_pages, page_size, head_dim
+
+
+def _small_tile(group: int) -> tuple[int, int]:
+    """(rows, tokens) of the small tile: >= 16 rows (Triton's smallest MMA), >= 1 token."""
+    rows = max(common.MIN_DOT_DIM, _next_pow2(group))
+    return rows, max(1, rows // group)
+
+
+def _block_bound(num_tokens: int, num_rows: int, block_q: int) -> int:
+    """Static upper bound of the query blocks (real rows + the padding pseudo-row)."""
+    return min(num_rows, num_tokens) + num_tokens // block_q + 1
+
+
+def _auto_kv_splits(programs: int, capacity: int, partial_bytes_per_split: int) -> int:
+    """Splits for about _SPLITS_PER_SM programs per SM; 1 when the grid already fills it."""
+    sms = common.num_sms()
+    if programs >= sms:
+        return 1
+    splits = min(pl.cdiv(_SPLITS_PER_SM * sms, programs), capacity // _MIN_SPLIT_KEYS,
+                 _MAX_PARTIAL_BYTES // max(1, partial_bytes_per_split))
+    return max(1, splits)
+
+
+def _block_meta(cu_q_lens, kv_lens, *, num_tokens, num_blocks, block_q, max_pages, capacity):
+    """[num_blocks * _META] int32 work list (see the module docstring), jnp ops only."""
+    rows = kv_lens.shape[0]
+    cu = jnp.clip(cu_q_lens.astype(jnp.int32), 0, num_tokens)  # [R+1]
+    # rows 0..R-1 plus the padding pseudo-row R: tokens [cu[R], N), no keys
+    q_len = jnp.maximum(jnp.concatenate([cu[1:] - cu[:-1], num_tokens - cu[rows:]]), 0)
+    kv = jnp.concatenate([jnp.minimum(kv_lens.astype(jnp.int32), capacity),
+                          jnp.zeros((1,), jnp.int32)])  # [R+1]
+    nblk = (q_len + block_q - 1) // block_q
+    end = jnp.cumsum(nblk)
+    b = jnp.arange(num_blocks, dtype=jnp.int32)
+    row = jnp.sum(end[None, :] <= b[:, None], axis=1, dtype=jnp.int32)  # [NB], R+1: no work
+    rc = jnp.minimum(row, rows)
+    q0 = (b - (end - nblk)[rc]) * block_q
+    cnt = jnp.where(row <= rows, jnp.clip(q_len[rc] - q0, 0, block_q), 0)
+    pos0 = jnp.where(rc < rows, kv[rc] - q_len[rc] + q0, 0)
+    meta = [cu[rc] + q0, cnt, pos0, kv[rc], jnp.minimum(rc, rows - 1) * max_pages]
+    return jnp.stack(meta, axis=1).reshape(-1)
+
+
+def _attend(meta, page_table_ref, q_ref, k_ref, v_ref, o_ref, lse_refs, tile, *, group,
+            num_q_heads, page_size, max_pages, num_splits, sm_scale):
+    """One program's attention with one static tile: (rows, block_q, block_kv, prefetch)."""
+    rows, block_q, block_kv, prefetch = tile
+    tok0, cnt, pos0, kv_len, pt_off, split, head = meta
+    r = jnp.minimum(jnp.arange(rows, dtype=jnp.int32), block_q * group - 1)  # [M]
+    t = jnp.minimum(lax.div(r, group), cnt - 1)  # [M] token within the block (clamped)
+    row_ids = (tok0 + t) * num_q_heads + head * group + lax.rem(r, group)  # [M]
+    q = q_ref[row_ids, :]  # [M, D]
+    q_pos = pos0 + t  # [M] absolute positions
+
+    n_total = jnp.maximum(jnp.minimum(lax.div(pos0 + cnt + block_kv - 1, block_kv),
+                                      lax.div(kv_len + block_kv - 1, block_kv)), 0)
+    n_full = jnp.minimum(lax.div(jnp.maximum(pos0, 0), block_kv), n_total)  # mask-free blocks
+    if num_splits == 1:
+        lo, hi = 0, n_total
+    else:
+        per = lax.div(n_total + num_splits - 1, num_splits)
+        lo = jnp.minimum(split * per, n_total)
+        hi = jnp.minimum(lo + per, n_total)
+    scale = sm_scale * _LOG2E  # log2 domain: exp(x) == exp2(x * log2(e))
+    offs = jnp.arange(block_kv, dtype=jnp.int32)
+
+    def slots_of(j, clamp):  # [block_kv] pool slots of KV block j (past kv_len: slot 0)
+        kpos = j * block_kv + offs
+        page_idx = lax.div(kpos, page_size)
+        if clamp:  # the last blocks may overhang kv_len and the page table
+            page_idx = jnp.minimum(page_idx, max_pages - 1)
+        slots = page_table_ref[pt_off + page_idx] * page_size + lax.rem(kpos, page_size)
+        return jnp.where(kpos < kv_len, slots, 0) if clamp else slots
+
+    def body(j, carry, masked: bool):
+        acc, m_prev, l_prev = carry[:3]  # [M, D], [M], [M] f32 (+ [block_kv] next slots)
+        if prefetch:  # the next block's slots load alongside this block's K/V
+            slots, nxt = carry[3], slots_of(j + 1, clamp=True)
+        else:
+            slots = slots_of(j, clamp=masked)
+        k = k_ref[slots, :]  # [block_kv, D]
+        v = v_ref[slots, :]
+        s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=_PREC,
+                            preferred_element_type=jnp.float32)  # [M, block_kv] raw scores
+        if masked:
+            kpos = j * block_kv + offs
+            s = jnp.where(kpos[None, :] <= q_pos[:, None], s, _MASK)
+            v = jnp.where((kpos < kv_len)[:, None], v, jnp.zeros_like(v))  # 0 * NaN guard
+        m_next = jnp.maximum(m_prev, s.max(axis=1) * scale)  # [M], scale > 0
+        alpha = jnp.exp2(m_prev - m_next)
+        p = jnp.exp2(s * scale - m_next[:, None])  # one FMA per score
+        l_next = l_prev * alpha + p.sum(axis=1)
+        pv = lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())), precision=_PREC,
+                             preferred_element_type=jnp.float32)  # [M, D]
+        return (acc * alpha[:, None] + pv, m_next, l_next) + ((nxt,) if prefetch else ())
+
+    head_dim = q.shape[-1]
+    mid = jnp.clip(n_full, lo, hi)
+    carry = (jnp.zeros((rows, head_dim), jnp.float32), jnp.full((rows,), -jnp.inf, jnp.float32),
+             jnp.zeros((rows,), jnp.float32)) + ((slots_of(lo, clamp=True),) if prefetch else ())
+    carry = lax.fori_loop(lo, mid, functools.partial(body, masked=False), carry)
+    acc, m, l = lax.fori_loop(mid, hi, functools.partial(body, masked=True), carry)[:3]
+
+    valid = l > 0  # l == 0: no keys in this block / split (padding tokens, empty splits)
+    out = acc / jnp.where(valid, l, 1.0)[:, None]
+    o_ref[row_ids, :] = jnp.where(valid[:, None], out, 0.0).astype(o_ref.dtype)
+    if lse_refs:
+        lse_refs[0][row_ids] = jnp.where(valid, m + jnp.log2(jnp.where(valid, l, 1.0)), -jnp.inf)
+
+
+def _ragged_kernel(meta_ref, page_table_ref, q_ref, k_ref, v_ref, o_ref, *lse_refs,
+                   num_blocks, tiles, **kw):
+    """meta_ref [NB * 5] int32; page_table_ref [R * max_pages]; q_ref / o_ref [N * Hq, D];
+    k_ref / v_ref [P * S, D] (this kv head); lse_refs: () or ([N * Hq] fp32) when split."""
+    blk = num_blocks - 1 - pl.program_id(1)  # last blocks (longest loops) first
+    # program ids are read here, outside the cond (interpret mode cannot read them inside)
+    meta = tuple(meta_ref[blk * _META + i] for i in range(_META))
+    meta += (pl.program_id(0), pl.program_id(2))  # split, kv head
+    cnt = meta[1]
+    attend = functools.partial(_attend, meta, page_table_ref, q_ref, k_ref, v_ref, o_ref,
+                               lse_refs, **kw)
+
+    @pl.when(cnt > 0)
+    def _():
+        if len(tiles) == 1:
+            attend(tiles[0])
+        else:  # (small, big): a block of few tokens (a decode row) takes the small tile
+            lax.cond(cnt <= tiles[0][1], lambda: attend(tiles[0]), lambda: attend(tiles[1]))
+
+
+@functools.partial(jax.jit, static_argnames=(
+    "sm_scale", "block_q", "tiles", "num_warps", "num_stages", "kv_splits", "interpret"))
+def _ragged(q, k_pages, v_pages, page_table, cu_q_lens, kv_lens, *, sm_scale, block_q, tiles,
+            num_warps, num_stages, kv_splits, interpret):
+    num_tokens, num_q_heads, head_dim = q.shape  # [N, Hq, D]
+    num_kv_heads, num_pages, page_size, _ = k_pages.shape  # [Hkv, P, S, D]
+    num_rows, max_pages = page_table.shape  # [R, max_pages]
+    group = num_q_heads // num_kv_heads
+    num_blocks = _block_bound(num_tokens, num_rows, block_q)
+    meta = _block_meta(cu_q_lens, kv_lens, num_tokens=num_tokens, num_blocks=num_blocks,
+                       block_q=block_q, max_pages=max_pages, capacity=max_pages * page_size)
+    n_rows = num_tokens * num_q_heads
+    q_rows = q.reshape(n_rows, head_dim)  # free
+    k_slots = k_pages.reshape(num_kv_heads, num_pages * page_size, head_dim)  # free
+    v_slots = v_pages.reshape(num_kv_heads, num_pages * page_size, head_dim)
+
+    split = kv_splits > 1
+    whole = lambda *shape: pl.BlockSpec(shape, lambda s, i, h: (0,) * len(shape))
+    per_head = pl.BlockSpec((None, num_pages * page_size, head_dim), lambda s, i, h: (h, 0, 0))
+    if split:
+        out_shape = [jax.ShapeDtypeStruct((kv_splits, n_rows, head_dim), jnp.float32),
+                     jax.ShapeDtypeStruct((kv_splits, n_rows), jnp.float32)]
+        out_specs = [pl.BlockSpec((None, n_rows, head_dim), lambda s, i, h: (s, 0, 0)),
+                     pl.BlockSpec((None, n_rows), lambda s, i, h: (s, 0))]
+    else:
+        out_shape = [jax.ShapeDtypeStruct((n_rows, head_dim), q.dtype)]
+        out_specs = [whole(n_rows, head_dim)]
+    kernel = functools.partial(
+        _ragged_kernel, num_blocks=num_blocks, tiles=tiles, group=group,
+        num_q_heads=num_q_heads, page_size=page_size, max_pages=max_pages,
+        num_splits=kv_splits, sm_scale=sm_scale)
+    outs = pl.pallas_call(
+        kernel,
+        grid=(kv_splits, num_blocks, num_kv_heads),  # dim 0 varies fastest on launch
+        in_specs=[whole(num_blocks * _META), whole(num_rows * max_pages), whole(n_rows, head_dim),
+                  per_head, per_head],
+        out_specs=out_specs,
+        out_shape=out_shape,
+        compiler_params=common.compiler_params(num_warps, num_stages),
+        interpret=interpret,
+        name=f"ragged_paged_attention_bq{block_q}_bkv{tiles[-1][2]}_g{group}_s{kv_splits}",
+    )(meta, page_table.astype(jnp.int32).reshape(-1), q_rows, k_slots, v_slots)
+    if split:  # merge: o = sum_s o_s 2^lse_s / sum_s 2^lse_s (padding rows: all zero)
+        o_part, lse = outs  # [splits, N*Hq, D], [splits, N*Hq]
+        lse_max = lse.max(axis=0)
+        w = jnp.exp2(lse - jnp.where(jnp.isfinite(lse_max), lse_max, 0.0))  # empty split: 0
+        denom = w.sum(axis=0)
+        out = (w[..., None] * o_part).sum(axis=0) / jnp.where(denom > 0, denom, 1.0)[:, None]
+        out = out.astype(q.dtype)
+    else:
+        (out,) = outs
+    return out.reshape(num_tokens, num_q_heads, head_dim)
+
+
+def ragged_paged_attention(
+    q: jax.Array,  # [N, Hq, D] flat new tokens
+    k_pages: jax.Array,  # [Hkv, P, S, D]
+    v_pages: jax.Array,  # [Hkv, P, S, D]
+    page_table: jax.Array,  # [R, max_pages] int32
+    cu_q_lens: jax.Array,  # [R + 1] int32, row r owns tokens [cu[r], cu[r+1])
+    kv_lens: jax.Array,  # [R] int32, cached + new tokens, all already in the pages
+    *,
+    sm_scale: float | None = None,
+    block_q: int | None = None,
+    block_kv: int | None = None,
+    kv_splits: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+    interpret: bool | None = None,
+) -> jax.Array:  # [N, Hq, D], q.dtype; padding tokens: zeros
+    """Causal attention of a flat batch of decode rows and prefill chunks (see module doc).
+
+    Knobs are static and default from ``N``, ``G = Hq // Hkv`` and the dtype, as in
+    :func:`paged_prefill_attention` with ``N`` as the chunk length (H200 sweep,
+    bench/NOTES.md): big tile ``block_q * G`` rows = 128 for ``N >= 1024`` (4 warps, 2 stages)
+    and for ``N < 256`` (8 warps, 3 stages), 64 rows in between; ``block_kv`` 64; fp32 (a
+    correctness path) 64 rows, ``block_kv`` 16.  A decode-shaped step (``N <= R * 16 // G``:
+    rows average a small tile or less) uses the decode kernel's 4 warps and 2 stages instead.
+    The small tile for blocks of at most ``max(1, 16 // G)`` tokens (decode rows) has
+    ``max(16, G)`` rows and ``2 * block_kv`` keys per step (``block_kv`` with 3+ stages).
+    ``kv_splits``: None = automatic (1 when the grid fills the GPU and in interpret
+    mode), 1 = no split-KV.  Eager calls also check the length values (one host sync).
+    """
+    num_tokens, num_rows, num_q_heads, num_kv_heads, _, page_size, head_dim = (
+        check_ragged_inputs(q, k_pages, v_pages, page_table, cu_q_lens, kv_lens))
+    interpret = common.default_interpret() if interpret is None else interpret
+    group = num_q_heads // num_kv_heads
+    small_rows, small_q = _small_tile(group)
+    if num_tokens <= num_rows * small_q:  # decode-shaped step: as the decode kernel,
+        num_warps = 4 if num_warps is None else num_warps  # 4 warps, 2 stages (so the
+        num_stages = 2 if num_stages is None else num_stages  # small tile has 128 keys)
+    block_q, rows, block_kv, num_warps, num_stages = _choose_blocks(
+        num_tokens, group, head_dim, q.dtype.itemsize, block_q, block_kv, num_warps,
+        num_stages, interpret)
+    small_kv = 2 * block_kv if num_stages <= 2 else block_kv  # shared-memory budget
+    if small_q < block_q:  # (small, big) tiles, one picked per block
+        tiles = ((small_rows, small_q, small_kv, True), (rows, block_q, block_kv, False))
+    else:  # N so small that the big tile is decode-sized: one tile, the small tile's settings
+        tiles = ((rows, block_q, small_kv, True),)
+    if kv_splits is None and interpret:
+        kv_splits = 1  # splitting only pays for itself on a GPU
+    elif kv_splits is None:
+        programs = num_kv_heads * (_block_bound(num_tokens, num_rows, block_q) - 1)
+        kv_splits = _auto_kv_splits(max(1, programs), page_table.shape[1] * page_size,
+                                    num_tokens * num_q_heads * head_dim * 4)
+    if kv_splits < 1:
+        common._fail("kv_splits", kv_splits, ">= 1 (1 = no split-KV)")
+    if num_tokens == 0 or num_rows == 0:
+        return jnp.zeros_like(q)
+    sm_scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else float(sm_scale)
+    return _ragged(q, k_pages, v_pages, page_table, cu_q_lens, kv_lens, sm_scale=sm_scale,
+                   block_q=block_q, tiles=tiles, num_warps=num_warps, num_stages=num_stages,
+                   kv_splits=int(kv_splits), interpret=interpret)
+
+
+def ragged_paged_attention_ref(
+    q: jax.Array,  # [N, Hq, D]
+    k_pages: jax.Array,  # [Hkv, P, S, D]
+    v_pages: jax.Array,  # [Hkv, P, S, D]
+    page_table: jax.Array,  # [R, max_pages] int32
+    cu_q_lens: jax.Array,  # [R + 1] int32
+    kv_lens: jax.Array,  # [R] int32
+    *,
+    sm_scale: float | None = None,
+) -> jax.Array:  # [N, Hq, D]
+    """Pure-jnp reference, token by token: each token finds its row and position, gathers
+    its row's pages densely and runs a masked fp32 softmax (padding tokens: zeros).  Tokens
+    go through ``lax.map`` in batches, so the gathered K/V stay within ``_REF_CHUNK_BYTES``.
+    """
+    num_tokens, num_rows, _, _, _, _, head_dim = check_ragged_inputs(
+        q, k_pages, v_pages, page_table, cu_q_lens, kv_lens)
+    if num_tokens == 0 or num_rows == 0:
+        return jnp.zeros_like(q)
+    sm_scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else float(sm_scale)
+    return _ref(q, k_pages, v_pages, page_table, cu_q_lens, kv_lens, sm_scale=sm_scale)
+
+
+@functools.partial(jax.jit, static_argnames=("sm_scale",))
+def _ref(q, k_pages, v_pages, page_table, cu_q_lens, kv_lens, *, sm_scale):
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_kv_heads, _, page_size, _ = k_pages.shape
+    num_rows, max_pages = page_table.shape
+    group = num_q_heads // num_kv_heads
+    capacity = max_pages * page_size
+    hi = lax.Precision.HIGHEST
+    tok = jnp.arange(num_tokens)
+    cu = cu_q_lens.astype(jnp.int32)
+    row = jnp.sum(cu[None, 1:] <= tok[:, None], axis=1)  # [N]; R for padding tokens
+    real = row < num_rows
+    row = jnp.minimum(row, num_rows - 1)
+    kv = kv_lens.astype(jnp.int32)[row]
+    pos = kv - (cu[row + 1] - cu[row]) + tok - cu[row]  # [N] absolute query positions
+    kpos = jnp.arange(capacity)
+
+    def one_token(args):  # q [Hq, D], its row, position, kv_len, realness
+        qt, r, p, n, ok = args
+        vis = (kpos <= p) & (kpos < n) & ok  # [L]
+        def gather(pages):  # [Hkv, P, S, D] -> [Hkv, L, D], invisible slots zeroed
+            x = pages[:, page_table[r]].reshape(num_kv_heads, capacity, head_dim)
+            return jnp.where(vis[None, :, None], x.astype(jnp.float32), 0.0)
+        k, v = gather(k_pages), gather(v_pages)
+        qf = qt.astype(jnp.float32).reshape(num_kv_heads, group, head_dim)
+        s = jnp.einsum("hgd,hld->hgl", qf, k, precision=hi) * sm_scale
+        s = jnp.where(vis, s, -jnp.inf)
+        e = jnp.exp(s - jnp.max(s, axis=-1, keepdims=True, initial=-1e30))
+        p_ = e / jnp.maximum(e.sum(axis=-1, keepdims=True), 1e-30)  # no keys: all zero
+        return jnp.einsum("hgl,hld->hgd", p_, v, precision=hi).reshape(num_q_heads, head_dim)
+
+    per_token = 2 * num_kv_heads * capacity * head_dim * 4  # gathered K and V, fp32
+    batch = max(1, min(num_tokens, _REF_CHUNK_BYTES // per_token))
+    out = lax.map(one_token, (q, row, pos, kv, real), batch_size=batch)  # [N, Hq, D]
+    return out.astype(q.dtype)

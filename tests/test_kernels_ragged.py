@@ -1,0 +1,358 @@
+"""Ragged paged attention (flat token batch, per-row query lengths): the Pallas kernel
+(interpret mode on CPU) against its jnp reference, the reference against an independent
+float64 numpy dense attention and against the padded prefill / decode references.
+
+Every case draws fresh random inputs from its own seed.  The page pool is poisoned: every slot
+that does not hold a valid token (the null page 0, spare pages, the tail of each row's last
+page) is NaN, and so are the padding tokens of ``q`` (index >= cu_q_lens[R]); a kernel that
+reads any of them unmasked, or leaves an output row unwritten (interpret mode fills unwritten
+outputs with NaN: see test_kernels_prefill.test_interpret_mode_poisons_unwritten_outputs),
+produces NaN and fails.  Padding tokens must come out as exact zeros.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import common
+from pallas_kernels.decode_attention import paged_decode_attention_ref
+from pallas_kernels.prefill_attention import _choose_blocks, paged_prefill_attention_ref
+from pallas_kernels.ragged_attention import (
+    _auto_kv_splits,
+    _block_bound,
+    _block_meta,
+    _META,
+    _small_tile,
+    check_ragged_inputs,
+    ragged_paged_attention,
+    ragged_paged_attention_ref,
+)
+
+TOL = {jnp.float32: dict(atol=1e-5, rtol=1e-5), jnp.bfloat16: dict(atol=2e-2, rtol=2e-2)}
+_seeds = itertools.count(2000)
+
+
+def make_case(*, q_lens, cached, pad=0, Hq, Hkv, D, S, dtype, spare_pages=3, extra_cols=1,
+              seed=None):
+    """Random ragged step over a shuffled, NaN-poisoned page pool.
+
+    Rows ``r`` get ``q_lens[r]`` new tokens over ``cached[r]`` cached ones; ``pad`` padding
+    tokens follow the last row.  Returns (kernel args, float64 copies: q [N, Hq, D] and per
+    row K/V [Hkv, kv_len, D])."""
+    rng = np.random.default_rng(next(_seeds) if seed is None else seed)
+    q_lens, cached = np.asarray(q_lens, np.int32), np.asarray(cached, np.int32)
+    kv_lens = cached + q_lens
+    R = len(q_lens)
+    need = -(-kv_lens // S)  # pages per row
+    max_pages = int(need.max(initial=0)) + extra_cols  # padded entries point at the null page
+    P = 1 + int(need.sum()) + spare_pages
+    ids = rng.permutation(np.arange(1, P))  # scattered, never the null page 0
+    table = np.zeros((R, max_pages), np.int32)
+    off = 0
+    for r in range(R):
+        table[r, : need[r]] = ids[off : off + need[r]]
+        off += need[r]
+
+    def rounded(x):  # values exactly representable in dtype, as float64
+        return np.asarray(jnp.asarray(x, dtype).astype(jnp.float32), np.float64)
+
+    k_seq = [rounded(rng.standard_normal((Hkv, L, D))) for L in kv_lens]
+    v_seq = [rounded(rng.standard_normal((Hkv, L, D))) for L in kv_lens]
+    k_pages = np.full((Hkv, P, S, D), np.nan, np.float32)
+    v_pages = np.full((Hkv, P, S, D), np.nan, np.float32)
+    for r, L in enumerate(kv_lens):
+        pos = np.arange(L)
+        k_pages[:, table[r, pos // S], pos % S] = k_seq[r]
+        v_pages[:, table[r, pos // S], pos % S] = v_seq[r]
+    cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    N = int(cu[-1]) + pad
+    q = rounded(rng.standard_normal((N, Hq, D)))
+    q[cu[-1]:] = np.nan  # padding tokens: must not matter
+    args = (jnp.asarray(q, dtype), jnp.asarray(k_pages, dtype), jnp.asarray(v_pages, dtype),
+            jnp.asarray(table), jnp.asarray(cu), jnp.asarray(kv_lens))
+    return args, (q, k_seq, v_seq)
+
+
+def dense_attention_f64(q, k_seq, v_seq, cu, sm_scale):
+    """Per row: causal attention of its tokens over [cached + new] keys, numpy float64."""
+    N, Hq, D = q.shape
+    out = np.zeros((N, Hq, D))
+    for r in range(len(cu) - 1):
+        a, b = int(cu[r]), int(cu[r + 1])
+        n, L = b - a, k_seq[r].shape[1]
+        if n == 0:
+            continue
+        G = Hq // k_seq[r].shape[0]
+        k = np.repeat(k_seq[r], G, axis=0)  # [Hq, L, D]: q head j uses kv head j // G
+        v = np.repeat(v_seq[r], G, axis=0)
+        s = np.einsum("nhd,hld->hnl", q[a:b], k) * sm_scale
+        visible = np.arange(L)[None, :] <= (L - n + np.arange(n))[:, None]  # [n, L]
+        s = np.where(visible[None], s, -np.inf)
+        p = np.exp(s - s.max(-1, keepdims=True))
+        p /= p.sum(-1, keepdims=True)
+        out[a:b] = np.einsum("hnl,hld->nhd", p, v)
+    return out
+
+
+def check_output(out, args, dtype, **kw):
+    """Shape, dtype, every element finite, padding tokens exact zeros, close to the ref."""
+    q, *_, cu, _ = args
+    assert out.shape == q.shape and out.dtype == q.dtype
+    out = np.asarray(out.astype(jnp.float32))
+    assert np.isfinite(out).all(), "unwritten or NaN-contaminated output"
+    assert (out[int(cu[-1]):] == 0).all(), "padding tokens are not zero"
+    ref = np.asarray(ragged_paged_attention_ref(*args, **kw).astype(jnp.float32))
+    np.testing.assert_allclose(out, ref, **TOL[dtype])
+    return out
+
+
+# ---------------------------------------------------------------- the reference
+
+@pytest.mark.parametrize("Hq,Hkv,S", [(4, 4, 8), (8, 2, 16), (6, 2, 8), (8, 1, 32)])
+def test_ref_matches_float64_dense_attention(Hq, Hkv, S):
+    """The reference against attention computed independently (numpy float64, no pages)."""
+    q_lens, cached = [10, 1, 0, 7, 4, 1], [0, 2 * S, 5, S + 1, 3, 0]
+    args, (q, k_seq, v_seq) = make_case(q_lens=q_lens, cached=cached, pad=3, Hq=Hq, Hkv=Hkv,
+                                        D=32, S=S, dtype=jnp.float32)
+    cu = np.asarray(args[4])
+    ref = np.asarray(ragged_paged_attention_ref(*args))
+    np.testing.assert_allclose(ref, dense_attention_f64(q, k_seq, v_seq, cu, 1 / math.sqrt(32)),
+                               atol=1e-5, rtol=1e-5)
+    scaled = np.asarray(ragged_paged_attention_ref(*args, sm_scale=0.3))
+    np.testing.assert_allclose(scaled, dense_attention_f64(q, k_seq, v_seq, cu, 0.3),
+                               atol=1e-5, rtol=1e-5)
+
+
+def test_ref_and_kernel_match_padded_prefill_ref():
+    """Same data laid out padded [R, T, Hq, D]: the existing prefill reference agrees."""
+    q_lens, cached = [5, 0, 12, 1, 3], [9, 4, 16, 30, 0]
+    args, _ = make_case(q_lens=q_lens, cached=cached, pad=2, Hq=8, Hkv=2, D=32, S=8,
+                        dtype=jnp.float32)
+    q, kp, vp, table, cu, kv_lens = args
+    T = max(q_lens)
+    rows = np.zeros((len(q_lens), T), np.int32)  # flat token of (row, i); padding -> token 0
+    for r, n in enumerate(q_lens):
+        rows[r, :n] = np.arange(cu[r], cu[r] + n)
+    q_pad = jnp.where(jnp.asarray(np.arange(T)[None] < np.array(q_lens)[:, None])[..., None, None],
+                      q[rows], 0.0)  # [R, T, Hq, D]
+    pre = np.asarray(paged_prefill_attention_ref(q_pad, kp, vp, table, jnp.asarray(q_lens),
+                                                 kv_lens))
+    expect = np.zeros(q.shape, np.float32)
+    for r, n in enumerate(q_lens):
+        expect[cu[r]:cu[r] + n] = pre[r, :n]
+    np.testing.assert_allclose(np.asarray(ragged_paged_attention_ref(*args)), expect,
+                               atol=1e-6, rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(ragged_paged_attention(*args)), expect,
+                               atol=1e-5, rtol=1e-5)
+
+
+def test_ref_and_kernel_match_decode_ref():
+    """All rows q_len 1: the existing decode reference agrees (q rows are the decode batch)."""
+    args, _ = make_case(q_lens=[1] * 6, cached=[0, 7, 8, 40, 15, 100], Hq=8, Hkv=2, D=64, S=16,
+                        dtype=jnp.float32)
+    q, kp, vp, table, cu, kv_lens = args
+    expect = np.asarray(paged_decode_attention_ref(q, kp, vp, table, kv_lens))
+    np.testing.assert_allclose(np.asarray(ragged_paged_attention_ref(*args)), expect,
+                               atol=1e-6, rtol=1e-6)
+    for kw in ({}, dict(kv_splits=3)):
+        np.testing.assert_allclose(np.asarray(ragged_paged_attention(*args, **kw)), expect,
+                                   atol=1e-5, rtol=1e-5)
+
+
+# ---------------------------------------------------------------- the kernel
+
+def test_kernel_matches_float64_dense_attention():
+    q_lens, cached = [16, 1, 9, 0, 2], [0, 17, 16, 3, 40]
+    args, (q, k_seq, v_seq) = make_case(q_lens=q_lens, cached=cached, pad=5, Hq=8, Hkv=2, D=64,
+                                        S=16, dtype=jnp.float32)
+    out = np.asarray(ragged_paged_attention(*args, block_kv=16))
+    np.testing.assert_allclose(out, dense_attention_f64(q, k_seq, v_seq, np.asarray(args[4]),
+                                                        0.125), atol=1e-5, rtol=1e-5)
+
+
+# (dtype, Hq, Hkv, D, S, q_lens, cached, pad, kernel kwargs).  With G = Hq // Hkv, blocks of
+# at most max(1, 16 // G) tokens take the small tile, longer ones the big tile (block_q tokens).
+CASES = [
+    # decode rows, chunks crossing pages / block_q, empty rows, padding tokens; both dtypes
+    (jnp.bfloat16, 8, 2, 64, 16, [1, 37, 0, 1, 5, 1, 19], [40, 0, 9, 15, 17, 100, 33], 6, {}),
+    (jnp.float32, 8, 2, 64, 16, [1, 37, 0, 1, 5, 1, 19], [40, 0, 9, 15, 17, 100, 33], 6, {}),
+    # GQA 1 (small tile = 16 tokens), page 8, head_dim 128, no padding
+    (jnp.bfloat16, 2, 2, 128, 8, [1, 20, 3, 16, 17], [8, 9, 0, 31, 2], 0, {}),
+    # GQA 3 (non power of two: duplicated tile rows), GQA 8 and 16
+    (jnp.float32, 6, 2, 64, 16, [1, 16, 6, 5], [40, 16, 3, 0], 3, dict(block_q=8, block_kv=16)),
+    (jnp.float32, 8, 1, 32, 8, [2, 9, 1, 24], [64, 31, 0, 8], 1, {}),
+    (jnp.bfloat16, 16, 1, 64, 32, [1, 12, 1], [70, 33, 0], 4, {}),
+    # non-default blocks: block_kv below the page size / over several pages, tiny block_q
+    (jnp.float32, 8, 2, 64, 32, [24, 3, 13, 1], [5, 64, 32, 0], 2, dict(block_q=4, block_kv=16)),
+    (jnp.bfloat16, 4, 4, 64, 8, [40, 1, 17], [7, 3, 48], 0, dict(block_q=16, block_kv=32)),
+    # split-KV forced: 2..4 splits, including splits with no keys for short rows
+    (jnp.bfloat16, 8, 2, 64, 16, [16, 1, 6, 0, 1], [80, 100, 0, 4, 1], 3,
+     dict(kv_splits=3, block_kv=16)),
+    (jnp.float32, 8, 1, 64, 8, [8, 5, 1], [150, 9, 70], 2, dict(kv_splits=4, block_kv=32)),
+    (jnp.float32, 4, 2, 32, 16, [1, 1, 30], [33, 0, 2], 0, dict(kv_splits=2)),
+    # tiny N: only the (decode-sized) single tile is compiled
+    (jnp.float32, 8, 2, 64, 16, [1, 1], [33, 70], 0, {}),
+    # every row empty: all tokens are padding
+    (jnp.bfloat16, 8, 2, 64, 16, [0, 0, 0], [5, 0, 17], 7, {}),
+]
+
+
+@pytest.mark.parametrize("dtype,Hq,Hkv,D,S,q_lens,cached,pad,kw", CASES)
+def test_kernel_matches_ref(dtype, Hq, Hkv, D, S, q_lens, cached, pad, kw):
+    args, _ = make_case(q_lens=q_lens, cached=cached, pad=pad, Hq=Hq, Hkv=Hkv, D=D, S=S,
+                        dtype=dtype)
+    out = check_output(ragged_paged_attention(*args, **kw), args, dtype)
+    if sum(q_lens) == 0:
+        assert (out == 0).all()
+
+
+def test_split_kv_equals_unsplit_and_custom_scale():
+    args, _ = make_case(q_lens=[16, 1, 2, 0], cached=[90, 31, 200, 3], pad=2, Hq=4, Hkv=1, D=64,
+                        S=16, dtype=jnp.float32)
+    whole = check_output(ragged_paged_attention(*args, kv_splits=1, sm_scale=0.2), args,
+                         jnp.float32, sm_scale=0.2)
+    for splits in (2, 4):
+        split = check_output(ragged_paged_attention(*args, kv_splits=splits, sm_scale=0.2),
+                             args, jnp.float32, sm_scale=0.2)
+        np.testing.assert_allclose(split, whole, atol=1e-5, rtol=1e-5)
+
+
+def test_jit_with_traced_lengths():
+    """One compiled step serves different length values of the same shapes (lengths are
+    traced, not baked in), and each result is right."""
+    traces = []
+
+    def fn(*a):
+        traces.append(1)  # runs once per trace, not per call
+        return ragged_paged_attention(*a)
+
+    step = jax.jit(fn)
+    shape = dict(Hq=8, Hkv=2, D=32, S=8, dtype=jnp.bfloat16)
+    a1, _ = make_case(q_lens=[1, 20, 0, 3], cached=[30, 4, 0, 8], pad=4, **shape)
+    a2, _ = make_case(q_lens=[9, 1, 1, 16], cached=[0, 12, 40, 2], pad=1, **shape)
+    # same array shapes: pad the pools / tables of the smaller case to the larger
+    def fit(a, b):
+        P = max(a[1].shape[1], b[1].shape[1])
+        MP = max(a[3].shape[1], b[3].shape[1])
+        grow = lambda x: jnp.pad(x, ((0, 0), (0, P - x.shape[1]), (0, 0), (0, 0)),
+                                 constant_values=jnp.nan)
+        return (a[0], grow(a[1]), grow(a[2]), jnp.pad(a[3], ((0, 0), (0, MP - a[3].shape[1]))),
+                a[4], a[5])
+    a1, a2 = fit(a1, a2), fit(a2, a1)
+    assert all(x.shape == y.shape for x, y in zip(a1, a2))
+    for a in (a1, a2):
+        check_output(step(*a), a, jnp.bfloat16)
+    assert len(traces) == 1
+
+
+def test_block_meta_covers_every_token_once():
+    """The work list: the static bound suffices for adversarial lengths, every token [0, N)
+    is in exactly one block, blocks do not cross rows, positions and offsets are right."""
+    rng = np.random.default_rng(7)
+    N = 64
+    for R, block_q in itertools.product((1, 6), (1, 4, 8, 16)):
+        nb = _block_bound(N, R, block_q)
+        meta_fn = jax.jit(lambda cu, kv: _block_meta(
+            cu, kv, num_tokens=N, num_blocks=nb, block_q=block_q, max_pages=9, capacity=10_000))
+        for _ in range(6):
+            q_lens = rng.choice([0, 1, 3, block_q, block_q + 1, 2 * block_q - 1], size=R)
+            while q_lens.sum() > N:
+                q_lens[rng.integers(R)] //= 2
+            pad = N - int(q_lens.sum())
+            cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+            kv = (q_lens + rng.integers(0, 50, size=R)).astype(np.int32)
+            assert nb >= sum(-(-n // block_q) for n in q_lens) + -(-pad // block_q)
+            meta = np.asarray(meta_fn(jnp.asarray(cu), jnp.asarray(kv))).reshape(nb, _META)
+            hits = np.zeros(N, int)
+            for tok0, cnt, pos0, kvl, pt_off in meta:
+                if cnt == 0:
+                    continue
+                assert 1 <= cnt <= block_q
+                hits[tok0:tok0 + cnt] += 1
+                r = int(np.searchsorted(cu, tok0, side="right")) - 1
+                if tok0 < cu[R]:  # a real row: inside it, right positions and table row
+                    assert tok0 + cnt <= cu[r + 1]
+                    assert pos0 == kv[r] - q_lens[r] + (tok0 - cu[r]) and kvl == kv[r]
+                    assert pt_off == r * 9
+                else:  # padding tokens: no keys
+                    assert kvl == 0
+            assert (hits == 1).all(), (q_lens, pad, hits)
+
+
+def test_small_tile_shapes_and_cases_use_both_tiles():
+    """Small tile sizes, and the premise of CASES: with the default block sizes the first
+    case has blocks for both tiles (decode rows / tails: small; chunk blocks: big)."""
+    assert _small_tile(4) == (16, 4) and _small_tile(3) == (16, 5)
+    assert _small_tile(32) == (32, 1) and _small_tile(1) == (16, 16)
+    dtype, Hq, Hkv, D, S, q_lens, cached, pad, _ = CASES[0]
+    N, R = sum(q_lens) + pad, len(q_lens)
+    block_q = _choose_blocks(N, Hq // Hkv, D, 2, None, None, None, None, True)[0]
+    small_q = _small_tile(Hq // Hkv)[1]
+    cu = jnp.asarray(np.concatenate([[0], np.cumsum(q_lens)]), jnp.int32)
+    nb = _block_bound(N, R, block_q)
+    meta = np.asarray(_block_meta(cu, jnp.asarray(np.add(q_lens, cached), jnp.int32),
+                                  num_tokens=N, num_blocks=nb, block_q=block_q, max_pages=9,
+                                  capacity=10_000)).reshape(nb, _META)
+    real = meta[(meta[:, 1] > 0) & (meta[:, 3] > 0)]  # blocks of real rows
+    assert small_q < block_q
+    assert (real[:, 1] <= small_q).any() and (real[:, 1] > small_q).any()
+
+
+def test_default_kv_splits_fill_the_gpu_only_when_needed():
+    sms = common.num_sms()  # 132 off the GPU
+    assert _auto_kv_splits(sms, capacity=1 << 20, partial_bytes_per_split=1) == 1
+    assert _auto_kv_splits(8, capacity=4096, partial_bytes_per_split=1) == 16  # one decode row
+    assert _auto_kv_splits(8, capacity=1 << 20, partial_bytes_per_split=1) == -(-2 * sms // 8)
+    assert _auto_kv_splits(8, capacity=300, partial_bytes_per_split=1) == 1  # too short
+    assert _auto_kv_splits(8, capacity=1 << 20, partial_bytes_per_split=1 << 26) == 4  # memory
+
+
+# ---------------------------------------------------------------- validation
+
+def _small_args():
+    args, _ = make_case(q_lens=[4, 2], cached=[3, 8], pad=1, Hq=4, Hkv=2, D=16, S=8,
+                        dtype=jnp.float32)
+    return list(args)
+
+
+@pytest.mark.parametrize("fn", [ragged_paged_attention, ragged_paged_attention_ref])
+@pytest.mark.parametrize("change,match", [
+    (lambda a: a.__setitem__(4, jnp.array([1, 5, 6], jnp.int32)), "cu_q_lens"),  # cu[0] != 0
+    (lambda a: a.__setitem__(4, jnp.array([0, 5, 4], jnp.int32)), "cu_q_lens"),  # decreasing
+    (lambda a: a.__setitem__(4, jnp.array([0, 4, 9], jnp.int32)), "cu_q_lens"),  # > N
+    (lambda a: a.__setitem__(4, jnp.array([0, 4], jnp.int32)), "cu_q_lens.shape"),
+    (lambda a: a.__setitem__(5, jnp.array([3, 10], jnp.int32)), "kv_lens"),  # < q_len
+    (lambda a: a.__setitem__(5, jnp.array([7, 99], jnp.int32)), "max_pages"),
+    (lambda a: a.__setitem__(0, a[0][:, :3]), "num_q_heads"),
+    (lambda a: a.__setitem__(0, a[0][None]), "q.shape"),
+    (lambda a: a.__setitem__(0, a[0].astype(jnp.bfloat16)), "q.dtype"),
+    (lambda a: a.__setitem__(2, a[2][:, :-1]), "v_pages.shape"),
+    (lambda a: a.__setitem__(3, a[3][:1]), "page_table.shape"),
+    (lambda a: a.__setitem__(5, a[5].astype(jnp.float32)), "kv_lens.dtype"),
+])
+def test_validation_errors(fn, change, match):
+    a = _small_args()
+    change(a)
+    with pytest.raises(ValueError, match=match):
+        fn(*a)
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(block_q=2), "block_q"),  # 2 * G=2 < 16 rows
+    (dict(block_kv=48), "block_kv"),
+    (dict(kv_splits=0), "kv_splits"),
+])
+def test_block_size_errors(kw, match):
+    with pytest.raises(ValueError, match=match):
+        ragged_paged_attention(*_small_args(), **kw)
+
+
+def test_validator_returns_dims():
+    dims = check_ragged_inputs(*_small_args())
+    assert dims == (7, 2, 4, 2, dims[4], 8, 16)
