@@ -200,7 +200,7 @@ def cmd_serve(args) -> int:
         extra = dict(snapshot_dir=args.snapshot_dir, strict_restore=args.strict_restore,
                      snapshot_interval_s=args.snapshot_interval)
     config = EngineConfig(dtype=resolve_dtype(args.dtype), page_size=args.page_size, hbm_pages=args.hbm_pages,
-                          max_batch=args.max_batch, **extra)
+                          max_batch=args.max_batch, max_num_batched_tokens=args.max_num_batched_tokens, **extra)
     engine = Engine.from_pretrained(args.model, config)
     name = args.model_name or (os.path.basename(os.path.normpath(args.model)) if args.model else "inferscale-default")
     server: uvicorn.Server | None = None
@@ -210,6 +210,8 @@ def cmd_serve(args) -> int:
             server.should_exit = True
 
     async_engine = AsyncEngine(engine, on_fatal=on_fatal)
+    if args.warmup:
+        async_engine.start_warmup()  # /health answers 503 "warming up" until every step bucket is compiled
     try:
         app = create_app(async_engine, api_keys=keys, max_body_bytes=args.max_body_bytes,
                          max_waiting=args.max_waiting, model_name=name, body_timeout_s=args.body_timeout,
@@ -310,7 +312,13 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--page-size", type=int, default=16, choices=[8, 16, 32, 64],
                    help="KV page size; must match the one precompute used (default: %(default)s)")
     s.add_argument("--hbm-pages", type=int, help="KV pool pages (default: sized from free device memory)")
-    s.add_argument("--max-batch", type=int, default=64, help="sequences per device step (default: %(default)s)")
+    s.add_argument("--max-batch", type=int, default=None,
+                   help="sequences per device step (default: from the machine: 256 on a GPU, 64 on the CPU)")
+    s.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="new tokens per device step, prefill chunks and decode rows together "
+                        "(default: max(max-batch, 2048))")
+    s.add_argument("--no-warmup", dest="warmup", action="store_false",
+                   help="skip compiling every step bucket at startup (the first requests then compile)")
     s.add_argument("--max-waiting", type=int, default=256,
                    help="queued requests beyond which new ones get 503 + Retry-After (default: %(default)s)")
     s.add_argument("--max-body-bytes", type=int, default=2 << 20, help="request body limit (default: %(default)s)")

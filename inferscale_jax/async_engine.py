@@ -67,9 +67,27 @@ class AsyncEngine:
         self._detok_tokenizer = _private_copy(tok) if tok is not None else None  # event-loop side
         self._local = threading.local()  # each tokenizer thread's own copy
         self._tok_pool = concurrent.futures.ThreadPoolExecutor(tokenizer_threads, thread_name_prefix="inferscale-tok")
+        self.warming: tuple[int, int] | None = None  # (buckets done, total) while ``warmup`` runs
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="inferscale-engine", daemon=True)
         self._thread.start()
+
+    def start_warmup(self) -> None:
+        """Run ``Engine.warmup`` on the engine thread, first in line; ``warming`` holds its
+        progress until it is done (``/health`` answers 503 "warming up" meanwhile).  Requests
+        submitted during the warm-up wait behind it."""
+        self.warming = (0, 0)
+
+        def progress(done: int, total: int) -> None:
+            self.warming = (done, total)
+
+        def run() -> None:
+            try:
+                info = self.engine.warmup(progress=progress)
+                log.info("warm-up done: %d step buckets in %.1f s", info["buckets"], info["seconds"])
+            finally:
+                self.warming = None
+        self._cmds.put((run, None))
 
     # -- the engine thread ----------------------------------------------------------------
     def _loop(self) -> None:

@@ -16,8 +16,13 @@ class EngineConfig:
     hbm_pages: int | None = None  # None: size the pool from free device memory
     dtype: str = "bfloat16"
     snapshot_dir: str | None = None
-    max_batch: int = 64  # sequences per device step
-    prefill_chunk: int = 512  # new tokens per sequence per prefill step (chunked prefill)
+    # sequences per device step; None: from the machine (256 on a GPU/TPU, 64 on the CPU, fewer when
+    # the page pool holds less than 1024 tokens per sequence: Engine.max_batch)
+    max_batch: int | None = None
+    prefill_chunk: int = 512  # new tokens per sequence per step at most (chunked prefill)
+    # new tokens per device step, prefill chunks and decode rows together (vLLM's
+    # max_num_batched_tokens); None: max(max_batch, 4 x prefill_chunk)
+    max_num_batched_tokens: int | None = None
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     hbm_fraction: float = 0.85  # of free device memory given to the page pool when hbm_pages is None
     attention_impl: str = "auto"  # "pallas" kernels (GPU default), "ref" jnp (CPU default)
@@ -63,10 +68,15 @@ class EngineConfig:
             bad("hbm_pages", self.hbm_pages, "must be >= 2 (page 0 is the reserved null page) or None")
         if self.dtype not in DTYPES:
             bad("dtype", self.dtype, f"must be one of {DTYPES}")
-        if self.max_batch < 1:
-            bad("max_batch", self.max_batch, "must be >= 1")
+        if self.max_batch is not None and self.max_batch < 1:
+            bad("max_batch", self.max_batch, "must be >= 1 or None")
         if self.prefill_chunk < 16 or self.prefill_chunk & (self.prefill_chunk - 1):
             bad("prefill_chunk", self.prefill_chunk, "must be a power of two >= 16")
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < max(
+                self.prefill_chunk, self.max_batch or 1):
+            bad("max_num_batched_tokens", self.max_num_batched_tokens,
+                f"must be >= prefill_chunk ({self.prefill_chunk}) and >= max_batch ({self.max_batch}), "
+                "so one chunk and one decode token per row fit a step; or None")
         if not 0.0 < self.hbm_fraction <= 0.95:
             bad("hbm_fraction", self.hbm_fraction, "must be in (0, 0.95]")
         if not 0.0 <= self.blend_ratio <= 1.0:

@@ -4,10 +4,10 @@
    weights: one serving with a registered knowledge-base segment, one with prefix caching off
    (what a user who re-sends the context with every question pays).
 2. Register the knowledge base (the shipped handbook text) as a segment: its KV is computed once.
-3. Warm both engines up with a question that is not in the table: this compiles every step
-   shape the table uses (the model's prefill step for the chunk sizes and page-table width of
-   these prompts, its one-token decode step, the copy of the segment's partly filled last
-   page), so no compile lands in the timings.  The CLI keeps XLA's compilation cache on disk
+3. Warm both engines up: ``Engine.warmup()`` compiles every step bucket (both engines share
+   the compiled steps; ``max_batch=4`` keeps the set small: the demo asks one question at a
+   time), then a question that is not in the table runs once (the copy of the segment's
+   partly filled last page compiles there), so no compile lands in the timings.  The CLI keeps XLA's compilation cache on disk
    (``inferscale_cli/main.py``), so a second run mostly loads these compiles instead of redoing them.
 4. Ask each question twice - injected (``segments=["kb"]``) and as one long prompt holding the
    same tokens - and print TTFT with / without, prompt vs cached tokens, and whether the
@@ -85,13 +85,18 @@ def run_demo(model_dir: str | None = None, max_tokens: int = 24, out=sys.stdout,
     pages = None  # on an accelerator: sized from free device memory
     if jax.default_backend() == "cpu":
         pages = demo_pool_pages(len(load_tokenizer(model_dir or default_model_dir()).encode(kb)), max_tokens)
-    engine = Engine.from_pretrained(model_dir, EngineConfig(dtype=dtype, hbm_pages=pages))
+    engine = Engine.from_pretrained(model_dir, EngineConfig(dtype=dtype, hbm_pages=pages, max_batch=4))
     if engine.tokenizer is None:
         raise ValueError(f"the demo needs a model folder with a tokenizer: {model_dir} has no tokenizer files")
     baseline = Engine(engine.params, engine.cfg, engine.tokenizer,
-                      EngineConfig(dtype=dtype, hbm_pages=pages, prefix_caching=False), fingerprint=engine.fingerprint)
-    progress("registering the knowledge base as segment 'kb' (its KV is computed once; "
-             "the first run compiles the prefill step here)")
+                      EngineConfig(dtype=dtype, hbm_pages=pages, prefix_caching=False, max_batch=4),
+                      fingerprint=engine.fingerprint)
+    n = len(engine.runner.buckets.all_keys())
+    progress(f"compiling the {n} step buckets (Engine.warmup; the first run compiles, later runs load "
+             "the compiles from the cache)")
+    engine.warmup()
+    baseline.warmup()
+    progress("registering the knowledge base as segment 'kb' (its KV is computed once)")
     info = engine.register_segment("kb", text=kb)
     kb_ids = engine.store.resolve("kb", "default").token_ids
     greedy = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
@@ -102,9 +107,7 @@ def run_demo(model_dir: str | None = None, max_tokens: int = 24, out=sys.stdout,
         without = baseline.generate(prompt_token_ids=kb_ids + q_ids, sampling=greedy)
         return with_kv, without
 
-    progress("compiling the step shapes the table uses (prefill chunks, one-token decode, the copy of the "
-             "segment's last page) for both engines; the first run compiles, later runs load the compiles "
-             "from the cache")
+    progress("warming up with a question outside the table (the copy of the segment's last page compiles here)")
     ask(WARMUP_QUESTION)
     compiles = engine.stats()["compiles"] + baseline.stats()["compiles"]
     progress(f"ready ({compiles} step shapes compiled); asking {len(QUESTIONS)} questions, each with the "

@@ -108,8 +108,13 @@ class Engine:
         self.prefix_cache = PrefixCache(self.pool, s)
         self.store = SegmentStore()
         cache = PagedKVCache.create(cfg, num_pages, s, self.dtype, impl)
-        self.runner = ModelRunner(params, cfg, cache, max_batch=config.max_batch,
-                                  prefill_chunk=config.prefill_chunk,
+        self.max_batch = config.max_batch or self._auto_max_batch(num_pages)
+        budget = config.max_num_batched_tokens or max(self.max_batch, 4 * config.prefill_chunk)
+        if budget < self.max_batch:
+            raise ValueError(f"EngineConfig.max_num_batched_tokens={budget} is invalid: must be >= max_batch "
+                             f"({self.max_batch}), so every running sequence's decode token fits a step")
+        self.runner = ModelRunner(params, cfg, cache, max_batch=self.max_batch,
+                                  prefill_chunk=config.prefill_chunk, max_num_batched_tokens=budget,
                                   max_pages_per_seq=-(-self.max_model_len // s),
                                   inv_freq=inv_freq(cfg.rope, cfg.head_dim),
                                   min_table_pages=config.min_table_pages,
@@ -146,6 +151,12 @@ class Engine:
             tokenizer = None
         fp = hashlib.sha256(f"{config_digest(cfg)}|{weights_digest(model_dir)}".encode()).hexdigest()
         return cls(params, cfg, tokenizer, config, fingerprint=fp)
+
+    def _auto_max_batch(self, num_pages: int) -> int:
+        """``EngineConfig.max_batch=None``: 256 sequences on a GPU/TPU, 64 on the CPU, fewer when
+        the pool holds less than 1024 tokens per sequence (at least 8)."""
+        default = 64 if jax.default_backend() == "cpu" else 256
+        return max(1, min(default, max(8, (num_pages - 1) * self.config.page_size // 1024)))
 
     def _auto_pages(self) -> int:
         per_page = page_bytes(self.cfg, self.config.page_size, self.dtype)
@@ -235,12 +246,16 @@ class Engine:
         return _Seq(root, list(tokens), pages, hashes, first_own=k + len(hits), computed=pos, cached=pos,
                     shared_key=key, shared_hash=hash(key))
 
-    def _register_full_pages(self, seq: _Seq) -> None:
-        """Insert every newly computed full page of ``seq`` into the prefix cache."""
+    def _register_full_pages(self, seq: _Seq, upto: int | None = None) -> None:
+        """Insert every newly computed full page of ``seq`` into the prefix cache: the pages
+        below ``upto`` tokens (default ``seq.computed``; the scheduler passes what a step it has
+        read back computed, since ``computed`` already counts steps still in flight)."""
         if not seq.cacheable or not self.config.prefix_caching:
             return
         s = self.config.page_size
-        full = seq.computed // s
+        full = (seq.computed if upto is None else upto) // s
+        if full <= seq.first_own and full <= len(seq.hashes):
+            return  # (most decode tokens: no page filled)
         while len(seq.hashes) < full:  # pages that filled with generated tokens
             i = len(seq.hashes)
             parent = seq.hashes[i - 1] if i else seq.root
@@ -289,7 +304,7 @@ class Engine:
         return info
 
     def register_segments_batch(self, items, *, tenant: str = "default", public: bool = False, pin: bool = False,
-                                step_tokens: int = 16384, step_overhead_tokens: int = 256) -> list[SegmentInfo]:
+                                step_tokens: int = 16384) -> list[SegmentInfo]:
         """``register_segment`` for many segments at once, their KV computed together (bulk
         precompute, ``precompute.py``).  ``items``: ``(segment_id, token_ids)`` pairs.
 
@@ -300,12 +315,10 @@ class Engine:
            registered first (their roots can then be demoted to the host tier) and preparation
            resumes; ``PoolExhausted`` only when a document finds no pages with nothing pending
            (then the items before it stay registered).
-        3. Each device step runs one chunk (``StepRow``) of each of the unfinished documents with
-           the most tokens left: at most ``max_batch`` rows and ``step_tokens`` padded tokens (rows
-           x chunk, both as the runner pads them to powers of two; this bounds activation memory).
-           The chunk length ``t`` (a power of two <= ``prefill_chunk``) is the one maximizing
-           computed tokens / (padded tokens + ``step_overhead_tokens``, a step's fixed cost), so
-           documents of similar length fill their steps: 700-token ones run t=512, t=128, t=64.
+        3. Each device step runs one chunk (``StepRow``, at most ``prefill_chunk`` tokens) of
+           each of the unfinished documents with the most tokens left, up to ``max_batch`` rows
+           and ``min(step_tokens, max_num_batched_tokens)`` tokens (the flat step has no per-row
+           padding, so chunks of any length share a step; the budget bounds activation memory).
         4. Each document is registered exactly as ``register_segment`` does (prefix-cache pages,
            root chain node, durable registry row before returning) and its ``SegmentInfo`` returned."""
         self._check_tenant(tenant)
@@ -324,7 +337,8 @@ class Engine:
             self._check_fits(len(self.bos_prefix) + len(ids), f"segment {segment_id!r}")
             docs.append((segment_id, ids, ns))
         infos: list[SegmentInfo] = []
-        chunk, max_rows = self.config.prefill_chunk, self.config.max_batch
+        chunk, max_rows = self.config.prefill_chunk, self.runner.max_batch
+        budget = min(step_tokens, self.runner.max_tokens)
         while docs:
             seqs: list[_Seq] = []
             done = 0  # seqs whose pages a registered root node owns
@@ -339,18 +353,16 @@ class Engine:
                 live = [q for q in seqs if q.computed < len(q.tokens)]
                 while live:
                     live.sort(key=lambda q: q.computed - len(q.tokens))  # most tokens left first
-                    rem = [len(q.tokens) - q.computed for q in live]
-                    best = (-1.0, 0, 0)  # (efficiency, t, rows)
-                    for t in (1 << i for i in range(4, chunk.bit_length())):
-                        if t > step_tokens:
+                    rows, used = [], 0
+                    for q in live[:max_rows]:
+                        take = min(chunk, len(q.tokens) - q.computed, budget - used)
+                        if take <= 0:
                             break
-                        n = min(len(live), max_rows, 1 << ((step_tokens // t).bit_length() - 1))
-                        padded = (1 << (n - 1).bit_length()) * t  # the runner pads rows to a power of two
-                        best = max(best, (sum(min(r, t) for r in rem[:n]) / (padded + step_overhead_tokens), t, n))
-                    _, t, n = best
-                    self._step([StepRow(q.tokens[q.computed:q.computed + t], q.computed, q.pages) for q in live[:n]], 0)
-                    for q in live[:n]:
-                        q.computed = min(len(q.tokens), q.computed + t)
+                        rows.append(StepRow(q.tokens[q.computed:q.computed + take], q.computed, q.pages))
+                        used += take
+                    self._step(rows, 0)
+                    for q, row in zip(live, rows):
+                        q.computed += len(row.tokens)
                     live = [q for q in live if q.computed < len(q.tokens)]
                 for (segment_id, ids, ns), seq in zip(docs, seqs):
                     self._register_full_pages(seq)
@@ -659,6 +671,33 @@ class Engine:
     def compiles(self) -> int:
         return self.runner.compiles
 
+    def warmup(self, progress=None) -> dict:
+        """Compile every step bucket now (``buckets.py``: decode, cascade and mixed steps, with
+        and without log-probs), before any request pays for a compile; with the persistent
+        compilation cache a restart loads them instead.  ``progress(done, total)`` is called
+        after each bucket.  From here on every compile is counted in
+        ``stats()["compiles_after_warmup"]`` and logged as a warning with its shape.  Returns
+        ``{"buckets", "compiled", "seconds"}``.  Optional for the Python API; ``serve``,
+        ``demo`` and ``precompute`` call it."""
+        if self.fault is not None:
+            raise self.fault
+        t0 = time.perf_counter()
+        before = self.runner.compiles
+        keys = self.runner.buckets.all_keys(cascade=self.config.cascade_decode)
+        done = 0
+        for i, key in enumerate(keys):
+            done += self.runner.warmup_step(key)
+            if progress is not None:
+                progress(i + 1, len(keys))
+        self.runner.warm = True
+        b = self.runner.buckets
+        b.real_tokens = b.padded_tokens = b.real_rows = b.padded_rows = 0  # (warm-up steps are all padding)
+        freeze_heap()
+        took = time.perf_counter() - t0
+        log.info("warm-up: %d step buckets ready (%d compiled or loaded) in %.1f s", done,
+                 self.runner.compiles - before, took)
+        return {"buckets": done, "compiled": self.runner.compiles - before, "seconds": took}
+
     def stats(self) -> dict:
         c = self._counters
         return {
@@ -675,6 +714,11 @@ class Engine:
             "generated_tokens": c["generated_tokens"],
             "hit_rate": c["cached_tokens"] / c["prompt_tokens"] if c["prompt_tokens"] else 0.0,
             "compiles": self.runner.compiles,
+            "warm": self.runner.warm,
+            "compiles_after_warmup": self.runner.compiles_after_warmup,
+            "max_batch": self.max_batch,
+            "max_num_batched_tokens": self.runner.max_tokens,
+            **self.runner.buckets.padding_stats(),
             "compile_cache_dir": self.compilation_cache_dir,
             "compile_cache_hits": compile_cache.counts()["hits"],
             "compile_cache_misses": compile_cache.counts()["misses"],

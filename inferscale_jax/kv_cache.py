@@ -6,10 +6,13 @@ kernels read a layer's pages in place and the jitted step (which donates the cac
 them in place.  Page 0 is the null page that padding points at.
 
 ``attend`` is the model's one replaceable attention function (``models/transformer.py``):
-it scatters the chunk's new K/V into their slots (``AttnMeta.slots``), then runs paged
-attention over everything the sequence has in pages: the decode kernel for one token per
-sequence (or the cascade kernel when every row shares a prefix, read once for the batch), the
-prefill kernel (cached pages + causal over the chunk) otherwise.  ``impl``
+it scatters the step's new K/V into their slots (``AttnMeta.slots``), then runs paged
+attention over everything each sequence has in pages.  Engine steps hand it a flat token batch
+``q [1, N]``: a *mixed* step (``AttnMeta.ragged``: prefill chunks and decode rows together,
+row ``r`` owning tokens ``cu_q_lens[r] .. cu_q_lens[r + 1] - 1``) runs the ragged kernel
+(cached pages + causal over the row's own chunk); a *decode* step (one token per row, ``N``
+rows) runs the decode kernel, or the cascade kernel when a group of rows shares a prefix read
+once for the group.  Blend's recompute (``by_position``) keeps its own ``[B, T]`` layout.  ``impl``
 picks the Pallas kernels or their pure-jnp references (fast on the CPU, where Pallas only
 interprets).
 """
@@ -27,7 +30,7 @@ from pallas_kernels.cascade_attention import (shared_prefix_decode_attention,
                                               shared_prefix_decode_attention_ref)
 from pallas_kernels.decode_attention import paged_decode_attention, paged_decode_attention_ref
 from pallas_kernels.kv_write import write_kv, write_kv_pallas
-from pallas_kernels.prefill_attention import paged_prefill_attention, paged_prefill_attention_ref
+from pallas_kernels.ragged_attention import ragged_paged_attention, ragged_paged_attention_ref
 
 
 @jax.tree_util.register_dataclass
@@ -43,6 +46,10 @@ class AttnMeta:
     shared_pages: jax.Array | None = None
     shared_len: jax.Array | None = None  # [] int32
     shared_rows: jax.Array | None = None  # [B] bool
+    # a mixed step: q is the flat [1, N] token batch, row r owning tokens cu_q_lens[r] ..
+    # cu_q_lens[r + 1] - 1 ([R + 1] int32); else (engine steps) every row has one token, q [1, R]
+    cu_q_lens: jax.Array | None = None
+    ragged: bool = dataclasses.field(default=False, metadata=dict(static=True))
     # blend's recompute: queries at arbitrary positions, each seeing keys at positions <= its own
     by_position: bool = dataclasses.field(default=False, metadata=dict(static=True))
 
@@ -80,16 +87,16 @@ class PagedKVCache:
         q = q.astype(dtype)
         if meta.by_position:
             out = paged_attention_by_position(q, kp, vp, meta.page_table, positions)
-        elif t == 1 and meta.shared_pages is not None:
+        elif meta.ragged:  # q [1, N]: the flat tokens of a mixed step
+            fn = ragged_paged_attention if pallas else ragged_paged_attention_ref
+            out = fn(q[0], kp, vp, meta.page_table, meta.cu_q_lens, meta.kv_lens)[None]  # [1, N, Hq, D]
+        elif meta.shared_pages is not None:  # q [1, R]: one token per row, a cascade group
             fn = shared_prefix_decode_attention if pallas else shared_prefix_decode_attention_ref
-            out = fn(q[:, 0], kp, vp, meta.shared_pages, meta.shared_len, meta.page_table,
-                     meta.kv_lens, meta.shared_rows)[:, None]  # [B, 1, Hq, D]
-        elif t == 1:
+            out = fn(q[0], kp, vp, meta.shared_pages, meta.shared_len, meta.page_table,
+                     meta.kv_lens, meta.shared_rows)[None]
+        else:  # q [1, R]: one token per row
             fn = paged_decode_attention if pallas else paged_decode_attention_ref
-            out = fn(q[:, 0], kp, vp, meta.page_table, meta.kv_lens)[:, None]  # [B, 1, Hq, D]
-        else:
-            fn = paged_prefill_attention if pallas else paged_prefill_attention_ref
-            out = fn(q, kp, vp, meta.page_table, meta.q_lens, meta.kv_lens)  # [B, T, Hq, D]
+            out = fn(q[0], kp, vp, meta.page_table, meta.kv_lens)[None]
         ks, vs = list(self.k), list(self.v)
         ks[layer], vs[layer] = kp, vp
         return out, PagedKVCache(ks, vs, self.impl)

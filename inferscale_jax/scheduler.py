@@ -11,7 +11,7 @@
    pages (``Engine._node_seq``; if the pool cannot hold them the job waits like a request, and
    admission stops behind it; when nothing running or computing could ever free pages, its
    requests fail with ``PoolExhausted``).  The job's tokens are computed as chunks of the
-   prefill steps (3) while other requests keep decoding.  After its last chunk the node is
+   device steps (3) while other requests keep decoding.  After its last chunk the node is
    cached (``Engine._add_node``; not if one of its segments was deleted meanwhile) and its
    requests go back to the head of the waiting queue, holding a reader on it: admitted again,
    they find it (a deeper chain may then wait on the next node's job).  A job whose segments
@@ -23,25 +23,29 @@
    partial page, fresh pages for the rest.  If the pool cannot hold it, the request stays
    waiting (and so do those behind it: no starvation).  At most ``max_batch`` requests run or
    wait on node jobs at once.
-3. **Prefill** (``_prefill_step``): every node job with pages, then every running request
-   that still has prompt tokens to compute, contributes its next chunk (at most
-   ``prefill_chunk`` tokens, within a token budget per step), and all chunks go through one
-   device step; a long prompt or chain node therefore never stalls decodes for more than one
-   chunk.  When a request's last chunk is computed, the token sampled from its logits is its
-   first output token (TTFT).
-4. **Decode** (``_decode_step``): every decoding request feeds its last sampled token in one
-   batched step.  A request crossing a page boundary needs a new page first; if none is free
-   (after evicting cached chain nodes), the **newest** running request is preempted: its
-   pages are released and it goes back to the head of the waiting queue.  When re-admitted
-   it recomputes prompt + generated tokens (mostly prefix-cache hits) and continues with the
-   same per-step sampling keys, so its output is unchanged.
-   *Overlap*: the decode step is dispatched before the previous one is read (its sampled ids
-   feed the new step on the device), and the previous step's ids are processed while the
-   device computes (``_decode_step``).
-   *Cascade*: decoding requests that start with the same read-only pages (one segment chain's
-   node, or the same prefix-cache hits) form a group; the largest group, when it saves enough
-   reads, has those pages read once per step for all its rows (``_cascade_group``, the
-   shared-prefix kernel), while the other rows in the same step read their own pages.
+3. **One device step per iteration** (``_step``): every decoding request feeds its last sampled
+   token (one row of one token each), then node jobs and prefilling requests add their next
+   chunks (at most ``prefill_chunk`` tokens each) until the step's token budget
+   (``EngineConfig.max_num_batched_tokens``) is spent, oldest work first.  All rows go through
+   one ragged device step (a flat token batch, each row with its own query length), so a long
+   prompt or chain node never stalls decodes: it advances one chunk per step beside them.  A
+   request whose last chunk is computed samples its first output token (TTFT) from it; from
+   the next step on it decodes.  A decode row crossing a page boundary needs a new page
+   first; if none is free (after evicting cached chain nodes), the **newest** running request
+   is preempted: its pages are released and it goes back to the head of the waiting queue.
+   When re-admitted it recomputes prompt + generated tokens (mostly prefix-cache hits) and
+   continues with the same per-step sampling keys, so its output is unchanged.
+   *Overlap*: each step is dispatched before the previous one is read (the ids that step
+   samples feed the new one on the device), and the previous step's ids are processed while
+   the device computes.  ``computed`` counts a row from its dispatch, so a prefill continues
+   with its next chunk at once; pages enter the prefix cache when their step is read back, and
+   a step whose results are lost is forgotten (``computed`` rolled back) and recomputed
+   (``_lost``).
+   *Cascade*: in a step of decode rows only, requests that start with the same read-only pages
+   (one segment chain's node, or the same prefix-cache hits) form a group; the largest group,
+   when it saves enough reads, has those pages read once per step for all its rows
+   (``_cascade_group``, the shared-prefix kernel), while the other rows in the same step read
+   their own pages.
 5. **Finish**: EOS, a stop token or string, ``max_tokens``, or ``abort``: the request's page
    references are dropped at once (its full pages stay in the prefix cache) and its chain
    nodes lose a reader; one waiting on a node job leaves it (the last one cancels it).
@@ -156,7 +160,8 @@ class Scheduler:
         self.failed: list[RequestOutput] = []  # admission failures, reported by the next step
         self._finished: list[RequestOutput] = []  # the final outputs of the current step
         # overlapped decode: the decode step dispatched last, not yet read, and its requests
-        self.inflight: tuple[PendingStep, list[Request]] | None = None
+        # (step, [(request or node job, its row, whether the row samples the request's next token)])
+        self.inflight: tuple[PendingStep, list[tuple]] | None = None
 
     # -- queue ----------------------------------------------------------------------------
     def add(self, req: Request) -> None:
@@ -167,9 +172,9 @@ class Scheduler:
         return bool(self.waiting or self.running or self.jobs)
 
     def drain(self) -> list[RequestOutput]:
-        """Read the in-flight decode step (if any) and process its tokens."""
+        """Read the in-flight step (if any) and apply its results."""
         prev, self.inflight = self.inflight, None
-        return self._collect(prev) if prev is not None else []
+        return self._apply_all(prev, self.engine.runner.collect(prev[0])) if prev is not None else []
 
     def abort(self, request_id: str) -> RequestOutput | None:
         req = self.requests.get(request_id)
@@ -184,10 +189,8 @@ class Scheduler:
         self._finished = []  # every request this step finishes (``finished_in_step``)
         self._admit()
         outs, self.failed = self.failed, []
-        if any(r.prefilling for r in self.running) or any(j.seq is not None for j in self.jobs.values()):
-            outs += self._prefill_step()
-        if self.inflight is not None or any(not r.prefilling for r in self.running):
-            outs += self._decode_step()
+        if self.inflight is not None or self.running or any(j.seq is not None for j in self.jobs.values()):
+            outs += self._step()
         return outs
 
     def _resident(self, req: Request) -> bool:
@@ -208,7 +211,7 @@ class Scheduler:
         self._prune_jobs()
         if not self._provision_jobs():
             return
-        while self.waiting and self._active() < e.config.max_batch:
+        while self.waiting and self._active() < e.max_batch:
             window = list(self.waiting)[:LOOKAHEAD]
             req = next((r for r in window if self._resident(r)), window[0])
             try:
@@ -354,98 +357,47 @@ class Scheduler:
             outs.append(self._finish(req, "error", error=err))
         return outs
 
-    def _run_alone(self, reqs: list[Request | NodeJob], rows: list[StepRow], err: Exception,
-                   outs: list[RequestOutput]) -> list[tuple[Request | NodeJob, StepRow, object]]:
-        """A synchronous step of ``rows`` raised ``err``: if the device is still sound, run each
-        row alone so only the request(s) (or node job: its waiting requests) that cause the
-        failure fail; returns (request or job, row, result) of the rows that ran.  A lost device
-        raises ``EngineFault`` (``Engine.check_device``)."""
-        e = self.engine
-        e.check_device(err)
-        if len(reqs) == 1:
-            self._fail(reqs[0], err, outs)
-            return []
-        log.warning("a step of %d rows failed (%s: %s); running its rows one at a time", len(reqs),
-                    type(err).__name__, err)
-        return self._each_alone(reqs, rows, outs)
-
-    def _each_alone(self, reqs: list[Request | NodeJob], rows: list[StepRow],
+    def _each_alone(self, owners: list[Request | NodeJob], rows: list[StepRow],
                     outs: list[RequestOutput]) -> list[tuple[Request | NodeJob, StepRow, object]]:
         """Run each row as a step of its own; a row that fails fails its request (or its node
         job's requests) only."""
         e = self.engine
         done = []
-        for req, row in zip(reqs, rows):
+        for owner, row in zip(owners, rows):
             try:
-                res = e._step([row], MAX_LOGPROBS if req.wants_logprobs else 0)
+                res = e._step([row], MAX_LOGPROBS if owner.wants_logprobs else 0)
             except Exception as one:  # noqa: BLE001 - this row's failure
                 e.check_device(one)
-                self._fail(req, one, outs)
+                self._fail(owner, one, outs)
                 continue
-            done.append((req, row, res))
+            done.append((owner, row, res))
         return done
 
-    def _prefill_step(self) -> list[RequestOutput]:
-        e = self.engine
-        chunk = e.config.prefill_chunk
-        rows, owners = [], []
-        budget = 4 * chunk  # new tokens per prefill step (rows are padded to the longest chunk)
-        work = [j for j in self.jobs.values() if j.seq is not None] + [r for r in self.running if r.prefilling]
-        for owner in work:
-            seq = owner.seq
-            end = owner.prefill_end if isinstance(owner, Request) else len(seq.tokens)
-            toks = seq.tokens[seq.computed:min(seq.computed + chunk, end)]
-            if rows and (len(rows) + 1) * max(len(toks), max(len(r.tokens) for r in rows)) > budget:
-                break
-            rows.append(owner.row(toks, seq.computed))
-            owners.append(owner)
-        nl = MAX_LOGPROBS if any(o.wants_logprobs for o in owners) else 0
-        outs: list[RequestOutput] = []
-        try:
-            res = e._step(rows, nl)
-            done = [(owner, row, res, i) for i, (owner, row) in enumerate(zip(owners, rows))]
-        except EngineFault:
-            raise
-        except Exception as err:  # noqa: BLE001 - isolate the request(s) or node job it came from
-            done = [(owner, row, res, 0) for owner, row, res in self._run_alone(owners, rows, err, outs)]
-        for owner, row, res, i in done:
-            owner.seq.computed += len(row.tokens)
-            if isinstance(owner, NodeJob):
-                if owner.seq.computed >= len(owner.seq.tokens):
-                    self._complete_job(owner)
-                continue
-            req = owner
-            e._register_full_pages(req.seq)
-            if not req.prefilling:  # its last chunk: the sample is the next output token
-                if req.ttft_s is None:
-                    req.ttft_s = time.perf_counter() - req.arrival
-                    req.t_first = time.perf_counter()
-                outs.append(self._token(req, res, i))
-        return outs
+    def _step(self) -> list[RequestOutput]:
+        """One device step: every decoding request's next token, then prefill chunks of node jobs
+        and prefilling requests within the token budget (module docstring, 3).
 
-    def _decode_step(self) -> list[RequestOutput]:
-        """One decode step over every decoding request (module docstring, 4).
-
-        Overlapped (``EngineConfig.overlap_decode``, the default): the previous decode step may
-        still be in flight; this step is dispatched first, feeding each of its requests the id
-        that step sampled straight from the device, and only then are the previous step's ids
-        read and processed, so the host's work runs while the device computes.  A request whose
-        in-flight token turns out to end it (EOS, a stop string) has one extra row computed and
-        ignored; ``max_tokens`` is known ahead and costs nothing.  Page allocation that would
-        need a preemption first drains the in-flight step (preemption needs settled requests)."""
+        Overlapped (``EngineConfig.overlap_decode``, the default): the previous step may still
+        be in flight; this step is dispatched first, a request whose token that step samples
+        being fed it straight from the device, and only then is the previous step read and
+        processed, so the host's work runs while the device computes.  ``computed`` counts a
+        row's tokens from its dispatch (so the next step continues a prefill at once); pages
+        enter the prefix cache only when their step is read back.  A request whose in-flight
+        token turns out to end it (EOS, a stop string) has one extra row computed and ignored;
+        ``max_tokens`` is known ahead and costs nothing.  Page allocation that would need a
+        preemption first drains the in-flight step (preemption needs settled requests)."""
         e = self.engine
         s = e.config.page_size
         outs: list[RequestOutput] = []
         prev = self.inflight
-        pend = {id(r): j for j, r in enumerate(prev[1])} if prev is not None else {}
-        # requests whose in-flight token is their last (max_tokens): they feed nothing more
-        ending = {i for i, j in pend.items() if len(prev[1][j].out_ids) + 1 >= prev[1][j].sampling.max_tokens}
+        # requests whose next token the in-flight step samples: they feed it on the device
+        pend = {id(o): j for j, (o, _, samples) in enumerate(prev[1]) if samples} if prev is not None else {}
+        # ... unless that token is their last (max_tokens): they feed nothing more
+        ending = {i for i, j in pend.items() if len(prev[1][j][0].out_ids) + 1 >= prev[1][j][0].sampling.max_tokens}
         for req in sorted((r for r in self.running if not r.prefilling), key=lambda r: r.arrival):
-            if req.status != "running":
-                continue  # preempted while making room for an older request
+            if req.status != "running" or id(req) in ending:
+                continue  # (preempted while making room for an older request)
             seq = req.seq
-            if id(req) in ending:
-                continue
             pos = len(seq.tokens) - 1 + (id(req) in pend)  # the position of the token it feeds
             if pos // s >= len(seq.pages):  # the fed token starts a new page
                 while True:
@@ -454,10 +406,12 @@ class Scheduler:
                         break
                     except PoolExhausted:
                         if prev is not None:  # settle the in-flight step before preempting
+                            self.inflight = None
                             try:
-                                outs += self.drain()
+                                res = e.runner.collect(prev[0])
                             except Exception as err:  # noqa: BLE001 - its results are lost: recompute
-                                return outs + self._decode_alone(err)
+                                return outs + self._lost(err, prev)
+                            outs += self._apply_all(prev, res)
                             prev, pend, ending = None, {}, set()
                             if req.status != "running":
                                 break  # it finished with the drained token
@@ -466,8 +420,8 @@ class Scheduler:
                         self._preempt(victim)
                         if victim is req:
                             break
-        rows, reqs, src = [], [], []
-        for req in self.running:
+        rows, owners, src = [], [], []
+        for req in self.running:  # decode rows first: every decoding request, one token
             if req.prefilling or req.status != "running" or id(req) in ending:
                 continue
             j = pend.get(id(req))
@@ -478,75 +432,133 @@ class Scheduler:
                 row = req.row([0], len(req.seq.tokens))
                 row.sample_step += 1
                 rows.append(row)
-            reqs.append(req)
+            owners.append(req)
             src.append(-1 if j is None else j)
+        decode_rows = len(rows)
+        budget = e.runner.max_tokens - decode_rows
+        chunk = e.config.prefill_chunk
+        work = [j for j in self.jobs.values() if j.seq is not None and j.seq.computed < len(j.seq.tokens)]
+        work += [r for r in self.running if r.prefilling and r.status == "running"]
+        for owner in work:  # then prefill chunks, oldest work first, within the token budget
+            if budget <= 0 or len(rows) >= e.runner.max_batch:
+                break
+            seq = owner.seq
+            end = owner.prefill_end if isinstance(owner, Request) else len(seq.tokens)
+            take = min(chunk, end - seq.computed, budget)
+            rows.append(owner.row(seq.tokens[seq.computed:seq.computed + take], seq.computed))
+            owners.append(owner)
+            src.append(-1)
+            budget -= take
         pending, failure = None, None
+        entries = [(o, row, isinstance(o, Request) and row.start + len(row.tokens) >= o.prefill_end)
+                   for o, row in zip(owners, rows)]
         if rows:
-            nl = MAX_LOGPROBS if any(r.wants_logprobs for r in reqs) else 0
-            k, group = self._cascade_group(reqs)
+            nl = MAX_LOGPROBS if any(o.wants_logprobs for o in owners) else 0
+            k, group = self._cascade_group(owners) if decode_rows == len(rows) else (0, [])
             for i in group:
                 rows[i].cascade = True
+            feed = prev is not None and any(j >= 0 for j in src)
             try:
-                pending = e.runner.dispatch(rows, nl, k, prev=prev[0] if prev is not None else None,
-                                            src=src if prev is not None else None)
+                pending = e.runner.dispatch(rows, nl, k, prev=prev[0] if feed else None, src=src if feed else None)
             except Exception as err:  # noqa: BLE001 - settled below, request by request
                 failure = err
-        if prev is not None:
+            else:
+                for owner, row in zip(owners, rows):
+                    owner.seq.computed = row.start + len(row.tokens)
+        if prev is not None:  # the device is busy with `pending` meanwhile
+            self.inflight = None
             try:
-                outs += self.drain()  # the device is busy with `pending` meanwhile
+                res = e.runner.collect(prev[0])
             except Exception as err:  # noqa: BLE001 - the previous step's results are lost
-                failure, pending = err, None  # `pending` was fed that step's ids: discard it too
+                # `pending` was fed that step's ids: discard it too
+                return outs + self._lost(err, prev, (pending, entries) if pending is not None else None)
+            outs += self._apply_all(prev, res)
         if failure is not None:
-            outs += self._decode_alone(failure)
-            return outs
+            return outs + self._lost(failure)
         if pending is not None:
-            self.inflight = (pending, reqs)
             if not e.config.overlap_decode:
-                outs += self.drain()
+                try:
+                    res = e.runner.collect(pending)
+                except Exception as err:  # noqa: BLE001 - its results are lost: recompute
+                    return outs + self._lost(err, (pending, entries))
+                return outs + self._apply_all((pending, entries), res)
+            self.inflight = (pending, entries)
         return outs
 
-    def _decode_alone(self, err: Exception) -> list[RequestOutput]:
-        """A decode step failed (``err``) and nothing is in flight: run every decoding request's
-        next token as a step of its own, failing only the requests whose row fails.  Nothing of
-        the failed step was applied to the requests (their tokens and ``computed`` are as before
-        it), and rerunning a position rewrites the same KV, so the outputs are unchanged."""
+    def _lost(self, err: Exception, *steps) -> list[RequestOutput]:
+        """A step failed (``err``) or its results were lost: forget the ``steps`` whose results
+        will never be read (each request's ``computed`` goes back to its first row in them;
+        rerunning a position rewrites the same KV), then run every row of the next step alone,
+        failing only the requests (or node jobs) whose row fails."""
         e = self.engine
         self.inflight = None
+        starts: dict[int, tuple[object, int]] = {}
+        for step in steps:
+            for owner, row, _ in (step[1] if step is not None else ()):
+                if owner.seq is not None:
+                    old = starts.get(id(owner), (owner, row.start))[1]
+                    starts[id(owner)] = (owner, min(old, row.start))
+        for owner, start in starts.values():
+            owner.seq.computed = start
         e.check_device(err)
-        reqs = [r for r in self.running if not r.prefilling and r.status == "running"]
-        log.warning("a decode step of %d rows failed (%s: %s); running its rows one at a time", len(reqs),
-                    type(err).__name__, err)
-        outs: list[RequestOutput] = []
-        reqs.sort(key=lambda r: r.arrival)
-        for req in list(reqs):  # the page of the position each one feeds (a failed step may not have it)
-            if (len(req.seq.tokens) - 1) // e.config.page_size >= len(req.seq.pages):
+        s, chunk = e.config.page_size, e.config.prefill_chunk
+        decoding = sorted((r for r in self.running if not r.prefilling and r.status == "running"),
+                          key=lambda r: r.arrival)
+        for req in list(decoding):  # the page of the position each one feeds (a failed step may not have it)
+            if (len(req.seq.tokens) - 1) // s >= len(req.seq.pages):
                 try:
                     req.seq.pages += e._allocate(1)
                 except PoolExhausted:
                     self._preempt(req)  # recomputed later, same output
-                    reqs.remove(req)
-        rows = [r.row([r.seq.tokens[-1]], len(r.seq.tokens) - 1) for r in reqs]
-        for req, _, res in self._each_alone(reqs, rows, outs):
-            req.seq.computed += 1
-            e._register_full_pages(req.seq)
-            outs.append(self._token(req, res, 0))
+                    decoding.remove(req)
+        owners: list[Request | NodeJob] = list(decoding)
+        rows = [r.row([r.seq.tokens[-1]], len(r.seq.tokens) - 1) for r in decoding]
+        work = [j for j in self.jobs.values() if j.seq is not None and j.seq.computed < len(j.seq.tokens)]
+        work += [r for r in self.running if r.prefilling and r.status == "running"]
+        for owner in work:
+            seq = owner.seq
+            end = owner.prefill_end if isinstance(owner, Request) else len(seq.tokens)
+            rows.append(owner.row(seq.tokens[seq.computed:min(seq.computed + chunk, end)], seq.computed))
+            owners.append(owner)
+        log.warning("a step failed (%s: %s); running the %d rows of the next one one at a time",
+                    type(err).__name__, err, len(rows))
+        outs: list[RequestOutput] = []
+        for owner, row, res in self._each_alone(owners, rows, outs):
+            if owner.seq is None:
+                continue  # (a node job dropped by an earlier row's failure)
+            owner.seq.computed = row.start + len(row.tokens)
+            outs += self._apply(owner, row, res, 0)
         return outs
 
-    def _collect(self, inflight: tuple[PendingStep, list[Request]]) -> list[RequestOutput]:
-        """Read a dispatched decode step and hand each still-running request its token."""
+    def _apply_all(self, step, res) -> list[RequestOutput]:
+        """Apply each row's result of a read-back step (``_apply``)."""
         e = self.engine
-        pending, reqs = inflight
-        res = e.runner.collect(pending)
+        _, entries = step
         if e.debug_checks:
             e.check_invariants()
         outs = []
-        for i, req in enumerate(reqs):
-            if req.status != "running":
-                continue  # finished by the step before (this row was computed for nothing) or aborted
-            req.seq.computed += 1
-            e._register_full_pages(req.seq)
-            outs.append(self._token(req, res, i))
+        for i, (owner, row, _) in enumerate(entries):
+            outs += self._apply(owner, row, res, i)
         return outs
+
+    def _apply(self, owner: Request | NodeJob, row: StepRow, res, i: int) -> list[RequestOutput]:
+        """Row ``i`` of a read-back step: its full pages enter the prefix cache; a node job's last
+        chunk completes the job; a request's last prompt chunk or decode row gives its next token."""
+        upto = row.start + len(row.tokens)
+        if isinstance(owner, NodeJob):
+            if self.jobs.get(owner.key) is owner and owner.seq is not None and upto >= len(owner.seq.tokens):
+                self._complete_job(owner)
+            return []
+        req = owner
+        if req.status != "running":
+            return []  # finished by the step before (this row was computed for nothing) or aborted
+        self.engine._register_full_pages(req.seq, upto)
+        if upto < req.prefill_end:
+            return []
+        if req.ttft_s is None:
+            req.ttft_s = time.perf_counter() - req.arrival
+            req.t_first = time.perf_counter()
+        return [self._token(req, res, i)]
 
     def _cascade_group(self, decoding: list[Request]) -> tuple[int, list[int]]:
         """(shared pages k, row indices) of the cascade group of this decode step, or (0, []).

@@ -86,7 +86,8 @@ def forward(params: dict, cfg: ModelConfig, tokens: jax.Array, positions: jax.Ar
 
     logits are ``[B, T, V]`` float32, or ``[B, V]`` at ``logits_index [B]`` (the position in
     the chunk whose next-token distribution is wanted) when that is given, which skips the LM
-    head for every other token.  precision: "default" / "high" / "highest", or None for the
+    head for every other token; ``logits_index [B, R]`` gives ``[B, R, V]`` (a flat batch of
+    many sequences' tokens, ``B == 1``: the last token of each).  precision: "default" / "high" / "highest", or None for the
     ambient ``jax.default_matmul_precision`` (module docstring).
     """
     scope = jax.default_matmul_precision(precision) if precision is not None else contextlib.nullcontext()
@@ -100,7 +101,9 @@ def _forward(params: dict, cfg: ModelConfig, tokens: jax.Array, positions: jax.A
     cos, sin = rope_cos_sin(positions, jnp.asarray(inv_freq(cfg.rope, cfg.head_dim)))
     for layer, p in enumerate(params["layers"]):
         x, cache = _layer(cfg, p, layer, x, cos, sin, positions, cache, meta)
-    if logits_index is not None:
+    if logits_index is not None and logits_index.ndim == 2:  # [B, R] tokens per sequence
+        x = jnp.take_along_axis(x, logits_index[:, :, None].astype(jnp.int32), axis=1)  # [B, R, H]
+    elif logits_index is not None:
         x = jnp.take_along_axis(x, logits_index[:, None, None].astype(jnp.int32), axis=1)[:, 0]  # [B, H]
     x = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
     head = params["embed"].T if cfg.tie_word_embeddings else params["lm_head"]  # [H, V]

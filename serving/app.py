@@ -341,6 +341,10 @@ def create_app(engine_or_async_engine, *, api_keys=None, max_body_bytes: int = 2
         if getattr(ae, "fatal", None) is not None:  # the engine stopped serving (a lost device): the server is exiting
             return JSONResponse({"status": "failed", "error": "the engine stopped serving; see the server log"},
                                 status_code=503)
+        warming = getattr(ae, "warming", None)
+        if warming is not None:  # compiling the step buckets (Engine.warmup): not ready yet
+            return JSONResponse({"status": "warming up", "buckets_done": warming[0], "buckets": warming[1]},
+                                status_code=503, headers={"Retry-After": "5"})
         try:
             await asyncio.wait_for(ae.call(lambda: None), timeout=30.0)
         except Exception:  # noqa: BLE001 - the engine loop is stuck or gone

@@ -11,7 +11,7 @@ collide on the global default registry.  Two sources feed it:
   the times between a request's consecutive deltas as the server receives them.
 - **engine state** (read at scrape time from ``engine.stats()``, fetched on the engine thread by
   the ``/metrics`` route): ``pages{tier,state}``, ``segments{tier}``, ``evictions_total{tier}``
-  and ``preemptions_total``.  These mirror the engine's own cumulative counters, so they are
+  ``preemptions_total`` and ``compiles_total{phase}``.  These mirror the engine's own cumulative counters, so they are
   exported through a custom collector rather than incremented here.
 """
 
@@ -67,6 +67,13 @@ class _EngineCollector:
         pre = CounterMetricFamily("inferscale_preemptions", "requests preempted for lack of KV pages")
         pre.add_metric([], s.get("preemptions", 0))
         yield pre
+        comp = CounterMetricFamily("inferscale_compiles", "device-step compiles, by whether the engine was warm "
+                                   "(after Engine.warmup every compile is a request that waited for one)",
+                                   labels=["phase"])
+        after = s.get("compiles_after_warmup", 0)
+        comp.add_metric(["warmup"], s.get("compiles", 0) - after)
+        comp.add_metric(["after_warmup"], after)
+        yield comp
 
 
 class ServerMetrics:

@@ -59,12 +59,16 @@ class Serve:
             self.proc = subprocess.Popen([INFERSCALE, "serve", "--port", str(self.port), *args], cwd=cwd, env=env,
                                          stdout=log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 240
+        self.health: list[str] = []  # the /health statuses seen while starting
         while time.monotonic() < deadline and self.proc.poll() is None:
             try:
-                if httpx.get(self.url + "/health", timeout=5).status_code == 200:
+                r = httpx.get(self.url + "/health", timeout=5)
+                self.health.append(r.json().get("status", ""))
+                if r.status_code == 200:
                     return
             except httpx.HTTPError:
-                time.sleep(0.25)
+                pass
+            time.sleep(0.25)
         self.stop()
         raise AssertionError(f"serve did not start:\n{self.log.read_text()[-3000:]}")
 
@@ -96,6 +100,10 @@ def test_precompute_twice_then_serve_restores_relative_snapshot_dir(tmp_path, en
     # survives SIGTERM + restart, its KV restored from the snapshot (not recomputed)
     server = Serve(tmp_path, env, "--snapshot-dir", "./kv")
     try:
+        # serve compiles every step bucket before it says ok (Engine.warmup)
+        assert "warming up" in server.health and server.health[-1] == "ok", server.health
+        stats = httpx.get(server.url + "/v1/stats", timeout=30).json()
+        assert stats["warm"] and stats["compiles_after_warmup"] == 0, stats
         assert restored(server) == (2, 0)
         got = httpx.get(server.url + "/v1/segments/doc-a", timeout=30)
         assert got.status_code == 200 and got.json()["tier"] in ("hbm", "host"), got.text

@@ -20,5 +20,5 @@ def test_demo_reports_identical_outputs(tmp_path):
     assert "cached = tokens whose KV was reused" in r.stdout
     # a progress line per phase on stderr, the compile phase named, no traceback
     progress = [line for line in r.stderr.splitlines() if line.startswith("[")]
-    assert [p.split("] ")[1].split()[0] for p in progress] == ["loading", "registering", "compiling", "ready"]
+    assert [p.split("] ")[1].split()[0] for p in progress] == ["loading", "compiling", "registering", "warming", "ready"]
     assert "Traceback" not in r.stderr

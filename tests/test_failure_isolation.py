@@ -137,7 +137,8 @@ def test_a_lost_device_stops_the_engine_with_engine_fault(monkeypatch):
     r1 = e.submit(prompt_token_ids=P1, tenant="t", sampling=GREEDY)
     _lose_device(e, monkeypatch)
     with pytest.raises(EngineFault, match="restart"):
-        e.step()
+        for _ in range(3):  # the first step's results are read (and lost) in the next one
+            e.step()
     assert isinstance(e.fault, EngineFault)
     with pytest.raises(EngineFault):
         e.submit(prompt_token_ids=P2, tenant="t", sampling=GREEDY)
@@ -228,11 +229,20 @@ def test_outputs_finished_earlier_in_a_failing_step_are_still_reported(monkeypat
     e = make_engine()
     e.register_segment("a", token_ids=SEG_A, tenant="t1")
     running = e.submit(prompt_token_ids=P2, tenant="t", sampling=GREEDY)
-    e.step()  # admitted and prefilled: decoding from now on
-    gone = e.submit(prompt_token_ids=P1, segments=["a"], tenant="t1", sampling=GREEDY)
+    e.step()
+    e.step()  # its prefill read back: decoding from now on
     short = e.submit(prompt_token_ids=P3, tenant="t", sampling=SamplingParams(max_tokens=1, temperature=0.0))
-    e.delete_segment("a", tenant="t1")  # `gone` fails at admission, `short` finishes in its prefill
-    monkeypatch.setattr(e.scheduler, "_cascade_group", lambda reqs: 1 / 0)  # then the decode part raises
+    e.step()  # its prefill is in flight: it finishes when this step is read, in the next one
+    gone = e.submit(prompt_token_ids=P1, segments=["a"], tenant="t1", sampling=GREEDY)
+    e.delete_segment("a", tenant="t1")  # `gone` fails at admission
+    real = e.scheduler._apply
+
+    def apply(owner, row, res, i):  # `short` finishes, then the step raises
+        out = real(owner, row, res, i)
+        if getattr(owner, "id", None) == short:
+            raise ZeroDivisionError("a bug")
+        return out
+    monkeypatch.setattr(e.scheduler, "_apply", apply)
     outs = {o.request_id: o for o in e.step()}
     assert set(outs) == {running, gone, short}
     assert isinstance(outs[gone].error, SegmentNotFound)

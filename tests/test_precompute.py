@@ -42,7 +42,7 @@ def tok(model_dir):
 def make_engine(tok, snapshot_dir=None, **kw):
     params = init_params(CFG, jax.random.PRNGKey(0), scale=0.5)
     config = dict(dtype="float32", page_size=PAGE, hbm_pages=2048, prefill_chunk=64, max_batch=64,
-                  min_table_pages=16, snapshot_dir=snapshot_dir)
+                  min_table_pages=16, snapshot_dir=snapshot_dir, max_num_batched_tokens=2048)
     engine = Engine(params, CFG, tok, EngineConfig(**{**config, **kw}), fingerprint="precompute-test")
     engine.debug_checks = True
     return engine

@@ -1,0 +1,127 @@
+"""Step shape buckets: the few static shapes every device step is padded to.
+
+A jitted step compiles once per static shape, so the runner pads each step to a *bucket*.  The
+set is derived from the engine's config alone, finite and small, so ``Engine.warmup`` can
+compile all of it before serving and nothing compiles afterwards:
+
+* **decode steps** (every row feeds one token): ``rows`` buckets, powers of two from 8 up to
+  ``max_rows`` (the last bucket is ``max_rows`` itself); the flat token count equals the rows.
+  Padding rows cost one query over the null page; the weights are read once per step whatever
+  the row count, so 8 rows cost about what 1 does.
+* **mixed steps** (some row computes a prefill chunk; decode rows ride along): ``tokens``
+  buckets, powers of two from 32 up to the step's token budget
+  (``EngineConfig.max_num_batched_tokens``, the last bucket is the budget itself); the row
+  count is then tied to the token bucket (``min(tokens, max_rows)``), so a mixed step has a
+  single free dimension.  The LM head and the sampler run over that many rows; at most the
+  chunk's own cost over again for the smallest buckets, a fraction of a percent for big ones.
+* **page-table width**: a step's table is padded to one of a few widths, each 8x the next:
+  ``next_pow2(max_pages_per_seq)``, /8, /64, ... down to ``min_table_pages``.  Mixed and
+  cascade steps, and decode steps of ``NARROW_ROWS`` rows or more, always use the widest (their
+  kernels' work follows the real lengths; only a few more int32 per row travel); decode steps
+  of fewer rows pick the narrowest that holds their longest row, because there the decode
+  kernel splits each sequence across the GPU's cores by the table width.
+* **cascade** decode steps (a group of rows reads a shared prefix once): the shared page list
+  is padded to one of the table widths too.
+* **log-probs**: 0 or ``MAX_LOGPROBS`` columns.
+
+Penalty steps (a row with presence / frequency / repetition penalty) add id arrays whose width
+follows the requests' lengths (``runner.penalty_width``); they are not part of the warm-up set
+and compile on first use (counted and logged like any compile after warm-up).
+
+``padding`` accumulates real vs padded tokens and rows, reported by ``Engine.stats()``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+NARROW_ROWS = 32  # decode row buckets below this pick a table width (see the module docstring)
+
+
+def next_pow2(n: int, minimum: int = 1) -> int:
+    return max(minimum, 1 << max(0, n - 1).bit_length())
+
+
+def _ladder(lo: int, hi: int) -> list[int]:
+    """Powers of two from ``lo`` while below ``hi``, then ``hi`` itself."""
+    out, b = [], lo
+    while b < hi:
+        out.append(b)
+        b *= 2
+    return out + [hi]
+
+
+@dataclasses.dataclass(frozen=True)
+class StepKey:
+    """The static shape of one step (one compiled executable, penalties aside)."""
+    rows: int
+    tokens: int
+    width: int  # page-table width
+    num_logprobs: int
+    shared: int = 0  # cascade: padded shared page count (0: no cascade)
+    ragged: bool = False  # a mixed step (ragged attention); else every row feeds one token
+
+
+class StepBuckets:
+    def __init__(self, *, max_rows: int, max_tokens: int, max_pages_per_seq: int, min_table_pages: int = 4,
+                 num_logprobs: int = 20, min_rows: int = 8, min_tokens: int = 32):
+        assert max_tokens >= max_rows, "the token budget must hold a decode token for every row"
+        self.max_rows, self.max_tokens = max_rows, max_tokens
+        self.num_logprobs = num_logprobs
+        self.row_buckets = _ladder(min(min_rows, max_rows), max_rows)
+        self.token_buckets = _ladder(min(min_tokens, max_tokens), max_tokens)
+        widest = next_pow2(max_pages_per_seq, 4)
+        widths = [widest]
+        while widths[-1] // 8 >= max(1, min_table_pages):
+            widths.append(widths[-1] // 8)
+        self.widths = sorted(widths)
+        self.real_tokens = self.padded_tokens = self.real_rows = self.padded_rows = 0
+
+    # -- choosing -------------------------------------------------------------------------
+    def rows_for(self, n: int) -> int:
+        return next(b for b in self.row_buckets if b >= n)
+
+    def width_for(self, pages: int) -> int:
+        return next((w for w in self.widths if w >= pages), max(pages, self.widths[-1]))
+
+    def wide(self, pages: int) -> int:
+        return max(self.widths[-1], pages)
+
+    def key(self, n_rows: int, n_tokens: int, need_pages: int, num_logprobs: int, shared_pages: int = 0) -> StepKey:
+        """The bucket of a step of ``n_rows`` rows and ``n_tokens`` new tokens whose longest row
+        needs ``need_pages`` table entries (cascade: ``shared_pages`` shared, decode only)."""
+        assert 0 < n_rows <= self.max_rows and n_rows <= n_tokens <= self.max_tokens, (n_rows, n_tokens)
+        nl = self.num_logprobs if num_logprobs else 0
+        if n_tokens == n_rows:  # decode: one token per row
+            r = self.rows_for(n_rows)
+            if shared_pages:
+                return StepKey(r, r, self.widths[-1], nl, self.width_for(shared_pages))
+            return StepKey(r, r, self.width_for(need_pages) if r < NARROW_ROWS else self.wide(need_pages), nl)
+        assert not shared_pages, "cascade attention is a decode step"
+        t = next(b for b in self.token_buckets if b >= n_tokens)
+        return StepKey(min(t, self.max_rows), t, self.wide(need_pages), nl, ragged=True)
+
+    def count(self, key: StepKey, n_rows: int, n_tokens: int) -> None:
+        self.real_tokens += n_tokens
+        self.padded_tokens += key.tokens
+        self.real_rows += n_rows
+        self.padded_rows += key.rows
+
+    # -- warm-up --------------------------------------------------------------------------
+    def all_keys(self, cascade: bool = True) -> list[StepKey]:
+        """Every bucket a step without penalties can take (``Engine.warmup`` compiles them)."""
+        keys = []
+        for nl in (0, self.num_logprobs):
+            for r in self.row_buckets:
+                keys += [StepKey(r, r, w, nl) for w in (self.widths if r < NARROW_ROWS else self.widths[-1:])]
+                if cascade and r >= 2:
+                    keys += [StepKey(r, r, self.widths[-1], nl, w) for w in self.widths]
+            keys += [StepKey(min(t, self.max_rows), t, self.widths[-1], nl, ragged=True) for t in self.token_buckets]
+        return list(dict.fromkeys(keys))
+
+    def padding_stats(self) -> dict:
+        return {
+            "padding_token_fraction": 1 - self.real_tokens / self.padded_tokens if self.padded_tokens else 0.0,
+            "padding_row_fraction": 1 - self.real_rows / self.padded_rows if self.padded_rows else 0.0,
+        }
