@@ -103,6 +103,11 @@ class StepResult:
     top_ids: np.ndarray  # [n, k] int32
     top_logprobs: np.ndarray  # [n, k] float32
 
+    @functools.cached_property
+    def token_list(self) -> list[int]:
+        """``tokens`` as Python ints (one conversion per step, not one per row)."""
+        return self.tokens.tolist()
+
 
 @functools.partial(jax.jit, static_argnames=("cfg", "key", "precision"), donate_argnames=("cache",))
 def _model_step(params, cache: PagedKVCache, ints, floats, shared=None, penalties=None, *, cfg: ModelConfig,

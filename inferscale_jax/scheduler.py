@@ -103,6 +103,9 @@ class Request:
     preemptions: int = 0
     stop_ids: frozenset | None = None  # stop token ids + EOS unless ignore_eos (set at the first token)
 
+    def __post_init__(self):
+        self.penalty = self.sampling.has_penalty  # (read per row per step)
+
     @property
     def prefilling(self) -> bool:
         return self.seq is not None and self.seq.computed < self.prefill_end
@@ -113,9 +116,8 @@ class Request:
 
     def row(self, tokens: list[int], start: int) -> StepRow:
         sp = self.sampling
-        row = StepRow(tokens, start, self.seq.pages, temperature=float(sp.temperature), top_k=sp.top_k,
-                      top_p=float(sp.top_p), key=self.key, sample_step=len(self.out_ids))
-        if sp.has_penalty:  # the lists themselves: the runner copies them when it packs the step
+        row = StepRow(tokens, start, self.seq.pages, sp.temperature, sp.top_k, sp.top_p, self.key, len(self.out_ids))
+        if self.penalty:  # the lists themselves: the runner copies them when it packs the step
             row.presence_penalty, row.frequency_penalty = float(sp.presence_penalty), float(sp.frequency_penalty)
             row.repetition_penalty = float(sp.repetition_penalty)
             row.output_ids, row.prompt_ids = self.out_ids, self.prompt_tokens
@@ -394,12 +396,16 @@ class Scheduler:
         pend = {id(o): j for j, (o, _, samples) in enumerate(prev[1]) if samples} if prev is not None else {}
         # ... unless that token is their last (max_tokens): they feed nothing more
         ending = {i for i, j in pend.items() if len(prev[1][j][0].out_ids) + 1 >= prev[1][j][0].sampling.max_tokens}
-        for req in sorted((r for r in self.running if not r.prefilling), key=lambda r: r.arrival):
+        # requests whose fed token starts a new page (the position it feeds: its last token's, or
+        # the in-flight one's), oldest first: an allocation may preempt the newest
+        grow = [r for r in self.running if not r.prefilling and id(r) not in ending
+                and (len(r.seq.tokens) - 1 + (id(r) in pend)) // s >= len(r.seq.pages)]
+        for req in sorted(grow, key=lambda r: r.arrival) if len(grow) > 1 else grow:
             if req.status != "running" or id(req) in ending:
                 continue  # (preempted while making room for an older request)
             seq = req.seq
-            pos = len(seq.tokens) - 1 + (id(req) in pend)  # the position of the token it feeds
-            if pos // s >= len(seq.pages):  # the fed token starts a new page
+            pos = len(seq.tokens) - 1 + (id(req) in pend)
+            if pos // s >= len(seq.pages):
                 while True:
                     try:
                         seq.pages += e._allocate(1)
@@ -421,8 +427,12 @@ class Scheduler:
                         if victim is req:
                             break
         rows, owners, src = [], [], []
+        prefilling = []
         for req in self.running:  # decode rows first: every decoding request, one token
-            if req.prefilling or req.status != "running" or id(req) in ending:
+            if req.status != "running" or id(req) in ending:
+                continue
+            if req.prefilling:
+                prefilling.append(req)
                 continue
             j = pend.get(id(req))
             if j is None:
@@ -438,7 +448,7 @@ class Scheduler:
         budget = e.runner.max_tokens - decode_rows
         chunk = e.config.prefill_chunk
         work = [j for j in self.jobs.values() if j.seq is not None and j.seq.computed < len(j.seq.tokens)]
-        work += [r for r in self.running if r.prefilling and r.status == "running"]
+        work += prefilling
         for owner in work:  # then prefill chunks, oldest work first, within the token budget
             if budget <= 0 or len(rows) >= e.runner.max_batch:
                 break
@@ -604,7 +614,7 @@ class Scheduler:
     def _on_token(self, req: Request, res, i: int) -> RequestOutput:
         e = self.engine
         sp = req.sampling
-        tok = int(res.tokens[i])
+        tok = res.token_list[i]
         req.out_ids.append(tok)
         if sp.logprobs is not None:
             lp = {int(t): float(v) for t, v in zip(res.top_ids[i][:sp.logprobs], res.top_logprobs[i][:sp.logprobs])}
