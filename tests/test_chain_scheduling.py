@@ -1,5 +1,5 @@
 """Missing chain nodes are scheduled work: computed as prefill rows of the scheduler's normal
-prefill steps (``Scheduler._prefill_step``, a ``NodeJob`` per missing node) while other requests
+device steps (``Scheduler._step``, a ``NodeJob`` per missing node) while other requests
 keep decoding, once for every request that needs them, with exact outputs and exact page
 accounting (``scheduler.py``, 2)."""
 
