@@ -32,7 +32,7 @@ class EngineConfig:
     # decode rows that share leading pages (one segment chain, or prefix-cache hits) read them once
     # per batch (cascade kernel; H200: 1.16x decode tok/s at 8 rows of a 4k context, 1.67x at 128)
     cascade_decode: bool = True
-    # dispatch each decode step before reading the previous one's tokens (they feed it on the
+    # dispatch each step before reading the previous one's tokens (they feed it on the
     # device), so host work overlaps device work; the same tokens either way (logprobs up to the
     # rounding of a different batch shape: an ignored row can change a step's bucket)
     overlap_decode: bool = True

@@ -10,7 +10,7 @@ What a request goes through here (the scheduler, ``scheduler.py``, decides *when
    ``[s1, s2]``, ... (``segments.py``), taking a reader on each node found.  A segment evicted
    to host or disk is promoted back first (``tiers.py``).  At the first missing node
    ``[s1..si]`` the walk stops and ``_start`` returns it with its parent: the scheduler computes
-   it as a *node job* (``scheduler.py``, 2) inside its normal prefill steps, once for every
+   it as a *node job* (``scheduler.py``, 2) inside its normal device steps, once for every
    request that needs it.  The job's pages come from ``_node_seq`` (the parent's full pages
    shared, its partially filled last page copied, ``si``'s tokens at their real positions over
    that context); when its last chunk is computed ``_add_node`` caches it (unless one of its
@@ -22,7 +22,7 @@ What a request goes through here (the scheduler, ``scheduler.py``, decides *when
    and the model fingerprint), copy-on-write a partially filled shared page, allocate the
    rest.  At least the last token is always computed (its logits give the first output
    token).  ``cached_tokens`` counts the tokens whose KV was reused.
-4. **Compute**: the scheduler batches prefill chunks and decode steps of all running requests
+4. **Compute**: the scheduler puts prefill chunks and decode rows of all running requests in one step
    (``_step`` -> ``runner.py``); every page that fills is registered in the prefix cache
    (``_register_full_pages``).  Pages run short: chain nodes are evicted, then unused segments
    demoted to host, then the newest request is preempted.
@@ -429,7 +429,8 @@ class Engine:
         return rid
 
     def step(self) -> list[RequestOutput]:
-        """One scheduler iteration: admit, one prefill step, one decode step (``scheduler.py``).
+        """One scheduler iteration: admit, then one device step of decode rows and prefill chunks
+        (``scheduler.py``, 3).
 
         Failures are contained: a request's own failure fails it alone (the scheduler isolates
         it); an unexpected error fails the requests running at that moment with ``EngineFault``,
