@@ -98,3 +98,13 @@ def num_sms(default: int = 132) -> int:
     """Streaming multiprocessors of the default device (132 on an H100/H200 SXM)."""
     dev = jax.devices()[0]
     return int(getattr(dev, "core_count", 0) or default) if dev.platform == "gpu" else default
+
+
+def merge_splits(o_part: jax.Array, lse: jax.Array, dtype) -> jax.Array:
+    """Merge split-KV partial outputs: ``o_part [splits, ..., D]`` (normalised per split) and
+    ``lse [splits, ...]`` (log2-sum-exp per row, ``-inf`` for an empty split) ->
+    ``sum_s o_s 2^lse_s / sum_s 2^lse_s`` in ``dtype``; rows empty in every split give 0."""
+    lse_max = lse.max(axis=0)
+    w = jnp.exp2(lse - jnp.where(jnp.isfinite(lse_max), lse_max, 0.0))  # empty split: 0
+    denom = w.sum(axis=0)
+    return ((w[..., None] * o_part).sum(axis=0) / jnp.where(denom > 0, denom, 1.0)[..., None]).astype(dtype)

@@ -280,14 +280,8 @@ def _prefill(q, k_pages, v_pages, page_table, q_lens, kv_lens, *, sm_scale, bloc
         name=f"paged_prefill_attention_bq{block_q}_bkv{block_kv}_g{group}_s{kv_splits}",
     )(q_lens.astype(jnp.int32), kv_lens.astype(jnp.int32), page_table.astype(jnp.int32),
       q_rows, k_slots, v_slots)
-    if split:  # merge the splits: o = sum_s o_s 2^lse_s / sum_s 2^lse_s
-        o_part, lse = outs  # [splits, B, Tp*Hq, D], [splits, B, Tp*Hq]
-        lse_max = lse.max(axis=0)
-        lse_max = jnp.where(jnp.isfinite(lse_max), lse_max, 0.0)
-        w = jnp.exp2(lse - lse_max)  # [splits, B, Tp*Hq]; 0 for empty splits
-        denom = w.sum(axis=0)
-        out = (w[..., None] * o_part).sum(axis=0) / jnp.where(denom > 0, denom, 1.0)[..., None]
-        out = out.astype(q.dtype)
+    if split:  # [splits, B, Tp*Hq, D], [splits, B, Tp*Hq] -> merged
+        out = common.merge_splits(*outs, q.dtype)
     else:
         (out,) = outs
     return out.reshape(batch, padded, num_q_heads, head_dim)[:, :chunk]

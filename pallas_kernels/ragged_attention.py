@@ -293,13 +293,8 @@ def _ragged(q, k_pages, v_pages, page_table, cu_q_lens, kv_lens, *, sm_scale, bl
         interpret=interpret,
         name=f"ragged_paged_attention_bq{block_q}_bkv{tiles[-1][2]}_g{group}_s{kv_splits}",
     )(meta, page_table.astype(jnp.int32).reshape(-1), q_rows, k_slots, v_slots)
-    if split:  # merge: o = sum_s o_s 2^lse_s / sum_s 2^lse_s (padding rows: all zero)
-        o_part, lse = outs  # [splits, N*Hq, D], [splits, N*Hq]
-        lse_max = lse.max(axis=0)
-        w = jnp.exp2(lse - jnp.where(jnp.isfinite(lse_max), lse_max, 0.0))  # empty split: 0
-        denom = w.sum(axis=0)
-        out = (w[..., None] * o_part).sum(axis=0) / jnp.where(denom > 0, denom, 1.0)[:, None]
-        out = out.astype(q.dtype)
+    if split:  # [splits, N*Hq, D], [splits, N*Hq] -> merged (padding rows: all zero)
+        out = common.merge_splits(*outs, q.dtype)
     else:
         (out,) = outs
     return out.reshape(num_tokens, num_q_heads, head_dim)
