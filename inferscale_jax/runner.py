@@ -6,13 +6,13 @@ last new token's logits.  Everything happens in one jitted function (``_model_st
 donates the cache (in-place page updates) and returns only the sampled ids (plus log-probs when
 asked), so the host reads back a few bytes per step.
 
-Shapes are bucketed so requests of new lengths do not recompile: the batch to a power of two
-(<= ``max_batch``), the chunk to 1 (decode) or a power of two >= 16 (<= ``prefill_chunk``), the
-page table to a power of two >= 4 pages, log-probs to 0 or ``MAX_LOGPROBS``, and (only in
-steps where a row has a sampling penalty) the generated / prompt id arrays to powers of four
->= 16 (``penalty_width``) (``sampling.py`` says why the ids travel per step).  Each new bucket is logged once and
-counted in ``compiles``.  Padding rows use one query and one key in
-the null page; padding tokens write into the null page.
+Steps are a flat token batch: prefill chunks and one-token decode rows together, each row with
+its own query length (``_model_step``).  Shapes are padded to the buckets of ``buckets.py`` (a
+small set derived from the config, so ``Engine.warmup`` can compile all of it) and, only in steps
+where a row has a sampling penalty, the generated / prompt id arrays to powers of four >= 16
+(``penalty_width``; ``sampling.py`` says why the ids travel per step).  Each new bucket is
+logged once and counted in ``compiles`` (after warm-up: ``compiles_after_warmup``, a warning).
+Padding tokens write into the null page; padding rows read it.
 
 ``copy_pages`` is the copy-on-write of partially filled shared pages: the splice kernel at
 shift 0, one call per layer inside one jitted, donating function.
@@ -216,7 +216,7 @@ class ModelRunner:
                                    max_pages_per_seq=max_pages_per_seq, min_table_pages=min_table_pages,
                                    num_logprobs=MAX_LOGPROBS)
         self.inv_freq = jnp.asarray(inv_freq)
-        self.compiled: set[tuple] = set()
+        self.compiled: set[tuple] = set()  # (StepKey, penalty shapes) of every compiled step
         self.compiles = 0
         self.warm = False  # set by Engine.warmup: a compile after it is logged as a warning
         self.compiles_after_warmup = 0
@@ -272,7 +272,7 @@ class ModelRunner:
         b, t, w = key.rows, key.tokens, key.width
         penalties = self._pack_penalties(rows, b) if any(r.has_penalty for r in rows) else None
         pen_key = (("pen",) + penalties[0].shape[1:] + penalties[1].shape[1:]) if penalties is not None else ()
-        compiling = self._note_bucket(dataclasses.astuple(key) + pen_key)
+        compiling = self._note_bucket((key, pen_key))
 
         assert src is None or (prev is not None and len(src) == n)
         ints = np.zeros((3 * t + b * (w + 8),), np.int32)
@@ -291,7 +291,7 @@ class ModelRunner:
         floats[:, 1] = 1.0  # top_p
         keys = meta[:, 4:6].view(np.uint32)
         # per-row Python is host time on every step: gather plain lists, then one numpy copy each
-        tok_l, pos_l, slot_l, meta_l, key_l, float_l = [], [], [], [], [], []
+        tok_l, pos_l, slot_l, meta_l, last_l, key_l, float_l = [], [], [], [], [], [], []
         zero_key = (0, 0)
         at = 0  # flat index of the row's first token
         for i, r in enumerate(rows):
@@ -309,12 +309,13 @@ class ModelRunner:
                 pos_l += range(start, end)
                 slot_l += [pages[p // s] * s + p % s for p in range(start, end)]
             at += m
+            last_l.append(at - 1)  # the row's last token: its logits are sampled
             meta_l.append((m, end - own * s, min(r.top_k, vocab), r.sample_step))
             key_l.append(zero_key if r.key is None else r.key)
             float_l.append((r.temperature, r.top_p))
         tokens[:at], positions[:at], slots[:at] = tok_l, pos_l, slot_l
         meta[:n, :4] = meta_l
-        meta[:n, 7] = np.cumsum([len(r.tokens) for r in rows]) - 1  # each row's last token
+        meta[:n, 7] = last_l
         keys[:n] = key_l
         floats[:n] = float_l
         # padding tokens (flat index >= at) write into the null slot 0 at position 0
@@ -351,7 +352,7 @@ class ModelRunner:
         padding only: every token writes the null page, every row reads it.  False when no step
         can take this bucket (a token bucket the rows cannot fill with chunks of
         ``prefill_chunk``)."""
-        if dataclasses.astuple(key) in self.compiled:
+        if (key, ()) in self.compiled:
             return True
         s, chunk = self.page_size, self.prefill_chunk
         if key.ragged:  # key.tokens tokens in chunks of <= prefill_chunk, the first >= 2 tokens
