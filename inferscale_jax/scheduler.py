@@ -446,19 +446,13 @@ class Scheduler:
             src.append(-1 if j is None else j)
         decode_rows = len(rows)
         budget = e.runner.max_tokens - decode_rows
-        chunk = e.config.prefill_chunk
-        work = [j for j in self.jobs.values() if j.seq is not None and j.seq.computed < len(j.seq.tokens)]
-        work += prefilling
-        for owner in work:  # then prefill chunks, oldest work first, within the token budget
+        for owner in self._prefill_work(prefilling):  # then chunks, oldest work first, within the budget
             if budget <= 0 or len(rows) >= e.runner.max_batch:
                 break
-            seq = owner.seq
-            end = owner.prefill_end if isinstance(owner, Request) else len(seq.tokens)
-            take = min(chunk, end - seq.computed, budget)
-            rows.append(owner.row(seq.tokens[seq.computed:seq.computed + take], seq.computed))
+            rows.append(self._chunk_row(owner, budget))
             owners.append(owner)
             src.append(-1)
-            budget -= take
+            budget -= len(rows[-1].tokens)
         pending, failure = None, None
         entries = [(o, row, isinstance(o, Request) and row.start + len(row.tokens) >= o.prefill_end)
                    for o, row in zip(owners, rows)]
@@ -495,6 +489,20 @@ class Scheduler:
             self.inflight = (pending, entries)
         return outs
 
+    def _prefill_work(self, prefilling: list[Request]) -> list[Request | NodeJob]:
+        """What has prompt tokens left to compute, in order: node jobs with pages, then the
+        ``prefilling`` requests."""
+        jobs = [j for j in self.jobs.values() if j.seq is not None and j.seq.computed < len(j.seq.tokens)]
+        return jobs + prefilling
+
+    def _chunk_row(self, owner: Request | NodeJob, budget: int | None = None) -> StepRow:
+        """The next prompt chunk of a request or node job: at most ``prefill_chunk`` tokens (and
+        ``budget``), from its ``computed`` position."""
+        seq = owner.seq
+        end = owner.prefill_end if isinstance(owner, Request) else len(seq.tokens)
+        take = min(self.engine.config.prefill_chunk, end - seq.computed, budget or end)
+        return owner.row(seq.tokens[seq.computed:seq.computed + take], seq.computed)
+
     def _lost(self, err: Exception, *steps) -> list[RequestOutput]:
         """A step failed (``err``) or its results were lost: forget the ``steps`` whose results
         will never be read (each request's ``computed`` goes back to its first row in them;
@@ -511,7 +519,7 @@ class Scheduler:
         for owner, start in starts.values():
             owner.seq.computed = start
         e.check_device(err)
-        s, chunk = e.config.page_size, e.config.prefill_chunk
+        s = e.config.page_size
         decoding = sorted((r for r in self.running if not r.prefilling and r.status == "running"),
                           key=lambda r: r.arrival)
         for req in list(decoding):  # the page of the position each one feeds (a failed step may not have it)
@@ -523,12 +531,8 @@ class Scheduler:
                     decoding.remove(req)
         owners: list[Request | NodeJob] = list(decoding)
         rows = [r.row([r.seq.tokens[-1]], len(r.seq.tokens) - 1) for r in decoding]
-        work = [j for j in self.jobs.values() if j.seq is not None and j.seq.computed < len(j.seq.tokens)]
-        work += [r for r in self.running if r.prefilling and r.status == "running"]
-        for owner in work:
-            seq = owner.seq
-            end = owner.prefill_end if isinstance(owner, Request) else len(seq.tokens)
-            rows.append(owner.row(seq.tokens[seq.computed:min(seq.computed + chunk, end)], seq.computed))
+        for owner in self._prefill_work([r for r in self.running if r.prefilling and r.status == "running"]):
+            rows.append(self._chunk_row(owner))
             owners.append(owner)
         log.warning("a step failed (%s: %s); running the %d rows of the next one one at a time",
                     type(err).__name__, err, len(rows))
