@@ -50,7 +50,7 @@ def test_budget_holds_decode_rows_go_first_and_outputs_are_right():
     for s in steps:  # one-token decode rows lead; chunks follow
         lens = [n for _, n, _ in s]
         first_chunk = next((i for i, n in enumerate(lens) if n > 1), len(lens))
-        assert all(n > 1 for n in lens[first_chunk:]) or lens[first_chunk:] == [1]
+        assert all(n > 1 for n in lens[first_chunk:])
     assert sum(1 for s in steps if any(n == 1 for _, n, _ in s) and any(n > 1 for _, n, _ in s)) >= 3
     assert_only_nodes_hold_pages(e)
 
