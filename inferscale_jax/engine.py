@@ -685,11 +685,7 @@ class Engine:
         t0 = time.perf_counter()
         before = self.runner.compiles
         keys = self.runner.buckets.all_keys(cascade=self.config.cascade_decode)
-        done = 0
-        for i, key in enumerate(keys):
-            done += self.runner.warmup_step(key)
-            if progress is not None:
-                progress(i + 1, len(keys))
+        done = self.runner.warmup(keys, progress)
         self.runner.warm = True
         b = self.runner.buckets
         b.real_tokens = b.padded_tokens = b.real_rows = b.padded_rows = 0  # (warm-up steps are all padding)

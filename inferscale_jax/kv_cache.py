@@ -75,6 +75,15 @@ class PagedKVCache:
     def page_size(self) -> int:
         return self.k[0].shape[2]
 
+    def layer_view(self, layer: int) -> "PagedKVCache":
+        """The cache of one layer (as layer 0), for ``forward``'s per-layer nested jit."""
+        return PagedKVCache([self.k[layer]], [self.v[layer]], self.impl)
+
+    def with_layer(self, layer: int, view: "PagedKVCache") -> "PagedKVCache":
+        ks, vs = list(self.k), list(self.v)
+        ks[layer], vs[layer] = view.k[0], view.v[0]
+        return PagedKVCache(ks, vs, self.impl)
+
     def attend(self, layer: int, q: jax.Array, k: jax.Array, v: jax.Array,
                positions: jax.Array, meta: AttnMeta) -> tuple[jax.Array, "PagedKVCache"]:
         b, t, hq, d = q.shape  # q [B, T, Hq, D]; k/v [B, T, Hkv, D]

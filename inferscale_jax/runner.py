@@ -27,10 +27,12 @@ the vocab size as well, so no row value can overflow the int32 step inputs.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import functools
 import gc
 import logging
+import os
 
 import jax
 import jax.numpy as jnp
@@ -216,7 +218,10 @@ class ModelRunner:
                                    max_pages_per_seq=max_pages_per_seq, min_table_pages=min_table_pages,
                                    num_logprobs=MAX_LOGPROBS)
         self.inv_freq = jnp.asarray(inv_freq)
-        self.compiled: set[tuple] = set()  # (StepKey, penalty shapes) of every compiled step
+        self.compiled: set[tuple] = set()  # (StepKey, penalty shapes, precision) of every compiled step
+        # (StepKey, penalty shapes, matmul precision) -> the step's compiled executable
+        self.executables: dict[tuple, jax.stages.Compiled] = {}
+        self.helpers_ready: set[tuple] = set()  # buckets whose overlap helpers have compiled
         self.compiles = 0
         self.warm = False  # set by Engine.warmup: a compile after it is logged as a warning
         self.compiles_after_warmup = 0
@@ -261,6 +266,26 @@ class ModelRunner:
         kernel), and every other row reads its whole page list as usual.  ``prev``/``src``: row
         ``i`` with ``src[i] = j >= 0`` (a one-token row) feeds the id that row ``j`` of the step
         ``prev`` sampled, read on the device (its host token is ignored)."""
+        assert src is None or (prev is not None and len(src) == len(rows))
+        key, pen_key, host = self._pack(rows, num_logprobs, shared_pages, src)
+        ints_d, floats_d, shared, penalties = self._to_device(host)
+        if src is not None:
+            ints_d = _feed_tokens(ints_d, prev.sampled_ids(), key=key)
+        exe = self.executables.get((key, pen_key, self.matmul_precision))
+        if exe is None:
+            exe = self._compile(key, pen_key, (ints_d, floats_d, shared, penalties))
+        packed, self.cache = exe(self.params, self.cache, ints_d, floats_d, shared, penalties)
+        if (key, pen_key) not in self.helpers_ready:  # this bucket's overlap helpers compile now
+            self.helpers_ready.add((key, pen_key))
+            ids = PendingStep(packed, len(rows), key.num_logprobs, num_logprobs, self.max_batch).sampled_ids()
+            jax.block_until_ready(_feed_tokens(ints_d, ids, key=key))
+            jax.block_until_ready(packed)
+            freeze_heap()
+        return PendingStep(packed, len(rows), key.num_logprobs, num_logprobs, self.max_batch)
+
+    def _pack(self, rows: list[StepRow], num_logprobs: int, shared_pages: int, src: list[int] | None):
+        """The step's bucket, its penalty shape key and its host arrays (ints, floats, shared,
+        penalties), laid out as ``_model_step`` reads them."""
         n = len(rows)
         s = self.page_size
         total = sum(len(r.tokens) for r in rows)
@@ -272,9 +297,7 @@ class ModelRunner:
         b, t, w = key.rows, key.tokens, key.width
         penalties = self._pack_penalties(rows, b) if any(r.has_penalty for r in rows) else None
         pen_key = (("pen",) + penalties[0].shape[1:] + penalties[1].shape[1:]) if penalties is not None else ()
-        compiling = self._note_bucket((key, pen_key))
 
-        assert src is None or (prev is not None and len(src) == n)
         ints = np.zeros((3 * t + b * (w + 8),), np.int32)
         tokens, positions, slots = ints[:t], ints[t:2 * t], ints[2 * t:3 * t]  # views
         per_row = ints[3 * t:].reshape(b, w + 8)
@@ -329,36 +352,32 @@ class ModelRunner:
             shared[:k] = group[0].pages[:k]
             shared[kp] = k * s
             shared[kp + 1:kp + 1 + n] = [r.cascade for r in rows]
-            shared = jax.device_put(shared, self.device)
-        # committed to the device like a jit output (``_feed_tokens``): jit caches on committedness,
-        # so an uncommitted host copy here would compile every step bucket twice
-        ints_d = jax.device_put(ints, self.device)
-        if src is not None:
-            ints_d = _feed_tokens(ints_d, prev.sampled_ids(), key=key)
-        if penalties is not None:
-            penalties = jax.device_put(penalties, self.device)
-        packed, self.cache = _model_step(
-            self.params, self.cache, ints_d, jax.device_put(floats, self.device), shared, penalties,
-            cfg=self.cfg, key=key, precision=self.matmul_precision)
-        if compiling:  # the overlapped-step helpers of this bucket compile now, not mid-serving
-            ids = PendingStep(packed, n, key.num_logprobs, num_logprobs, self.max_batch).sampled_ids()
-            jax.block_until_ready(_feed_tokens(ints_d, ids, key=key))
-            jax.block_until_ready(packed)
-            freeze_heap()
-        return PendingStep(packed, n, key.num_logprobs, num_logprobs, self.max_batch)
+        return key, pen_key, (ints, floats, shared, penalties)
 
-    def warmup_step(self, key: StepKey) -> bool:
-        """Compile (or load from the persistent cache) the step of bucket ``key`` by running it on
-        padding only: every token writes the null page, every row reads it.  False when no step
-        can take this bucket (a token bucket the rows cannot fill with chunks of
-        ``prefill_chunk``)."""
-        if (key, ()) in self.compiled:
-            return True
+    def _to_device(self, host: tuple) -> tuple:
+        """The step's host arrays, committed to the runner's device (as the executables expect)."""
+        return tuple(None if x is None else jax.device_put(x, self.device) for x in host)
+
+    def _lower(self, key: StepKey, args: tuple):
+        return _model_step.lower(self.params, self.cache, *args, cfg=self.cfg, key=key,
+                                 precision=self.matmul_precision)
+
+    def _compile(self, key: StepKey, pen_key: tuple, args: tuple):
+        """Compile (or load from the persistent cache) the step of one bucket, now."""
+        self._note_bucket((key, pen_key, self.matmul_precision))
+        exe = self._lower(key, args).compile()
+        self.executables[(key, pen_key, self.matmul_precision)] = exe
+        return exe
+
+    def _padding_rows(self, key: StepKey) -> list[StepRow] | None:
+        """A step of bucket ``key`` on padding only: every token writes the null page, every row
+        reads it; None when no step can take this bucket (a token bucket the rows cannot fill
+        with chunks of ``prefill_chunk``)."""
         s, chunk = self.page_size, self.prefill_chunk
         if key.ragged:  # key.tokens tokens in chunks of <= prefill_chunk, the first >= 2 tokens
             lens = [min(chunk, key.tokens - c) for c in range(0, key.tokens, chunk)]
             if len(lens) > key.rows or lens[0] < 2:
-                return False
+                return None
         else:
             lens = [1] * key.rows
         rows = [StepRow([0] * m, 0, [0] * -(-m // s)) for m in lens]
@@ -369,9 +388,34 @@ class ModelRunner:
                 r.pages, r.start, r.cascade = [0] * (key.shared + 1), key.shared * s, True
         need = max(-(-(r.start + len(r.tokens)) // s) - (key.shared if r.cascade else 0) for r in rows)
         if self.buckets.key(len(rows), key.tokens, need, key.num_logprobs, key.shared) != key:
-            return False
-        jax.block_until_ready(self.dispatch(rows, key.num_logprobs, key.shared).packed)
-        return True
+            return None
+        return rows
+
+    def warmup(self, keys: list[StepKey], progress=None, workers: int | None = None) -> int:
+        """Compile (or load from the persistent cache) the steps of ``keys``, several at a time:
+        each step is traced and lowered here (Python, one at a time), and XLA compiles it on a
+        pool of ``workers`` threads (default: min(8, CPUs)) while the next one lowers.  Then each
+        bucket runs once on padding (its overlap helpers compile).  ``progress(done, total)``
+        after each bucket.  Returns how many of ``keys`` a step can take."""
+        plans = [(key, rows) for key in keys if (rows := self._padding_rows(key)) is not None]
+        todo = [(key, rows) for key, rows in plans if (key, (), self.matmul_precision) not in self.executables]
+        workers = workers or min(8, os.cpu_count() or 1)
+        done = len(plans) - len(todo)
+        with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="inferscale-compile") as pool:
+            futures = {}
+            for key, rows in todo:
+                _, _, host = self._pack(rows, key.num_logprobs, key.shared, None)
+                futures[pool.submit(self._lower(key, self._to_device(host)).compile)] = key
+            for fut in concurrent.futures.as_completed(futures):
+                key = futures[fut]
+                self._note_bucket((key, (), self.matmul_precision))
+                self.executables[(key, (), self.matmul_precision)] = fut.result()
+                done += 1
+                if progress is not None:
+                    progress(done, len(plans))
+        for key, rows in plans:
+            jax.block_until_ready(self.dispatch(rows, key.num_logprobs, key.shared).packed)
+        return len(plans)
 
     @staticmethod
     def _pack_penalties(rows: list[StepRow], b: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -13,7 +13,6 @@ import numpy as np
 import pytest
 
 import inferscale_jax.dense_generate as dense_generate
-import inferscale_jax.runner as runner_mod
 from inferscale_jax import EngineConfig, SamplingParams
 from inferscale_jax.kv_cache import PagedKVCache
 from inferscale_jax.runner import ModelRunner, StepRow
@@ -30,19 +29,17 @@ def dot_precisions(hlo: str) -> set[str]:
     return found
 
 
-MODEL_STEP = runner_mod._model_step
-
-
 def lowered_step(monkeypatch, runner: ModelRunner, rows: list[StepRow]) -> str:
-    """Run one step through the runner and return the text of the ``_model_step`` it launched."""
+    """Run one step through the runner and return the text of the ``_model_step`` it compiled."""
     seen = []
-    real = MODEL_STEP
+    real = runner._lower
 
     def spy(*args, **kwargs):
-        seen.append(real.lower(*args, **kwargs).as_text())
-        return real(*args, **kwargs)
+        lowered = real(*args, **kwargs)
+        seen.append(lowered.as_text())
+        return lowered
 
-    monkeypatch.setattr(runner_mod, "_model_step", spy)
+    monkeypatch.setattr(runner, "_lower", spy)
     runner.step(rows)
     assert len(seen) == 1
     return seen[0]
@@ -67,10 +64,11 @@ def test_runner_precision_is_part_of_the_compile_key():
                          matmul_precision="highest")
     row = [StepRow([3, 4, 5], 0, [1])]
     runner.step(row)
-    compiled = MODEL_STEP._cache_size()
+    compiled = runner.compiles
     runner.matmul_precision = "default"  # same shapes: must not reuse the "highest" executable
     runner.step(row)
-    assert MODEL_STEP._cache_size() == compiled + 1
+    assert runner.compiles == compiled + 1
+    assert {p for (_, _, p) in runner.executables} == {"highest", "default"}
 
 
 def test_engine_hands_its_precision_to_the_runner():

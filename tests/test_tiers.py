@@ -6,7 +6,6 @@ never recomputed differently."""
 import pytest
 
 from inferscale_jax import PoolExhausted, SamplingParams
-from inferscale_jax.runner import _model_step
 from tiers_common import S, gen, make_engine, seg_tokens
 
 
@@ -30,7 +29,7 @@ def test_lru_eviction_order_promotion_and_pinning():
     assert (t["hbm"]["evictions"], t["host"]["evictions"], t["disk"]["evictions"]) == (2, 1, 0)
     assert (t["host"]["segments"], t["host"]["pages_used"], t["disk"]["segments"]) == (1, 4, 1)
     e.check_invariants()
-    compiled = _model_step._cache_size()
+    compiled = e.runner.compiles
 
     assert gen(e, "a") == ref["a"]  # disk -> HBM
     assert gen(e, "b") == ref["b"]  # host -> HBM
@@ -39,7 +38,7 @@ def test_lru_eviction_order_promotion_and_pinning():
     assert e.segment_tier("c") == "recompute"
     assert gen(e, "c") == ref["c"]
     assert gen(e, "p") == ref["p"] and e.segment_tier("p") == "hbm"
-    assert _model_step._cache_size() == compiled  # promotions never force the model step to recompile
+    assert e.runner.compiles == compiled  # promotions never force the model step to recompile
     t = e.stats()["tiers"]
     assert t["promotions"] == dict(host=1, disk=1, recompute=1)
     assert t["promotion_latency_s_mean"] > 0 and t["promotion_gbps_mean"] > 0
