@@ -15,7 +15,7 @@ a. Transfer ceilings, same run: a pinned-host array of exactly one L-token segme
    moved to the device with ``jax.device_put`` (the host -> HBM ceiling), and the same bytes
    from a numpy array; the device -> pinned-host copy too.  Median of reps, synced.
 b. Promotion host -> HBM of the L-token segment: ``tiers.demote(seg, "host")`` then
-   ``tiers.promote(seg)`` and a sync of the cache (allocation + one transfer + the jitted
+   ``kv.promote(seg)`` and a sync of the cache (allocation + one transfer + the jitted
    scatter), median of reps after a warm-up; bandwidth = segment bytes / latency, and as a
    fraction of (a)'s pinned ceiling (target >= 80%).  The engine's own transfer-only figure
    (``stats()["tiers"]["promotion_gbps_last"]``) is listed too.  Also disk -> HBM (the disk
@@ -193,7 +193,7 @@ def promotion(args):
             if tier == "disk":
                 drop_page_cache(t._entries[seg.uid].path)
             t0 = time.perf_counter()
-            t.promote(seg)
+            e.kv.promote(seg)
             jax.block_until_ready(e.runner.cache.k)
             if i:  # the first is the warm-up (compiles)
                 lat.append(time.perf_counter() - t0)

@@ -1,42 +1,39 @@
 """The ``Engine``: segments, exact KV injection, prefix caching and generation over paged KV.
 
-What a request goes through here (the scheduler, ``scheduler.py``, decides *when*):
+The engine is the public API (``register_segment``, ``submit``, ``step``, ``generate``,
+``stats``) over parts that each hold only the collaborators they need, none of them the engine:
+
+- ``runner.py`` (``ModelRunner``): the device - the page pool's arrays, the compiled step
+  buckets (``warmup``), the copy / splice kernels; ``fault`` once the device failed.
+- ``kv_manager.py`` (``KVManager``): who holds which page - the page pool, the prefix cache,
+  the segment store (segments and chain nodes), the tiers below HBM (``tiers.py``); admission's
+  chain walk, page preparation, allocation with eviction, computing registered segments.
+- ``scheduler.py`` (``Scheduler``): what runs when - admission, node jobs, one device step per
+  iteration (decode rows and prefill chunks), preemption, finishing; it holds the KV manager
+  and the runner.
+- ``snapshot.py`` (``Persistence``, with ``snapshot_dir``): the registry and snapshots; it
+  holds the KV manager.
+
+What a request goes through here:
 
 1. **Submit** (``submit``): resolve each named segment in the tenant's namespace (then the
    public one); an unknown or foreign id is ``SegmentNotFound``.  Check lengths against the
    model and the pool (``RequestTooLong``) and the sampling parameters (``ValueError`` naming
-   the field).
-2. **Chain** (``_start`` -> ``_walk_chain``, at admission): walk the chain index for ``[s1]``,
-   ``[s1, s2]``, ... (``segments.py``), taking a reader on each node found.  A segment evicted
-   to host or disk is promoted back first (``tiers.py``).  At the first missing node
-   ``[s1..si]`` the walk stops and ``_start`` returns it with its parent: the scheduler computes
-   it as a *node job* (``scheduler.py``, 2) inside its normal device steps, once for every
-   request that needs it.  The job's pages come from ``_node_seq`` (the parent's full pages
-   shared, its partially filled last page copied, ``si``'s tokens at their real positions over
-   that context); when its last chunk is computed ``_add_node`` caches it (unless one of its
-   segments was deleted meanwhile: then its pages are released) and the requests waiting on it
-   are admitted again, finding it (a deeper chain may then need the next node's job).
-   compose / blend take the segments' own nodes instead (``_start_composed``, ``blend.py``).
-3. **Prepare** the request's sequence (``_prepare``): share the final node's pages, look up
-   the prompt's following full pages in the prefix cache (hash chain seeded with the tenant
-   and the model fingerprint), copy-on-write a partially filled shared page, allocate the
-   rest.  At least the last token is always computed (its logits give the first output
-   token).  ``cached_tokens`` counts the tokens whose KV was reused.
-4. **Compute**: the scheduler puts prefill chunks and decode rows of all running requests in one step
-   (``_step`` -> ``runner.py``); every page that fills is registered in the prefix cache
-   (``_register_full_pages``).  Pages run short: chain nodes are evicted, then unused segments
-   demoted to host, then the newest request is preempted.
-5. **Release** the request's page references (its full pages stay cached, reusable until the
-   pool needs them) and the chain nodes' reader counts.
+   the field).  The request is queued for the scheduler.
+2. **Admission, chain nodes and pages** (``KVManager.start``, from the scheduler): the chain
+   walk, node jobs for missing chain nodes, prefix-cache hits, copy-on-write of a shared
+   partial page, fresh pages for the rest (``kv_manager.py`` tells it step by step).
+3. **Compute** (``Scheduler.step``): prefill chunks and decode rows of all running requests in
+   one device step; pages that fill enter the prefix cache.
+4. **Release**: the request's page references and chain-node readers are dropped at finish.
 
-Shared pages are never written: a request or node job writes only pages it allocated
-(including its private copy of a shared partial page).  Registered segments themselves are
-computed synchronously (``_materialize``, ``register_segments_batch``), as is a root segment
-brought back from the recompute tier at admission (``tiers.py``); chain nodes never are.
+Shared pages are never written: a request or node job writes only pages it allocated.
+Registered segments are computed synchronously (``KVManager.materialize``,
+``register_segments_batch``); chain nodes never are.
 """
 from __future__ import annotations
 
-import dataclasses
+import functools
 import hashlib
 import logging
 import time
@@ -46,43 +43,22 @@ import jax
 import jax.numpy as jnp
 
 from inferscale_jax import compile_cache
-from inferscale_jax.blend import blend
 from inferscale_jax.config import EngineConfig
 from inferscale_jax.errors import EngineFault, PoolExhausted, RequestTooLong
 from inferscale_jax.kv_cache import PagedKVCache, page_bytes
-from inferscale_jax.outputs import GenerationOutput, RequestMetrics
-from inferscale_jax.page_pool import PagePool
-from inferscale_jax.prefix_cache import PUBLIC_TENANT, PrefixCache, page_hash, public_root, root_hash
-from inferscale_jax.runner import ModelRunner, StepResult, StepRow, freeze_heap
+from inferscale_jax.kv_manager import KVManager, Seq
+from inferscale_jax.outputs import GenerationOutput
+from inferscale_jax.runner import ModelRunner, StepRow, freeze_heap
 from inferscale_jax.sampling import SamplingParams, request_key
 from inferscale_jax.scheduler import Request, RequestOutput, Scheduler
-from inferscale_jax.segments import ChainNode, Segment, SegmentInfo, SegmentStore, check_segment_id
+from inferscale_jax.segments import ChainNode, Segment, SegmentInfo, check_segment_id, check_tenant
 from inferscale_jax.snapshot import Persistence
-from inferscale_jax.tiers import Tiers
 from inferscale_jax.tokenizer import decode_ids, encode_text
 from models import ModelConfig, inv_freq
 from models.loader import config_digest, load_params, weights_digest
 
 log = logging.getLogger("inferscale.engine")
 MODES = ("exact", "compose", "blend")
-
-
-@dataclasses.dataclass
-class _Seq:
-    """A sequence whose KV lives in pages the holder owns one reference on each of."""
-    root: bytes
-    tokens: list[int]
-    pages: list[int]
-    hashes: list[bytes]  # hash of each full page of ``tokens`` (extended as pages fill)
-    first_own: int  # pages below this index were borrowed (shared node pages / prefix hits)
-    computed: int  # tokens whose KV is in pages
-    cached: int  # tokens whose KV was reused rather than computed
-    cacheable: bool = True  # False for compose/blend: approximate KV never enters the prefix cache
-    # cascade decode: the leading read-only pages it shares (a chain node's full pages, else its
-    # prefix-cache hits) as a tuple, and that tuple's hash, set once; decode rows with equal keys
-    # form one group
-    shared_key: tuple = ()
-    shared_hash: int = 0
 
 
 class Engine:
@@ -104,9 +80,6 @@ class Engine:
             impl = "pallas" if jax.default_backend() == "gpu" and pow2 else "ref"
         self.compilation_cache_dir = (compile_cache.enable(config.compilation_cache_dir)
                                       if config.compilation_cache else None)
-        self.pool = PagePool(num_pages)
-        self.prefix_cache = PrefixCache(self.pool, s)
-        self.store = SegmentStore()
         cache = PagedKVCache.create(cfg, num_pages, s, self.dtype, impl)
         self.max_batch = config.max_batch or self._auto_max_batch(num_pages)
         budget = config.max_num_batched_tokens or max(self.max_batch, 4 * config.prefill_chunk)
@@ -124,12 +97,15 @@ class Engine:
             if tokenizer("a").input_ids[:1] == [tokenizer.bos_token_id]:
                 self.bos_prefix = [tokenizer.bos_token_id]
         self._counters = dict(requests=0, prompt_tokens=0, cached_tokens=0, generated_tokens=0)
-        self.debug_checks = False  # tests: check page accounting after every device step
-        self.fault: EngineFault | None = None  # set when the device failed: the engine serves no more
-        # tiers and persistence (tiers.py, snapshot.py): restore runs on the finished engine
-        self.tiers = Tiers(self)
-        self.persistence = Persistence(self) if config.snapshot_dir else None
-        self.scheduler = Scheduler(self)
+        # the parts, each holding only the collaborators it needs (docs/architecture.md): pages,
+        # store, prefix cache and tiers (kv_manager.py); the schedule (scheduler.py); persistence
+        self.kv = KVManager(config, cfg, self.runner, self.dtype, num_pages=num_pages,
+                            fingerprint=self.fingerprint, bos_prefix=self.bos_prefix)
+        self.pool, self.prefix_cache, self.store, self.tiers = (self.kv.pool, self.kv.prefix_cache, self.kv.store,
+                                                                self.kv.tiers)
+        self.persistence = Persistence(self.kv, self.model_fingerprint) if config.snapshot_dir else None
+        self.scheduler = Scheduler(self.kv, self.runner, config=config, cfg=cfg, max_batch=self.max_batch,
+                                   decode=functools.partial(decode_ids, tokenizer), counters=self._counters)
         if self.persistence is not None:
             self.persistence.restore()  # last: restore may compute segments on the finished engine
         freeze_heap()  # the long-lived heap out of the cyclic GC's walks (runner.freeze_heap)
@@ -151,6 +127,24 @@ class Engine:
             tokenizer = None
         fp = hashlib.sha256(f"{config_digest(cfg)}|{weights_digest(model_dir)}".encode()).hexdigest()
         return cls(params, cfg, tokenizer, config, fingerprint=fp)
+
+    @property
+    def fault(self) -> EngineFault | None:
+        """Set when the device failed (or page accounting broke): the engine serves no more."""
+        return self.runner.fault
+
+    @fault.setter
+    def fault(self, value: EngineFault | None) -> None:
+        self.runner.fault = value
+
+    @property
+    def debug_checks(self) -> bool:
+        """Tests: check page accounting after every device step."""
+        return self.kv.debug_checks
+
+    @debug_checks.setter
+    def debug_checks(self, on: bool) -> None:
+        self.kv.debug_checks = on
 
     def _auto_max_batch(self, num_pages: int) -> int:
         """``EngineConfig.max_batch=None``: 256 sequences on a GPU/TPU, 64 on the CPU, fewer when
@@ -186,100 +180,7 @@ class Engine:
     def _decode(self, ids: list[int]) -> str:
         return decode_ids(self.tokenizer, ids)
 
-    def _root(self, namespace: str) -> bytes:
-        if namespace == PUBLIC_TENANT:
-            return public_root(self.fingerprint)
-        return root_hash(namespace, self.fingerprint)
-
     # -- pages ----------------------------------------------------------------------------
-    def _allocate(self, n: int) -> list[int]:
-        if n == 0:
-            return []
-        while True:
-            pages = self.pool.allocate(n)
-            if pages is not None:
-                return pages
-            victims = self.store.evictable_nodes()
-            if not victims and self.tiers.demote_lru_root():  # tiers: LRU root segment -> host
-                continue
-            if not victims:
-                raise PoolExhausted(
-                    f"need {n} free KV pages but only {self.pool.num_free} of {self.pool.num_pages - 1} are free; "
-                    "the rest are held by segments and running requests: delete segments or raise hbm_pages")
-            self._release_node(victims[0])
-            self.store.drop_node(victims[0])
-
-    def _release_node(self, node: ChainNode) -> None:
-        self.pool.decref(reversed(node.pages))
-
-    def _prepare(self, root: bytes, tokens: list[int], base: ChainNode | None, want_logits: bool) -> _Seq:
-        """Pages for ``tokens``: share ``base``'s, take prefix-cache hits, copy a shared partial
-        page, allocate the rest (module docstring, 3).  Nothing is computed yet: the returned
-        sequence owns one reference on every page and has ``computed`` tokens in them."""
-        s, n = self.config.page_size, len(tokens)
-        fork = min(base.num_tokens, n - 1) if (base and want_logits) else (base.num_tokens if base else 0)
-        k = fork // s
-        hashes = self.prefix_cache.hashes_for(root, tokens)
-        limit = (n - 1) // s if want_logits else n // s
-        shared = base.pages[:k] if base else []
-        self.pool.incref(shared)
-        use_cache = self.config.prefix_caching and limit > k
-        hits = self.prefix_cache.lookup(hashes[k:limit]) if use_cache else []
-        pages = shared + hits
-        pos = (k + len(hits)) * s
-        cow = base.pages[k] if (base and not hits and fork % s) else None
-        if cow is not None:
-            pos = fork
-        try:
-            new = self._allocate(-(-n // s) - len(pages))
-        except Exception:
-            self.pool.decref(reversed(pages))
-            raise
-        pages += new
-        if cow is not None:
-            try:
-                self.runner.copy_pages([cow], [new[0]])
-            except Exception:
-                self.pool.decref(reversed(pages))
-                raise
-        key = tuple(pages[:k or len(hits)])
-        return _Seq(root, list(tokens), pages, hashes, first_own=k + len(hits), computed=pos, cached=pos,
-                    shared_key=key, shared_hash=hash(key))
-
-    def _register_full_pages(self, seq: _Seq, upto: int | None = None) -> None:
-        """Insert every newly computed full page of ``seq`` into the prefix cache: the pages
-        below ``upto`` tokens (default ``seq.computed``; the scheduler passes what a step it has
-        read back computed, since ``computed`` already counts steps still in flight)."""
-        if not seq.cacheable or not self.config.prefix_caching:
-            return
-        s = self.config.page_size
-        full = (seq.computed if upto is None else upto) // s
-        if full <= seq.first_own and full <= len(seq.hashes):
-            return  # (most decode tokens: no page filled)
-        while len(seq.hashes) < full:  # pages that filled with generated tokens
-            i = len(seq.hashes)
-            parent = seq.hashes[i - 1] if i else seq.root
-            seq.hashes.append(page_hash(parent, seq.tokens[i * s:(i + 1) * s]))
-        for i in range(seq.first_own, full):
-            self.prefix_cache.insert(seq.hashes[i], seq.pages[i])
-        seq.first_own = max(seq.first_own, full)
-
-    def _materialize(self, root: bytes, tokens: list[int], base: ChainNode | None) -> _Seq:
-        """Prepare and compute ``tokens`` now, one chunk per step (registered segments)."""
-        seq = self._prepare(root, tokens, base, want_logits=False)
-        chunk = self.config.prefill_chunk
-        for c in range(seq.computed, len(tokens), chunk):
-            self._step([StepRow(tokens[c:c + chunk], c, seq.pages)], 0)
-        seq.computed = len(tokens)
-        self._register_full_pages(seq)
-        return seq
-
-    def _step(self, rows: list[StepRow], num_logprobs: int, shared_pages: int = 0) -> StepResult:
-        result = self.runner.step(rows, num_logprobs, shared_pages)
-        if self.debug_checks:
-            self.check_invariants()
-        return result
-
     # -- segments -------------------------------------------------------------------------
     def register_segment(self, segment_id: str, text: str | None = None, token_ids=None, *,
                          tenant: str = "default", public: bool = False, pin: bool = False) -> SegmentInfo:
@@ -287,14 +188,14 @@ class Engine:
         check_segment_id(segment_id)
         if (text is None) == (token_ids is None):
             raise ValueError("register_segment needs exactly one of text= or token_ids=")
-        self._check_tenant(tenant)
+        check_tenant(tenant)
         ids = self._encode(text, "text") if text is not None else self._check_ids(token_ids, "token_ids")
         if not ids:
             raise ValueError(f"segment {segment_id!r} is empty: give at least one token")
         ns = self.store.check_new(segment_id, tenant, public)
         total = len(self.bos_prefix) + len(ids)
         self._check_fits(total, f"segment {segment_id!r}")
-        seq = self._materialize(self._root(ns), self.bos_prefix + ids, None)
+        seq = self.kv.materialize(self.kv.root(ns), self.bos_prefix + ids, None)
         info = SegmentInfo(id=segment_id, tenant=tenant, num_tokens=len(ids), public=public, pin=pin,
                            created=time.time())
         seg = self.store.add(info, ids)
@@ -310,7 +211,7 @@ class Engine:
 
         1. Every item is checked as ``register_segment`` checks it (and ids must be distinct)
            before anything changes; a bad item raises and nothing is registered.
-        2. Pages are prepared document by document, all-or-nothing each (``_prepare``).  When the
+        2. Pages are prepared document by document, all-or-nothing each (``KVManager.prepare``).  When the
            pool cannot hold the next one, the documents already holding pages are computed and
            registered first (their roots can then be demoted to the host tier) and preparation
            resumes; ``PoolExhausted`` only when a document finds no pages with nothing pending
@@ -321,7 +222,7 @@ class Engine:
            padding, so chunks of any length share a step; the budget bounds activation memory).
         4. Each document is registered exactly as ``register_segment`` does (prefix-cache pages,
            root chain node, durable registry row before returning) and its ``SegmentInfo`` returned."""
-        self._check_tenant(tenant)
+        check_tenant(tenant)
         if step_tokens < 16:
             raise ValueError(f"step_tokens={step_tokens} is invalid: must be >= 16 (the smallest chunk bucket)")
         docs, seen = [], set()
@@ -340,12 +241,12 @@ class Engine:
         chunk, max_rows = self.config.prefill_chunk, self.runner.max_batch
         budget = min(step_tokens, self.runner.max_tokens)
         while docs:
-            seqs: list[_Seq] = []
+            seqs: list[Seq] = []
             done = 0  # seqs whose pages a registered root node owns
             try:
                 for segment_id, ids, ns in docs:
                     try:
-                        seqs.append(self._prepare(self._root(ns), self.bos_prefix + ids, None, want_logits=False))
+                        seqs.append(self.kv.prepare(self.kv.root(ns), self.bos_prefix + ids, None, want_logits=False))
                     except PoolExhausted:
                         if not seqs:
                             raise
@@ -360,12 +261,12 @@ class Engine:
                             break
                         rows.append(StepRow(q.tokens[q.computed:q.computed + take], q.computed, q.pages))
                         used += take
-                    self._step(rows, 0)
+                    self.kv.step(rows, 0)
                     for q, row in zip(live, rows):
                         q.computed += len(row.tokens)
                     live = [q for q in live if q.computed < len(q.tokens)]
                 for (segment_id, ids, ns), seq in zip(docs, seqs):
-                    self._register_full_pages(seq)
+                    self.kv.register_full_pages(seq)
                     info = SegmentInfo(id=segment_id, tenant=tenant, num_tokens=len(ids), public=public, pin=pin,
                                        created=time.time())
                     seg = self.store.add(info, ids)
@@ -391,7 +292,7 @@ class Engine:
             self.persistence.on_deleted(seg)
         self.tiers.forget(seg.uid)
         for node in self.store.remove(seg):
-            self._release_node(node)
+            self.kv.release_node(node)
 
     # -- generation -----------------------------------------------------------------------
     def submit(self, prompt: str | None = None, *, prompt_token_ids=None, segments=(),
@@ -405,7 +306,7 @@ class Engine:
         sampling.validate(self.cfg.vocab_size)
         if mode not in MODES:
             raise ValueError(f"mode={mode!r} is invalid: must be one of {MODES}")
-        self._check_tenant(tenant)
+        check_tenant(tenant)
         if prompt is not None and prompt_token_ids is not None:
             raise ValueError("give prompt= or prompt_token_ids=, not both")
         if isinstance(segments, str):
@@ -444,7 +345,7 @@ class Engine:
             raise
         except Exception as err:  # noqa: BLE001 - contained here: see the docstring
             log.error("engine step failed; failing the running requests", exc_info=err)
-            self.check_device(err)
+            self.runner.check_device(err)
             outs = self.scheduler.finished_in_step()  # requests the step finished before it failed
             outs += self.scheduler.fail_running(EngineFault(
                 f"internal error in an engine step ({type(err).__name__}); the requests running at that "
@@ -456,25 +357,6 @@ class Engine:
                                          "the engine stopped serving: restart it")
                 raise self.fault from err
             return outs
-
-    def check_device(self, err: BaseException) -> None:
-        """After ``err`` in a device step: return if the KV cache is still usable, else set
-        ``fault`` and raise it (the pages' contents are gone: nothing more can be served)."""
-        if self.fault is not None:
-            raise self.fault
-        try:
-            leaves = jax.tree.leaves(self.runner.cache)
-            alive = not any(getattr(x, "is_deleted", lambda: False)() for x in leaves)
-            if alive:
-                jax.block_until_ready(leaves)
-        except Exception:  # noqa: BLE001 - a device that cannot even sync is lost
-            alive = False
-        if alive:
-            return
-        self.fault = EngineFault(f"the device failed ({type(err).__name__}: {err}) and the KV cache is lost; "
-                                 "the engine stopped serving: restart it (segments are restored from the "
-                                 "registry and snapshots)")
-        raise self.fault from err
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -507,143 +389,7 @@ class Engine:
             raise
         return [done[rid] for rid in ids]
 
-    def _start(self, req: Request) -> tuple[list[Segment], ChainNode] | None:
-        """Admission (``scheduler.py``, 2): chain nodes, then the request's pages.
-
-        Returns ``(chain, parent)`` when the chain node ``chain`` is missing: the request then
-        holds readers on the nodes before it (``req.nodes``, ``parent`` last) and no pages, and
-        the scheduler computes the node.  Readers the request held on entry (the nodes found
-        before it waited on a node job, and that node) are released once the walk has taken
-        its own, so a node computed for the request cannot be evicted before it is admitted."""
-        held, req.nodes = req.nodes, []
-        try:
-            if req.mode != "exact" and len(req.chain) > 1:
-                self._start_composed(req)
-                return None
-            nodes: list[ChainNode] = []
-            try:
-                node, missing = self._walk_chain(req.chain, nodes)
-                if missing is not None:
-                    req.nodes = nodes
-                    return missing, node
-                tokens = req.prompt_tokens + req.out_ids
-                seq = self._prepare(self._root(req.tenant), tokens, node, want_logits=True)
-            except BaseException:
-                for nd in nodes:
-                    nd.readers -= 1
-                raise
-        finally:
-            for nd in held:
-                nd.readers -= 1
-        req.seq, req.nodes, req.prefill_end = seq, nodes, len(tokens)
-        if req.cached_tokens is None:
-            req.cached_tokens = max(0, seq.cached - req.chain_computed)
-        return None
-
-    def _start_composed(self, req: Request) -> None:
-        """compose / blend admission (``blend.py``): segment 1 exact, the others spliced from their
-        standalone KV with a RoPE shift; blend then recomputes the most-deviating tokens."""
-        s, lb = self.config.page_size, len(self.bos_prefix)
-        nodes: list[ChainNode] = []
-        pages: list[int] = []
-        try:
-            for seg in req.chain:
-                node = self.store.node([seg]) or self.tiers.promote(seg)
-                node.readers += 1
-                nodes.append(node)
-            tokens = req.prompt_tokens + req.out_ids
-            n = len(tokens)
-            first = nodes[0]
-            fork = min(first.num_tokens, n - 1)
-            pages = first.pages[:fork // s]
-            self.pool.incref(pages)
-            new = self._allocate(-(-n // s) - len(pages))
-            pages = pages + new  # from here on the except below releases them all
-            if fork % s:
-                self.runner.copy_pages([first.pages[fork // s]], [new[0]])
-            src, dst, shift, blended = [], [], [], []
-            pos = first.num_tokens
-            for node, seg in zip(nodes[1:], req.chain[1:]):
-                for j in range(len(seg.token_ids)):
-                    sp, dp = lb + j, pos + j
-                    src.append(node.pages[sp // s] * s + sp % s)
-                    dst.append(pages[dp // s] * s + dp % s)
-                    shift.append(dp - sp)
-                    blended.append(dp)
-                pos += len(seg.token_ids)
-            self.runner.splice(src, dst, shift)
-            computed = min(pos, n - 1)
-            if req.mode == "blend":
-                cand = [p for p in blended if p < computed]
-                blend(self.runner, tokens, cand, pages, computed, self.config.blend_ratio)
-        except BaseException:
-            self.pool.decref(reversed(pages))
-            for nd in nodes:
-                nd.readers -= 1
-            raise
-        req.seq = _Seq(self._root(req.tenant), tokens, pages, [], first_own=0, computed=computed,
-                       cached=computed, cacheable=False)
-        req.nodes, req.prefill_end = nodes, n
-        if req.cached_tokens is None:
-            req.cached_tokens = computed
-
-    def _count_finished(self, metrics: RequestMetrics) -> None:
-        c = self._counters
-        c["prompt_tokens"] += metrics.prompt_tokens
-        c["cached_tokens"] += metrics.cached_tokens
-        c["generated_tokens"] += metrics.generated_tokens
-
-    def _walk_chain(self, chain: list[Segment], nodes: list[ChainNode]
-                    ) -> tuple[ChainNode | None, list[Segment] | None]:
-        """Take a reader on each cached node ``[s1]``, ``[s1, s2]``, ... (appended to ``nodes``)
-        up to the first missing one; returns (the last node found, the missing node's chain or
-        ``None`` when the whole chain is cached)."""
-        node = None
-        for i in range(len(chain)):
-            sub = chain[:i + 1]
-            found = self.store.node(sub)
-            if found is None and i == 0:
-                found = self.tiers.promote(sub[0])  # tiers: an evicted segment comes back to HBM
-            if found is None:
-                assert node is not None, "a registered segment always has its root node"
-                return node, sub
-            found.readers += 1
-            nodes.append(found)
-            node = found
-        return node, None
-
-    def _node_tokens(self, chain: list[Segment]) -> list[int]:
-        return list(self.bos_prefix) + [t for seg in chain for t in seg.token_ids]
-
-    def _node_seq(self, chain: list[Segment], parent: ChainNode) -> _Seq:
-        """Pages for the missing chain node ``chain`` over its cached ``parent`` (``_prepare``;
-        ``PoolExhausted`` if the pool cannot hold them).  Its tokens from ``computed`` on are
-        still to be computed (the scheduler's node job)."""
-        ns = self.store.chain_namespace(chain)
-        return self._prepare(self._root(ns), self._node_tokens(chain), parent, want_logits=False)
-
-    def _add_node(self, chain: list[Segment], seq: _Seq) -> ChainNode | None:
-        """A node job's computed ``seq`` becomes the chain node of ``chain`` (the node owns its
-        page references).  If a segment of ``chain`` was deleted (or replaced) meanwhile, its
-        pages are released instead and ``None`` is returned: nothing is cached under a dead uid."""
-        if not all(self.store.is_live(seg) for seg in chain):
-            self.pool.decref(reversed(seq.pages))
-            return None
-        existing = self.store.node(chain, touch=False)
-        if existing is not None:  # cached by another path meanwhile: keep that one
-            self.pool.decref(reversed(seq.pages))
-            return existing
-        self._register_full_pages(seq)
-        node = ChainNode(self.store.chain_namespace(chain), tuple(seg.uid for seg in chain), len(seq.tokens),
-                         seq.pages)
-        self.store.add_node(node)
-        return node
-
     # -- checks and stats -----------------------------------------------------------------
-    def _check_tenant(self, tenant: str) -> None:
-        if not isinstance(tenant, str) or not tenant or tenant == PUBLIC_TENANT:
-            raise ValueError(f"tenant={tenant!r} is invalid: use a non-empty name other than {PUBLIC_TENANT!r}")
-
     def _check_fits(self, total: int, what: str, detail: str = "") -> None:
         if total > self.max_model_len:
             raise RequestTooLong(
@@ -744,11 +490,7 @@ class Engine:
 
     def check_invariants(self) -> None:
         """Page accounting: pool/cache consistent; every node's pages referenced (tests call this)."""
-        self.prefix_cache.check_invariants()
-        for node in self.store.nodes():
-            for p in node.pages:
-                assert self.pool.refcount(p) > 0, f"chain node {node.key} lists unreferenced page {p}"
-        self.tiers.check_invariants()
+        self.kv.check_invariants()
 
     # -- tiers and persistence (tiers.py, snapshot.py, registry.py) -------------------------
     def save_snapshot(self) -> dict:

@@ -66,6 +66,7 @@ from tqdm import tqdm
 
 from inferscale_jax.errors import SegmentNotFound
 from inferscale_jax.prefix_cache import PUBLIC_TENANT
+from inferscale_jax.segments import check_tenant
 
 log = logging.getLogger("inferscale.precompute")
 HASH_KEY = "text_sha256"
@@ -357,7 +358,7 @@ def precompute(engine, corpus: str, *, tenant: str = "default", public: bool = F
         raise ValueError("precompute needs a tokenizer: this model folder has none (tokenizer.json)")
     if batch < 1:
         raise ValueError(f"batch={batch} is invalid: must be >= 1")
-    engine._check_tenant(tenant)
+    check_tenant(tenant)
     ns = PUBLIC_TENANT if public else tenant
     s = engine.config.page_size
     pool_tokens = (engine.pool.num_pages - 1) * s

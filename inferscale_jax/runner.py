@@ -39,6 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from inferscale_jax.buckets import StepBuckets, StepKey, next_pow2
+from inferscale_jax.errors import EngineFault
 from inferscale_jax.kv_cache import AttnMeta, PagedKVCache
 from inferscale_jax.sampling import MAX_LOGPROBS, sample_tokens
 from models import ModelConfig, forward
@@ -53,8 +54,8 @@ def freeze_heap() -> None:
     The engine keeps a large, long-lived heap (jitted functions, tracing caches, the tokenizer);
     a full collection walks all of it and stalled a decode step for 90-150 ms on the CPU
     (gen-2 passes every few hundred steps).  Frozen objects are still freed by reference
-    counting; only cycles among them are never collected - so the engine's parts hold it through
-    weak proxies (a dropped engine is freed), and a compile in the middle of serving can pin
+    counting; only cycles among them are never collected - so the engine's parts never point back
+    at it or at each other in a cycle (a dropped engine is freed), and a compile in the middle of serving can pin
     whatever cyclic garbage exists at that moment (bounded by the number of step buckets; warm
     the buckets before traffic to avoid it).  Called after engine construction and after each
     new compile (whose tracing leaves a burst of new long-lived objects)."""
@@ -226,6 +227,7 @@ class ModelRunner:
         self.warm = False  # set by Engine.warmup: a compile after it is logged as a warning
         self.compiles_after_warmup = 0
         self.device = next(iter(cache.k[0].devices()))  # per-step inputs go here, committed
+        self.fault: EngineFault | None = None  # set when the device failed: nothing more can run
 
     def _note_bucket(self, key: tuple) -> bool:
         """Count a new bucket (its step compiles now); True when it is new."""
@@ -240,6 +242,25 @@ class ModelRunner:
         else:
             log.info("compiling step for bucket %s (%d buckets so far)", key, self.compiles)
         return True
+
+    def check_device(self, err: BaseException) -> None:
+        """After ``err`` in a device step: return if the KV cache is still usable, else set
+        ``fault`` and raise it (the pages' contents are gone: nothing more can be served)."""
+        if self.fault is not None:
+            raise self.fault
+        try:
+            leaves = jax.tree.leaves(self.cache)
+            alive = not any(getattr(x, "is_deleted", lambda: False)() for x in leaves)
+            if alive:
+                jax.block_until_ready(leaves)
+        except Exception:  # noqa: BLE001 - a device that cannot even sync is lost
+            alive = False
+        if alive:
+            return
+        self.fault = EngineFault(f"the device failed ({type(err).__name__}: {err}) and the KV cache is lost; "
+                                 "the engine stopped serving: restart it (segments are restored from the "
+                                 "registry and snapshots)")
+        raise self.fault from err
 
     def step(self, rows: list[StepRow], num_logprobs: int = 0, shared_pages: int = 0) -> StepResult:
         """Run one device step over ``rows`` and wait for its results (``dispatch`` + ``collect``)."""

@@ -5,14 +5,14 @@
 2. **Admit** (``_admit``, start of every ``step``): waiting requests are taken first come,
    first served, except that within a short look-ahead window a request whose segment chain is
    already resident (no chain node to compute) goes before one that needs work.  Admission
-   walks the chain (``Engine._start``).  If a chain node ``[s1..si]`` is missing, the request
+   walks the chain (``KVManager.start``).  If a chain node ``[s1..si]`` is missing, the request
    waits on that node's *node job* (``NodeJob``): one per missing node, shared by every request
    that needs it, holding a reader on the node's parent and, once it has them, the node's
-   pages (``Engine._node_seq``; if the pool cannot hold them the job waits like a request, and
+   pages (``KVManager.node_seq``; if the pool cannot hold them the job waits like a request, and
    admission stops behind it; when nothing running or computing could ever free pages, its
    requests fail with ``PoolExhausted``).  The job's tokens are computed as chunks of the
    device steps (3) while other requests keep decoding.  After its last chunk the node is
-   cached (``Engine._add_node``; not if one of its segments was deleted meanwhile) and its
+   cached (``KVManager.add_node``; not if one of its segments was deleted meanwhile) and its
    requests go back to the head of the waiting queue, holding a reader on it: admitted again,
    they find it (a deeper chain may then wait on the next node's job).  A job whose segments
    are deleted is dropped (its pages released) and its requests re-admitted, which fails them
@@ -59,16 +59,23 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-import weakref
 from collections import deque
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import numpy as np
 
+from inferscale_jax.config import EngineConfig
 from inferscale_jax.errors import EngineFault, PoolExhausted, SegmentNotFound
 from inferscale_jax.outputs import GenerationOutput, RequestMetrics
 from inferscale_jax.runner import PendingStep, StepRow
 from inferscale_jax.sampling import MAX_LOGPROBS, SamplingParams
 from inferscale_jax.segments import ChainNode, Segment, SegmentStore
+from models import ModelConfig
+
+if TYPE_CHECKING:
+    from inferscale_jax.kv_manager import KVManager, Seq
+    from inferscale_jax.runner import ModelRunner
 
 log = logging.getLogger("inferscale.scheduler")
 LOOKAHEAD = 8  # waiting requests considered for resident-first admission
@@ -88,7 +95,7 @@ class Request:
     key: np.ndarray  # [2] uint32
     arrival: float
     status: str = "waiting"  # waiting | node (on a node job) | running | finished
-    seq: object = None  # engine._Seq while running
+    seq: Seq | None = None  # its pages while running (kv_manager.Seq)
     job: NodeJob | None = None  # the node job it waits on (status "node")
     chain_computed: int = 0  # tokens of chain nodes computed for it (not counted as cached)
     prefill_end: int = 0  # seq.computed reaches this when the (re)admitted prompt is computed
@@ -133,7 +140,7 @@ class NodeJob:
     chain: list[Segment]
     parent: ChainNode
     waiters: list[Request] = dataclasses.field(default_factory=list)
-    seq: object = None  # engine._Seq once its pages are allocated
+    seq: Seq | None = None  # its pages once allocated (kv_manager.Seq)
     wants_logprobs = False
 
     def row(self, tokens: list[int], start: int) -> StepRow:
@@ -152,8 +159,13 @@ class RequestOutput:
 
 
 class Scheduler:
-    def __init__(self, engine):
-        self.engine = weakref.proxy(engine)  # no Engine <-> part cycle: engines free by refcount
+    def __init__(self, kv: KVManager, runner: ModelRunner, *, config: EngineConfig, cfg: ModelConfig,
+                 max_batch: int, decode: Callable[[list[int]], str], counters: dict):
+        """Collaborators: ``kv`` (admission, pages, node caching), ``runner`` (device steps);
+        ``decode`` turns ids into text (stop strings, final text); ``counters`` (a plain dict
+        the engine reports) gets each finished request's token counts."""
+        self.kv, self.runner, self.config, self.cfg = kv, runner, config, cfg
+        self.max_batch, self.decode, self.counters = max_batch, decode, counters
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -176,7 +188,7 @@ class Scheduler:
     def drain(self) -> list[RequestOutput]:
         """Read the in-flight step (if any) and apply its results."""
         prev, self.inflight = self.inflight, None
-        return self._apply_all(prev, self.engine.runner.collect(prev[0])) if prev is not None else []
+        return self._apply_all(prev, self.runner.collect(prev[0])) if prev is not None else []
 
     def abort(self, request_id: str) -> RequestOutput | None:
         req = self.requests.get(request_id)
@@ -196,7 +208,7 @@ class Scheduler:
         return outs
 
     def _resident(self, req: Request) -> bool:
-        store = self.engine.store
+        store = self.kv.store
         return all(store.node(req.chain[:i + 1], touch=False) is not None for i in range(len(req.chain)))
 
     @property
@@ -209,16 +221,15 @@ class Scheduler:
         return len(self.running) + self.num_waiting - len(self.waiting)
 
     def _admit(self) -> None:
-        e = self.engine
         self._prune_jobs()
         if not self._provision_jobs():
             return
-        while self.waiting and self._active() < e.max_batch:
+        while self.waiting and self._active() < self.max_batch:
             window = list(self.waiting)[:LOOKAHEAD]
             req = next((r for r in window if self._resident(r)), window[0])
             try:
                 self._check_segments(req)
-                missing = e._start(req)
+                missing = self.kv.start(req)
             except PoolExhausted as err:
                 if self.running or self.jobs:
                     return  # stays waiting until running requests (or node jobs) free pages
@@ -254,12 +265,11 @@ class Scheduler:
         """Pages for the node jobs that have none yet, oldest first.  False when one must wait
         for pages (admission stops behind it); a job that could never get them (nothing
         running, no other job computing) fails its requests with ``PoolExhausted``."""
-        e = self.engine
         for job in list(self.jobs.values()):
             if job.seq is not None:
                 continue
             try:
-                job.seq = e._node_seq(job.chain, job.parent)
+                job.seq = self.kv.node_seq(job.chain, job.parent)
             except PoolExhausted as err:
                 if self.running or any(j.seq is not None for j in self.jobs.values()):
                     return False
@@ -277,7 +287,7 @@ class Scheduler:
     def _prune_jobs(self) -> None:
         """Drop the jobs of nodes with a deleted (or replaced) segment; their requests are
         re-admitted (``_check_segments`` decides their fate)."""
-        store = self.engine.store
+        store = self.kv.store
         for job in list(self.jobs.values()):
             if not all(store.is_live(seg) for seg in job.chain):
                 self._requeue(self._drop_job(job))
@@ -287,7 +297,7 @@ class Scheduler:
         requests, detached from it (they keep their own node readers)."""
         del self.jobs[job.key]
         if job.seq is not None:
-            self.engine.pool.decref(reversed(job.seq.pages))
+            self.kv.release(job.seq.pages)
             job.seq = None
         job.parent.readers -= 1
         waiters, job.waiters = job.waiters, []
@@ -306,11 +316,11 @@ class Scheduler:
             self._fail(req, err, outs)
 
     def _complete_job(self, job: NodeJob) -> None:
-        """The job's last chunk is computed: cache the node (``Engine._add_node``), give each of
+        """The job's last chunk is computed: cache the node (``KVManager.add_node``), give each of
         its requests a reader on it and requeue them."""
         seq, job.seq = job.seq, None  # the node takes over its page references
         waiters = self._drop_job(job)
-        node = self.engine._add_node(job.chain, seq)
+        node = self.kv.add_node(job.chain, seq)
         if node is not None:
             if waiters:
                 waiters[0].chain_computed += len(seq.tokens) - seq.cached
@@ -324,7 +334,7 @@ class Scheduler:
         deleted (or replaced) after submit fails a request that never ran with ``SegmentNotFound``;
         a preempted request already holds the segment's tokens in its prompt, so it continues
         without the chain (its KV is recomputed exactly, mostly from the prefix cache)."""
-        store = self.engine.store
+        store = self.kv.store
         dead = [seg for seg in req.chain if not store.is_live(seg)]
         if not dead:
             return
@@ -363,13 +373,12 @@ class Scheduler:
                     outs: list[RequestOutput]) -> list[tuple[Request | NodeJob, StepRow, object]]:
         """Run each row as a step of its own; a row that fails fails its request (or its node
         job's requests) only."""
-        e = self.engine
         done = []
         for owner, row in zip(owners, rows):
             try:
-                res = e._step([row], MAX_LOGPROBS if owner.wants_logprobs else 0)
+                res = self.kv.step([row], MAX_LOGPROBS if owner.wants_logprobs else 0)
             except Exception as one:  # noqa: BLE001 - this row's failure
-                e.check_device(one)
+                self.runner.check_device(one)
                 self._fail(owner, one, outs)
                 continue
             done.append((owner, row, res))
@@ -388,8 +397,7 @@ class Scheduler:
         token turns out to end it (EOS, a stop string) has one extra row computed and ignored;
         ``max_tokens`` is known ahead and costs nothing.  Page allocation that would need a
         preemption first drains the in-flight step (preemption needs settled requests)."""
-        e = self.engine
-        s = e.config.page_size
+        s = self.config.page_size
         outs: list[RequestOutput] = []
         prev = self.inflight
         # requests whose next token the in-flight step samples: they feed it on the device
@@ -408,13 +416,13 @@ class Scheduler:
             if pos // s >= len(seq.pages):
                 while True:
                     try:
-                        seq.pages += e._allocate(1)
+                        seq.pages += self.kv.allocate(1)
                         break
                     except PoolExhausted:
                         if prev is not None:  # settle the in-flight step before preempting
                             self.inflight = None
                             try:
-                                res = e.runner.collect(prev[0])
+                                res = self.runner.collect(prev[0])
                             except Exception as err:  # noqa: BLE001 - its results are lost: recompute
                                 return outs + self._lost(err, prev)
                             outs += self._apply_all(prev, res)
@@ -445,9 +453,9 @@ class Scheduler:
             owners.append(req)
             src.append(-1 if j is None else j)
         decode_rows = len(rows)
-        budget = e.runner.max_tokens - decode_rows
+        budget = self.runner.max_tokens - decode_rows
         for owner in self._prefill_work(prefilling):  # then chunks, oldest work first, within the budget
-            if budget <= 0 or len(rows) >= e.runner.max_batch:
+            if budget <= 0 or len(rows) >= self.runner.max_batch:
                 break
             rows.append(self._chunk_row(owner, budget))
             owners.append(owner)
@@ -463,7 +471,7 @@ class Scheduler:
                 rows[i].cascade = True
             feed = prev is not None and any(j >= 0 for j in src)
             try:
-                pending = e.runner.dispatch(rows, nl, k, prev=prev[0] if feed else None, src=src if feed else None)
+                pending = self.runner.dispatch(rows, nl, k, prev=prev[0] if feed else None, src=src if feed else None)
             except Exception as err:  # noqa: BLE001 - settled below, request by request
                 failure = err
             else:
@@ -472,7 +480,7 @@ class Scheduler:
         if prev is not None:  # the device is busy with `pending` meanwhile
             self.inflight = None
             try:
-                res = e.runner.collect(prev[0])
+                res = self.runner.collect(prev[0])
             except Exception as err:  # noqa: BLE001 - the previous step's results are lost
                 # `pending` was fed that step's ids: discard it too
                 return outs + self._lost(err, prev, (pending, entries) if pending is not None else None)
@@ -480,9 +488,9 @@ class Scheduler:
         if failure is not None:
             return outs + self._lost(failure)
         if pending is not None:
-            if not e.config.overlap_decode:
+            if not self.config.overlap_decode:
                 try:
-                    res = e.runner.collect(pending)
+                    res = self.runner.collect(pending)
                 except Exception as err:  # noqa: BLE001 - its results are lost: recompute
                     return outs + self._lost(err, (pending, entries))
                 return outs + self._apply_all((pending, entries), res)
@@ -500,7 +508,7 @@ class Scheduler:
         ``budget``), from its ``computed`` position."""
         seq = owner.seq
         end = owner.prefill_end if isinstance(owner, Request) else len(seq.tokens)
-        take = min(self.engine.config.prefill_chunk, end - seq.computed, budget or end)
+        take = min(self.config.prefill_chunk, end - seq.computed, budget or end)
         return owner.row(seq.tokens[seq.computed:seq.computed + take], seq.computed)
 
     def _lost(self, err: Exception, *steps) -> list[RequestOutput]:
@@ -508,7 +516,6 @@ class Scheduler:
         will never be read (each request's ``computed`` goes back to its first row in them;
         rerunning a position rewrites the same KV), then run every row of the next step alone,
         failing only the requests (or node jobs) whose row fails."""
-        e = self.engine
         self.inflight = None
         starts: dict[int, tuple[object, int]] = {}
         for step in steps:
@@ -518,14 +525,14 @@ class Scheduler:
                     starts[id(owner)] = (owner, min(old, row.start))
         for owner, start in starts.values():
             owner.seq.computed = start
-        e.check_device(err)
-        s = e.config.page_size
+        self.runner.check_device(err)
+        s = self.config.page_size
         decoding = sorted((r for r in self.running if not r.prefilling and r.status == "running"),
                           key=lambda r: r.arrival)
         for req in list(decoding):  # the page of the position each one feeds (a failed step may not have it)
             if (len(req.seq.tokens) - 1) // s >= len(req.seq.pages):
                 try:
-                    req.seq.pages += e._allocate(1)
+                    req.seq.pages += self.kv.allocate(1)
                 except PoolExhausted:
                     self._preempt(req)  # recomputed later, same output
                     decoding.remove(req)
@@ -546,10 +553,9 @@ class Scheduler:
 
     def _apply_all(self, step, res) -> list[RequestOutput]:
         """Apply each row's result of a read-back step (``_apply``)."""
-        e = self.engine
         _, entries = step
-        if e.debug_checks:
-            e.check_invariants()
+        if self.kv.debug_checks:
+            self.kv.check_invariants()
         outs = []
         for i, (owner, row, _) in enumerate(entries):
             outs += self._apply(owner, row, res, i)
@@ -566,7 +572,7 @@ class Scheduler:
         req = owner
         if req.status != "running":
             return []  # finished by the step before (this row was computed for nothing) or aborted
-        self.engine._register_full_pages(req.seq, upto)
+        self.kv.register_full_pages(req.seq, upto)
         if upto < req.prefill_end:
             return []
         if req.ttft_s is None:
@@ -584,7 +590,7 @@ class Scheduler:
         128-row block of the step beyond the first (the shared kernel runs over every row and
         masks the others).  Below that the cascade's extra kernel and merge cost more than the
         reads they save (H200, bench/NOTES.md)."""
-        if not self.engine.config.cascade_decode or len(decoding) < 2:
+        if not self.config.cascade_decode or len(decoding) < 2:
             return 0, []
         groups: dict[int, list[int]] = {}
         for i, r in enumerate(decoding):
@@ -592,7 +598,7 @@ class Scheduler:
                 groups.setdefault(r.seq.shared_hash, []).append(i)
         # the shared kernel walks the prefix once per 128-row block of the *whole* step (rows
         # outside the group are masked after it): each extra block costs about one read
-        cfg = self.engine.cfg
+        cfg = self.cfg
         extra_blocks = -(-len(decoding) * (cfg.num_heads // cfg.num_kv_heads) // 128) - 1
         best, best_saved = [], 0
         for members in groups.values():
@@ -601,7 +607,7 @@ class Scheduler:
             saved = (len(members) - 1 - extra_blocks) * len(key)
             if saved > best_saved:
                 best, best_saved = members, saved
-        if not best or best_saved * self.engine.config.page_size < CASCADE_MIN_SAVED_TOKENS:
+        if not best or best_saved * self.config.page_size < CASCADE_MIN_SAVED_TOKENS:
             return 0, []
         return len(decoding[best[0]].seq.shared_key), best
 
@@ -616,7 +622,6 @@ class Scheduler:
             return failed[0]
 
     def _on_token(self, req: Request, res, i: int) -> RequestOutput:
-        e = self.engine
         sp = req.sampling
         tok = res.token_list[i]
         req.out_ids.append(tok)
@@ -625,16 +630,16 @@ class Scheduler:
             lp[tok] = float(res.logprob[i])
             req.logprobs.append(lp)
         if req.stop_ids is None:
-            req.stop_ids = frozenset(sp.stop_token_ids) | frozenset(() if sp.ignore_eos else e.cfg.eos_token_ids)
+            req.stop_ids = frozenset(sp.stop_token_ids) | frozenset(() if sp.ignore_eos else self.cfg.eos_token_ids)
         if tok in req.stop_ids:
             return self._finish(req, "stop", [tok])
         if sp.stop:
             # only the tail can hold a stop string that this token completed: a string of L
             # characters spans at most 4 L byte-level tokens, so decoding is O(L) per token
             window = 4 * max(len(x) for x in sp.stop) + 8
-            tail = e._decode(req.out_ids[-window:])
+            tail = self.decode(req.out_ids[-window:])
             if any(x in tail for x in sp.stop):
-                text = e._decode(req.out_ids)
+                text = self.decode(req.out_ids)
                 hits = [text.find(x) for x in sp.stop if x in text]
                 if hits:  # (a window cut inside a character can show a stop the full text lacks)
                     req.text = text[:min(hits)]
@@ -653,7 +658,7 @@ class Scheduler:
             if not job.waiters:
                 self._drop_job(job)
         if req.seq is not None:
-            self.engine.pool.decref(reversed(req.seq.pages))
+            self.kv.release(req.seq.pages)
             req.seq = None
         for node in req.nodes:
             node.readers -= 1
@@ -670,7 +675,6 @@ class Scheduler:
 
     def _finish(self, req: Request, reason: str, new: list[int] | None = None,
                 error: Exception | None = None) -> RequestOutput:
-        e = self.engine
         self._release(req)
         req.status, req.finish_reason = "finished", reason
         self.requests.pop(req.id, None)
@@ -681,9 +685,12 @@ class Scheduler:
             ttft_s=req.ttft_s or 0.0, prompt_tokens=len(req.prompt_tokens),
             cached_tokens=req.cached_tokens or 0, generated_tokens=n,
             decode_tokens_per_s=(n - 1) / dec_s if n > 1 and dec_s > 0 else 0.0, e2e_s=now - req.arrival)
-        e._count_finished(metrics)
+        c = self.counters
+        c["prompt_tokens"] += metrics.prompt_tokens
+        c["cached_tokens"] += metrics.cached_tokens
+        c["generated_tokens"] += metrics.generated_tokens
         try:
-            text = req.text if req.text is not None else e._decode(req.out_ids)
+            text = req.text if req.text is not None else self.decode(req.out_ids)
         except Exception as err:  # noqa: BLE001 - e.g. ids the tokenizer cannot decode: this request fails
             log.error("request %s: its output could not be decoded", req.id, exc_info=err)
             text, reason, error = "", "error", error or err

@@ -44,6 +44,13 @@ def check_segment_id(segment_id) -> str:
     return segment_id
 
 
+def check_tenant(tenant) -> str:
+    """``tenant`` if it is a non-empty name other than the public namespace's, else ``ValueError``."""
+    if not isinstance(tenant, str) or not tenant or tenant == PUBLIC_TENANT:
+        raise ValueError(f"tenant={tenant!r} is invalid: use a non-empty name other than {PUBLIC_TENANT!r}")
+    return tenant
+
+
 @dataclasses.dataclass(frozen=True)
 class SegmentInfo:
     """What ``register_segment`` and ``list_segments`` return."""

@@ -78,6 +78,7 @@ import threading
 import time
 import weakref
 import zlib
+from typing import TYPE_CHECKING
 
 import jax
 import numpy as np
@@ -86,6 +87,9 @@ import orbax.checkpoint as ocp
 from inferscale_jax.errors import SnapshotCorrupt, SnapshotMismatch, StorageError
 from inferscale_jax.registry import Identity, Registry, SegmentRow, storage_error
 from inferscale_jax.segments import Segment, SegmentInfo
+
+if TYPE_CHECKING:
+    from inferscale_jax.kv_manager import KVManager
 
 log = logging.getLogger("inferscale.snapshot")
 FORMAT = "inferscale-jax/snapshot/v1"
@@ -159,16 +163,17 @@ def _dir_bytes(path: str) -> int:
 class Persistence:
     """The registry and snapshots of one engine (``EngineConfig.snapshot_dir``)."""
 
-    def __init__(self, engine):
-        self.engine = weakref.proxy(engine)  # no Engine <-> part cycle: engines free by refcount
-        self.dir = engine.config.snapshot_dir
+    def __init__(self, kv: KVManager, model_fingerprint: str):
+        """``kv``: the engine's pages, store and tiers (what restore fills and snapshots read);
+        ``model_fingerprint``: the part of the identity a mismatch names (the model alone)."""
+        self.kv = kv
+        self.dir = kv.config.snapshot_dir
         self.snap_dir = os.path.join(self.dir, "snapshots")
         try:
             os.makedirs(self.snap_dir, exist_ok=True)
         except OSError as err:
             raise storage_error(err, self.dir, f"creating {self.snap_dir}") or err
-        self.identity = Identity(engine.fingerprint, engine.model_fingerprint, engine.config.dtype,
-                                 engine.config.page_size)
+        self.identity = Identity(kv.fingerprint, model_fingerprint, kv.config.dtype, kv.config.page_size)
         self.registry = Registry(os.path.join(self.dir, "registry.sqlite3"), self.identity)
         self._writer: threading.Thread | None = None
         self._dirty = False
@@ -189,8 +194,8 @@ class Persistence:
             self.registry.add(SegmentRow(seg.namespace, i.id, seg.uid, i.tenant, seg.token_ids, i.public, i.pin,
                                          i.created))
         except BaseException:
-            for node in self.engine.store.remove(seg):
-                self.engine._release_node(node)
+            for node in self.kv.store.remove(seg):
+                self.kv.release_node(node)
             raise
         self._dirty = True
         self.maybe_snapshot()
@@ -204,7 +209,7 @@ class Persistence:
     def maybe_snapshot(self) -> bool:
         """Start a background snapshot if segments changed and ``snapshot_interval_s`` has passed
         (and any failure's backoff); never raises: a periodic snapshot's failure is logged."""
-        interval = self.engine.config.snapshot_interval_s
+        interval = self.kv.config.snapshot_interval_s
         if interval is None or not self._dirty or (self._writer is not None and self._writer.is_alive()):
             return False
         now = time.monotonic()
@@ -221,7 +226,7 @@ class Persistence:
         """Count a failed snapshot, schedule the next periodic attempt, log it (once per distinct error)."""
         c = self.counters
         c["failures"] += 1
-        base = self.engine.config.snapshot_interval_s or 1.0
+        base = self.kv.config.snapshot_interval_s or 1.0
         delay = min(MAX_BACKOFF_S, base * 2.0 ** c["failures"])
         self._retry_at = time.monotonic() + delay
         self._dirty = True
@@ -240,7 +245,7 @@ class Persistence:
     def save(self, wait: bool = True) -> dict:
         """Snapshot every segment's KV; returns the step's summary (``wait=False``: the capture's)."""
         self.wait()
-        e = self.engine
+        e = self.kv
         t0 = time.perf_counter()
         segs = e.store.all_segments()
         arrays = e.tiers.host_copies(segs)
@@ -369,7 +374,7 @@ class Persistence:
             "to start from the previous snapshot (segments it lacks are recomputed from the registry)")
 
     def _restore(self) -> None:
-        e, strict = self.engine, self.engine.config.strict_restore
+        e, strict = self.kv, self.kv.config.strict_restore
         t0 = time.perf_counter()
         for name in os.listdir(self.snap_dir):
             if TMP_SUFFIX in name:
@@ -433,15 +438,15 @@ class Persistence:
         c["restore_compile_s"] = e.tiers.warm(a.shape[3] for a in arrays.values())  # one-time, timed apart
         for seg in segs:  # pinned: HBM, whatever it takes
             if seg.info.pin and seg.uid in arrays:
-                e.tiers.place(seg, ntok[seg.uid], arrays[seg.uid], headroom=0)
+                e.tiers.place(seg, ntok[seg.uid], arrays[seg.uid], 0, e)
                 c["restored_hbm"] += 1
         for seg in segs:  # registered after the snapshot (or not in it): recompute
             if seg.uid not in arrays:
-                e.tiers.compute_root(seg)
+                e.compute_root(seg)
                 c["recomputed"] += 1
         rest = sorted((s for s in segs if s.uid in arrays and not s.info.pin), key=lambda s: rank[s.uid])
         for seg in rest:  # most recently used first
-            c["restored_" + e.tiers.place(seg, ntok[seg.uid], arrays[seg.uid], headroom)] += 1
+            c["restored_" + e.tiers.place(seg, ntok[seg.uid], arrays[seg.uid], headroom, e)] += 1
         jax.block_until_ready(e.runner.cache.k)
         t1 = time.perf_counter()
         nbytes = sum(a.nbytes for a in arrays.values())
@@ -455,7 +460,7 @@ class Persistence:
     def _lost_rows(self, path: str, meta: dict, rows: list[SegmentRow]) -> list[SegmentRow]:
         """The registry rows this snapshot proves were lost (module docstring, restore 2),
         rebuilt from its records and token ids; ``SnapshotCorrupt`` when it cannot rebuild them."""
-        e, next_uid = self.engine, self.registry.next_uid()
+        e, next_uid = self.kv, self.registry.next_uid()
         have = {(r.namespace, r.id) for r in rows}
         try:
             recs = [r for r in meta["segments"] if int(r["uid"]) >= next_uid]
@@ -493,7 +498,7 @@ class Persistence:
 
     def _load(self, path: str, meta: dict, rows: list[SegmentRow]) -> tuple[dict[int, np.ndarray], dict[int, int]]:
         """Read the KV item and check every record a registry row needs (all or nothing)."""
-        e = self.engine
+        e = self.kv
         try:
             records = {int(r["uid"]): r for r in meta["segments"]}
             want = {}

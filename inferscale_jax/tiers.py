@@ -10,7 +10,7 @@ A registered segment's KV lives in exactly one place:
   persistence format: the folder is wiped at startup; snapshots are ``snapshot.py``'s job);
 - **recompute**: nowhere (disk tier full): promotion recomputes it from its token ids.
 
-Life of an eviction (``Engine._allocate`` found no free pages and no evictable chain node):
+Life of an eviction (``KVManager.allocate`` found no free pages and no evictable chain node):
 
 1. ``demote_lru_root`` picks the least recently used root that no request reads
    (``readers == 0``), that is not ``pin=True`` and that would free at least one page.
@@ -23,7 +23,7 @@ Life of an eviction (``Engine._allocate`` found no free pages and no evictable c
    the folder; during an eviction the entry is then dropped to the recompute tier instead (the
    disk tier is a cache: the KV is recomputed from its tokens) and the failure logged once.
 
-Life of a promotion (``Engine._walk_chain`` needs a root that is not in HBM): the entry leaves
+Life of a promotion (``KVManager.walk_chain`` needs a root that is not in HBM): the entry leaves
 its tier (so the allocation below cannot demote it again), pages are allocated (which may
 demote other roots), the array is read from disk if needed, moved to the device in one
 ``device_put`` and scattered into the new pages by one jitted, cache-donating scatter.  The
@@ -47,8 +47,8 @@ import os
 import shutil
 import tempfile
 import time
-import weakref
 from collections import OrderedDict
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
@@ -57,8 +57,17 @@ from jax.sharding import SingleDeviceSharding
 
 from inferscale_jax.errors import StorageError
 from inferscale_jax.kv_cache import PagedKVCache, page_bytes
+from inferscale_jax.prefix_cache import root_hash
 from inferscale_jax.registry import storage_error
-from inferscale_jax.segments import ChainNode, Segment
+from inferscale_jax.segments import ChainNode, Segment, SegmentStore
+
+if TYPE_CHECKING:
+    from inferscale_jax.config import EngineConfig
+    from inferscale_jax.kv_manager import KVManager
+    from inferscale_jax.page_pool import PagePool
+    from inferscale_jax.prefix_cache import PrefixCache
+    from inferscale_jax.runner import ModelRunner
+    from models import ModelConfig
 
 log = logging.getLogger("inferscale.tiers")
 
@@ -114,26 +123,30 @@ class TierEntry:
 
 
 class Tiers:
-    """Owns the host and disk tiers of one engine; the engine's pool and store are HBM."""
+    """The host and disk tiers below one engine's HBM page pool."""
 
-    def __init__(self, engine):
-        self.engine = weakref.proxy(engine)  # no Engine <-> part cycle: engines free by refcount
-        cfg, ec = engine.cfg, engine.config
-        cache = engine.runner.cache
+    def __init__(self, cfg: ModelConfig, config: EngineConfig, dtype, pool: PagePool, store: SegmentStore,
+                 prefix_cache: PrefixCache, runner: ModelRunner, *, fingerprint: str, bos_prefix: list[int]):
+        """The HBM side is the pool, store and prefix cache given here (``kv_manager.py`` owns
+        them and these tiers); the runner holds the page pool's arrays."""
+        ec = self.config = config
+        self.dtype, self.pool, self.store, self.prefix_cache, self.runner = dtype, pool, store, prefix_cache, runner
+        self.fingerprint, self.bos_prefix = fingerprint, bos_prefix
+        cache = runner.cache
         self.device = next(iter(cache.k[0].devices()))
         self.host_sharding = pinned_host_sharding(self.device)
         self.device_sharding = SingleDeviceSharding(self.device)
         # Commit the pool to its device once (device_put aliases: no copy).  Promotions bring arrays
         # with an explicit sharding (committed); a cache that turned from uncommitted to committed
         # on the first promotion would recompile every jitted step that takes it.
-        engine.runner.cache = jax.device_put(cache, self.device_sharding)
-        self.page_nbytes = page_bytes(cfg, ec.page_size, engine.dtype)
+        runner.cache = jax.device_put(cache, self.device_sharding)
+        self.page_nbytes = page_bytes(cfg, ec.page_size, dtype)
         self.layout = (cfg.num_layers, 2, cfg.num_kv_heads, ec.page_size, cfg.head_dim)  # + nb at axis 3
         if ec.host_pages is not None:
             self.host_capacity = ec.host_pages
         else:  # 4x the HBM pool, at most a quarter of the machine's RAM
             ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-            self.host_capacity = min(4 * engine.pool.num_pages, ram // 4 // self.page_nbytes)
+            self.host_capacity = min(4 * pool.num_pages, ram // 4 // self.page_nbytes)
         self.disk_capacity = ec.disk_pages  # None: unbounded
         self._disk_dir = ec.disk_dir or (os.path.join(ec.snapshot_dir, "disk_tier") if ec.snapshot_dir else None)
         self._own_disk_dir = False
@@ -150,7 +163,7 @@ class Tiers:
 
     # -- where is a segment ---------------------------------------------------------------
     def where(self, seg: Segment) -> str:
-        if self.engine.store.root(seg) is not None:
+        if self.store.root(seg) is not None:
             return "hbm"
         entry = self._entries.get(seg.uid)
         return entry.tier if entry else "missing"
@@ -165,8 +178,8 @@ class Tiers:
     # -- eviction (HBM -> host -> disk -> recompute) --------------------------------------
     def demote_lru_root(self) -> bool:
         """Move the LRU unpinned, unread root that frees a page to the host tier (False: none)."""
-        pool = self.engine.pool
-        for node in self.engine.store.evictable_roots():
+        pool = self.pool
+        for node in self.store.evictable_roots():
             if any(pool.refcount(p) == 1 for p in node.pages):
                 self._demote_node(node)
                 return True
@@ -178,7 +191,7 @@ class Tiers:
             raise ValueError(f"to={to!r} is invalid: must be one of {LOWER_TIERS}")
         if seg.info.pin:
             raise ValueError(f"segment {seg.info.id!r} is pinned (pin=True): it never leaves HBM")
-        node = self.engine.store.root(seg)
+        node = self.store.root(seg)
         if node is not None:
             if node.readers:
                 raise ValueError(f"segment {seg.info.id!r} is read by {node.readers} running request(s)")
@@ -190,17 +203,16 @@ class Tiers:
             self._drop(entry)
 
     def _demote_node(self, node: ChainNode) -> None:
-        e = self.engine
         (uid,) = node.uids
         n = len(node.pages)
         pages = np.zeros(page_bucket(n), np.int32)  # padding gathers the null page
         pages[:n] = node.pages
-        kv = gather_pages(e.runner.cache, jnp.asarray(pages))
+        kv = gather_pages(self.runner.cache, jnp.asarray(pages))
         host = jax.device_put(kv, self.host_sharding) if self.host_sharding else np.asarray(jax.device_get(kv))
         jax.block_until_ready(host)
-        seg = next(s for s in e.store.all_segments() if s.uid == uid)
-        e.store.drop_node(node)
-        e._release_node(node)
+        seg = next(s for s in self.store.all_segments() if s.uid == uid)
+        self.store.drop_node(node)
+        self.pool.decref(reversed(node.pages))
         self._entries[uid] = TierEntry(uid, node.num_tokens, n, "host", kv=host, hashes=self.page_hashes(seg))
         self.counters["evictions_hbm"] += 1
         self._enforce_capacity()
@@ -245,7 +257,7 @@ class Tiers:
         self.counters["evictions_disk"] += 1
 
     def _read_disk(self, entry: TierEntry) -> np.ndarray:
-        arr = np.empty(self.shape(entry.num_pages), self.engine.dtype)
+        arr = np.empty(self.shape(entry.num_pages), self.dtype)
         buf = memoryview(arr.reshape(-1).view(np.uint8))
         with open(entry.path, "rb") as f:
             got = f.readinto(buf)
@@ -258,9 +270,9 @@ class Tiers:
         return (L, two, hkv, page_bucket(num_pages), s, d)
 
     # -- promotion (disk -> host -> HBM) --------------------------------------------------
-    def promote(self, seg: Segment) -> ChainNode:
-        """Bring ``seg``'s KV back into HBM pages and return its root node."""
-        e = self.engine
+    def promote(self, seg: Segment, kv: KVManager) -> ChainNode:
+        """Bring ``seg``'s KV back into HBM pages (allocated by ``kv``, which may demote other
+        roots) and return its root node."""
         entry = self._entries.get(seg.uid)
         if entry is None:
             raise AssertionError(f"segment {seg.info.id!r} (uid {seg.uid}) has no KV in any tier")
@@ -269,7 +281,7 @@ class Tiers:
         if entry.tier == "recompute":
             self._in_flight = seg.uid
             try:
-                node = self.compute_root(seg)
+                node = kv.compute_root(seg)
             except BaseException:
                 self._entries[seg.uid] = entry
                 raise
@@ -278,12 +290,12 @@ class Tiers:
             self.counters["promotions_recompute"] += 1
             return node
         try:
-            kv = entry.kv if entry.tier == "host" else self._read_disk(entry)
-            pages = e._allocate(entry.num_pages)
+            arr = entry.kv if entry.tier == "host" else self._read_disk(entry)
+            pages = kv.allocate(entry.num_pages)
         except BaseException:
             self._entries[seg.uid] = entry
             raise
-        node = self._install(seg, entry.num_tokens, pages, kv, t0, entry.hashes)
+        node = self._install(seg, entry.num_tokens, pages, arr, t0, entry.hashes)
         if entry.path:
             os.remove(entry.path)
         self.counters[f"promotions_{entry.tier}"] += 1
@@ -292,18 +304,17 @@ class Tiers:
     def _install(self, seg: Segment, num_tokens: int, pages: list[int], kv, t0: float,
                  hashes: list[bytes] | None = None, count: bool = True) -> ChainNode:
         """Move kv [L, 2, Hkv, nb, S, D] (host) into ``pages`` (allocated) and index the root node."""
-        e = self.engine
         t1 = time.perf_counter()
         dev = jax.device_put(kv, self.device_sharding)  # the one host -> device transfer
         jax.block_until_ready(dev)
         t2 = time.perf_counter()
-        padded = np.full(page_bucket(len(pages)), e.runner.cache.num_pages, np.int32)  # padding: dropped
+        padded = np.full(page_bucket(len(pages)), self.runner.cache.num_pages, np.int32)  # padding: dropped
         padded[:len(pages)] = pages
-        e.runner.cache = scatter_pages(e.runner.cache, dev, jnp.asarray(padded))
+        self.runner.cache = scatter_pages(self.runner.cache, dev, jnp.asarray(padded))
         node = ChainNode(seg.namespace, (seg.uid,), num_tokens, pages)
-        e.store.add_node(node)
-        for h, page in zip(hashes or self.page_hashes(seg), pages):  # as _materialize would have
-            e.prefix_cache.insert(h, page)
+        self.store.add_node(node)
+        for h, page in zip(hashes or self.page_hashes(seg), pages):  # as KVManager.materialize would have
+            self.prefix_cache.insert(h, page)
         if not count:  # a restore, not a promotion
             return node
         c = self.counters
@@ -314,27 +325,18 @@ class Tiers:
         c["last_promotion_gbps"] = kv.nbytes / max(t2 - t1, 1e-9) / 1e9
         return node
 
-    def compute_root(self, seg: Segment) -> ChainNode:
-        """(Re)compute a segment's KV from its tokens into HBM, as ``register_segment`` does."""
-        e = self.engine
-        seq = e._materialize(e._root(seg.namespace), e.bos_prefix + seg.token_ids, None)
-        node = ChainNode(seg.namespace, (seg.uid,), len(seq.tokens), seq.pages)
-        e.store.add_node(node)
-        return node
-
     def page_hashes(self, seg: Segment) -> list[bytes]:
         """The prefix-cache keys of the segment's full pages."""
-        e = self.engine
-        return e.prefix_cache.hashes_for(e._root(seg.namespace), e.bos_prefix + seg.token_ids)
+        return self.prefix_cache.hashes_for(root_hash(seg.namespace, self.fingerprint), self.bos_prefix + seg.token_ids)
 
     # -- restore and snapshots (snapshot.py) ----------------------------------------------
-    def place(self, seg: Segment, num_tokens: int, kv: np.ndarray, headroom: int) -> str:
-        """Put restored kv into HBM if the pool has ``headroom`` pages to spare, else the host tier."""
-        e = self.engine
-        n = -(-num_tokens // e.config.page_size)
-        pages = e.pool.allocate(n) if e.pool.num_free - n >= headroom else None
+    def place(self, seg: Segment, num_tokens: int, kv: np.ndarray, headroom: int, manager: KVManager) -> str:
+        """Put restored kv into HBM if the pool has ``headroom`` pages to spare, else the host
+        tier; a pinned segment goes to HBM whatever it takes (``manager.allocate`` evicts)."""
+        n = -(-num_tokens // self.config.page_size)
+        pages = self.pool.allocate(n) if self.pool.num_free - n >= headroom else None
         if pages is None and seg.info.pin:
-            pages = e._allocate(n)
+            pages = manager.allocate(n)
         if pages is not None:
             self._install(seg, num_tokens, pages, kv, time.perf_counter(), count=False)
             return "hbm"
@@ -347,15 +349,14 @@ class Tiers:
         """Compile the scatter for the buckets of ``page_counts`` ahead of use; returns the seconds spent."""
         t0 = time.perf_counter()
         for nb in sorted({page_bucket(n) for n in page_counts}):
-            kv = jax.ShapeDtypeStruct(self.shape(nb), self.engine.dtype, sharding=self.device_sharding)
-            scatter_pages.lower(self.engine.runner.cache, kv, jax.ShapeDtypeStruct((nb,), jnp.int32)).compile()
+            kv = jax.ShapeDtypeStruct(self.shape(nb), self.dtype, sharding=self.device_sharding)
+            scatter_pages.lower(self.runner.cache, kv, jax.ShapeDtypeStruct((nb,), jnp.int32)).compile()
         return time.perf_counter() - t0
 
     def host_copies(self, segs: list[Segment]) -> dict[int, np.ndarray]:
         """Every segment's KV as host arrays [L, 2, Hkv, nb, S, D] (recompute-tier ones are left out).
         HBM pages are gathered in groups of at most TRANSFER_GROUP_BYTES, each group's copies in flight
         together."""
-        e = self.engine
         out: dict[int, np.ndarray] = {}
         group: list[tuple[int, jax.Array]] = []
         group_bytes = 0
@@ -368,11 +369,11 @@ class Tiers:
             group_bytes = 0
 
         for seg in segs:
-            node = e.store.root(seg)
+            node = self.store.root(seg)
             if node is not None:
                 pages = np.zeros(page_bucket(len(node.pages)), np.int32)
                 pages[:len(node.pages)] = node.pages
-                group.append((seg.uid, gather_pages(e.runner.cache, jnp.asarray(pages))))
+                group.append((seg.uid, gather_pages(self.runner.cache, jnp.asarray(pages))))
                 group_bytes += len(pages) * self.page_nbytes
                 if group_bytes >= TRANSFER_GROUP_BYTES:
                     flush()
@@ -399,12 +400,12 @@ class Tiers:
         return sum(1 for x in self._entries.values() if x.tier == tier)
 
     def stats(self) -> dict:
-        e, c = self.engine, self.counters
-        roots = [n for n in e.store.nodes() if len(n.uids) == 1]
+        c = self.counters
+        roots = [n for n in self.store.nodes() if len(n.uids) == 1]
         promotions = c["promotions_host"] + c["promotions_disk"]
         return {
-            "hbm": {"segments": len(roots), "pages_used": e.pool.num_used,
-                    "bytes_used": e.pool.num_used * self.page_nbytes, "pages_total": e.pool.num_pages - 1,
+            "hbm": {"segments": len(roots), "pages_used": self.pool.num_used,
+                    "bytes_used": self.pool.num_used * self.page_nbytes, "pages_total": self.pool.num_pages - 1,
                     "evictions": c["evictions_hbm"]},
             "host": {"segments": self.segments_in("host"), "pages_used": self.pages_in("host"),
                      "bytes_used": self.pages_in("host") * self.page_nbytes, "pages_total": self.host_capacity,
@@ -424,13 +425,12 @@ class Tiers:
 
     def check_invariants(self) -> None:
         """Every registered segment's KV is in exactly one tier; no lower-tier entry is orphaned."""
-        e = self.engine
         uids = set()
-        for seg in e.store.all_segments():
+        for seg in self.store.all_segments():
             uids.add(seg.uid)
             if seg.uid == self._in_flight:
                 continue
-            in_hbm = e.store.root(seg) is not None
+            in_hbm = self.store.root(seg) is not None
             in_lower = seg.uid in self._entries
             assert in_hbm != in_lower, (f"segment {seg.info.id!r} is in HBM: {in_hbm}, in a lower tier: "
                                         f"{in_lower} (exactly one expected)")

@@ -255,13 +255,13 @@ def test_an_output_that_cannot_be_decoded_fails_only_its_request(monkeypatch):
     a_ids, b_ids = _solo(P1), _solo(P2)
     marker = next(t for t in a_ids if t not in b_ids)
     e = make_engine()
-    real = e._decode
+    real = e.scheduler.decode
 
     def decode(ids):
         if marker in ids:
             raise IndexError("piece id is out of range")  # a slow tokenizer on a padded vocab
         return real(ids)
-    monkeypatch.setattr(e, "_decode", decode)
+    monkeypatch.setattr(e.scheduler, "decode", decode)
     stop = SamplingParams(max_tokens=6, temperature=0.0, stop=["zz"])  # decodes every token
     ra = e.submit(prompt_token_ids=P1, tenant="t", sampling=stop)
     rb = e.submit(prompt_token_ids=P2, tenant="t", sampling=stop)

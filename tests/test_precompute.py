@@ -259,7 +259,7 @@ def test_length_buckets_and_pool_pressure(tmp_path, tok):
     ref = make_engine(tok)
     for sid in ("d0", "d23"):
         if e.segment_tier(sid) != "hbm":
-            e.tiers.promote(e.store.resolve(sid, "default"))
+            e.kv.promote(e.store.resolve(sid, "default"))
         ref.register_segment(sid, text=docs[sid])
         assert_kv_equal(root_kv(e, sid), root_kv(ref, sid), sid)
 

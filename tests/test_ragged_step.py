@@ -36,7 +36,7 @@ def test_a_mixed_step_equals_its_rows_apart_and_hf(hf_engine):
     a = rng.integers(1, v, 21).tolist()  # decoding: 20 tokens cached, the 21st fed now
     b = rng.integers(1, v, 13).tolist()  # a fresh prompt: one 13-token chunk
     c = rng.integers(1, v, 30).tolist()  # a prompt whose second chunk (tokens 16..29) runs now
-    pa, pb, pc = (e._allocate(-(-len(t) // 8)) for t in (a, b, c))
+    pa, pb, pc = (e.kv.allocate(-(-len(t) // 8)) for t in (a, b, c))
     lp = dict(top_k=0)
     # history: a's first 20 tokens and c's first 16, computed beforehand
     e.runner.step([StepRow(a[:16], 0, pa), StepRow(c[:16], 0, pc)])

@@ -12,7 +12,8 @@ from tiny_engine import CFG, assert_only_nodes_hold_pages, make_engine
 
 def fake_engine(**kw):
     e = make_engine(**kw)
-    e.runner = FakeRunner(e.runner)
+    fake = FakeRunner(e.runner)  # every part that runs steps gets it (they share one runner)
+    e.runner = e.kv.runner = e.tiers.runner = e.scheduler.runner = fake
     return e
 
 
