@@ -1,0 +1,100 @@
+"""Write a Llama-3-8B-shaped HF checkpoint of random bf16 weights, for serving benchmarks that
+load a model folder (``bench/serve.py --model``): ``config.json``, sharded
+``model-0000i-of-0000n.safetensors`` + index, and the embedded default model's tokenizer
+(its ids fit any larger vocab; the text is gibberish either way, the shapes are real).
+
+Weights are drawn with torch on the GPU when there is one (an 8B model in seconds), scaled like
+the default model's (embeddings N(0, 1), projections N(0, 1/fan_in), norms 1), and written a
+shard of ~4 GB at a time.  Not for git: 16 GB.
+
+    python bench/make_checkpoint.py /tmp/llama8b-random      # then: bench/serve.py --model ...
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [os.path.dirname(HERE), HERE]
+
+from engine import model_config, shape  # noqa: E402  (bench/engine.py: the 8B shape)
+from inferscale_jax.default_model import HF_CONFIG, default_model_dir  # noqa: E402
+from models.params import hf_split_sizes, param_specs  # noqa: E402
+
+SHARD_BYTES = 4 << 30
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("out")
+    ap.add_argument("--quick", action="store_true", help="the tiny bench shape (CPU: the harness only)")
+    args = ap.parse_args()
+    import torch
+    from safetensors.torch import save_file
+
+    t0 = time.perf_counter()
+    sh = shape(args.quick)
+    cfg = model_config(sh)
+    os.makedirs(args.out, exist_ok=True)
+    src = default_model_dir()
+    for name in os.listdir(src):
+        if name.startswith(("tokenizer", "special_tokens")):
+            shutil.copy(os.path.join(src, name), args.out)
+    hf = dict(HF_CONFIG, vocab_size=sh["vocab"], hidden_size=sh["hidden"], intermediate_size=sh["inter"],
+              num_hidden_layers=sh["layers"], num_attention_heads=sh["heads"], num_key_value_heads=sh["kv"],
+              head_dim=sh["head_dim"], max_position_embeddings=sh["max_pos"], rms_norm_eps=sh["eps"],
+              rope_theta=sh["theta"], torch_dtype="bfloat16")
+    with open(os.path.join(args.out, "config.json"), "w") as f:
+        json.dump(hf, f, indent=2, sort_keys=True)
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    gen = torch.Generator(device=dev).manual_seed(0)
+    shards, cur, cur_bytes = [], {}, 0
+
+    def flush():
+        nonlocal cur, cur_bytes
+        if cur:
+            shards.append(cur)
+            cur, cur_bytes = {}, 0
+
+    tensors = []
+    for s in param_specs(cfg):
+        for name, size in zip(s.hf_names, hf_split_sizes(cfg, s)):
+            shp = (size,) + s.shape[:-1][::-1] if s.transpose else s.shape[:-1] + (size,)
+            tensors.append((name, shp, s.init, 1.0 if s.path == ("embed",) else s.shape[0] ** -0.5))
+    names_per_shard, weight_map = [], {}
+    for name, shp, init, std in tensors:
+        nbytes = 2 * int(torch.tensor(shp).prod())
+        if cur_bytes and cur_bytes + nbytes > SHARD_BYTES:
+            names_per_shard.append(list(cur))
+            flush()
+        cur[name] = (shp, init, std)
+        cur_bytes += nbytes
+    names_per_shard.append(list(cur))
+    flush()
+    n = len(shards)
+    total = 0
+    for i, shard in enumerate(shards):
+        fn = f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+        out = {}
+        for name, (shp, init, std) in shard.items():
+            if init == "ones":
+                t = torch.ones(shp, dtype=torch.bfloat16, device=dev)
+            else:
+                t = (torch.randn(shp, generator=gen, device=dev, dtype=torch.float32) * std).to(torch.bfloat16)
+            out[name] = t.cpu()
+            weight_map[name] = fn
+            total += out[name].numel() * 2
+        save_file(out, os.path.join(args.out, fn), metadata={"format": "pt"})
+        print(f"[{time.perf_counter() - t0:6.1f} s] wrote {fn}", flush=True)
+    with open(os.path.join(args.out, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=1)
+    print(f"{args.out}: {total / 1e9:.1f} GB in {n} shards, {time.perf_counter() - t0:.1f} s", flush=True)
+
+
+if __name__ == "__main__":
+    main()
