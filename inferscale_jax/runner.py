@@ -152,15 +152,15 @@ def _model_step(params, cache: PagedKVCache, ints, floats, shared=None, penaltie
     return packed, cache
 
 
-@functools.partial(jax.jit, static_argnames=("key",))
-def _feed_tokens(ints, prev_ids, *, key: StepKey):
+@functools.partial(jax.jit, static_argnames=("tokens", "width", "rows"))
+def _feed_tokens(ints, prev_ids, *, tokens: int, width: int, rows: int):
     """Overlapped steps: a row whose source ``j >= 0`` gets the id that row ``j`` of the previous
     step sampled (still on the device) as its (single) token.  A jit of its own: inside
     ``_model_step`` the select changed XLA's fusion of the embedding lookup and cost ~0.6 ms per
-    step on the H200 (bench/NOTES.md)."""
-    n, w = key.tokens, key.width
-    rows = ints[3 * n:].reshape(key.rows, w + 8)
-    src, last = rows[:, w + 6], rows[:, w + 7]
+    step on the H200 (bench/NOTES.md).  Its shapes are the step's ``ints`` layout alone (every
+    bucket of the same tokens / width / rows shares it)."""
+    per_row = ints[3 * tokens:].reshape(rows, width + 8)
+    src, last = per_row[:, width + 6], per_row[:, width + 7]
     at = jnp.where(src >= 0, last, ints.shape[0])  # out of range: dropped
     return ints.at[at].set(prev_ids[jnp.maximum(src, 0)], mode="drop")
 
@@ -175,17 +175,20 @@ def _sampled_ids(packed, *, size: int):
 @dataclasses.dataclass
 class PendingStep:
     """A dispatched step whose results are still on the device (``ModelRunner.collect`` reads
-    them).  ``sampled_ids()`` gives its sampled ids as a device array for the next step."""
+    them).  ``sampled_ids()`` gives its sampled ids as a device array for the next step
+    (through ``sampler``, the runner's compiled ``_sampled_ids`` for this shape)."""
     packed: jax.Array  # [B, 2 + 2 * nl] float32 on the device
     n: int  # real rows
     nl: int  # padded log-prob width of the bucket
     num_logprobs: int
     size: int  # the runner's max_batch
+    sampler: object = None  # packed -> [size] int32 ids (None: the jitted _sampled_ids)
     _ids: jax.Array | None = None
 
     def sampled_ids(self) -> jax.Array:
         if self._ids is None:
-            self._ids = _sampled_ids(self.packed, size=self.size)
+            self._ids = (self.sampler(self.packed) if self.sampler is not None
+                         else _sampled_ids(self.packed, size=self.size))
         return self._ids
 
 
@@ -222,7 +225,9 @@ class ModelRunner:
         self.compiled: set[tuple] = set()  # (StepKey, penalty shapes, precision) of every compiled step
         # (StepKey, penalty shapes, matmul precision) -> the step's compiled executable
         self.executables: dict[tuple, jax.stages.Compiled] = {}
-        self.helpers_ready: set[tuple] = set()  # buckets whose overlap helpers have compiled
+        # the overlap helpers' compiled executables: ("feed", tokens, width, rows) -> _feed_tokens,
+        # ("ids", rows, columns) -> _sampled_ids (compiled with the steps by ``warmup``)
+        self.helpers: dict[tuple, jax.stages.Compiled] = {}
         self.compiles = 0
         self.warm = False  # set by Engine.warmup: a compile after it is logged as a warning
         self.compiles_after_warmup = 0
@@ -291,18 +296,34 @@ class ModelRunner:
         key, pen_key, host = self._pack(rows, num_logprobs, shared_pages, src)
         ints_d, floats_d, shared, penalties = self._to_device(host)
         if src is not None:
-            ints_d = _feed_tokens(ints_d, prev.sampled_ids(), key=key)
+            ints_d = self._helper(self._feed_key(key))(ints_d, prev.sampled_ids())
         exe = self.executables.get((key, pen_key, self.matmul_precision))
         if exe is None:
             exe = self._compile(key, pen_key, (ints_d, floats_d, shared, penalties))
         packed, self.cache = exe(self.params, self.cache, ints_d, floats_d, shared, penalties)
-        if (key, pen_key) not in self.helpers_ready:  # this bucket's overlap helpers compile now
-            self.helpers_ready.add((key, pen_key))
-            ids = PendingStep(packed, len(rows), key.num_logprobs, num_logprobs, self.max_batch).sampled_ids()
-            jax.block_until_ready(_feed_tokens(ints_d, ids, key=key))
-            jax.block_until_ready(packed)
-            freeze_heap()
-        return PendingStep(packed, len(rows), key.num_logprobs, num_logprobs, self.max_batch)
+        sampler = self._helper(("ids", key.rows, 2 + 2 * key.num_logprobs))
+        return PendingStep(packed, len(rows), key.num_logprobs, num_logprobs, self.max_batch, sampler)
+
+    @staticmethod
+    def _feed_key(key: StepKey) -> tuple:
+        return ("feed", key.tokens, key.width, key.rows)
+
+    def _lower_helper(self, hk: tuple):
+        """Lower an overlap helper for its shapes (``self.helpers``' keys)."""
+        on = jax.sharding.SingleDeviceSharding(self.device)
+        ids = jax.ShapeDtypeStruct((self.max_batch,), jnp.int32, sharding=on)
+        if hk[0] == "feed":
+            _, t, w, b = hk
+            ints = jax.ShapeDtypeStruct((3 * t + b * (w + 8),), jnp.int32, sharding=on)
+            return _feed_tokens.lower(ints, ids, tokens=t, width=w, rows=b)
+        _, b, cols = hk
+        return _sampled_ids.lower(jax.ShapeDtypeStruct((b, cols), jnp.float32, sharding=on), size=self.max_batch)
+
+    def _helper(self, hk: tuple):
+        exe = self.helpers.get(hk)
+        if exe is None:
+            exe = self.helpers[hk] = self._lower_helper(hk).compile()
+        return exe
 
     def _pack(self, rows: list[StepRow], num_logprobs: int, shared_pages: int, src: list[int] | None):
         """The step's bucket, its penalty shape key and its host arrays (ints, floats, shared,
@@ -388,6 +409,7 @@ class ModelRunner:
         self._note_bucket((key, pen_key, self.matmul_precision))
         exe = self._lower(key, args).compile()
         self.executables[(key, pen_key, self.matmul_precision)] = exe
+        freeze_heap()
         return exe
 
     def _padding_rows(self, key: StepKey) -> list[StepRow] | None:
@@ -415,18 +437,22 @@ class ModelRunner:
     def warmup(self, keys: list[StepKey], progress=None, workers: int | None = None) -> int:
         """Compile (or load from the persistent cache) the steps of ``keys``, several at a time:
         each step is traced and lowered here (Python, one at a time), and XLA compiles it on a
-        pool of ``workers`` threads (default: min(8, CPUs)) while the next one lowers.  Then each
-        bucket runs once on padding (its overlap helpers compile).  ``progress(done, total)``
+        pool of ``workers`` threads (default: min(8, CPUs)) while the next one lowers, with the
+        overlap helpers of their shapes.  Then each bucket runs once on padding.  ``progress(done, total)``
         after each bucket.  Returns how many of ``keys`` a step can take."""
         plans = [(key, rows) for key in keys if (rows := self._padding_rows(key)) is not None]
         todo = [(key, rows) for key, rows in plans if (key, (), self.matmul_precision) not in self.executables]
         workers = workers or min(8, os.cpu_count() or 1)
         done = len(plans) - len(todo)
+        helpers = list(dict.fromkeys(hk for key, _ in plans
+                                     for hk in (self._feed_key(key), ("ids", key.rows, 2 + 2 * key.num_logprobs))
+                                     if hk not in self.helpers))
         with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="inferscale-compile") as pool:
             futures = {}
             for key, rows in todo:
                 _, _, host = self._pack(rows, key.num_logprobs, key.shared, None)
                 futures[pool.submit(self._lower(key, self._to_device(host)).compile)] = key
+            small = {pool.submit(self._lower_helper(hk).compile): hk for hk in helpers}
             for fut in concurrent.futures.as_completed(futures):
                 key = futures[fut]
                 self._note_bucket((key, (), self.matmul_precision))
@@ -434,6 +460,8 @@ class ModelRunner:
                 done += 1
                 if progress is not None:
                     progress(done, len(plans))
+            for fut in concurrent.futures.as_completed(small):
+                self.helpers[small[fut]] = fut.result()
         for key, rows in plans:
             jax.block_until_ready(self.dispatch(rows, key.num_logprobs, key.shared).packed)
         return len(plans)
