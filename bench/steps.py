@@ -79,13 +79,13 @@ class Probe:
         self.blocked = self.in_dispatch = 0.0
         self.cascade = False
 
-    def dispatch(self, rows, num_logprobs=0, shared_pages=0, **k):
-        self.last_decode = all(len(x.tokens) == 1 for x in rows)
-        self.last_rows = len(rows)
-        self.cascade = shared_pages > 0
+    def dispatch(self, plan, *a, **k):
+        self.last_decode = all(len(x.tokens) == 1 for x in plan.rows)
+        self.last_rows = len(plan.rows)
+        self.cascade = plan.shared_pages > 0
         t = time.perf_counter()
         try:
-            return self._dispatch(rows, num_logprobs, shared_pages, **k)
+            return self._dispatch(plan, *a, **k)
         finally:
             self.in_dispatch += time.perf_counter() - t
 

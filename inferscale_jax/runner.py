@@ -100,6 +100,21 @@ class StepRow:
 
 
 @dataclasses.dataclass
+class StepPlan:
+    """One device step as plain data, what the scheduler hands the runner: the rows (each a
+    sequence's new tokens, start position and page table), the log-prob width to return, the
+    cascade group's shared pages, and which rows feed a token the previous step sampled."""
+    rows: list[StepRow]
+    num_logprobs: int = 0  # top log-probs per row to return (0: none)
+    # decode steps only: rows marked ``cascade`` share their first ``shared_pages`` pages, read
+    # once for the group (0: no cascade)
+    shared_pages: int = 0
+    # per row: the row of the previous step whose sampled id is this row's token, read on the
+    # device (-1: the row's own host token); None: every token comes from the host
+    src: list[int] | None = None
+
+
+@dataclasses.dataclass
 class StepResult:
     tokens: np.ndarray  # [n] int32 sampled ids, one per row
     logprob: np.ndarray  # [n] float32 log-prob of each sampled id
@@ -269,7 +284,7 @@ class ModelRunner:
 
     def step(self, rows: list[StepRow], num_logprobs: int = 0, shared_pages: int = 0) -> StepResult:
         """Run one device step over ``rows`` and wait for its results (``dispatch`` + ``collect``)."""
-        return self.collect(self.dispatch(rows, num_logprobs, shared_pages))
+        return self.collect(self.dispatch(StepPlan(rows, num_logprobs, shared_pages)))
 
     def collect(self, pending: PendingStep) -> StepResult:
         """Read a dispatched step's results back (blocks until the device has computed them)."""
@@ -279,19 +294,20 @@ class ModelRunner:
         return StepResult(ids[:, 0].copy(), packed[:, 1].copy(), ids[:, 2:2 + k].copy(),
                           packed[:, 2 + nl:2 + nl + k].copy())
 
-    def dispatch(self, rows: list[StepRow], num_logprobs: int = 0, shared_pages: int = 0,
-                 prev: PendingStep | None = None, src: list[int] | None = None) -> PendingStep:
-        """Launch one device step over ``rows`` (each with 1..prefill_chunk new tokens, at most
+    def dispatch(self, plan: StepPlan, prev: PendingStep | None = None) -> PendingStep:
+        """Launch one device step (``plan``: rows of 1..prefill_chunk new tokens each, at most
         ``max_num_batched_tokens`` in all); returns at once (the device runs it while the host
-        goes on).  Rows of one token and prefill chunks mix freely: the tokens are laid out flat
-        and attention takes each row's query length (``pallas_kernels/ragged_attention.py``);
-        a step whose rows all feed one token is a *decode* bucket (decode kernel, cascade).
+        goes on; ``collect`` reads the results).  Rows of one token and prefill chunks mix
+        freely: the tokens are laid out flat and attention takes each row's query length
+        (``pallas_kernels/ragged_attention.py``); a step whose rows all feed one token is a
+        *decode* bucket (decode kernel, cascade).
 
-        ``shared_pages > 0`` (decode steps only): the rows marked ``cascade`` all start with the
-        same ``shared_pages`` full pages; attention reads them once for the group (cascade
-        kernel), and every other row reads its whole page list as usual.  ``prev``/``src``: row
-        ``i`` with ``src[i] = j >= 0`` (a one-token row) feeds the id that row ``j`` of the step
-        ``prev`` sampled, read on the device (its host token is ignored)."""
+        ``plan.shared_pages > 0`` (decode steps only): the rows marked ``cascade`` all start with
+        the same ``shared_pages`` full pages; attention reads them once for the group (cascade
+        kernel), and every other row reads its whole page list as usual.  ``plan.src`` with
+        ``prev``: row ``i`` with ``src[i] = j >= 0`` (a one-token row) feeds the id that row
+        ``j`` of the step ``prev`` sampled, read on the device (its host token is ignored)."""
+        rows, num_logprobs, shared_pages, src = plan.rows, plan.num_logprobs, plan.shared_pages, plan.src
         assert src is None or (prev is not None and len(src) == len(rows))
         key, pen_key, host = self._pack(rows, num_logprobs, shared_pages, src)
         ints_d, floats_d, shared, penalties = self._to_device(host)
@@ -463,7 +479,7 @@ class ModelRunner:
             for fut in concurrent.futures.as_completed(small):
                 self.helpers[small[fut]] = fut.result()
         for key, rows in plans:
-            jax.block_until_ready(self.dispatch(rows, key.num_logprobs, key.shared).packed)
+            jax.block_until_ready(self.dispatch(StepPlan(rows, key.num_logprobs, key.shared)).packed)
         return len(plans)
 
     @staticmethod

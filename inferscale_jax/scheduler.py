@@ -26,7 +26,10 @@
 3. **One device step per iteration** (``_step``): every decoding request feeds its last sampled
    token (one row of one token each), then node jobs and prefilling requests add their next
    chunks (at most ``prefill_chunk`` tokens each) until the step's token budget
-   (``EngineConfig.max_num_batched_tokens``) is spent, oldest work first.  All rows go through
+   (``EngineConfig.max_num_batched_tokens``) is spent, oldest work first.  The step is plain
+   data (``runner.StepPlan``: rows with their tokens, positions and page tables, the log-prob
+   width, the cascade group, the rows fed on the device) that ``runner.dispatch`` executes and
+   ``runner.collect`` reads back; ``_apply_all`` applies the results.  All rows go through
    one ragged device step (a flat token batch, each row with its own query length), so a long
    prompt or chain node never stalls decodes: it advances one chunk per step beside them.  A
    request whose last chunk is computed samples its first output token (TTFT) from it; from
@@ -68,7 +71,7 @@ import numpy as np
 from inferscale_jax.config import EngineConfig
 from inferscale_jax.errors import EngineFault, PoolExhausted, SegmentNotFound
 from inferscale_jax.outputs import GenerationOutput, RequestMetrics
-from inferscale_jax.runner import PendingStep, StepRow
+from inferscale_jax.runner import PendingStep, StepPlan, StepRow
 from inferscale_jax.sampling import MAX_LOGPROBS, SamplingParams
 from inferscale_jax.segments import ChainNode, Segment, SegmentStore
 from models import ModelConfig
@@ -471,7 +474,8 @@ class Scheduler:
                 rows[i].cascade = True
             feed = prev is not None and any(j >= 0 for j in src)
             try:
-                pending = self.runner.dispatch(rows, nl, k, prev=prev[0] if feed else None, src=src if feed else None)
+                pending = self.runner.dispatch(StepPlan(rows, nl, k, src if feed else None),
+                                               prev[0] if feed else None)
             except Exception as err:  # noqa: BLE001 - settled below, request by request
                 failure = err
             else:

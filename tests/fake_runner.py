@@ -20,7 +20,8 @@ class FakeRunner(ModelRunner):
         self.__dict__.update(real.__dict__)
         self.steps: list[list[tuple[int, int, bool]]] = []  # per step: (start, tokens, cascade) per row
 
-    def dispatch(self, rows, num_logprobs=0, shared_pages=0, prev=None, src=None):
+    def dispatch(self, plan, prev=None):
+        rows, num_logprobs, shared_pages = plan.rows, plan.num_logprobs, plan.shared_pages
         total = sum(len(r.tokens) for r in rows)
         need = max(-(-(r.start + len(r.tokens)) // self.page_size) - (shared_pages if r.cascade else 0) for r in rows)
         self.buckets.key(len(rows), total, need, num_logprobs, shared_pages)  # asserts the step fits a bucket

@@ -26,9 +26,9 @@ def spy_rows(engine):
     steps = []
     real = engine.runner.dispatch
 
-    def dispatch(rows, *a, **k):
-        steps.append([(r.start, list(r.tokens)) for r in rows])
-        return real(rows, *a, **k)
+    def dispatch(plan, *a, **k):
+        steps.append([(r.start, list(r.tokens)) for r in plan.rows])
+        return real(plan, *a, **k)
     engine.runner.dispatch = dispatch
     return steps
 
@@ -249,10 +249,10 @@ def test_a_failing_node_job_row_fails_only_the_requests_waiting_on_it(monkeypatc
     e.register_segment("b", token_ids=SEG_B)
     real = e.runner.dispatch
 
-    def dispatch(rows, *a, **k):  # the node job's rows (positions of b after a) are rejected
-        if any(r.start >= len(SEG_A) and len(r.tokens) > 1 and r.tokens[0] in SEG_B for r in rows):
+    def dispatch(plan, *a, **k):  # the node job's rows (positions of b after a) are rejected
+        if any(r.start >= len(SEG_A) and len(r.tokens) > 1 and r.tokens[0] in SEG_B for r in plan.rows):
             raise OverflowError("Python int too large to convert to C int")
-        return real(rows, *a, **k)
+        return real(plan, *a, **k)
     monkeypatch.setattr(e.runner, "dispatch", dispatch)
     other = e.submit(prompt_token_ids=list(range(1, 30)), sampling=GREEDY)  # prefills beside the job
     r1 = e.submit(prompt_token_ids=P1, segments=["a", "b"], sampling=GREEDY)

@@ -79,11 +79,11 @@ def _inject(engine, monkeypatch, phase):
     """Rows of the MARK request raise in dispatch during ``phase`` ("prefill" or "decode")."""
     real = engine.runner.dispatch
 
-    def dispatch(rows, *a, **k):
-        decode = all(len(r.tokens) == 1 for r in rows)
-        if any(r.top_k == MARK for r in rows) and decode == (phase == "decode"):
+    def dispatch(plan, *a, **k):
+        decode = all(len(r.tokens) == 1 for r in plan.rows)
+        if any(r.top_k == MARK for r in plan.rows) and decode == (phase == "decode"):
             raise OverflowError("Python int too large to convert to C int")
-        return real(rows, *a, **k)
+        return real(plan, *a, **k)
     monkeypatch.setattr(engine.runner, "dispatch", dispatch)
 
 

@@ -68,9 +68,9 @@ def test_long_prompts_are_chunked_beside_decodes_and_outputs_are_unchanged():
     steps = []
     real = e.runner.dispatch
 
-    def dispatch(rows, *a, **k):
-        steps.append([len(r.tokens) for r in rows])
-        return real(rows, *a, **k)
+    def dispatch(plan, *a, **k):
+        steps.append([len(r.tokens) for r in plan.rows])
+        return real(plan, *a, **k)
     e.runner.dispatch = dispatch
     ids = [e.submit(prompt_token_ids=p, sampling=GREEDY) for p in short]
     e.step()

@@ -48,9 +48,9 @@ def spy_steps(engine):
     seen = []
     orig = engine.runner.dispatch
 
-    def dispatch(rows, nl=0, shared=0, *a, **k):
-        seen.append((shared, sum(r.cascade for r in rows), len(rows)))
-        return orig(rows, nl, shared, *a, **k)
+    def dispatch(plan, *a, **k):
+        seen.append((plan.shared_pages, sum(r.cascade for r in plan.rows), len(plan.rows)))
+        return orig(plan, *a, **k)
     engine.runner.dispatch = dispatch
     return seen
 
