@@ -20,6 +20,7 @@ import argparse
 import glob
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -74,11 +75,39 @@ def summarise_trace(path: str, steps: int) -> dict:
         busy += cur_e - cur_s
     span = (intervals[-1][1] - intervals[0][0]) if intervals else 0
     top = sorted(names.items(), key=lambda kv: -kv[1])[:15]
+    kinds: dict[str, int] = {}  # kernel name without its numeric suffix -> launches per step
+    for n in names:
+        kinds[re.sub(r"[_.]?\d+$", "", n)] = kinds.get(re.sub(r"[_.]?\d+$", "", n), 0) + 1
     out.update(device_events_per_step=round(kernels / steps, 1), device_busy_ms_per_step=round(busy / steps / 1e6, 3),
                device_span_ms_per_step=round(span / steps / 1e6, 3),
                host_model_step_calls=len(host_calls),
                host_model_step_ms=round(sum(host_calls) / max(1, len(host_calls)) / 1e6, 3),
-               top_kernels_ms_per_step=[(n[:90], round(d / steps / 1e6, 3)) for n, d in top])
+               top_kernels_ms_per_step=[(n[:90], round(d / steps / 1e6, 3)) for n, d in top],
+               distinct_kernels=len(names),
+               kernel_kinds=sorted(kinds.items(), key=lambda kv: -kv[1])[:40])
+    return out
+
+
+def summarise_dump(path: str) -> dict:
+    """Counts from XLA's dump of the step module: fusions, custom calls and command buffers in the
+    optimized HLO's entry, and the thunk sequence's command-buffer thunks."""
+    out = {}
+    files = sorted(glob.glob(os.path.join(path, "*_model_step*")), key=os.path.getsize)
+    opt = [f for f in files if f.endswith("after_optimizations.txt")]
+    if opt:
+        text = open(opt[-1]).read()
+        entry = text[text.rfind("ENTRY"):]
+        out["entry_ops"] = {op: len(re.findall(rf"= [^ ]+ {op}\(", entry)) for op in
+                            ("fusion", "custom-call", "call", "while", "copy", "async-start", "command-buffer")}
+        out["entry_lines"] = entry.count("\n")
+    thunks = [f for f in files if "thunk" in f]
+    if thunks:
+        text = open(thunks[-1]).read()
+        out["thunk_file"] = os.path.basename(thunks[-1])
+        out["thunk_lines"] = text.count("\n")
+        out["command_buffer_mentions"] = text.lower().count("command")
+        out["thunk_head"] = text[:3000]
+    out["files"] = [os.path.basename(f) for f in files][-12:]
     return out
 
 
@@ -128,7 +157,11 @@ def child(variant: str, trace_dir: str | None, rows: list[int], quick: bool) -> 
     res["setup_s"] = round(time.perf_counter() - t0, 1)
     if trace_dir:
         res["trace"] = summarise_trace(trace_dir, 10)
-        log("trace", json.dumps(res["trace"])[:3000])
+        log("trace", json.dumps(res["trace"])[:6000])
+    dump = re.search(r"--xla_dump_to=(\S+)", os.environ.get("XLA_FLAGS", ""))
+    if dump:
+        res["dump"] = summarise_dump(dump.group(1))
+        log("dump", json.dumps(res["dump"])[:6000])
     return res
 
 
@@ -138,6 +171,7 @@ def main():
     ap.add_argument("--variants", default="default,nocb,cb1")
     ap.add_argument("--rows", default="64,256")
     ap.add_argument("--trace", action="store_true")
+    ap.add_argument("--dump", action="store_true", help="XLA dump of the first variant's step (op and thunk counts)")
     ap.add_argument("--quick", action="store_true", help="tiny model (CPU: the harness only)")
     ap.add_argument("--child", default=None)
     ap.add_argument("--trace-dir", default=None)
@@ -154,6 +188,8 @@ def main():
         cmd = [sys.executable, __file__, "--child", v, "--rows", args.rows] + (["--quick"] if args.quick else [])
         if args.trace and i == 0:
             cmd += ["--trace-dir", tempfile.mkdtemp(prefix="steptrace")]
+        if args.dump and i == 0:
+            env["XLA_FLAGS"] += f" --xla_dump_to={tempfile.mkdtemp(prefix='stepdump')} --xla_dump_hlo_as_text"
         log("variant", v, env["XLA_FLAGS"])
         p = subprocess.run(cmd, env=env, capture_output=True, text=True)
         sys.stdout.write(p.stderr[-3000:] if p.returncode else "")
