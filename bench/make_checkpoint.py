@@ -1,7 +1,10 @@
 """Write a Llama-3-8B-shaped HF checkpoint of random bf16 weights, for serving benchmarks that
 load a model folder (``bench/serve.py --model``): ``config.json``, sharded
-``model-0000i-of-0000n.safetensors`` + index, and the embedded default model's tokenizer
-(its ids fit any larger vocab; the text is gibberish either way, the shapes are real).
+``model-0000i-of-0000n.safetensors`` + index, and the embedded default model's tokenizer with
+one added token ``<tN>`` for every id past its own, so each id the model can sample decodes to
+text (a streamed reply then has one text chunk per token, as a real model's has; without them
+most ids decode to nothing and a client's time to first text is not the time to first token).
+The text is gibberish either way; the shapes are real.
 
 Weights are drawn with torch on the GPU when there is one (an 8B model in seconds), scaled like
 the default model's (embeddings N(0, 1), projections N(0, 1/fan_in), norms 1), and written a
@@ -15,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import sys
 import time
 
@@ -41,10 +43,11 @@ def main():
     sh = shape(args.quick)
     cfg = model_config(sh)
     os.makedirs(args.out, exist_ok=True)
-    src = default_model_dir()
-    for name in os.listdir(src):
-        if name.startswith(("tokenizer", "special_tokens")):
-            shutil.copy(os.path.join(src, name), args.out)
+    from transformers import PreTrainedTokenizerFast
+
+    tok = PreTrainedTokenizerFast.from_pretrained(default_model_dir())
+    tok.add_tokens([f"<t{i}>" for i in range(len(tok), sh["vocab"])])
+    tok.save_pretrained(args.out)
     hf = dict(HF_CONFIG, vocab_size=sh["vocab"], hidden_size=sh["hidden"], intermediate_size=sh["inter"],
               num_hidden_layers=sh["layers"], num_attention_heads=sh["heads"], num_key_value_heads=sh["kv"],
               head_dim=sh["head_dim"], max_position_embeddings=sh["max_pos"], rms_norm_eps=sh["eps"],
