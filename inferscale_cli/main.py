@@ -158,6 +158,8 @@ def cmd_precompute(args) -> int:
     config = EngineConfig(dtype=resolve_dtype(args.dtype), page_size=args.page_size,
                           snapshot_dir=args.snapshot_dir, max_batch=args.batch)
     with Engine.from_pretrained(_model_dir(args), config) as engine:
+        w = engine.warmup(serving=False)  # the batch job's step buckets, several compiling at once
+        print(f"warm-up: {w['buckets']} step shapes ready in {w['seconds']:.1f} s", file=sys.stderr)
         res = precompute(engine, args.corpus, tenant=args.tenant, public=args.public, batch=args.batch)
     print(res.summary())
     return 0

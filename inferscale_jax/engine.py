@@ -418,19 +418,23 @@ class Engine:
     def compiles(self) -> int:
         return self.runner.compiles
 
-    def warmup(self, progress=None) -> dict:
+    def warmup(self, progress=None, *, serving: bool = True) -> dict:
         """Compile every step bucket now (``buckets.py``: decode, cascade and mixed steps, with
         and without log-probs), before any request pays for a compile; with the persistent
-        compilation cache a restart loads them instead.  ``progress(done, total)`` is called
-        after each bucket.  From here on every compile is counted in
-        ``stats()["compiles_after_warmup"]`` and logged as a warning with its shape.  Returns
+        compilation cache a restart loads them instead.  Buckets compile several at a time
+        (``ModelRunner.warmup``).  ``progress(done, total)`` is called after each bucket.  From
+        here on every compile is counted in ``stats()["compiles_after_warmup"]`` and logged as a
+        warning with its shape.  ``serving=False``: only the buckets a batch job of segment
+        registrations runs (no log-probs, no cascade; ``precompute``).  Returns
         ``{"buckets", "compiled", "seconds"}``.  Optional for the Python API; ``serve``,
         ``demo`` and ``precompute`` call it."""
         if self.fault is not None:
             raise self.fault
         t0 = time.perf_counter()
         before = self.runner.compiles
-        keys = self.runner.buckets.all_keys(cascade=self.config.cascade_decode)
+        keys = self.runner.buckets.all_keys(cascade=self.config.cascade_decode and serving)
+        if not serving:
+            keys = [k for k in keys if not k.num_logprobs]
         done = self.runner.warmup(keys, progress)
         self.runner.warm = True
         b = self.runner.buckets

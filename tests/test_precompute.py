@@ -264,6 +264,20 @@ def test_length_buckets_and_pool_pressure(tmp_path, tok):
         assert_kv_equal(root_kv(e, sid), root_kv(ref, sid), sid)
 
 
+def test_a_batch_warmup_covers_every_precompute_step(tmp_path, tok):
+    """``warmup(serving=False)`` compiles the buckets of segment registration only (no log-probs,
+    no cascade), and a precompute of documents of every length then compiles nothing more."""
+    e = make_engine(tok, max_num_batched_tokens=256)
+    w = e.warmup(serving=False)
+    keys = [key for key, _, _ in e.runner.executables]
+    assert w["buckets"] == len(keys) > 0 and not any(k.num_logprobs or k.shared for k in keys)
+    corpus = tmp_path / "c.jsonl"
+    write_corpus(corpus, make_docs(seed=3, n=60))
+    res = precompute(e, str(corpus), progress=False, report=lambda line: None)
+    assert res.stored == 60 and not res.bad
+    assert e.stats()["compiles_after_warmup"] == 0
+
+
 def test_cli_precompute_default_model(tmp_path, model_dir, capsys):
     docs = {f"kb/{i}": text_of(random.Random(i), 5 + 7 * i) for i in range(6)}
     write_corpus(tmp_path / "kb.jsonl", docs, {4: "invalid JSON"})
