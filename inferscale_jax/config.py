@@ -13,7 +13,7 @@ MATMUL_PRECISIONS = ("default", "high", "highest")
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
     page_size: int = 16
-    hbm_pages: int | None = None  # None: size the pool from free device memory
+    hbm_pages: int | None = None  # None: size the pool from free device memory (a multiple of 512 pages)
     dtype: str = "bfloat16"
     snapshot_dir: str | None = None
     # sequences per device step; None: from the machine (256 on a GPU/TPU, 64 on the CPU, fewer when

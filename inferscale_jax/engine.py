@@ -59,6 +59,7 @@ from models.loader import config_digest, load_params, weights_digest
 
 log = logging.getLogger("inferscale.engine")
 MODES = ("exact", "compose", "blend")
+AUTO_PAGES_QUANTUM = 512  # auto-sized pools are a multiple of this many pages (_auto_pages)
 
 
 class Engine:
@@ -153,11 +154,16 @@ class Engine:
         return max(1, min(default, max(8, (num_pages - 1) * self.config.page_size // 1024)))
 
     def _auto_pages(self) -> int:
+        """``hbm_pages=None``: ``hbm_fraction`` of the device's free memory, rounded down to a
+        multiple of ``AUTO_PAGES_QUANTUM`` pages.  The pool's size is part of every compiled
+        step's shapes, and free memory differs by a few MB from one start to the next: unrounded,
+        a restart found none of its steps in the persistent compilation cache (bench/NOTES.md)."""
         per_page = page_bytes(self.cfg, self.config.page_size, self.dtype)
         stats = jax.local_devices()[0].memory_stats() or {}
         if "bytes_limit" in stats:
             free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
-            return max(2, int(free * self.config.hbm_fraction) // per_page)
+            n = int(free * self.config.hbm_fraction) // per_page
+            return max(2, n // AUTO_PAGES_QUANTUM * AUTO_PAGES_QUANTUM if n >= 2 * AUTO_PAGES_QUANTUM else n)
         # host-only backends cannot donate buffers, so every step copies a layer's pool: keep it
         # small (64 MiB), but big enough for two sequences of the model's maximum length
         one_seq = -(-self.max_model_len // self.config.page_size)

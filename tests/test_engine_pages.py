@@ -174,3 +174,29 @@ def test_pallas_kernels_in_the_engine_match_the_reference_path():
     for a, b in zip(ref.logprobs, pal.logprobs):
         assert a.keys() == b.keys()
         assert max(abs(a[k] - b[k]) for k in a) < 1e-4
+
+
+def test_an_auto_sized_pool_is_the_same_across_starts(monkeypatch):
+    """hbm_pages=None on an accelerator: free memory differs by a few pages from one start to the
+    next; the pool (part of every compiled step's shapes) must not, or a restart misses the
+    persistent compilation cache.  Small pools are not rounded."""
+    import jax
+
+    from inferscale_jax.kv_cache import page_bytes
+
+    e = make_engine()
+    per_page = page_bytes(e.cfg, e.config.page_size, e.dtype)
+
+    class Device:
+        def __init__(self, pages):
+            self.free = (pages + 0.5) * per_page / e.config.hbm_fraction
+
+        def memory_stats(self):
+            return {"bytes_limit": self.free, "bytes_in_use": 0}
+
+    def pool(pages):
+        monkeypatch.setattr(jax, "local_devices", lambda: [Device(pages)])
+        return e._auto_pages()
+
+    assert {pool(n) for n in (20855, 20868, 20991)} == {20480}
+    assert pool(21000) == 20992 and pool(700) == 700
