@@ -6,7 +6,9 @@ questions); the steady decode steps (every row decoding) are measured with ``ben
 probe: wall interval between steps, time inside ``runner.dispatch`` (the jitted call's host
 time) and time blocked reading back.  Each ``--variants`` entry runs in its own process (XLA
 reads ``XLA_FLAGS`` once): ``default`` (jax's defaults), ``nocb`` (command buffers off),
-``cb1`` (command buffers for fusions, cuBLAS, custom calls and cuDNN, graphs of any size).
+``cb1`` (command buffers for fusions, cuBLAS, custom calls and cuDNN, graphs of any size),
+``stable`` (jax's defaults with ``ModelRunner.stable_inputs``: the step's inputs refilled in place,
+so the step's command buffer sees the same input addresses every step).
 With ``--trace``, the first variant's 64-row steps run under ``jax.profiler.trace`` and the
 trace is summarised: kernels per step, device busy time (union of kernel intervals) per step,
 the host's time per step in the step call.
@@ -34,6 +36,7 @@ VARIANTS = {
     "nocb": "--xla_gpu_enable_command_buffer=",
     "cb1": "--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN "
            "--xla_gpu_graph_min_graph_size=1",
+    "stable": "",  # jax's defaults, the runner's inputs at stable addresses (ModelRunner.stable_inputs)
 }
 
 
@@ -129,6 +132,7 @@ def child(variant: str, trace_dir: str | None, rows: list[int], quick: bool) -> 
                                                max_batch=max(rows), hbm_pages=2048 if quick else None))
     rng = np.random.default_rng(0)
     e.register_segment("kb", token_ids=rng.integers(0, cfg.vocab_size, 256 if quick else 4096).tolist())
+    e.runner.stable_inputs = variant == "stable"
     probe = Probe(e)
     res = dict(variant=variant, xla_flags=os.environ.get("XLA_FLAGS", ""), setup_s=0.0, rows=[])
     for b in rows:

@@ -167,17 +167,34 @@ def _model_step(params, cache: PagedKVCache, ints, floats, shared=None, penaltie
     return packed, cache
 
 
-@functools.partial(jax.jit, static_argnames=("tokens", "width", "rows"))
-def _feed_tokens(ints, prev_ids, *, tokens: int, width: int, rows: int):
-    """Overlapped steps: a row whose source ``j >= 0`` gets the id that row ``j`` of the previous
-    step sampled (still on the device) as its (single) token.  A jit of its own: inside
-    ``_model_step`` the select changed XLA's fusion of the embedding lookup and cost ~0.6 ms per
-    step on the H200 (bench/NOTES.md).  Its shapes are the step's ``ints`` layout alone (every
-    bucket of the same tokens / width / rows shares it)."""
+def _feed(ints, prev_ids, tokens: int, width: int, rows: int):
+    """A row whose source ``j >= 0`` gets the id that row ``j`` of the previous step sampled
+    (still on the device) as its (single) token."""
     per_row = ints[3 * tokens:].reshape(rows, width + 8)
     src, last = per_row[:, width + 6], per_row[:, width + 7]
     at = jnp.where(src >= 0, last, ints.shape[0])  # out of range: dropped
     return ints.at[at].set(prev_ids[jnp.maximum(src, 0)], mode="drop")
+
+
+@functools.partial(jax.jit, static_argnames=("tokens", "width", "rows"))
+def _feed_tokens(ints, prev_ids, *, tokens: int, width: int, rows: int):
+    """Overlapped steps: ``_feed`` as a jit of its own: inside ``_model_step`` the select changed
+    XLA's fusion of the embedding lookup and cost ~0.6 ms per step on the H200 (bench/NOTES.md).
+    Its shapes are the step's ``ints`` layout alone (every bucket of the same tokens / width /
+    rows shares it)."""
+    return _feed(ints, prev_ids, tokens, width, rows)
+
+
+@functools.partial(jax.jit, donate_argnums=(0,))
+def _refill(buf, new):
+    """``new`` written into ``buf``'s memory (donated): an input that keeps one device address."""
+    return buf.at[:].set(new)
+
+
+@functools.partial(jax.jit, donate_argnums=(0,), static_argnames=("tokens", "width", "rows"))
+def _refill_fed(buf, new, prev_ids, *, tokens: int, width: int, rows: int):
+    """``_refill`` of a step's ``ints`` with the overlap's device-fed tokens (``_feed``) in it."""
+    return buf.at[:].set(_feed(new, prev_ids, tokens, width, rows))
 
 
 @functools.partial(jax.jit, static_argnames=("size",))
@@ -243,6 +260,13 @@ class ModelRunner:
         # the overlap helpers' compiled executables: ("feed", tokens, width, rows) -> _feed_tokens,
         # ("ids", rows, columns) -> _sampled_ids (compiled with the steps by ``warmup``)
         self.helpers: dict[tuple, jax.stages.Compiled] = {}
+        # Experimental, off by default (bench/step_launch.py's "stable" variant measures it): the
+        # step's inputs are written into persistent device buffers (one per shape, refilled in place
+        # by a donated copy), so every step reads them at the same addresses.  On the GPU XLA runs
+        # the step as one command buffer (CUDA graph) and updates it when an input's address
+        # changes (bench/NOTES.md, "What the step is made of on the GPU").
+        self.stable_inputs = False
+        self._staged: dict[tuple, jax.Array] = {}
         self.compiles = 0
         self.warm = False  # set by Engine.warmup: a compile after it is logged as a warning
         self.compiles_after_warmup = 0
@@ -311,7 +335,14 @@ class ModelRunner:
         assert src is None or (prev is not None and len(src) == len(rows))
         key, pen_key, host = self._pack(rows, num_logprobs, shared_pages, src)
         ints_d, floats_d, shared, penalties = self._to_device(host)
-        if src is not None:
+        if self.stable_inputs:
+            fed = dict(prev_ids=prev.sampled_ids(), tokens=key.tokens, width=key.width,
+                       rows=key.rows) if src is not None else None
+            ints_d = self._stage(self._feed_key(key), ints_d, fed)
+            floats_d = self._stage(("floats", key.rows), floats_d)
+            if shared is not None:
+                shared = self._stage(("shared",) + shared.shape, shared)
+        elif src is not None:
             ints_d = self._helper(self._feed_key(key))(ints_d, prev.sampled_ids())
         exe = self.executables.get((key, pen_key, self.matmul_precision))
         if exe is None:
@@ -319,6 +350,17 @@ class ModelRunner:
         packed, self.cache = exe(self.params, self.cache, ints_d, floats_d, shared, penalties)
         sampler = self._helper(("ids", key.rows, 2 + 2 * key.num_logprobs))
         return PendingStep(packed, len(rows), key.num_logprobs, num_logprobs, self.max_batch, sampler)
+
+    def _stage(self, name: tuple, new: jax.Array, fed: dict | None = None) -> jax.Array:
+        """``new`` (a fresh device copy of a step input) written into the persistent buffer
+        ``name`` (``stable_inputs``); ``fed``: the overlap's token feed, applied on the way.  The
+        buffer the in-flight step reads is donated: the refill runs after it on the device."""
+        buf = self._staged.pop(name, None)
+        if buf is None:
+            buf = jnp.zeros_like(new)
+        out = _refill(buf, new) if fed is None else _refill_fed(buf, new, **fed)
+        self._staged[name] = out
+        return out
 
     @staticmethod
     def _feed_key(key: StepKey) -> tuple:

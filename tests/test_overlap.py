@@ -91,3 +91,20 @@ def test_abort_while_a_step_is_in_flight_frees_pages_at_once():
     assert ids[1] not in got  # no token or second finish for the aborted request
     engine.step()  # settles whatever is still in flight
     assert engine.pool.num_free == free0
+
+
+def test_stable_input_buffers_give_the_same_outputs():
+    """The experimental ``ModelRunner.stable_inputs`` (step inputs refilled in place, the token
+    feed inside the refill) computes exactly what the default path computes."""
+    rng = np.random.default_rng(11)
+    reqs = mixed_requests(rng) + stopping_requests(rng)
+    _, ref, _ = run(reqs, overlap=True)
+    engine = make_engine(pages=256, overlap_decode=True)
+    engine.runner.stable_inputs = True
+    register(engine)
+    got = engine.generate_batch(reqs)
+    for a, b in zip(got, ref):
+        assert a.token_ids == b.token_ids and a.finish_reason == b.finish_reason
+        assert a.logprobs == b.logprobs
+    assert engine.runner._staged  # the staged path ran
+    assert_only_nodes_hold_pages(engine)
