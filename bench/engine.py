@@ -86,6 +86,7 @@ sys.path.insert(0, ROOT)
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
+from common import model_config, shape  # noqa: E402,F401  (bench/common.py; steps.py imported them from here)
 from report import FAILURES, MD, log, pyplot, section, table, write_md  # noqa: E402  (bench/report.py)
 
 Q = 64  # question tokens
@@ -113,14 +114,6 @@ def fresh(n, vocab):
 
 
 # ---------------------------------------------------------------- setup
-
-def shape(quick):
-    if quick:
-        return dict(vocab=512, hidden=64, inter=128, layers=2, heads=4, kv=2, head_dim=16,
-                    theta=500000.0, max_pos=2048, eps=1e-5)
-    return dict(vocab=128256, hidden=4096, inter=14336, layers=32, heads=32, kv=8, head_dim=128,
-                theta=500000.0, max_pos=32768, eps=1e-5)
-
 
 def settings(args):
     if args.quick:
@@ -150,14 +143,6 @@ def settings(args):
     if args.reps:
         s.update(reps=args.reps, reps_full=max(1, args.reps // 2), hf_reps=max(1, args.reps // 2))
     return s
-
-
-def model_config(sh):
-    from models import ModelConfig, RopeConfig
-    return ModelConfig(architecture="LlamaForCausalLM", vocab_size=sh["vocab"], hidden_size=sh["hidden"],
-                       intermediate_size=sh["inter"], num_layers=sh["layers"], num_heads=sh["heads"],
-                       num_kv_heads=sh["kv"], head_dim=sh["head_dim"], rms_norm_eps=sh["eps"],
-                       rope=RopeConfig(theta=sh["theta"]), max_position_embeddings=sh["max_pos"])
 
 
 class State:
@@ -505,8 +490,6 @@ def fill_pages(eng, n_tokens):
 
 def step_times(eng, ctx, reps, replay):
     """(synchronous runner.step median, replayed device step) for one decode step at ctx."""
-    import inferscale_jax.runner as runner_mod
-    from inferscale_jax.kv_cache import PagedKVCache
     from inferscale_jax.runner import StepRow
 
     runner = eng.runner
@@ -525,49 +508,14 @@ def step_times(eng, ctx, reps, replay):
             times.append(time.perf_counter() - t0)
         sync_t = median(times)
 
-        # device step alone: capture the jitted call runner.step makes, replay it back to back
+        # device step alone: the runner replays its last step back to back (ModelRunner.replay_last)
         dev_t = None
         try:
-            orig, box = runner_mod._model_step, {}
-
-            def spy(*a, **k):
-                box["a"], box["k"] = list(a), dict(k)
-                return orig(*a, **k)
-
-            runner_mod._model_step = spy
-            try:
-                runner.step([row])
-            finally:
-                runner_mod._model_step = orig
-            a, k = box["a"], box["k"]
-            ci = next((i for i, x in enumerate(a) if isinstance(x, PagedKVCache)), None)
-            ck = next((n for n, x in k.items() if isinstance(x, PagedKVCache)), None)
-            assert ci is not None or ck is not None, "no PagedKVCache argument found in _model_step"
-
-            def run(m):
-                cache, out = runner.cache, None
-                runner.cache = None  # donated below; restored after
-                try:
-                    for _ in range(m):
-                        if ci is not None:
-                            a[ci] = cache
-                        else:
-                            k[ck] = cache
-                        out, cache = orig(*a, **k)
-                    jax.block_until_ready((out, cache))
-                finally:
-                    runner.cache = cache
-                return out
-
-            run(3)
-            dts = []
-            for _ in range(5):
-                t0 = time.perf_counter()
-                run(replay)
-                dts.append((time.perf_counter() - t0) / replay)
-            dev_t = median(dts)
+            runner.step([row])
+            runner.replay_last(3)
+            dev_t = median([runner.replay_last(replay) for _ in range(5)])
         except Exception:  # noqa: BLE001
-            log("  device-step replay failed (runner internals changed?):\n" + traceback.format_exc())
+            log("  device-step replay failed:\n" + traceback.format_exc())
         return sync_t, dev_t
     finally:
         eng.pool.decref(reversed(pages))
@@ -740,7 +688,7 @@ def shared_decode(args):
             for mode in [m for m in ("plain", "cascade") if m in args.e_modes]:
                 key = "shared" if mode == "plain" else "cascade"
                 # the scheduler reads config.cascade_decode every step: toggle it between runs
-                eng.config = dataclasses.replace(eng.config, cascade_decode=mode == "cascade")
+                set_cascade(eng, mode == "cascade")
                 try:
                     r = best_of(eng, lambda: reqs(B, ["shared_ctx"]), s["e_reps"], f"{key} B={B}")
                 except Exception:  # noqa: BLE001 - report, go on with the other batch sizes
@@ -749,7 +697,7 @@ def shared_decode(args):
                     FAILURES.append(f"shared_decode ({key}, B={B}): {tb.strip().splitlines()[-1]}")
                     continue
                 finally:
-                    eng.config = dataclasses.replace(eng.config, cascade_decode=cascade0)
+                    set_cascade(eng, cascade0)
                 bad = sum(c != ctx for c in r["cached"])
                 if bad:
                     FAILURES.append(f"e {key} B={B}: cached_tokens != {ctx} in {bad}/{B} requests")
@@ -782,11 +730,17 @@ def shared_decode(args):
     shared_decode_table(s, res, cfg, ps)
 
 
+def set_cascade(eng, on: bool) -> None:
+    """Section e compares cascade decode on and off on one engine (two 8B engines would not fit
+    beside their pools); the scheduler holds the config it reads every step, so both change."""
+    eng.config = eng.scheduler.config = dataclasses.replace(eng.config, cascade_decode=on)
+
+
 def profile_decode(eng, make_reqs, B):
     """Device time per decode step by kernel (profiler trace) for one run of B shared-context
     requests with cascade decode: where the step time goes besides attention."""
     from profile_ops import kernel_times
-    eng.config = dataclasses.replace(eng.config, cascade_decode=True)
+    set_cascade(eng, True)
     box = {}
 
     def run():
@@ -794,7 +748,7 @@ def profile_decode(eng, make_reqs, B):
     try:
         rows = kernel_times(run, 1, top=25)
     finally:
-        eng.config = dataclasses.replace(eng.config, cascade_decode=ST.cascade0)
+        set_cascade(eng, ST.cascade0)
     steps = box["r"]["steps"]
     tot = sum(t for _, _, t, _ in rows)
     table(f"e'. Device time by kernel, one run of B={B} shared-context requests with cascade decode "
@@ -875,35 +829,14 @@ def shared_decode_table(s, res, cfg, ps):
 
 # ---------------------------------------------------------------- (f) TTFT under arrivals
 
-def precompile(eng, pairs, cascade_pages=0):
-    """Compile the (batch, chunk) step buckets in ``pairs`` now (one dummy runner step each,
-    over pages allocated and freed here), so a timed run does not compile.  ``cascade_pages``
-    > 0: also the cascade-decode bucket of each decode pair (rows sharing that many pages)."""
-    from inferscale_jax.runner import StepRow, next_pow2
-    ps = eng.config.page_size
-    kp = next_pow2(cascade_pages, 4) if cascade_pages else 0
-    have = {(k[0], k[1], len(k) > 4) for k in eng.runner.buckets}
-    todo = [(b, t, False) for b, t in pairs if (min(next_pow2(b), eng.config.max_batch), t, False) not in have]
-    if kp:
-        todo += [(b, 1, True) for b, t in pairs if t == 1 and b > 1
-                 and (min(next_pow2(b), eng.config.max_batch), 1, True) not in have]
-    if not todo:
-        return 0
-    longest = max(max(t for _, t, _ in todo) + 1, (cascade_pages + 1) * ps)
-    pages = eng.pool.allocate(-(-longest // ps))
-    assert pages is not None, "no free pages to precompile with"
-    t0, c0 = time.perf_counter(), eng.compiles
-    try:
-        for b, t, casc in todo:
-            if casc:  # b rows sharing the first cascade_pages pages, each decoding one token after them
-                rows = [StepRow(fresh(1, ST.cfg.vocab_size), cascade_pages * ps, pages[:cascade_pages + 1],
-                                cascade=True) for _ in range(b)]
-                eng.runner.step(rows, 0, cascade_pages)
-            else:
-                eng.runner.step([StepRow(fresh(t, ST.cfg.vocab_size), 0, pages) for _ in range(b)])
-    finally:
-        eng.pool.decref(reversed(pages))
-    log(f"  precompiled {eng.compiles - c0} bucket(s) {todo}: {time.perf_counter() - t0:.1f} s")
+def precompile(eng, pairs=None, cascade_pages=0):
+    """Compile every step bucket now (``Engine.warmup``: decode, cascade and mixed buckets), so a
+    timed run does not compile; ``pairs`` / ``cascade_pages`` (the shapes a section runs) are all
+    in that set.  Returns the number of new compiles."""
+    c0, t0 = eng.compiles, time.perf_counter()
+    if not eng.runner.warm:
+        eng.warmup()
+    log(f"  precompiled {eng.compiles - c0} bucket(s): {time.perf_counter() - t0:.1f} s")
     return eng.compiles - c0
 
 
@@ -1208,7 +1141,7 @@ def write_report(args, total_s):
             f"- device: {dev.device_kind} ({dev.platform}), jax {jax.__version__}",
             f"- command: `python {cmd}`",
             f"- engine compiles: {ST.engine.compiles if ST.engine else 'n/a'}"
-            + (f" (buckets {sorted(ST.engine.runner.buckets)})" if ST.engine else ""),
+            + (f" ({len(ST.engine.runner.executables)} step executables)" if ST.engine else ""),
             f"- total time: {total_s:.0f} s"]
     hf = R.get("hf") or {}
     if hf:
@@ -1318,7 +1251,7 @@ def main():
     # the last thing printed: the summary the lead sees
     if ST.engine is not None:
         st = ST.engine.stats()
-        log(f"\nengine.stats(): compiles={st['compiles']} buckets={sorted(ST.engine.runner.buckets)} "
+        log(f"\nengine.stats(): compiles={st['compiles']} executables={len(ST.engine.runner.executables)} "
             f"pages used/total={st['pages_used']}/{st['pages_total']} attention={st['attention_impl']}")
     if "d" in args.sections and R["decode"]:
         rows = [[n, d.get("ctx"), ms(d.get("gen")), ms(d.get("sync")), ms(d.get("dev")), ms(R.get("floor")),

@@ -24,7 +24,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [os.path.dirname(HERE), HERE]
 
-from engine import model_config, shape  # noqa: E402  (bench/engine.py: the 8B shape)
+from common import model_config, shape  # noqa: E402  (bench/common.py: the 8B shape)
 from inferscale_jax.default_model import HF_CONFIG, default_model_dir  # noqa: E402
 from models.params import hf_split_sizes, param_specs  # noqa: E402
 

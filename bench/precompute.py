@@ -54,18 +54,18 @@ sys.path.insert(0, ROOT)
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
+from common import model_config, shape  # noqa: E402  (bench/common.py)
 from report import MD, log, table, write_md  # noqa: E402  (bench/report.py)
 
 
 
 def settings(args):
     if args.quick:
-        s = dict(shape=dict(vocab=1024, hidden=64, inter=128, layers=2, heads=4, kv=2, head_dim=16, max_pos=4096),
+        s = dict(shape=shape(True, vocab=1024, max_pos=4096),
                  chunk=256, tokens=60_000, min_len=32, max_len=512, peak_lens=[1024, 2048], reps=2, batch=64,
                  hbm_pages=1 + 8192)
     else:
-        s = dict(shape=dict(vocab=128256, hidden=4096, inter=14336, layers=32, heads=32, kv=8, head_dim=128,
-                            max_pos=32768),
+        s = dict(shape=shape(False),
                  chunk=2048, tokens=400_000, min_len=128, max_len=2048, peak_lens=[2048, 4096, 8192, 16384],
                  reps=3, batch=64, hbm_pages=None)
     for k in ("tokens", "min_len", "max_len", "batch", "reps", "chunk"):
@@ -74,14 +74,6 @@ def settings(args):
     if args.peak_lens:
         s["peak_lens"] = [int(x) for x in args.peak_lens.split(",")]
     return s
-
-
-def model_config(sh):
-    from models import ModelConfig, RopeConfig
-    return ModelConfig(architecture="LlamaForCausalLM", vocab_size=sh["vocab"], hidden_size=sh["hidden"],
-                       intermediate_size=sh["inter"], num_layers=sh["layers"], num_heads=sh["heads"],
-                       num_kv_heads=sh["kv"], head_dim=sh["head_dim"], rms_norm_eps=1e-5,
-                       rope=RopeConfig(theta=500000.0), max_position_embeddings=sh["max_pos"])
 
 
 def make_corpus(path, tok, s, n_docs, seed=0):

@@ -119,7 +119,7 @@ def child(variant: str, trace_dir: str | None, rows: list[int], quick: bool) -> 
     import jax.numpy as jnp
     import numpy as np
 
-    from engine import model_config, shape  # bench/engine.py
+    from common import model_config, shape  # bench/common.py
     from inferscale_jax import Engine, EngineConfig, SamplingParams
     from models import init_params
     from steps import Probe  # bench/steps.py

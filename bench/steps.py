@@ -42,7 +42,8 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from engine import model_config, shape  # noqa: E402  (bench/engine.py: one definition of the shapes)
+from common import model_config, shape  # noqa: E402  (bench/common.py)
+from common import read_bandwidth as common_read_bandwidth  # noqa: E402
 from inferscale_jax import Engine, EngineConfig, SamplingParams  # noqa: E402
 from models import init_params  # noqa: E402
 
@@ -54,18 +55,8 @@ def log(*a):
 
 
 def read_bandwidth(quick: bool) -> float:
-    """Bytes/s of a device reduction over a large bf16 array (read-only traffic)."""
-    n = (64 << 20) if quick else (1 << 30)  # elements (2 GiB of bf16 on the GPU)
-    x = jnp.ones((n,), jnp.bfloat16)
-    f = jax.jit(lambda a: jnp.sum(a, dtype=jnp.float32))
-    f(x).block_until_ready()
-    times = []
-    for _ in range(10):
-        t = time.perf_counter()
-        f(x).block_until_ready()
-        times.append(time.perf_counter() - t)
-    del x
-    return 2 * n / float(np.median(times))
+    """The read-only ceiling (``common.read_bandwidth``), over 2 GiB (128 MiB with ``--quick``)."""
+    return common_read_bandwidth((128 << 20) if quick else (2 << 30))
 
 
 class Probe:

@@ -52,6 +52,7 @@ sys.path.insert(0, ROOT)
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
+from common import model_config, shape  # noqa: E402  (bench/common.py)
 from report import FAILURES, MD, log, pyplot, section, table, write_md  # noqa: E402  (bench/report.py)
 
 R: dict = {}
@@ -64,18 +65,9 @@ def med(xs):
 
 def settings(quick):
     if quick:
-        return dict(shape=dict(vocab=512, hidden=128, inter=256, layers=4, heads=8, kv=8, head_dim=64),
+        return dict(shape=shape(True, hidden=128, inter=256, layers=4, heads=8, kv=8, head_dim=64, max_pos=32768),
                     L=1024, Q=16, n_snap=8, reps=5, chunk=512)
-    return dict(shape=dict(vocab=128256, hidden=4096, inter=14336, layers=32, heads=32, kv=8, head_dim=128),
-                L=4096, Q=64, n_snap=8, reps=10, chunk=2048)  # 8 x 512 MiB of bf16 KV = 4 GiB
-
-
-def model_config(sh):
-    from models import ModelConfig, RopeConfig
-    return ModelConfig(architecture="LlamaForCausalLM", vocab_size=sh["vocab"], hidden_size=sh["hidden"],
-                       intermediate_size=sh["inter"], num_layers=sh["layers"], num_heads=sh["heads"],
-                       num_kv_heads=sh["kv"], head_dim=sh["head_dim"], rms_norm_eps=1e-5,
-                       rope=RopeConfig(theta=500000.0), max_position_embeddings=32768)
+    return dict(shape=shape(False), L=4096, Q=64, n_snap=8, reps=10, chunk=2048)  # 8 x 512 MiB of bf16 KV = 4 GiB
 
 
 class State:

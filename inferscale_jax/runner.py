@@ -33,6 +33,7 @@ import functools
 import gc
 import logging
 import os
+import time
 
 import jax
 import jax.numpy as jnp
@@ -267,6 +268,7 @@ class ModelRunner:
         # changes (bench/NOTES.md, "What the step is made of on the GPU").
         self.stable_inputs = False
         self._staged: dict[tuple, jax.Array] = {}
+        self._last: tuple | None = None  # the last step's executable and device inputs (replay_last)
         self.compiles = 0
         self.warm = False  # set by Engine.warmup: a compile after it is logged as a warning
         self.compiles_after_warmup = 0
@@ -286,6 +288,20 @@ class ModelRunner:
         else:
             log.info("compiling step for bucket %s (%d buckets so far)", key, self.compiles)
         return True
+
+    def replay_last(self, times: int) -> float:
+        """Benchmarks: run the last dispatched step's executable again ``times`` times back to back
+        on the same device inputs (the cache chained through, donated), and return the seconds per
+        step - the device step without the host's packing.  Each replay writes the same K/V into
+        the same slots, so the cache's contents are unchanged."""
+        assert self._last is not None, "replay_last needs a dispatched step"
+        exe, args = self._last
+        t0 = time.perf_counter()
+        out = None
+        for _ in range(times):
+            out, self.cache = exe(self.params, self.cache, *args)
+        jax.block_until_ready((out, self.cache))
+        return (time.perf_counter() - t0) / times
 
     def check_device(self, err: BaseException) -> None:
         """After ``err`` in a device step: return if the KV cache is still usable, else set
@@ -348,6 +364,7 @@ class ModelRunner:
         if exe is None:
             exe = self._compile(key, pen_key, (ints_d, floats_d, shared, penalties))
         packed, self.cache = exe(self.params, self.cache, ints_d, floats_d, shared, penalties)
+        self._last = (exe, (ints_d, floats_d, shared, penalties))
         sampler = self._helper(("ids", key.rows, 2 + 2 * key.num_logprobs))
         return PendingStep(packed, len(rows), key.num_logprobs, num_logprobs, self.max_batch, sampler)
 
