@@ -132,3 +132,18 @@ def test_after_warmup_200_random_requests_compile_nothing():
 def test_config_rejects_a_budget_below_a_chunk():
     with pytest.raises(ValueError, match="max_num_batched_tokens"):
         EngineConfig(prefill_chunk=512, max_num_batched_tokens=256)
+
+
+def test_replay_last_reruns_the_step_and_leaves_the_kv_as_it_was():
+    """``ModelRunner.replay_last`` (device-only step timing in bench/engine.py): the same step again
+    on the same inputs writes the same K/V into the same slots."""
+    e = make_engine()
+    pages = e.kv.allocate(3)
+    e.runner.step([StepRow(list(range(1, 9)), 0, pages), StepRow([5, 6, 7], 0, pages[2:])])
+    before = [np.asarray(k) for k in e.runner.cache.k + e.runner.cache.v]
+    k0 = e.runner.cache.k[0]
+    assert e.runner.replay_last(2) > 0
+    assert e.runner.cache.k[0] is not k0  # the step ran again (a new cache came out of it)
+    after = [np.asarray(k) for k in e.runner.cache.k + e.runner.cache.v]
+    assert all(np.array_equal(a, b) for a, b in zip(before, after))
+    e.kv.release(pages)
