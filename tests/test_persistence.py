@@ -7,6 +7,7 @@ import json
 import logging
 import os
 import queue
+import re
 import signal
 import sqlite3
 import subprocess
@@ -172,7 +173,24 @@ def snapshot_files(d):
             for r, _, fs in os.walk(root) for f in fs}
 
 
+RESTORE_CHILD = """
+import sys
+sys.path.insert(0, {tests!r})
+from inferscale_jax.errors import SnapshotCorrupt
+from tiers_common import make_engine
+try:
+    make_engine(snapshot_dir={d!r})
+except SnapshotCorrupt as err:
+    print("SnapshotCorrupt:", err)
+    sys.exit(3)
+"""
+
+
 def test_corrupted_snapshot_is_a_clear_error_and_changes_nothing(tmp_path):
+    """Flipped bytes in a KV data file and a truncated meta record: the restart refuses with
+    ``SnapshotCorrupt`` and changes nothing.  Each damaged restore runs in a new process, as a
+    restart does: in the process that wrote the snapshot, tensorstore's OCDBT cache can serve the
+    data it wrote instead of the damaged file (a CI run once restored the undamaged bytes)."""
     d = str(tmp_path / "snap")
     e = make_engine(snapshot_dir=d)
     for i, sid in enumerate("ab"):
@@ -181,20 +199,23 @@ def test_corrupted_snapshot_is_a_clear_error_and_changes_nothing(tmp_path):
     e.save_snapshot()
     e.close()
     files = snapshot_files(d)
-    data = max((f for f in files if f.startswith("1/kv/")), key=lambda f: len(files[f]))
+    data = [f for f in files if f.startswith("1/kv/ocdbt.process_0/d/") and len(files[f]) > 1024]
+    assert data, sorted(files)  # the arrays' data files (the small ones are b-tree nodes)
     meta = next(f for f in files if f.startswith("1/meta/") and files[f].startswith(b"{"))
-    for name, damage in [(data, lambda b: b[:len(b) // 2] + bytes(x ^ 0xFF for x in b[len(b) // 2:len(b) // 2 + 64])
-                          + b[len(b) // 2 + 64:]),
-                         (meta, lambda b: b[:len(b) // 2])]:
-        path = os.path.join(d, "snapshots", name)
-        with open(path, "wb") as f:
-            f.write(damage(files[name]))
+    flip = lambda b: b[:len(b) // 2] + bytes(x ^ 0xFF for x in b[len(b) // 2:len(b) // 2 + 64]) + b[len(b) // 2 + 64:]  # noqa: E731
+    for names, damage in [(data, flip), ([meta], lambda b: b[:len(b) // 2])]:
+        for name in names:
+            with open(os.path.join(d, "snapshots", name), "wb") as f:
+                f.write(damage(files[name]))
         before = snapshot_files(d)
-        with pytest.raises(SnapshotCorrupt, match=r"snapshot .*1 is unreadable: .*Nothing was restored"):
-            make_engine(snapshot_dir=d)
+        child = subprocess.run([sys.executable, "-c", RESTORE_CHILD.format(tests=os.path.dirname(__file__), d=d)],
+                               capture_output=True, text=True, timeout=300)
+        assert child.returncode == 3, child.stdout + child.stderr[-3000:]
+        assert re.search(r"snapshot .*1 is unreadable: .*Nothing was restored", child.stdout), child.stdout
         assert snapshot_files(d) == before  # the failed restore changed nothing on disk
-        with open(path, "wb") as f:
-            f.write(files[name])
+        for name in names:
+            with open(os.path.join(d, "snapshots", name), "wb") as f:
+                f.write(files[name])
     e2 = make_engine(snapshot_dir=d)
     assert e2.stats()["snapshot"]["recomputed"] == 0 and gen(e2, "a") == ref
     e2.close()
