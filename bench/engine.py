@@ -88,7 +88,7 @@ sys.path.insert(0, ROOT)
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-from common import model_config, shape  # noqa: E402,F401  (bench/common.py; steps.py imported them from here)
+from common import model_config, read_bandwidth, shape  # noqa: E402  (bench/common.py)
 from report import FAILURES, MD, log, pyplot, section, table, write_md  # noqa: E402  (bench/report.py)
 
 Q = 64  # question tokens
@@ -152,6 +152,7 @@ class State:
     cfg = None
     weight_bytes = None
     embed_bytes = None
+    read_bw = None  # read-only bandwidth, section a (bench/common.py)
     segments: dict = {}  # L -> token ids
     copy_bw = None
 
@@ -261,6 +262,18 @@ def measure_ttft(eng, name, n_tokens, segs, warm, reps, expect_cached):
 
 # ---------------------------------------------------------------- (a) copy bandwidth
 
+def ceiling():
+    """Bytes/s the decode floors use: the fastest this device moved in section a (None before it)."""
+    bws = [b for b in (ST.copy_bw, ST.read_bw) if b]
+    return max(bws) if bws else None
+
+
+def step_read_bytes():
+    """Bytes a decode step must read: every weight but the embedding table (a step gathers only its
+    tokens' rows; the LM head is its own matrix here, not tied)."""
+    return ST.weight_bytes - ST.embed_bytes
+
+
 @section
 def copy_bandwidth(args):
     """Ceiling: the faster of a donated ``x = x + c`` (XLA fusion) and a device memcpy, both
@@ -292,8 +305,15 @@ def copy_bandwidth(args):
                      f"{bws[-1] / 1e9:.0f}"])
     ST.copy_bw = max(bws)
     del box
-    table("a. Device copy bandwidth (read + write; the faster is the ceiling)",
+    # read-only traffic (bench/common.py): decode reads and writes almost nothing, so its ceiling is
+    # the fastest bytes/s this device was seen to move - the larger of the read-only and copy figures
+    ST.read_bw = read_bandwidth((64 << 20) if args.quick else (2 << 30))
+    rows.append(["sum (read only, float32 accumulate)", f"{(64 if args.quick else 2048) / 1024:.2f} GiB", "", "",
+                 f"{ST.read_bw / 1e9:.0f}"])
+    table("a. Device bandwidth (copies: read + write bytes; the sum: read bytes)",
           ["op", "bytes/step", "median us", "min us", "GB/s"], rows)
+    MD.extend([f"Decode floors use the larger of the read-only and copy figures, {ceiling() / 1e9:.0f} GB/s "
+               "(the hardest floor this run supports).", ""])
 
 
 # ---------------------------------------------------------------- (b) our TTFT
@@ -606,19 +626,19 @@ def decode(args):
         sync_t, dev_t = step_times(eng, ctx, s["step_reps"], s["replay"])
         R["decode"][name].update(ctx=ctx, sync=sync_t, dev=dev_t)
         log(f"  ctx {ctx}: runner.step {ms(sync_t)} ms, device step {ms(dev_t)} ms")
-    bw = ST.copy_bw
-    floor = ST.weight_bytes / bw if bw else None
+    bw = ceiling()
+    floor = step_read_bytes() / bw if bw else None
     R["floor"] = floor
     kv_tok = 2 * ST.cfg.num_layers * ST.cfg.num_kv_heads * ST.cfg.head_dim * 2  # bf16 K + V per token
     rows = []
     for name, d in R["decode"].items():
-        tight = ((ST.weight_bytes - ST.embed_bytes + kv_tok * d["ctx"]) / bw) if bw else None
+        tight = ((step_read_bytes() + kv_tok * d["ctx"]) / bw) if bw else None
         rows.append([name, d["ctx"], ms(d["gen"]), ms(d["sync"]), ms(d["dev"]), ms(floor),
                      ratio(d["gen"], floor), ratio(d["dev"], floor), ms(tight)])
-    table(f"d. Decode step, batch 1 (floor = {ST.weight_bytes / 1e9:.2f} GB weights / "
-          f"{(bw or 0) / 1e9:.0f} GB/s)",
+    table(f"d. Decode step, batch 1 (floor = {step_read_bytes() / 1e9:.2f} GB of weights a step reads, the "
+          f"embedding table left out / {(bw or 0) / 1e9:.0f} GB/s)",
           ["case", "ctx", "generate ms", "runner.step ms", "device ms", "floor ms",
-           "generate/floor", "device/floor", "floor w/o embed + KV ms"], rows)
+           "generate/floor", "device/floor", "floor + KV ms"], rows)
 
 
 # ---------------------------------------------------------------- (e) shared-context decode
@@ -850,7 +870,7 @@ def private_runs(eng, s, res, pBs, private, reqs, ctx):
 
 def shared_decode_table(s, res, cfg, ps):
     ctx, q, mt, Bs = s["e_ctx"], s["e_q"], s["e_max_tokens"], s["e_Bs"]
-    bw, W = ST.copy_bw, ST.weight_bytes
+    bw, W = ceiling(), step_read_bytes()
     kvt = kv_token_bytes(cfg)
     kv_ctx = kvt * (ctx + q + mt // 2)  # one sequence's KV at the middle of decode
     rows = []
@@ -879,8 +899,8 @@ def shared_decode_table(s, res, cfg, ps):
         f"from then to the last token (host clock around `engine.step()`, which reads back every step); "
         f"'shared' = plain paged decode (each row reads the shared pages itself), 'shared+cascade' = "
         f"`EngineConfig.cascade_decode=True` (the shared pages read once per row block of the batch); "
-        f"ms/step = that window / its steps.  Weight floor = B / (weight bytes {W / 1e9:.2f} GB / copy "
-        f"bandwidth {(bw or 0) / 1e9:.0f} GB/s).  floor+KV adds the KV bytes one decode step must read at "
+        f"ms/step = that window / its steps.  Weight floor = B / (weight bytes a step reads {W / 1e9:.2f} GB / "
+        f"{(bw or 0) / 1e9:.0f} GB/s, section a's ceiling).  floor+KV adds the KV bytes one decode step must read at "
         f"least: shared = the shared context once plus each request's own tokens; private = every "
         f"request's whole context ({kvt / 1024:g} KB/token).  'shared: sum of per-request tok/s' sums "
         f"`metrics.decode_tokens_per_s` (a cross-check).",
