@@ -354,5 +354,7 @@ def test_block_size_errors(kw, match):
 
 
 def test_validator_returns_dims():
-    dims = check_ragged_inputs(*_small_args())
+    args = _small_args()
+    dims = check_ragged_inputs(*args)
+    assert dims[4] == args[1].shape[1]  # P: the pool's pages
     assert dims == (7, 2, 4, 2, dims[4], 8, 16)
