@@ -431,7 +431,7 @@ class ModelRunner:
         floats[:, 1] = 1.0  # top_p
         keys = meta[:, 4:6].view(np.uint32)
         # per-row Python is host time on every step: gather plain lists, then one numpy copy each
-        tok_l, pos_l, slot_l, meta_l, last_l, key_l, float_l = [], [], [], [], [], [], []
+        one_at, tok_l, pos_l, slot_l, meta_l, last_l, key_l, float_l = [], [], [], [], [], [], [], []
         zero_key = (0, 0)
         at = 0  # flat index of the row's first token
         for i, r in enumerate(rows):
@@ -440,20 +440,22 @@ class ModelRunner:
             own = k if r.cascade else 0  # leading pages read through the shared prefix
             hi = -(-end // s)  # pages past this step's tokens are not read
             table[i, :hi - own] = pages[own:hi]
-            if m == 1:
+            if m == 1:  # one-token rows: gathered, written with one numpy copy each below
+                one_at.append(at)
                 tok_l.append(r.tokens[0])
                 pos_l.append(start)
                 slot_l.append(pages[start // s] * s + start % s)
-            else:
-                tok_l += r.tokens
-                pos_l += range(start, end)
-                slot_l += [pages[p // s] * s + p % s for p in range(start, end)]
+            else:  # a chunk (never a cascade row): its slots from its table row, in numpy
+                pos = np.arange(start, end, dtype=np.int32)
+                tokens[at:at + m] = r.tokens
+                positions[at:at + m] = pos
+                slots[at:at + m] = table[i, pos // s] * s + pos % s
             at += m
             last_l.append(at - 1)  # the row's last token: its logits are sampled
             meta_l.append((m, end - own * s, min(r.top_k, vocab), r.sample_step))
             key_l.append(zero_key if r.key is None else r.key)
             float_l.append((r.temperature, r.top_p))
-        tokens[:at], positions[:at], slots[:at] = tok_l, pos_l, slot_l
+        tokens[one_at], positions[one_at], slots[one_at] = tok_l, pos_l, slot_l
         meta[:n, :4] = meta_l
         meta[:n, 7] = last_l
         keys[:n] = key_l
