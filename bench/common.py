@@ -10,7 +10,15 @@ larger tiny vocabulary, say).
 
 ``read_bandwidth``: bytes/s of a device reduction over a large array - read-only traffic, the
 ceiling for kernels that only read (decode attention, a decode step's weight reads).  A copy
-(read + write) is a different ceiling; reports name which one they use.
+(read + write) is a different ceiling; reports name which one they use.  ``matmul_ceiling``: the
+bf16 FLOP/s of a large dense matmul on this device, the compute ceiling beside the datasheet's
+``H200_BF16_PEAK``.
+
+Rooflines: ``forward_flops(sh, T, C)`` counts the FLOPs of T new tokens over C cached ones (the
+matmuls of every layer and the LM head at 2 FLOPs per multiply-add, causal attention counting only
+unmasked work); ``step_read_bytes(sh)`` the bytes a forward step must read (every weight but the
+embedding table, of which a step gathers only its tokens' rows); a step's floor is
+``max(bytes / bandwidth, flops / compute)`` (``floor_s``), never their sum.
 """
 
 from __future__ import annotations
@@ -21,6 +29,9 @@ LLAMA3_8B = dict(vocab=128256, hidden=4096, inter=14336, layers=32, heads=32, kv
                  theta=500000.0, max_pos=32768, eps=1e-5)
 TINY = dict(vocab=512, hidden=64, inter=128, layers=2, heads=4, kv=2, head_dim=16,
             theta=500000.0, max_pos=2048, eps=1e-5)
+
+
+H200_BF16_PEAK = 989e12  # dense bf16 FLOP/s, NVIDIA H200 SXM datasheet (no sparsity)
 
 
 def shape(quick: bool, **over) -> dict:
@@ -53,3 +64,230 @@ def read_bandwidth(num_bytes: int = 2 << 30, reps: int = 10) -> float:
         times.append(time.perf_counter() - t)
     del x
     return num_bytes / float(np.median(times))
+
+
+def matmul_ceiling(n: int = 8192, reps: int = 10) -> float:
+    """FLOP/s of a jitted ``n x n @ n x n`` bf16 matmul with float32 accumulation (median of ``reps``
+    of a chain of 4 in one executable, so the launch stays out)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    k1, k2 = jax.random.split(jax.random.PRNGKey(3))
+    a = jax.random.normal(k1, (n, n), jnp.bfloat16)
+    b = jax.random.normal(k2, (n, n), jnp.bfloat16) / n ** 0.5
+
+    @jax.jit
+    def chain(x, y):
+        for _ in range(4):
+            x = jnp.dot(x, y, preferred_element_type=jnp.float32).astype(jnp.bfloat16)
+        return x
+
+    chain(a, b).block_until_ready()
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        chain(a, b).block_until_ready()
+        times.append(time.perf_counter() - t)
+    return 4 * 2 * n ** 3 / float(np.median(times))
+
+
+def param_counts(sh: dict) -> tuple[int, int]:
+    """(parameters every token's matmuls use - attention, MLP and the LM head -, embedding table)."""
+    h, d = sh["hidden"], sh["head_dim"]
+    attn = h * d * (sh["heads"] + 2 * sh["kv"]) + sh["heads"] * d * h
+    mlp = 3 * h * sh["inter"]
+    return sh["layers"] * (attn + mlp) + sh["vocab"] * h, sh["vocab"] * h
+
+
+def step_read_bytes(sh: dict, bytes_per_param: int = 2) -> int:
+    """Bytes of weights a forward step must read: all but the embedding table (norms are noise)."""
+    return param_counts(sh)[0] * bytes_per_param
+
+
+def forward_flops(sh: dict, T: int, C: int = 0, lm_head_tokens: int | None = None) -> float:
+    """FLOPs of one forward over T new tokens after C cached ones: the layers' matmuls for every token,
+    the LM head for ``lm_head_tokens`` (default T; a prefill chunk needs only its last), and causal
+    attention's QK^T and PV over the unmasked pairs, T*C + T*(T+1)/2 per head per layer."""
+    used, _ = param_counts(sh)
+    head = sh["vocab"] * sh["hidden"]
+    lm = T if lm_head_tokens is None else lm_head_tokens
+    pairs = T * C + T * (T + 1) / 2
+    attn = 4 * sh["layers"] * sh["heads"] * sh["head_dim"] * pairs
+    return 2 * (used - head) * T + 2 * head * lm + attn
+
+
+def floor_s(nbytes: float, flops: float, bandwidth: float | None, compute: float | None) -> float | None:
+    """The roofline floor: the larger of the time to read ``nbytes`` and to compute ``flops``."""
+    parts = [x for x in ((nbytes / bandwidth) if bandwidth else None,
+                         (flops / compute) if compute else None) if x is not None]
+    return max(parts) if parts else None
+
+
+# ---------------------------------------------------------------- the engine benchmark's shared state
+
+def ms(sec) -> str:
+    return "n/a" if sec is None else f"{sec * 1e3:.2f}"
+
+
+def ratio(a, b) -> str:
+    return "n/a" if a is None or b is None or b == 0 else f"{a / b:.2f}"
+
+
+def median(xs):
+    import statistics
+    return statistics.median(xs) if xs else None
+
+
+def pct(xs, p):
+    import numpy as np
+    return float(np.percentile(xs, p)) if len(xs) else None
+
+
+def kv_token_bytes(cfg, bytes_per_value: int = 2) -> int:
+    """KV bytes of one token: K and V of every layer."""
+    return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * bytes_per_value
+
+
+def greedy(max_tokens: int):
+    from inferscale_jax.sampling import SamplingParams
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+
+
+class EngineBench:
+    """What the sections of ``bench/engine.py`` share, passed to each (no module globals): the
+    settings, the model (random bf16 weights built once), the engine a section asks for, the
+    device ceilings section a measured, the results and the failures.
+
+    ``engine(**config)`` returns an engine with those ``EngineConfig`` fields over the base
+    settings: the current one when its config is the same, else the current one is dropped (its
+    page pool freed) and a new one built on the same weights - so a section that compares two
+    configurations (cascade decode on / off) runs two engines, one after the other, instead of
+    changing a live engine's config."""
+
+    def __init__(self, quick: bool, settings: dict, base_config: dict, log, failures: list):
+        import numpy as np
+
+        self.quick, self.s, self.base_config = quick, settings, dict(base_config)
+        self.log, self.failures = log, failures
+        self.sh = shape(quick)
+        self.cfg = model_config(self.sh)
+        self.rng = np.random.default_rng(1234)
+        self.R: dict = {}
+        self.copy_bw = self.read_bw = self.mm_flops = None
+        self.params = None
+        self._engine = None
+        self._engine_kw = None
+        self.engines_built = 0
+        self.compiles_total = 0  # over every engine of the run
+        self.segments: dict = {}  # L -> token ids of seg{L} in the current engine
+        self.dropped_reps = 0
+
+    # ---- model and engines
+    def weights(self):
+        if self.params is None:
+            import jax
+            import jax.numpy as jnp
+            from models import init_params
+
+            t0 = time.time()
+            self.params = init_params(self.cfg, jax.random.PRNGKey(0), dtype=jnp.bfloat16)
+            jax.block_until_ready(self.params)
+            n = sum(x.size for x in jax.tree_util.tree_leaves(self.params))
+            self.log(f"params: {n / 1e9:.3f} B, {n * 2 / 1e9:.2f} GB, init {time.time() - t0:.1f} s")
+        return self.params
+
+    def engine(self, **config):
+        from inferscale_jax.config import EngineConfig
+        from inferscale_jax.engine import Engine
+
+        kw = dict(self.base_config, **config)
+        if self._engine is not None and kw == self._engine_kw:
+            return self._engine
+        params = self.weights()
+        self.drop_engine()
+        t0 = time.time()
+        self._engine = Engine(params, self.cfg, None, EngineConfig(**kw))
+        self._engine_kw = kw
+        self.engines_built += 1
+        self.log(f"engine #{self.engines_built}: {kw}, attention {self._engine.stats()['attention_impl']}, "
+                 f"{time.time() - t0:.1f} s")
+        return self._engine
+
+    def drop_engine(self):
+        import gc
+
+        if self._engine is not None:
+            self.compiles_total += self._engine.compiles
+            self._engine = None
+            self._engine_kw = None
+            self.segments.clear()
+            gc.collect()
+
+    @property
+    def current(self):
+        return self._engine
+
+    # ---- inputs and ceilings
+    def fresh(self, n: int) -> list[int]:
+        """New random token ids (never repeats a prefix: no prefix-cache hits)."""
+        return self.rng.integers(0, self.cfg.vocab_size, n).tolist()
+
+    def bandwidth(self):
+        """Bytes/s the read-bound floors use: the fastest this device moved in section a (the larger
+        of the read-only and copy figures: the hardest floor the run supports); None before it."""
+        bws = [b for b in (self.copy_bw, self.read_bw) if b]
+        return max(bws) if bws else None
+
+    def step_read_bytes(self) -> int:
+        return step_read_bytes(self.sh)
+
+    def floor(self, T: int, C: int = 0, lm_head_tokens: int | None = None, compute: float | None = None):
+        """The roofline floor of one forward of T tokens over C cached: max(weights a step reads /
+        bandwidth, its FLOPs / the measured matmul ceiling, or ``compute``)."""
+        return floor_s(self.step_read_bytes(), forward_flops(self.sh, T, C, lm_head_tokens), self.bandwidth(),
+                       compute or self.mm_flops)
+
+    # ---- timed repetitions
+    def timed(self, eng, fn, reps: int, label: str) -> list:
+        """``reps`` results of ``fn()``; a repetition inside which the engine compiled is dropped and
+        reported (its time would include the compile).  Raises when every one compiled."""
+        out = []
+        for _ in range(reps):
+            c0 = eng.compiles
+            r = fn()
+            if eng.compiles != c0:
+                self.dropped_reps += 1
+                self.log(f"  WARNING {label}: a timed repetition compiled {eng.compiles - c0} bucket(s); dropped")
+                continue
+            out.append(r)
+        if reps and not out:
+            raise RuntimeError(f"{label}: every timed repetition compiled")
+        return out
+
+    def drop_segments(self, eng, names):
+        for name in names:
+            try:
+                eng.delete_segment(name)
+            except Exception as e:  # noqa: BLE001 - reported; the next section goes on
+                self.log(f"  could not delete {name}: {e!r}")
+
+
+def timed_generate(eng, ids, segs, max_tokens: int = 1, mode: str | None = None):
+    """(output, wall seconds) of one greedy ``generate``."""
+    from inferscale_jax.sampling import SamplingParams
+
+    sp = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+    kw = {} if mode is None else {"mode": mode}
+    t0 = time.perf_counter()
+    out = eng.generate(prompt_token_ids=ids, segments=segs, sampling=sp, **kw)
+    return out, time.perf_counter() - t0
+
+
+def abort_all(eng, ids):
+    """Free the pages of requests left unfinished by an error (the next section starts clean)."""
+    for rid in ids:
+        try:
+            eng.abort(rid)
+        except Exception:  # noqa: BLE001
+            pass

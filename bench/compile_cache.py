@@ -7,7 +7,7 @@ the engine built, to the workload done, its step-bucket count, and JAX's cache h
 (``stats()``).  The workload: register a ``--segment`` token segment, then ``--requests`` requests
 naming it with 16 new tokens each and ``--max-tokens`` generated, as one batch (prefill chunks,
 decode buckets, the cascade path), then one request alone (batch-1 buckets).  Random bf16 weights
-of the Llama-3-8B shape (``bench/engine.py``'s), or a tiny shape with ``--quick``.
+of the Llama-3-8B shape (``bench/common.py``), or a tiny shape with ``--quick``.
 
     python bench/compile_cache.py            # H200: the 8B shape
     python bench/compile_cache.py --quick    # CPU: the harness only
@@ -35,7 +35,7 @@ def phase(args) -> dict:
     import jax
     import numpy as np
 
-    from engine import model_config, shape  # bench/engine.py: one definition of the shapes
+    from common import model_config, shape  # bench/common.py: one definition of the shapes
     from inferscale_jax import Engine, EngineConfig, SamplingParams
     from models import init_params
 

@@ -1,7 +1,7 @@
 """Serving steps on one GPU: warm-up, decode step time vs the hardware floors, host time per
 step, throughput at 256 concurrent requests, and compiles after warm-up under a mixed load.
 
-Llama-3-8B shape (``bench/engine.py``'s), random bf16 weights, ``max_model_len`` 8192, the
+Llama-3-8B shape (``bench/common.py``), random bf16 weights, ``max_model_len`` 8192, the
 engine's defaults otherwise (``max_batch`` and the page pool from memory, the token budget
 ``max(max_batch, 4 x prefill_chunk)``).  Sections (``--sections``, default all, in order):
 
