@@ -19,6 +19,12 @@ matmuls of every layer and the LM head at 2 FLOPs per multiply-add, causal atten
 unmasked work); ``step_read_bytes(sh)`` the bytes a forward step must read (every weight but the
 embedding table, of which a step gathers only its tokens' rows); a step's floor is
 ``max(bytes / bandwidth, flops / compute)`` (``floor_s``), never their sum.
+
+``EngineBench``: what the sections of ``bench/engine.py`` share instead of module globals - the
+settings, the weights (built once), the engine a section asks for (one per configuration: a
+section that compares two configurations runs two engines over the same weights), section a's
+ceilings, the results, and ``timed`` (repetitions inside which the engine compiled are dropped
+and counted).
 """
 
 from __future__ import annotations
