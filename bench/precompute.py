@@ -16,16 +16,28 @@ Corpus: ``--docs`` documents (default: as many as make ``--tokens`` tokens) of r
 the default model's corpus, lengths uniform in [``--min-len``, ``--max-len``] tokens (approximately:
 the measured token counts are reported).
 
+0. **Compute ceiling**: the bf16 FLOP/s of a chain of 8192^3 matmuls (``common.matmul_ceiling``;
+   256^3 with ``--quick``), measured once before the engine is built.  MFU below is a rate of useful
+   FLOPs over the 989 TFLOP/s datasheet peak (``common.H200_BF16_PEAK``) and over that measured
+   ceiling.
 1. **Peak**: ``register_segment`` of one sequence of L random tokens (L in ``--peak-lens``),
    chunked prefill at ``prefill_chunk`` tokens per step; one warm-up registration of the same L
    first (compiles), then the median of ``--reps`` timed ones (each deleted again).  Peak = the best
-   L's tokens / s.
+   L's tokens / s.  Its FLOPs: ``common.forward_flops(shape, T=L, C=0, lm_head_tokens=ceil(L /
+   prefill_chunk))`` - every layer's matmuls for the L tokens, causal attention's unmasked pairs,
+   and the LM head for the one row of logits each chunk's step computes (the runner samples every
+   row's last token, a registration included).
 2. **Precompute**: the corpus under tenant ``warmup`` (compiles every step shape the corpus needs;
    timed and reported as "first run"), its segments deleted, then the same corpus under tenant
    ``bench`` (new prefix-cache roots: everything is computed again), timed end to end
    (pipeline + device steps + registration).  A spy on ``runner.step`` counts steps, rows and
-   padded vs computed tokens (the runner pads rows and chunk lengths to powers of two).
-3. **Verdict**: precompute tokens/s / peak tokens/s, target >= 0.80.
+   padded vs computed tokens (the runner pads rows and chunk lengths to powers of two).  Its
+   FLOPs are the mean-length approximation: tokens/s x ``forward_flops(shape, T=M, C=0,
+   lm_head_tokens=rows / documents) / M`` with M the mean document length (rows / documents: the
+   logits rows, one per chunk of a document).  Attention grows with the square of a length, so
+   with lengths spread around M this undercounts the attention FLOPs slightly (MFU errs low).
+3. **Verdict**: precompute tokens/s / peak tokens/s, target >= 0.80, with both MFUs beside it (the
+   two count FLOPs per token at their own lengths, so their ratio is not the tokens/s ratio).
 
 Persistence: by default the engine has no ``snapshot_dir`` (the peak has none either): the
 durable registry's fsync per document and the final snapshot are not in the figure; with
@@ -54,7 +66,7 @@ sys.path.insert(0, ROOT)
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-from common import model_config, shape  # noqa: E402  (bench/common.py)
+from common import H200_BF16_PEAK, forward_flops, matmul_ceiling, model_config, shape  # noqa: E402  (bench/common.py)
 from report import MD, log, table, write_md  # noqa: E402  (bench/report.py)
 
 
@@ -113,8 +125,15 @@ class StepSpy:
         self.steps = self.rows = self.tokens = self.padded = 0
 
 
-def peak(eng, s, rng):
-    rows, best = [], 0.0
+def mfu_cells(tflops_s, mm_flops):
+    """[TFLOP/s, fraction of the datasheet peak, fraction of the measured matmul ceiling]."""
+    return [f"{tflops_s / 1e12:.3g}", f"{tflops_s / H200_BF16_PEAK:.1%}",
+            f"{tflops_s / mm_flops:.1%}" if mm_flops else "n/a"]
+
+
+def peak(eng, s, rng, mm_flops):
+    """(best tokens/s, its FLOP/s) over the lengths of ``s["peak_lens"]``; adds table 1."""
+    rows, best, best_flops = [], 0.0, 0.0
     vocab = eng.cfg.vocab_size
     for L in s["peak_lens"]:
         if L > eng.max_model_len:
@@ -129,11 +148,15 @@ def peak(eng, s, rng):
             times.append(time.perf_counter() - t0)
             eng.delete_segment(f"peak-{L}-{r}")
         t = statistics.median(times)
-        best = max(best, L / t)
-        rows.append([L, f"{t * 1e3:.1f}", f"{L / t:,.0f}"])
-    table("1. Peak: chunked prefill of one long sequence (register_segment, median)",
-          ["L tokens", "ms", "tokens/s"], rows)
-    return best
+        flops = forward_flops(s["shape"], T=L, C=0, lm_head_tokens=-(-L // s["chunk"]))
+        if L / t > best:
+            best, best_flops = L / t, flops / t
+        rows.append([L, f"{t * 1e3:.1f}", f"{L / t:,.0f}", f"{flops / L / 1e9:.4g}",
+                     *mfu_cells(flops / t, mm_flops)])
+    table("1. Peak: chunked prefill of one long sequence (register_segment, median; MFU of the "
+          f"{H200_BF16_PEAK / 1e12:.0f} TFLOP/s datasheet peak and of the measured matmul ceiling)",
+          ["L tokens", "ms", "tokens/s", "GFLOP/token", "TFLOP/s", "MFU (datasheet)", "of matmul ceiling"], rows)
+    return best, best_flops
 
 
 def run(args):
@@ -147,6 +170,10 @@ def run(args):
     s = args.s
     cfg = model_config(s["shape"])
     tok = load_tokenizer(default_model_dir())
+    n = 256 if args.quick else 8192
+    mm_flops = matmul_ceiling(n)  # before the engine takes the free memory for its pool
+    log(f"bf16 matmul ceiling ({n}^3): {mm_flops / 1e12:.2f} TFLOP/s "
+        f"({mm_flops / H200_BF16_PEAK:.1%} of the {H200_BF16_PEAK / 1e12:.0f} TFLOP/s datasheet peak)")
     t0 = time.time()
     params = init_params(cfg, jax.random.PRNGKey(0), dtype=jnp.bfloat16)
     jax.block_until_ready(params)
@@ -163,9 +190,9 @@ def run(args):
         f"{eng.stats()['attention_impl']}, snapshot_dir {snap}")
     corpus = os.path.join(tmp, "corpus.jsonl")
     n_docs = make_corpus(corpus, tok, s, args.docs)
-    R = dict(n_docs=n_docs, wbytes=wbytes, pool_tokens=pool_tokens)
+    R = dict(n_docs=n_docs, wbytes=wbytes, pool_tokens=pool_tokens, mm_flops=mm_flops, mm_n=n)
 
-    R["peak"] = peak(eng, s, np.random.default_rng(7))
+    R["peak"], R["peak_flops"] = peak(eng, s, np.random.default_rng(7), mm_flops)
 
     spy = StepSpy(eng)
     c0, t0 = eng.compiles, time.perf_counter()
@@ -183,20 +210,29 @@ def run(args):
     assert res.computed == warm.computed == n_docs and not res.bad, (res.summary(), res.bad[:5])
     ratio = res.tokens_per_s / R["peak"] if R["peak"] else float("nan")
     R["ratio"] = ratio
-    table("2. Precompute (timed run: pipeline + device steps + registration)",
+    mean_len = res.tokens / max(1, res.computed)  # the mean-length approximation (docstring)
+    fpt = forward_flops(s["shape"], T=mean_len, C=0, lm_head_tokens=spy.rows / max(1, res.computed)) / mean_len
+    R["flops"] = res.tokens_per_s * fpt
+    table("2. Precompute (timed run: pipeline + device steps + registration; FLOPs at the mean document length)",
           ["documents", "tokens", "seconds", "docs/s", "tokens/s", "device steps", "rows/step", "tokens/step",
-           "computed/padded", "compiles in run", "first run s (compiles)"],
+           "computed/padded", "compiles in run", "first run s (compiles)", "mean length", "GFLOP/token",
+           "TFLOP/s", "MFU (datasheet)", "of matmul ceiling"],
           [[res.computed, f"{res.tokens:,}", f"{res.seconds:.2f}", f"{res.docs_per_s:,.1f}", f"{res.tokens_per_s:,.0f}",
             spy.steps, f"{spy.rows / max(1, spy.steps):.1f}", f"{spy.tokens / max(1, spy.steps):,.0f}",
-            f"{spy.tokens / max(1, spy.padded):.2f}", R["compiles"], f"{R['first_s']:.1f} ({R['first_compiles']})"]])
+            f"{spy.tokens / max(1, spy.padded):.2f}", R["compiles"], f"{R['first_s']:.1f} ({R['first_compiles']})",
+            f"{mean_len:,.0f}", f"{fpt / 1e9:.4g}", *mfu_cells(R["flops"], mm_flops)]])
     if res.snapshot is not None:
         log(f"snapshot: {res.snapshot} in {res.snapshot_s:.2f} s")
     ev = R["tiers"]["hbm"]["evictions"]
     if ev:
         log(f"WARNING: {ev} segments were demoted to the host tier during the run (pool too small for the corpus)")
     verdict = "met" if ratio >= 0.8 else "NOT met"
-    table("3. Target: precompute tokens/s >= 80% of the peak", ["precompute tok/s", "peak tok/s", "ratio", "verdict"],
-          [[f"{res.tokens_per_s:,.0f}", f"{R['peak']:,.0f}", f"{ratio:.2f}", verdict]])
+    table("3. Target: precompute tokens/s >= 80% of the peak (MFU: of the datasheet peak / of the measured "
+          "matmul ceiling)",
+          ["precompute tok/s", "peak tok/s", "ratio", "verdict", "precompute MFU (datasheet)", "precompute of matmul",
+           "peak MFU (datasheet)", "peak of matmul"],
+          [[f"{res.tokens_per_s:,.0f}", f"{R['peak']:,.0f}", f"{ratio:.2f}", verdict,
+            *mfu_cells(R["flops"], mm_flops)[1:], *mfu_cells(R["peak_flops"], mm_flops)[1:]]])
     eng.close()
     shutil.rmtree(tmp, ignore_errors=True)
     return R
@@ -237,6 +273,8 @@ def main():
             f"- command: `python {cmd}`",
             f"- settings: {args.s}",
             f"- corpus: {R.get('n_docs')} documents; KV pool {R.get('pool_tokens', 0):,} tokens",
+            f"- bf16 matmul ceiling ({R.get('mm_n')}^3, measured): {R.get('mm_flops', 0) / 1e12:.2f} TFLOP/s; "
+            f"datasheet peak {H200_BF16_PEAK / 1e12:.0f} TFLOP/s",
             f"- total time: {total:.0f} s", ""]
     if failure:
         head += ["**FAILED:**", "", "```", failure, "```", ""]
