@@ -36,7 +36,9 @@ Algorithm
 
 Auto tuning knobs (both static): ``pages_per_block`` makes a block 64 tokens (page sizes 8..64);
 ``num_splits`` makes ``B * Hkv * num_splits`` about four programs per SM, but keeps at least two
-blocks per split.
+blocks per split (of the table's capacity).  Split ``s`` of a row covers the ``s``-th contiguous
+``1/num_splits`` of that row's own blocks, so a row much shorter than the table still spreads over
+every split (bench/NOTES.md, issue 14: a 4k row in a 32k-wide table used 2 of 9 splits).
 """
 
 from __future__ import annotations
@@ -97,7 +99,7 @@ def _decode_kernel(
     group: int,
     page_size: int,
     block_tokens: int,
-    split_tokens: int,
+    num_splits: int,
     max_pages: int,
     scale_log2: float,
 ):
@@ -110,8 +112,11 @@ def _decode_kernel(
     prec = lax.Precision.HIGHEST if q_ref.dtype == jnp.float32 else None
 
     length = jnp.minimum(lengths_ref[b], max_pages * page_size)
-    tok_start = s * split_tokens
-    tok_end = jnp.minimum(tok_start + split_tokens, length)
+    # split s takes a contiguous 1/num_splits of THIS row's blocks (not of the table's capacity:
+    # with a wide table a short row would otherwise leave all but its first splits idle)
+    per = pl.cdiv(pl.cdiv(length, block_tokens), num_splits) * block_tokens
+    tok_start = s * per
+    tok_end = jnp.minimum(tok_start + per, length)
     num_iters = pl.cdiv(jnp.maximum(tok_end - tok_start, 0), block_tokens)
     offs = jnp.arange(block_tokens, dtype=jnp.int32)  # [BK]
     log2_s = page_size.bit_length() - 1
@@ -217,7 +222,7 @@ def paged_decode_attention(
 
     kernel = functools.partial(
         _decode_kernel, group=g, page_size=s, block_tokens=block_tokens,
-        split_tokens=split_tokens, max_pages=max_pages, scale_log2=float(sm_scale) * _LOG2E)
+        num_splits=num_splits, max_pages=max_pages, scale_log2=float(sm_scale) * _LOG2E)
     in_specs = [
         pl.BlockSpec((b,), lambda i, j, k: (0,)),  # lengths: whole
         pl.BlockSpec((None, max_pages), lambda i, j, k: (i, 0)),  # page-table row

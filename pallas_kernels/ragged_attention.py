@@ -56,9 +56,10 @@ every row, so KV blocks ``[0, p0 // block_kv)`` run unmasked and the rest up to
 ``cdiv(p0 + c, block_kv)`` apply the causal/length mask.  Page-table reads are clamped to
 the row; slots past ``kv_len`` read the null page's slot 0 (masked).
 
-Split-KV (flash-decoding style): when ``Hkv * (min(R, N) + N // block_q)`` programs cannot
-fill the GPU (a short chunk, a few decode rows), each block's KV range is split ``kv_splits``
-ways; the kernel then writes fp32 partial outputs plus a log2-sum-exp per row and a jnp
+Split-KV (flash-decoding style): when ``Hkv * cdiv(N, block_q)`` programs - the fewest the step's
+real work can make, when it is one long chunk; the static grid bound counts blocks that are empty
+then - cannot fill the GPU, each block's KV range (its own row's blocks, split at run time) is
+split ``kv_splits`` ways; the kernel then writes fp32 partial outputs plus a log2-sum-exp per row and a jnp
 epilogue merges them.  ``kv_splits=None`` picks about two programs per SM, at least
 ``_MIN_SPLIT_KEYS`` keys of capacity per split, bounded partial buffers; 1 in interpret mode.
 
@@ -82,7 +83,7 @@ from pallas_kernels.prefill_attention import _LOG2E, _MASK, _PREC, _choose_block
 
 _MIN_SPLIT_KEYS = 256  # kv_splits=None: at least this much KV capacity per split
 _SPLITS_PER_SM = 2  # kv_splits=None: aim for about this many programs per SM
-_MAX_PARTIAL_BYTES = 1 << 28  # kv_splits=None: fp32 partial outputs stay below 256 MiB
+_MAX_PARTIAL_BYTES = 8 << 20  # kv_splits=None: fp32 partials <= 8 MiB (their write + merge ~4 us)
 _META = 5  # int32 words per query block: tok0, count, pos0, kv_len, page-table offset
 _REF_CHUNK_BYTES = 1 << 25  # the reference gathers K/V for this many bytes of tokens at once (32 MiB: the
 # engine runs it on the CPU, where the allocator keeps its high-water mark as resident memory)
@@ -142,6 +143,18 @@ def _auto_kv_splits(programs: int, capacity: int, partial_bytes_per_split: int) 
     splits = min(pl.cdiv(_SPLITS_PER_SM * sms, programs), capacity // _MIN_SPLIT_KEYS,
                  _MAX_PARTIAL_BYTES // max(1, partial_bytes_per_split))
     return max(1, splits)
+
+
+def _default_kv_splits(num_tokens: int, num_kv_heads: int, block_q: int, capacity: int,
+                       partial_bytes_per_token: int) -> int:
+    """``kv_splits=None`` on a GPU, from the fewest programs the step's real work can make rather
+    than the grid's static bound: the step may be one long chunk, ``cdiv(N, block_q)`` blocks per kv
+    head.  (The engine's mixed buckets have as many rows as tokens up to ``max_batch``, so the static
+    bound always looked full: a 64-token question over 16k cached tokens ran unsplit, 16 programs of
+    16k keys each on a 132-SM GPU - bench/NOTES.md, issue 14.)  When the rows are in fact many
+    decode rows, the extra splits cost the partial buffers' traffic, bounded by _MAX_PARTIAL_BYTES."""
+    programs = num_kv_heads * pl.cdiv(num_tokens, block_q)
+    return _auto_kv_splits(max(1, programs), capacity, num_tokens * partial_bytes_per_token)
 
 
 def _block_meta(cu_q_lens, kv_lens, *, num_tokens, num_blocks, block_q, max_pages, capacity):
@@ -348,9 +361,8 @@ def ragged_paged_attention(
     if kv_splits is None and interpret:
         kv_splits = 1  # splitting only pays for itself on a GPU
     elif kv_splits is None:
-        programs = num_kv_heads * (_block_bound(num_tokens, num_rows, block_q) - 1)
-        kv_splits = _auto_kv_splits(max(1, programs), page_table.shape[1] * page_size,
-                                    num_tokens * num_q_heads * head_dim * 4)
+        kv_splits = _default_kv_splits(num_tokens, num_kv_heads, block_q, page_table.shape[1] * page_size,
+                                       num_q_heads * head_dim * 4)
     if kv_splits < 1:
         common._fail("kv_splits", kv_splits, ">= 1 (1 = no split-KV)")
     if num_tokens == 0 or num_rows == 0:

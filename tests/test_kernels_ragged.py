@@ -24,7 +24,7 @@ from pallas_kernels import common
 from pallas_kernels.decode_attention import paged_decode_attention_ref
 from pallas_kernels.prefill_attention import _choose_blocks, paged_prefill_attention_ref
 from pallas_kernels.ragged_attention import (
-    _auto_kv_splits,
+    _auto_kv_splits, _default_kv_splits,
     _block_bound,
     _block_meta,
     _META,
@@ -310,7 +310,22 @@ def test_default_kv_splits_fill_the_gpu_only_when_needed():
     assert _auto_kv_splits(8, capacity=4096, partial_bytes_per_split=1) == 16  # one decode row
     assert _auto_kv_splits(8, capacity=1 << 20, partial_bytes_per_split=1) == -(-2 * sms // 8)
     assert _auto_kv_splits(8, capacity=300, partial_bytes_per_split=1) == 1  # too short
-    assert _auto_kv_splits(8, capacity=1 << 20, partial_bytes_per_split=1 << 26) == 4  # memory
+    assert _auto_kv_splits(8, capacity=1 << 20, partial_bytes_per_split=1 << 21) == 4  # memory (8 MiB)
+    assert _auto_kv_splits(8, capacity=1 << 20, partial_bytes_per_split=1 << 26) == 1
+
+
+def test_default_kv_splits_count_the_real_work_not_the_static_grid():
+    sms = common.num_sms()
+    per_tok = 32 * 128 * 4  # fp32 partials of 32 q heads, d=128
+    # one 64-token question (2 blocks of 32 tokens) in the engine's 64-token, 64-row bucket, 8 kv
+    # heads, a 32k-token table: the static grid has 8 * 66 programs, the real work 16: split, as far
+    # as the 8 MiB partial budget allows
+    assert _default_kv_splits(64, 8, 32, 32768, per_tok) == min(-(-2 * sms // 16), (8 << 20) // (64 * per_tok))
+    assert _default_kv_splits(64, 8, 32, 32768, per_tok) > 1
+    # a 2048-token chunk is 64 blocks x 8 heads = 512 programs: no split
+    assert _default_kv_splits(2048, 8, 32, 32768, per_tok) == 1
+    # a short table cannot be split below _MIN_SPLIT_KEYS keys per split
+    assert _default_kv_splits(64, 8, 32, 256, per_tok) == 1
 
 
 # ---------------------------------------------------------------- validation
