@@ -277,5 +277,6 @@ def batch_decode(b: EngineBench, modes=("plain", "cascade", "private"), profile_
                     b.failures.append(f"batch_decode (private case): {tb.strip().splitlines()[-1]}")
         finally:
             b.drop_segments(eng, private + held)
+        eng = None  # noqa: F841 - the next engine's pool needs this one's memory (EngineBench.engine drops it)
     b.drop_engine()
     shared_decode_table(b, res, ps)
