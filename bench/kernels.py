@@ -16,9 +16,10 @@ a. Ceilings.  Device copy bandwidth: ``x + c`` and a copy over a 1 GiB array, (b
    ceiling beside the datasheet's 989 TFLOP/s (``common.H200_BF16_PEAK``).
 b. Decode attention, B in {1, 8, 32, 128} x ctx in {1k, 4k, 16k, 32k}, 32 q / 8 kv heads,
    d=128, page 16, bf16: time, effective bandwidth (K+V read + q + out) and its fraction of
-   the read-only bandwidth (the main column; the fraction of the copy bandwidth beside it);
+   the bandwidth ceiling, the larger of the read-only and copy figures (on the H200 an XLA reduction
+   reads slower than a copy moves, and the decode kernel outran it), the copy's fraction beside it;
    side by side ``jax.experimental.pallas.ops.gpu.paged_attention`` (same page layout, its knobs
-   swept) and tokamax's dense attention if importable.  The plot shows the read-only fraction.
+   swept) and tokamax's dense attention if importable.  The plot shows the ceiling fraction.
 c. Prefill attention: chunk {64, 512, 2048} over {4k, 16k} cached tokens, B=1, 32/8 heads:
    TFLOP/s counting unmasked work only, ``4 * T * (cached + (T + 1) / 2) * D * Hq``, and its
    MFU (of the datasheet peak and of the measured matmul ceiling).  The headline peer is cuDNN
@@ -42,7 +43,7 @@ f. Shared-prefix (cascade) decode, not in the default list (``--sections f``): B
    the concatenated page lists (outputs checked against each other), the suffix-only decode
    (``return_lse=True``) for the split of the time, and effective bandwidth counting the
    shared K/V once plus the suffixes (the decode column counts what it reads: B copies), as a
-   fraction of the read-only bandwidth (main column) and of the copy bandwidth.
+   fraction of the bandwidth ceiling (main column) and of the copy bandwidth.
 
 Timing: every measurement jit-compiles R kernel calls on R different input sets (so XLA
 cannot merge them and the data rotates through more memory than the 60 MB L2), warms up,
@@ -220,6 +221,9 @@ def copy_bandwidth(args):
                  f"{read_bytes / args.read_bw * 1e6:.0f}", f"{args.read_bw / 1e9:.0f}", ""])
     n = 256 if args.quick else 8192
     args.mm_flops = matmul_ceiling(n, args.reps)
+    # read-bound kernels are held to the fastest bytes/s this device was seen to move: on the H200 an
+    # XLA reduction reads at ~3.3 TB/s, below the ~4.0 TB/s copy, and the decode kernel beat it (118%)
+    args.ceiling_bw = max(args.copy_bw, args.read_bw)
     rows.append([f"bf16 matmul {n}^3 (chain of 4)", f"2 x {n}^2 bf16", "",
                  f"{2 * n ** 3 / args.mm_flops * 1e6:.0f}", "", f"{args.mm_flops / 1e12:.1f}"])
     log(f"  copy {args.copy_bw / 1e9:.0f} GB/s, read-only {args.read_bw / 1e9:.0f} GB/s, "
@@ -291,20 +295,20 @@ def decode(args):
             if tok is not None and not args.quick:
                 t_tok = _time_tokamax(tok, b, ctx, args.reps)
             splits = auto_num_splits(b, HKV, math.ceil(ctx / (auto_pages_per_block(S) * S)))
-            frac = bw / args.read_bw if args.read_bw else float("nan")
+            frac = bw / args.ceiling_bw if args.ceiling_bw else float("nan")
             frac_copy = bw / args.copy_bw if args.copy_bw else float("nan")
             rows.append([b, ctx, f"{t_ours * 1e6:.1f}", f"{bw / 1e9:.0f}", f"{frac:.0%}",
                          f"{frac_copy:.0%}", splits, f"{err:.1e}",
                          f"{t_jax * 1e6:.1f} ({jax_cfg})" if t_jax else "n/a",
                          f"{t_jax / t_ours:.2f}x" if t_jax else "n/a",
                          f"{t_tok * 1e6:.1f}" if t_tok else "n/a"])
-            PLOT.setdefault("decode", []).append((b, ctx, frac, (nbytes / t_jax / args.read_bw)
-                                                  if t_jax and args.read_bw else None))
-            log(f"  B={b} ctx={ctx}: {t_ours * 1e6:.1f} us, {bw / 1e9:.0f} GB/s ({frac:.0%} of read-only)"
+            PLOT.setdefault("decode", []).append((b, ctx, frac, (nbytes / t_jax / args.ceiling_bw)
+                                                  if t_jax and args.ceiling_bw else None))
+            log(f"  B={b} ctx={ctx}: {t_ours * 1e6:.1f} us, {bw / 1e9:.0f} GB/s ({frac:.0%} of the ceiling)"
                 + (f", jax {t_jax * 1e6:.1f} us" if t_jax else ""))
             del kp, vp, variants
     table("b. Decode attention (32 q / 8 kv heads, d=128, page 16, bf16)",
-          ["B", "ctx", "ours us", "GB/s", "of read-only", "of copy", "splits", "rel err", "jax-pallas us",
+          ["B", "ctx", "ours us", "GB/s", "of ceiling", "of copy", "splits", "rel err", "jax-pallas us",
            "speedup", "tokamax dense us"], rows)
 
 
@@ -641,7 +645,7 @@ def cascade(args):
         qo = 2 * b * HQ * D * 2
         eff = shared * tok_bytes + b * suffix * tok_bytes + qo  # shared read once
         logical = b * (shared + suffix) * tok_bytes + qo  # what decode reads
-        frac = (f"{eff / t_c / args.read_bw:.0%}" if args.read_bw else "n/a")
+        frac = (f"{eff / t_c / args.ceiling_bw:.0%}" if args.ceiling_bw else "n/a")
         frac_copy = (f"{eff / t_c / args.copy_bw:.0%}" if args.copy_bw else "n/a")
         rows.append([b, shared, suffix, f"{t_c * 1e6:.1f}", f"{t_d * 1e6:.1f}",
                      f"{t_d / t_c:.2f}x", f"{t_s * 1e6:.1f}", f"{eff / 2**20:.1f}",
@@ -658,7 +662,7 @@ def cascade(args):
     table(f"f. Shared-prefix (cascade) decode vs paged decode over full page lists "
           f"({HQ}/{HKV} heads, d={D}, page {S}, bf16)",
           ["B", "shared", "suffix", "cascade us", "decode us", "speedup", "suffix-only us",
-           "cascade MiB (shared once)", "cascade GB/s", "of read-only", "of copy", "decode MiB",
+           "cascade MiB (shared once)", "cascade GB/s", "of ceiling", "of copy", "decode MiB",
            "decode GB/s",
            "rel err vs decode"], rows)
     if profile_rows:
@@ -742,7 +746,7 @@ def write_report(args):
             ax.plot(*zip(*jx), "x--", color=line.get_color(), label=f"jax-pallas B={b}")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("context length")
-    ax.set_ylabel("fraction of read-only bandwidth")
+    ax.set_ylabel("fraction of the bandwidth ceiling (max of read-only, copy)")
     ax.set_title("Paged decode attention (32/8 heads, d=128, page 16, bf16)")
     ax.axhline(0.75, color="gray", lw=0.8, ls=":")
     ax.legend(fontsize=7, ncol=2)
@@ -765,7 +769,7 @@ def main():
     args = ap.parse_args()
     args.interpret = jax.default_backend() != "gpu"
     args.reps = args.reps or (2 if args.quick else 10)
-    args.copy_bw = args.read_bw = args.mm_flops = None
+    args.copy_bw = args.read_bw = args.ceiling_bw = args.mm_flops = None
     log(f"devices: {jax.devices()}  jax {jax.__version__}  interpret={args.interpret}")
     t0 = time.time()
     if any(s in args.sections for s in "abcdf"):  # the ceilings the later sections divide by
