@@ -50,6 +50,9 @@ class EngineConfig:
     snapshot_interval_s: float | None = None  # periodic snapshots (when segments changed); None: only
     #   save_snapshot() and close()
     strict_restore: bool = False  # a snapshot of another model/dtype/page size: raise (True) or log, start empty
+    # tensor parallelism (sharding.py): weights Megatron-style and the KV pool (on kv heads) split over
+    # this many devices of one mesh; it must divide the model's heads, kv heads and MLP width
+    tensor_parallel: int = 1
 
     def __post_init__(self):
         # folders are absolute from here on: orbax refuses relative paths, and a later chdir must
@@ -85,6 +88,8 @@ class EngineConfig:
             bad("min_table_pages", self.min_table_pages, "must be >= 1")
         if self.matmul_precision not in (None, *MATMUL_PRECISIONS):
             bad("matmul_precision", self.matmul_precision, f"must be one of {MATMUL_PRECISIONS} or None")
+        if not isinstance(self.tensor_parallel, int) or self.tensor_parallel < 1:
+            bad("tensor_parallel", self.tensor_parallel, "must be an integer >= 1 (devices of the mesh)")
         if self.attention_impl not in ATTENTION_IMPLS:
             bad("attention_impl", self.attention_impl, f"must be one of {ATTENTION_IMPLS}")
         if self.host_pages is not None and self.host_pages < 0:

@@ -42,7 +42,7 @@ from collections import Counter
 import jax
 import jax.numpy as jnp
 
-from inferscale_jax import compile_cache
+from inferscale_jax import compile_cache, sharding
 from inferscale_jax.config import EngineConfig
 from inferscale_jax.errors import EngineFault, PoolExhausted, RequestTooLong
 from inferscale_jax.kv_cache import PagedKVCache, page_bytes
@@ -81,13 +81,20 @@ class Engine:
             impl = "pallas" if jax.default_backend() == "gpu" and pow2 else "ref"
         self.compilation_cache_dir = (compile_cache.enable(config.compilation_cache_dir)
                                       if config.compilation_cache else None)
-        cache = PagedKVCache.create(cfg, num_pages, s, self.dtype, impl)
+        # tensor parallelism (sharding.py): the weights in the sharded layout, placed on the mesh; the
+        # runner's model config says so (ModelConfig.fused_shards), the engine's stays as loaded
+        self.mesh, run_cfg = None, cfg
+        if config.tensor_parallel > 1:
+            sharding.check_tensor_parallel(cfg, config.tensor_parallel, len(jax.devices()))
+            self.mesh = sharding.make_mesh(config.tensor_parallel)
+            run_cfg, self.params = sharding.shard_params(cfg, params, self.mesh)
+        cache = PagedKVCache.create(cfg, num_pages, s, self.dtype, impl, mesh=self.mesh)
         self.max_batch = config.max_batch or self._auto_max_batch(num_pages)
         budget = config.max_num_batched_tokens or max(self.max_batch, 4 * config.prefill_chunk)
         if budget < self.max_batch:
             raise ValueError(f"EngineConfig.max_num_batched_tokens={budget} is invalid: must be >= max_batch "
                              f"({self.max_batch}), so every running sequence's decode token fits a step")
-        self.runner = ModelRunner(params, cfg, cache, max_batch=self.max_batch,
+        self.runner = ModelRunner(self.params, run_cfg, cache, max_batch=self.max_batch,
                                   prefill_chunk=config.prefill_chunk, max_num_batched_tokens=budget,
                                   max_pages_per_seq=-(-self.max_model_len // s),
                                   inv_freq=inv_freq(cfg.rope, cfg.head_dim),
@@ -158,7 +165,8 @@ class Engine:
         multiple of ``AUTO_PAGES_QUANTUM`` pages.  The pool's size is part of every compiled
         step's shapes, and free memory differs by a few MB from one start to the next: unrounded,
         a restart found none of its steps in the persistent compilation cache (bench/NOTES.md)."""
-        per_page = page_bytes(self.cfg, self.config.page_size, self.dtype)
+        # with tensor parallelism each device holds 1/N of every page
+        per_page = page_bytes(self.cfg, self.config.page_size, self.dtype) // self.config.tensor_parallel
         stats = jax.local_devices()[0].memory_stats() or {}
         if "bytes_limit" in stats:
             free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
@@ -481,6 +489,7 @@ class Engine:
             "node_jobs": len(self.scheduler.jobs),
             "preemptions": self.scheduler.preemptions,
             "attention_impl": self.runner.cache.impl,
+            "mesh": sharding.mesh_stats(self.mesh, self.runner.device),
             "tiers": self.tiers.stats(),
             "snapshot": self.persistence.stats() if self.persistence is not None else None,
         }

@@ -20,9 +20,11 @@ interprets).
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh, PartitionSpec
 
 from models.config import ModelConfig
 from models.dense_cache import dense_attention
@@ -60,12 +62,25 @@ class PagedKVCache:
     k: list[jax.Array]  # L x [Hkv, P, S, D]
     v: list[jax.Array]  # L x [Hkv, P, S, D]
     impl: str = dataclasses.field(default="ref", metadata=dict(static=True))
+    # tensor parallelism (inferscale_jax/sharding.py): the pages are split on kv heads over this
+    # mesh's "tp" axis and ``attend`` runs per shard; None: one device
+    mesh: Mesh | None = dataclasses.field(default=None, metadata=dict(static=True))
 
     @classmethod
-    def create(cls, cfg: ModelConfig, num_pages: int, page_size: int, dtype, impl: str = "ref") -> "PagedKVCache":
+    def create(cls, cfg: ModelConfig, num_pages: int, page_size: int, dtype, impl: str = "ref",
+               mesh: Mesh | None = None) -> "PagedKVCache":
         shape = (cfg.num_kv_heads, num_pages, page_size, cfg.head_dim)
-        return cls(k=[jnp.zeros(shape, dtype) for _ in range(cfg.num_layers)],
-                   v=[jnp.zeros(shape, dtype) for _ in range(cfg.num_layers)], impl=impl)
+        if mesh is None:
+            zeros = lambda: jnp.zeros(shape, dtype)  # noqa: E731
+        else:  # each device allocates only its own kv heads
+            from inferscale_jax.sharding import kv_sharding
+            zeros = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=kv_sharding(mesh))
+        return cls(k=[zeros() for _ in range(cfg.num_layers)], v=[zeros() for _ in range(cfg.num_layers)],
+                   impl=impl, mesh=mesh)
+
+    def with_pages(self, k: list, v: list) -> "PagedKVCache":
+        """The same cache (impl, mesh) over other page arrays."""
+        return dataclasses.replace(self, k=k, v=v)
 
     @property
     def num_pages(self) -> int:
@@ -77,38 +92,54 @@ class PagedKVCache:
 
     def layer_view(self, layer: int) -> "PagedKVCache":
         """The cache of one layer (as layer 0), for ``forward``'s per-layer nested jit."""
-        return PagedKVCache([self.k[layer]], [self.v[layer]], self.impl)
+        return self.with_pages([self.k[layer]], [self.v[layer]])
 
     def with_layer(self, layer: int, view: "PagedKVCache") -> "PagedKVCache":
         ks, vs = list(self.k), list(self.v)
         ks[layer], vs[layer] = view.k[0], view.v[0]
-        return PagedKVCache(ks, vs, self.impl)
+        return self.with_pages(ks, vs)
 
     def attend(self, layer: int, q: jax.Array, k: jax.Array, v: jax.Array,
                positions: jax.Array, meta: AttnMeta) -> tuple[jax.Array, "PagedKVCache"]:
-        b, t, hq, d = q.shape  # q [B, T, Hq, D]; k/v [B, T, Hkv, D]
-        hkv = k.shape[2]
-        dtype = self.k[layer].dtype
-        pallas = self.impl == "pallas"
-        write = write_kv_pallas if pallas else write_kv  # the Pallas scatter is ~5x faster on the H200
-        kp, vp = write(self.k[layer], self.v[layer], k.reshape(b * t, hkv, d).astype(dtype),
-                       v.reshape(b * t, hkv, d).astype(dtype), meta.slots)
-        q = q.astype(dtype)
-        if meta.by_position:
-            out = paged_attention_by_position(q, kp, vp, meta.page_table, positions)
-        elif meta.ragged:  # q [1, N]: the flat tokens of a mixed step
-            fn = ragged_paged_attention if pallas else ragged_paged_attention_ref
-            out = fn(q[0], kp, vp, meta.page_table, meta.cu_q_lens, meta.kv_lens)[None]  # [1, N, Hq, D]
-        elif meta.shared_pages is not None:  # q [1, R]: one token per row, a cascade group
-            fn = shared_prefix_decode_attention if pallas else shared_prefix_decode_attention_ref
-            out = fn(q[0], kp, vp, meta.shared_pages, meta.shared_len, meta.page_table,
-                     meta.kv_lens, meta.shared_rows)[None]
-        else:  # q [1, R]: one token per row
-            fn = paged_decode_attention if pallas else paged_decode_attention_ref
-            out = fn(q[0], kp, vp, meta.page_table, meta.kv_lens)[None]
+        if self.mesh is None:
+            out, kp, vp = _write_and_attend(q, k, v, self.k[layer], self.v[layer], positions, meta, self.impl)
+        else:  # per shard: each device its own q / kv heads and pages; tables and lengths replicated
+            heads = PartitionSpec(None, None, "tp", None)
+            pages = PartitionSpec("tp")
+            rep = PartitionSpec()
+            fn = jax.shard_map(functools.partial(_write_and_attend, impl=self.impl), mesh=self.mesh,
+                               in_specs=(heads, heads, heads, pages, pages, rep, rep),
+                               out_specs=(heads, pages, pages), check_vma=False)
+            out, kp, vp = fn(q, k, v, self.k[layer], self.v[layer], positions, meta)
         ks, vs = list(self.k), list(self.v)
         ks[layer], vs[layer] = kp, vp
-        return out, PagedKVCache(ks, vs, self.impl)
+        return out, self.with_pages(ks, vs)
+
+
+def _write_and_attend(q: jax.Array, k: jax.Array, v: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
+                      positions: jax.Array, meta: AttnMeta, impl: str):
+    """Scatter the step's new K/V into their slots, then attend (one device's heads)."""
+    b, t, hq, d = q.shape  # q [B, T, Hq, D]; k/v [B, T, Hkv, D]
+    hkv = k.shape[2]
+    dtype = k_pages.dtype
+    pallas = impl == "pallas"
+    write = write_kv_pallas if pallas else write_kv  # the Pallas scatter is ~5x faster on the H200
+    kp, vp = write(k_pages, v_pages, k.reshape(b * t, hkv, d).astype(dtype),
+                   v.reshape(b * t, hkv, d).astype(dtype), meta.slots)
+    q = q.astype(dtype)
+    if meta.by_position:
+        out = paged_attention_by_position(q, kp, vp, meta.page_table, positions)
+    elif meta.ragged:  # q [1, N]: the flat tokens of a mixed step
+        fn = ragged_paged_attention if pallas else ragged_paged_attention_ref
+        out = fn(q[0], kp, vp, meta.page_table, meta.cu_q_lens, meta.kv_lens)[None]  # [1, N, Hq, D]
+    elif meta.shared_pages is not None:  # q [1, R]: one token per row, a cascade group
+        fn = shared_prefix_decode_attention if pallas else shared_prefix_decode_attention_ref
+        out = fn(q[0], kp, vp, meta.shared_pages, meta.shared_len, meta.page_table,
+                 meta.kv_lens, meta.shared_rows)[None]
+    else:  # q [1, R]: one token per row
+        fn = paged_decode_attention if pallas else paged_decode_attention_ref
+        out = fn(q[0], kp, vp, meta.page_table, meta.kv_lens)[None]
+    return out, kp, vp
 
 
 def paged_attention_by_position(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,

@@ -228,12 +228,16 @@ class PendingStep:
 @functools.partial(jax.jit, static_argnames=("use_kernel",), donate_argnames=("cache",))
 def _splice(cache: PagedKVCache, src_slots, dst_slots, shift, inv_freq, *, use_kernel: bool):
     fn = splice_kv if use_kernel else splice_kv_ref
+    if cache.mesh is not None:  # per shard: each device re-rotates its own kv heads' pages
+        pages, rep = jax.sharding.PartitionSpec("tp"), jax.sharding.PartitionSpec()
+        fn = jax.shard_map(fn, mesh=cache.mesh, in_specs=(pages, pages, rep, rep, rep, rep),
+                           out_specs=(pages, pages), check_vma=False)
     ks, vs = [], []
     for k, v in zip(cache.k, cache.v):
         k, v = fn(k, v, src_slots, dst_slots, shift, inv_freq)
         ks.append(k)
         vs.append(v)
-    return PagedKVCache(ks, vs, cache.impl)
+    return cache.with_pages(ks, vs)
 
 
 class ModelRunner:
@@ -272,7 +276,10 @@ class ModelRunner:
         self.compiles = 0
         self.warm = False  # set by Engine.warmup: a compile after it is logged as a warning
         self.compiles_after_warmup = 0
-        self.device = next(iter(cache.k[0].devices()))  # per-step inputs go here, committed
+        self.device = next(iter(cache.k[0].devices()))
+        # per-step inputs go here, committed: the device, or replicated over the tensor-parallel mesh
+        self.input_sharding = (jax.sharding.SingleDeviceSharding(self.device) if cache.mesh is None
+                               else jax.sharding.NamedSharding(cache.mesh, jax.sharding.PartitionSpec()))
         self.fault: EngineFault | None = None  # set when the device failed: nothing more can run
 
     def _note_bucket(self, key: tuple) -> bool:
@@ -385,7 +392,7 @@ class ModelRunner:
 
     def _lower_helper(self, hk: tuple):
         """Lower an overlap helper for its shapes (``self.helpers``' keys)."""
-        on = jax.sharding.SingleDeviceSharding(self.device)
+        on = self.input_sharding
         ids = jax.ShapeDtypeStruct((self.max_batch,), jnp.int32, sharding=on)
         if hk[0] == "feed":
             _, t, w, b = hk
@@ -475,7 +482,7 @@ class ModelRunner:
 
     def _to_device(self, host: tuple) -> tuple:
         """The step's host arrays, committed to the runner's device (as the executables expect)."""
-        return tuple(None if x is None else jax.device_put(x, self.device) for x in host)
+        return tuple(None if x is None else jax.device_put(x, self.input_sharding) for x in host)
 
     def _lower(self, key: StepKey, args: tuple):
         return _model_step.lower(self.params, self.cache, *args, cfg=self.cfg, key=key,

@@ -53,7 +53,7 @@ from typing import TYPE_CHECKING
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import SingleDeviceSharding
+from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 
 from inferscale_jax.errors import StorageError
 from inferscale_jax.kv_cache import PagedKVCache, page_bytes
@@ -94,7 +94,7 @@ def scatter_pages(cache: PagedKVCache, kv: jax.Array, pages: jax.Array) -> Paged
     """Write kv [L, 2, Hkv, n, S, D] into pages [n] int32; ids outside the pool are dropped."""
     ks = [k.at[:, pages].set(kv[i, 0], mode="drop") for i, k in enumerate(cache.k)]
     vs = [v.at[:, pages].set(kv[i, 1], mode="drop") for i, v in enumerate(cache.v)]
-    return PagedKVCache(ks, vs, cache.impl)
+    return cache.with_pages(ks, vs)
 
 
 def pinned_host_sharding(device) -> SingleDeviceSharding | None:
@@ -133,13 +133,20 @@ class Tiers:
         self.dtype, self.pool, self.store, self.prefix_cache, self.runner = dtype, pool, store, prefix_cache, runner
         self.fingerprint, self.bos_prefix = fingerprint, bos_prefix
         cache = runner.cache
-        self.device = next(iter(cache.k[0].devices()))
-        self.host_sharding = pinned_host_sharding(self.device)
-        self.device_sharding = SingleDeviceSharding(self.device)
-        # Commit the pool to its device once (device_put aliases: no copy).  Promotions bring arrays
-        # with an explicit sharding (committed); a cache that turned from uncommitted to committed
-        # on the first promotion would recompile every jitted step that takes it.
-        runner.cache = jax.device_put(cache, self.device_sharding)
+        if cache.mesh is None:
+            self.device = next(iter(cache.k[0].devices()))
+            self.host_sharding = pinned_host_sharding(self.device)
+            self.device_sharding = SingleDeviceSharding(self.device)
+            # Commit the pool to its device once (device_put aliases: no copy).  Promotions bring arrays
+            # with an explicit sharding (committed); a cache that turned from uncommitted to committed
+            # on the first promotion would recompile every jitted step that takes it.
+            runner.cache = jax.device_put(cache, self.device_sharding)
+        else:  # tensor parallel: a block [L, 2, Hkv, n, S, D] is split on kv heads like the pool
+            spec = PartitionSpec(None, None, "tp")
+            self.device = cache.mesh.devices.flat[0]
+            self.device_sharding = NamedSharding(cache.mesh, spec)
+            pinned = pinned_host_sharding(self.device) is not None
+            self.host_sharding = NamedSharding(cache.mesh, spec, memory_kind="pinned_host") if pinned else None
         self.page_nbytes = page_bytes(cfg, ec.page_size, dtype)
         self.layout = (cfg.num_layers, 2, cfg.num_kv_heads, ec.page_size, cfg.head_dim)  # + nb at axis 3
         if ec.host_pages is not None:

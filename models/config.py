@@ -63,6 +63,11 @@ class ModelConfig:
     qk_norm: bool = False  # Qwen3
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    # Layout of the fused q/k/v and gate/up matrices: shard-major in this many groups for tensor
+    # parallelism (inferscale_jax/sharding.py: group i holds the q, k and v heads - and the gate and up
+    # columns - of device i); 1 is the layout as loaded, [q | k | v] and [gate | up].  Not in repr, so
+    # the config digest (model fingerprint) is the same for every layout.
+    fused_shards: int = dataclasses.field(default=1, repr=False)
 
     @property
     def q_per_kv(self) -> int:

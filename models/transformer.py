@@ -57,7 +57,9 @@ def project_qkv(cfg: ModelConfig, p: dict, x: jax.Array, cos: jax.Array, sin: ja
     d = cfg.head_dim
     h = rms_norm(x, p["attn_norm"], cfg.rms_norm_eps)
     qkv = _linear(h, p["wqkv"], p.get("bqkv"))  # [B, T, (Hq + 2 Hkv) * D]
-    qd, kvd = cfg.num_heads * d, cfg.num_kv_heads * d
+    n = cfg.fused_shards  # shard-major groups [q_i | k_i | v_i] (ModelConfig.fused_shards); 1: [q | k | v]
+    qkv = qkv.reshape(b, t, n, -1)
+    qd, kvd = cfg.num_heads * d // n, cfg.num_kv_heads * d // n
     q = qkv[..., :qd].reshape(b, t, cfg.num_heads, d)
     k = qkv[..., qd:qd + kvd].reshape(b, t, cfg.num_kv_heads, d)
     v = qkv[..., qd + kvd:].reshape(b, t, cfg.num_kv_heads, d)
@@ -74,9 +76,10 @@ def _layer(cfg: ModelConfig, p: dict, layer: int, x: jax.Array, cos: jax.Array, 
     attn, cache = cache.attend(layer, q, k, v, positions, meta)  # [B, T, Hq, D]
     x = x + _linear(attn.reshape(b, t, cfg.num_heads * cfg.head_dim), p["wo"], p.get("bo"))
     h = rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps)
-    gate_up = _linear(h, p["w_gate_up"], p.get("b_gate_up"))  # [B, T, 2I]
-    gate, up = jnp.split(gate_up, 2, axis=-1)
-    x = x + _linear(jax.nn.silu(gate) * up, p["w_down"], p.get("b_down"))
+    gate_up = _linear(h, p["w_gate_up"], p.get("b_gate_up"))  # [B, T, 2I], [gate_i | up_i] per group
+    gate, up = jnp.split(gate_up.reshape(b, t, cfg.fused_shards, -1), 2, axis=-1)
+    act = (jax.nn.silu(gate) * up).reshape(b, t, -1)  # [B, T, I]
+    x = x + _linear(act, p["w_down"], p.get("b_down"))
     return x, cache
 
 

@@ -1,0 +1,152 @@
+"""Tensor parallelism: a one-axis mesh ("tp") over N devices, Megatron-style shardings from the
+logical axes ``models/params.py`` declares, and the KV pool sharded over kv heads.
+
+The forward stays one function: the weights are placed with ``NamedSharding``s and XLA (GSPMD)
+inserts the collectives - the column-parallel projections (q/k/v, gate/up) need none, the
+row-parallel ones (o, down) end in an all-reduce, the vocab-parallel embedding gather and LM head
+in one each.  Attention and the KV write run per shard inside ``shard_map``
+(``PagedKVCache.attend``), so the Pallas kernels see one device's heads.
+
+``LOGICAL_RULES`` maps a ``ParamSpec`` axis to the mesh axis: ``qkv_heads`` and ``mlp2`` (the
+fused q/k/v and gate/up outputs: column-parallel), ``q_heads`` and ``mlp`` (the inputs of o and down:
+row-parallel) and ``vocab`` (embedding rows, LM head columns) are split over "tp"; everything else
+is replicated.  A vocab that N does not divide stays replicated (logged).
+
+Fused matrices: ``wqkv``'s columns are ``[q | k | v]`` and ``w_gate_up``'s ``[gate | up]``; split
+as they are, device 0 would hold only q columns.  ``interleave`` reorders them shard-major -
+``[q_0 k_0 v_0 | q_1 k_1 v_1 | ...]``, device i holding q heads ``i*Hq/N ..`` and kv heads
+``i*Hkv/N ..`` (GQA maps q head h to kv head ``h // G``, so each device's q heads read only its own
+kv heads) - and the model splits the fused output per group (``ModelConfig.fused_shards``).
+
+The KV pool's ``[Hkv, P, S, D]`` layer arrays are split on kv heads, so N must divide the kv heads
+(replicating kv heads when N exceeds them, as vLLM does, is not built: the engine refuses with the
+limit named).  Page tables, slots and every per-step input are replicated.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from models.config import ModelConfig
+from models.params import param_specs
+
+log = logging.getLogger("inferscale.sharding")
+
+AXIS = "tp"
+LOGICAL_RULES = {"qkv_heads": AXIS, "mlp2": AXIS, "q_heads": AXIS, "mlp": AXIS, "vocab": AXIS}
+KV_SPEC = P(AXIS)  # a layer's [Hkv, P, S, D] pages, split on kv heads
+
+
+def check_tensor_parallel(cfg: ModelConfig, tp: int, num_devices: int) -> None:
+    """A clear error when ``tp`` cannot shard this model on these devices."""
+    def bad(why: str):
+        raise ValueError(f"EngineConfig.tensor_parallel={tp} is invalid: {why}")
+
+    if tp < 1:
+        bad("must be >= 1")
+    if tp > num_devices:
+        bad(f"only {num_devices} device(s) are visible; use at most {num_devices} (or start the process "
+            "with more devices)")
+    for name, value in (("num_kv_heads", cfg.num_kv_heads), ("num_heads", cfg.num_heads),
+                        ("intermediate_size", cfg.intermediate_size)):
+        if value % tp:
+            bad(f"it must divide the model's {name} ({value}); choose a divisor of {value}")
+
+
+def make_mesh(tp: int, devices=None) -> Mesh:
+    """A one-axis mesh over the first ``tp`` devices (or ``devices``)."""
+    devs = list(devices) if devices is not None else jax.devices()[:tp]
+    return Mesh(np.array(devs), (AXIS,))
+
+
+def param_spec(axes: tuple[str, ...], shape: tuple[int, ...], tp: int) -> P:
+    """The PartitionSpec of one weight from its logical axes (replicated where tp does not divide)."""
+    parts = []
+    for ax, dim in zip(axes, shape):
+        mesh_ax = LOGICAL_RULES.get(ax)
+        parts.append(mesh_ax if mesh_ax is not None and dim % tp == 0 else None)
+    return P(*parts)
+
+
+def param_shardings(cfg: ModelConfig, mesh: Mesh) -> dict:
+    """{ParamSpec.path: NamedSharding} for every weight."""
+    tp = mesh.shape[AXIS]
+    out = {}
+    for s in param_specs(cfg):
+        spec = param_spec(s.axes, s.shape, tp)
+        if "vocab" in s.axes and AXIS not in spec:
+            log.warning("vocab %d is not divisible by tensor_parallel=%d: %s stays replicated",
+                        cfg.vocab_size, tp, "/".join(map(str, s.path)))
+        out[s.path] = NamedSharding(mesh, spec)
+    return out
+
+
+def _interleave_cols(w: jax.Array, sizes: list[int], n: int) -> jax.Array:
+    """Columns ``[a | b | ...]`` (sizes) -> shard-major ``[a_0 b_0 .. | a_1 b_1 .. | ...]``."""
+    lead = w.shape[:-1]
+    parts, start = [], 0
+    for size in sizes:
+        parts.append(w[..., start:start + size].reshape(*lead, n, size // n))
+        start += size
+    return jnp.concatenate(parts, axis=-1).reshape(*lead, -1)
+
+
+def interleave(cfg: ModelConfig, params: dict, n: int) -> dict:
+    """The fused q/k/v and gate/up weights (and biases) in ``n`` shard-major groups."""
+    if n == 1:
+        return params
+    d = cfg.head_dim
+    qkv = [cfg.num_heads * d, cfg.num_kv_heads * d, cfg.num_kv_heads * d]
+    gu = [cfg.intermediate_size] * 2
+    layers = []
+    for p in params["layers"]:
+        p = dict(p)
+        for name, sizes in (("wqkv", qkv), ("bqkv", qkv), ("w_gate_up", gu), ("b_gate_up", gu)):
+            if name in p:
+                p[name] = _interleave_cols(p[name], sizes, n)
+        layers.append(p)
+    return dict(params, layers=layers)
+
+
+def shard_params(cfg: ModelConfig, params: dict, mesh: Mesh) -> tuple[ModelConfig, dict]:
+    """(the model config of the sharded layout, the weights interleaved and placed on the mesh)."""
+    n = mesh.shape[AXIS]
+    shardings = param_shardings(cfg, mesh)
+    params = interleave(cfg, params, n)
+    placed = {"layers": [dict() for _ in params["layers"]]}
+    for path, sh in shardings.items():
+        node = params
+        for k in path:
+            node = node[k]
+        value = jax.device_put(node, sh)
+        if path[0] == "layers":
+            placed["layers"][path[1]][path[2]] = value
+        else:
+            placed[path[0]] = value
+    return dataclasses.replace(cfg, fused_shards=n), placed
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, P())
+
+
+def kv_sharding(mesh: Mesh, memory_kind: str | None = None) -> NamedSharding:
+    """Sharding of a layer's pages (or any array with kv heads first)."""
+    return NamedSharding(mesh, KV_SPEC, memory_kind=memory_kind)
+
+
+def mesh_stats(mesh: Mesh | None, device) -> dict:
+    """``stats()``'s view of the placement: the mesh and each device's memory in use."""
+    devs = list(mesh.devices.flat) if mesh is not None else [device]
+    mem = []
+    for d in devs:
+        st = d.memory_stats() or {}
+        mem.append({"device": str(d), "bytes_in_use": st.get("bytes_in_use"), "bytes_limit": st.get("bytes_limit")})
+    return {"tensor_parallel": len(devs), "mesh_axes": {AXIS: len(devs)} if mesh is not None else {},
+            "devices": mem}
