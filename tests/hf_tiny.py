@@ -27,6 +27,10 @@ VARIANTS = {
     "gqa_1to1": ("LlamaConfig", "LlamaForCausalLM", dict(num_key_value_heads=4)),
     "gqa_4to1": ("LlamaConfig", "LlamaForCausalLM", dict(num_attention_heads=8, num_key_value_heads=2)),
     "head_dim_ne": ("LlamaConfig", "LlamaForCausalLM", dict(head_dim=24)),
+    # tensor parallelism: 8 q / 4 kv heads of 16 and an MLP of 96 split over 1, 2 or 4 devices, a
+    # vocab of 256 split too (test_tensor_parallel.py)
+    "tp": ("LlamaConfig", "LlamaForCausalLM", dict(vocab_size=256, num_attention_heads=8, num_key_value_heads=4,
+                                                   head_dim=16)),
 }
 
 
