@@ -55,7 +55,7 @@ from inferscale_jax.segments import ChainNode, Segment, SegmentInfo, check_segme
 from inferscale_jax.snapshot import Persistence
 from inferscale_jax.tokenizer import decode_ids, encode_text
 from models import ModelConfig, inv_freq
-from models.loader import config_digest, load_params, weights_digest
+from models.loader import config_digest, load_params, load_params_sharded, weights_digest
 
 log = logging.getLogger("inferscale.engine")
 MODES = ("exact", "compose", "blend")
@@ -64,7 +64,10 @@ AUTO_PAGES_QUANTUM = 512  # auto-sized pools are a multiple of this many pages (
 
 class Engine:
     def __init__(self, params: dict, cfg: ModelConfig, tokenizer=None, config: EngineConfig | None = None,
-                 fingerprint: str | None = None):
+                 fingerprint: str | None = None, placed: tuple | None = None):
+        """``placed``: ``(mesh, layout_cfg)`` when ``params`` are already in the tensor-parallel layout
+        on that mesh (``models.load_params_sharded``, as ``from_pretrained`` loads them); else the
+        engine shards them itself when ``config.tensor_parallel > 1``."""
         self.config = config = config or EngineConfig()
         self.cfg, self.params, self.tokenizer = cfg, params, tokenizer
         self.dtype = jnp.dtype(config.dtype)
@@ -84,7 +87,9 @@ class Engine:
         # tensor parallelism (sharding.py): the weights in the sharded layout, placed on the mesh; the
         # runner's model config says so (ModelConfig.fused_shards), the engine's stays as loaded
         self.mesh, run_cfg = None, cfg
-        if config.tensor_parallel > 1:
+        if placed is not None:
+            self.mesh, run_cfg = placed
+        elif config.tensor_parallel > 1:
             sharding.check_tensor_parallel(cfg, config.tensor_parallel, len(jax.devices()))
             self.mesh = sharding.make_mesh(config.tensor_parallel)
             run_cfg, self.params = sharding.shard_params(cfg, params, self.mesh)
@@ -127,14 +132,21 @@ class Engine:
         config = config or EngineConfig()
         model_dir = model_dir or default_model_dir()
         cfg = ModelConfig.from_pretrained(model_dir)
-        params = load_params(model_dir, cfg, jnp.dtype(config.dtype))
+        placed = None
+        if config.tensor_parallel > 1:  # each device reads only its slices (sharding.py)
+            sharding.check_tensor_parallel(cfg, config.tensor_parallel, len(jax.devices()))
+            mesh = sharding.make_mesh(config.tensor_parallel)
+            layout_cfg, params = load_params_sharded(model_dir, cfg, mesh, jnp.dtype(config.dtype))
+            placed = (mesh, layout_cfg)
+        else:
+            params = load_params(model_dir, cfg, jnp.dtype(config.dtype))
         try:
             tokenizer = load_tokenizer(model_dir)
         except ValueError as e:
             log.warning("%s; the engine accepts token ids only", e)
             tokenizer = None
         fp = hashlib.sha256(f"{config_digest(cfg)}|{weights_digest(model_dir)}".encode()).hexdigest()
-        return cls(params, cfg, tokenizer, config, fingerprint=fp)
+        return cls(params, cfg, tokenizer, config, fingerprint=fp, placed=placed)
 
     @property
     def fault(self) -> EngineFault | None:

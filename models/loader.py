@@ -6,6 +6,8 @@ Each tensor named by ``param_specs`` is read with safetensors' numpy API (bf16 a
 ``ml_dtypes.bfloat16``), checked against its expected shape, moved to the device, then
 transposed and cast there (one jitted op per tensor, so large models are not transposed on
 the host).  A missing tensor or a wrong shape raises ``CheckpointError`` naming the tensor.
+``load_params_sharded`` reads a checkpoint straight into the tensor-parallel layout, each device
+only its slices (``inferscale_jax/sharding.py``).
 Tensors the model does not use (``rotary_emb.inv_freq``, a tied ``lm_head``) are ignored.
 """
 
@@ -18,6 +20,7 @@ import os
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from safetensors import safe_open
 
 from models.config import ModelConfig
@@ -59,12 +62,7 @@ def load_params(model_dir: str, cfg: ModelConfig, dtype=jnp.bfloat16) -> dict:
     """Read the checkpoint in ``model_dir`` into the pytree of ``param_specs(cfg)``."""
     where = safetensors_files(model_dir)
     specs = param_specs(cfg)
-    for s in specs:
-        for name in s.hf_names:
-            if name not in where:
-                raise CheckpointError(
-                    f"tensor {name!r} (for {'.'.join(map(str, s.path))} {s.shape}) is missing from "
-                    f"the checkpoint in {model_dir}")
+    _check_present(specs, where, model_dir)
     handles = {}
     try:
         for path in sorted({where[n] for s in specs for n in s.hf_names}):
@@ -85,6 +83,86 @@ def load_params(model_dir: str, cfg: ModelConfig, dtype=jnp.bfloat16) -> dict:
         for h in handles.values():
             h.__exit__(None, None, None)
     return assemble(cfg, leaves)
+
+
+def _read_leaf(handle_of, cfg: ModelConfig, s, n: int, idx: tuple, dtype) -> np.ndarray:
+    """One device's slice ``idx`` of leaf ``s`` in the layout of ``n`` shard-major groups
+    (``ModelConfig.fused_shards``), read from the HF tensors with safetensors' slicing (only the
+    rows it needs of a row-major file)."""
+    names, sizes = s.hf_names, hf_split_sizes(cfg, s)
+    if len(names) == 1:
+        sl = handle_of(names[0]).get_slice(names[0])
+        x = sl[tuple(idx[::-1])].T if s.transpose else sl[tuple(idx)]
+        return np.asarray(x).astype(dtype)
+    total = s.shape[-1]
+    o0, o1, _ = idx[-1].indices(total)
+    lead = tuple(idx[:-1])
+    per = total // n  # columns of one group: its share of every fused part
+    pieces = []
+    for g in range(o0 // per, -(-o1 // per)):
+        off = g * per
+        for name, size in zip(names, sizes):
+            w = size // n
+            lo, hi = max(o0, off), min(o1, off + w)
+            if lo < hi:  # rows [r0, r1) of HF tensor `name` (its output axis)
+                r0, r1 = g * w + lo - off, g * w + hi - off
+                sl = handle_of(name).get_slice(name)
+                pieces.append(np.asarray(sl[(slice(r0, r1),) + lead[::-1]]).T if s.transpose
+                              else np.asarray(sl[r0:r1]))
+            off += w
+    return np.concatenate(pieces, axis=-1).astype(dtype)
+
+
+def load_params_sharded(model_dir: str, cfg: ModelConfig, mesh, dtype=jnp.bfloat16) -> tuple[ModelConfig, dict]:
+    """The checkpoint straight into the tensor-parallel layout on ``mesh`` (inferscale_jax/sharding.py):
+    each device reads only its slice of every weight from the files (``jax.make_array_from_callback``;
+    no full copy of the model on one device or in host memory: one slice at a time on the host).
+    Returns (the model config of that layout, the pytree), as ``sharding.shard_params`` does."""
+    import dataclasses
+
+    from inferscale_jax.sharding import AXIS, param_shardings
+
+    where = safetensors_files(model_dir)
+    specs = param_specs(cfg)
+    _check_present(specs, where, model_dir)
+    n = mesh.shape[AXIS]
+    shardings = param_shardings(cfg, mesh)
+    np_dtype = jnp.dtype(dtype)
+    handles = {}
+
+    def handle_of(name):
+        path = where[name]
+        if path not in handles:
+            handles[path] = safe_open(path, framework="numpy").__enter__()
+        return handles[path]
+
+    try:
+        for s in specs:  # shapes first: a wrong one is a clear error before any device work
+            for name, size in zip(s.hf_names, hf_split_sizes(cfg, s)):
+                got = tuple(handle_of(name).get_slice(name).get_shape())
+                want = (size,) + s.shape[:-1][::-1] if s.transpose else s.shape[:-1] + (size,)
+                if got != tuple(want):
+                    raise CheckpointError(f"tensor {name!r} in {os.path.basename(where[name])} has shape {got}, "
+                                          f"expected {tuple(want)} from config.json")
+        leaves = {}
+        for s in specs:
+            groups = n if len(s.hf_names) > 1 else 1
+            leaves[s.path] = jax.make_array_from_callback(
+                s.shape, shardings[s.path],
+                lambda idx, s=s, groups=groups: _read_leaf(handle_of, cfg, s, groups, idx, np_dtype))
+    finally:
+        for h in handles.values():
+            h.__exit__(None, None, None)
+    return dataclasses.replace(cfg, fused_shards=n), assemble(cfg, leaves)
+
+
+def _check_present(specs, where: dict, model_dir: str) -> None:
+    for s in specs:
+        for name in s.hf_names:
+            if name not in where:
+                raise CheckpointError(
+                    f"tensor {name!r} (for {'.'.join(map(str, s.path))} {s.shape}) is missing from "
+                    f"the checkpoint in {model_dir}")
 
 
 def weights_digest(model_dir: str) -> str:

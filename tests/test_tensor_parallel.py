@@ -77,3 +77,14 @@ def test_each_device_holds_a_1_over_n_slice(res, tp, n):
         want = list(shape)
         want[axis[name]] //= n
         assert all(s == want for s in sh[name]), (name, sh[name], want)
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_sharded_loading_reads_the_same_weights(res, tp):
+    got = res[f"load{tp}"]
+    assert got["fused_shards"] == tp
+    assert got["mismatch"] == []
+
+
+def test_from_pretrained_tensor_parallel(res):
+    close(res["pretrained2"], res["hf"]["a_q"])

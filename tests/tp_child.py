@@ -89,6 +89,25 @@ def main(work):
            "hf": {"chain": hf_greedy(model, seg_a + seg_b + q), "a_q": hf_greedy(model, seg_a + q)}}
     for tp in (1, 2, 4):
         res[str(tp)] = run(params, cfg, tp, seg_a, seg_b, q, work)
+    # sharded loading: each device reads its slices from the files; the same arrays as loading whole
+    # and sharding after, for the fused (q/k/v, gate/up), row-parallel, vocab-parallel and replicated
+    # weights
+    from inferscale_jax import sharding
+    from models import load_params_sharded
+    for tp in (2, 4):
+        mesh = sharding.make_mesh(tp)
+        lcfg, loaded = load_params_sharded(os.path.join(work, "hf"), cfg, mesh, np.float32)
+        _, placed = sharding.shard_params(cfg, params, mesh)
+        leaves = zip(jax.tree_util.tree_leaves_with_path(loaded), jax.tree_util.tree_leaves(placed))
+        res[f"load{tp}"] = {"fused_shards": lcfg.fused_shards, "mismatch": [
+            jax.tree_util.keystr(path) for (path, a), b in leaves
+            if a.sharding != b.sharding or not np.array_equal(np.asarray(a), np.asarray(b))]}
+    # Engine.from_pretrained with tensor_parallel=2 loads sharded (no tokenizer in this folder: ids only)
+    e = Engine.from_pretrained(os.path.join(work, "hf"), EngineConfig(dtype="float32", page_size=8, hbm_pages=64,
+                                                                      prefill_chunk=16, tensor_parallel=2))
+    out = e.generate(prompt_token_ids=seg_a + q, sampling=SamplingParams(max_tokens=N_OUT, temperature=0.0,
+                                                                         ignore_eos=True, logprobs=1))
+    res["pretrained2"] = chosen(out)
     # the Pallas kernels (interpret mode on the CPU) inside shard_map, TP=2
     res["pallas2"] = run(params, cfg, 2, seg_a, seg_b, q, work, attention_impl="pallas")
     print("TP_RESULT " + json.dumps(res), flush=True)
