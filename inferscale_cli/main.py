@@ -156,7 +156,7 @@ def cmd_precompute(args) -> int:
     from inferscale_jax.precompute import precompute
 
     config = EngineConfig(dtype=resolve_dtype(args.dtype), page_size=args.page_size,
-                          snapshot_dir=args.snapshot_dir, max_batch=args.batch)
+                          snapshot_dir=args.snapshot_dir, max_batch=args.batch, tensor_parallel=args.tensor_parallel)
     with Engine.from_pretrained(_model_dir(args), config) as engine:
         w = engine.warmup(serving=False)  # the batch job's step buckets, several compiling at once
         print(f"warm-up: {w['buckets']} step shapes ready in {w['seconds']:.1f} s", file=sys.stderr)
@@ -202,7 +202,8 @@ def cmd_serve(args) -> int:
         extra = dict(snapshot_dir=args.snapshot_dir, strict_restore=args.strict_restore,
                      snapshot_interval_s=args.snapshot_interval)
     config = EngineConfig(dtype=resolve_dtype(args.dtype), page_size=args.page_size, hbm_pages=args.hbm_pages,
-                          max_batch=args.max_batch, max_num_batched_tokens=args.max_num_batched_tokens, **extra)
+                          max_batch=args.max_batch, max_num_batched_tokens=args.max_num_batched_tokens,
+                          tensor_parallel=args.tensor_parallel, **extra)
     engine = Engine.from_pretrained(args.model, config)
     name = args.model_name or (os.path.basename(os.path.normpath(args.model)) if args.model else "inferscale-default")
     server: uvicorn.Server | None = None
@@ -296,6 +297,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--dtype", default="auto", choices=DTYPES, help=DTYPE_HELP)
     s.add_argument("--page-size", type=int, default=16, choices=[8, 16, 32, 64],
                    help="KV page size; must match the server's (default: %(default)s)")
+    s.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
+                   help="split the model and its KV pool over N devices of this host (default: %(default)s)")
     s.set_defaults(fn=cmd_precompute)
 
     s = add("serve", help="OpenAI-compatible HTTP server with segments, tenants, streaming, metrics")
@@ -314,6 +317,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--page-size", type=int, default=16, choices=[8, 16, 32, 64],
                    help="KV page size; must match the one precompute used (default: %(default)s)")
     s.add_argument("--hbm-pages", type=int, help="KV pool pages (default: sized from free device memory)")
+    s.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
+                   help="split the model and its KV pool over N devices of this host (default: %(default)s)")
     s.add_argument("--max-batch", type=int, default=None,
                    help="sequences per device step (default: from the machine: 256 on a GPU, 64 on the CPU)")
     s.add_argument("--max-num-batched-tokens", type=int, default=None,

@@ -74,6 +74,18 @@ class _EngineCollector:
         comp.add_metric(["warmup"], s.get("compiles", 0) - after)
         comp.add_metric(["after_warmup"], after)
         yield comp
+        mesh = s.get("mesh")
+        if mesh:
+            tp = GaugeMetricFamily("inferscale_tensor_parallel", "devices the model and KV pool are split over")
+            tp.add_metric([], mesh["tensor_parallel"])
+            yield tp
+            mem = GaugeMetricFamily("inferscale_device_memory_bytes", "device memory in use and its limit, per device",
+                                    labels=["device", "kind"])
+            for d in mesh["devices"]:
+                for kind in ("bytes_in_use", "bytes_limit"):
+                    if d.get(kind) is not None:
+                        mem.add_metric([d["device"], kind.replace("bytes_", "")], d[kind])
+            yield mem
 
 
 class ServerMetrics:

@@ -178,3 +178,10 @@ def test_corrupt_snapshot_is_one_line(tmp_path, env):
     r = inferscale(tmp_path, env, "precompute", "corpus.jsonl", "--snapshot-dir", "./kv")
     assert r.returncode == 1, (r.stdout, r.stderr[-3000:])
     one_error_line(r, "snapshot")
+
+
+def test_tensor_parallel_past_the_devices_is_one_line(tmp_path, env):
+    write_corpus(tmp_path / "corpus.jsonl", DOCS)
+    r = inferscale(tmp_path, env, "precompute", "corpus.jsonl", "--snapshot-dir", "./kv", "--tensor-parallel", "2")
+    assert r.returncode == 2
+    one_error_line(r, "tensor_parallel=2", "1 device")

@@ -74,6 +74,7 @@ def test_health_models_metrics(http):
                  "inferscale_generated_tokens_total", 'inferscale_pages{state="free",tier="hbm"}',
                  "inferscale_evictions_total", "inferscale_segments{", "inferscale_preemptions_total"):
         assert name in text, name
+    assert "inferscale_tensor_parallel 1.0" in text  # one device (tensor parallelism: docs/architecture.md)
 
 
 def test_completion_equals_engine(http, ref):
