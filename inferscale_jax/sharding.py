@@ -145,8 +145,9 @@ def mesh_stats(mesh: Mesh | None, device) -> dict:
     """``stats()``'s view of the placement: the mesh and each device's memory in use."""
     devs = list(mesh.devices.flat) if mesh is not None else [device]
     mem = []
-    for d in devs:
-        st = d.memory_stats() or {}
-        mem.append({"device": str(d), "bytes_in_use": st.get("bytes_in_use"), "bytes_limit": st.get("bytes_limit")})
+    for d in devs:  # another process's devices: this process cannot read their memory (None)
+        st = (d.memory_stats() or {}) if d.process_index == jax.process_index() else {}
+        mem.append({"device": str(d), "process": d.process_index, "bytes_in_use": st.get("bytes_in_use"),
+                    "bytes_limit": st.get("bytes_limit")})
     return {"tensor_parallel": len(devs), "mesh_axes": {AXIS: len(devs)} if mesh is not None else {},
-            "devices": mem}
+            "processes": jax.process_count(), "devices": mem}

@@ -1,0 +1,142 @@
+"""Multi-process serving: one engine whose tensor-parallel mesh spans several processes (hosts).
+
+JAX is multi-controller: every process runs the same program, and a jitted step over a mesh that
+spans processes runs only when every process calls it, with the same arguments, in the same order.
+So the engine runs in lockstep in every process: process 0 (the leader) serves HTTP and drives the
+schedule; its ``LockstepEngine`` sends each state-changing call (``submit``, ``step``, ``abort``,
+``register_segment``, ``register_segments_batch``, ``delete_segment``, ``warmup``, ``close``) to the
+other processes before making it, and they (``follow``) make the same call on their own engine.
+The engine is deterministic given its calls (a request without a seed gets one on the leader, so
+sampling agrees), so every process reaches the same device steps.  The calls travel as pickled
+bytes through ``jax.experimental.multihost_utils.broadcast_one_to_all`` (the collectives of the
+mesh: NCCL on GPUs, gloo on CPUs), padded to a power-of-two size so few shapes compile.
+
+``initialize`` starts ``jax.distributed`` (coordinator address, process count and id; or the
+cluster environment JAX detects when they are None), with gloo as the CPU collectives.
+
+Not across processes yet: the host and disk tiers (a demoted segment is dropped and recomputed on
+use: ``host_pages`` and ``disk_pages`` are set to 0) and snapshots (``snapshot_dir`` is refused);
+each needs every process to move its own shards of the pages.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import pickle
+import secrets
+
+import jax
+import numpy as np
+
+from inferscale_jax.config import EngineConfig
+from inferscale_jax.engine import Engine
+
+log = logging.getLogger("inferscale.distributed")
+
+LOCKSTEP_CALLS = ("submit", "step", "abort", "register_segment", "register_segments_batch", "delete_segment",
+                  "warmup", "close")
+
+
+def initialize(coordinator: str | None = None, num_processes: int | None = None,
+               process_id: int | None = None) -> None:
+    """``jax.distributed.initialize`` (gloo collectives on CPU backends); call before any JAX work."""
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    kw = {k: v for k, v in dict(coordinator_address=coordinator, num_processes=num_processes,
+                                process_id=process_id).items() if v is not None}
+    jax.distributed.initialize(**kw)
+    log.info("process %d of %d, %d device(s) here, %d in all", jax.process_index(), jax.process_count(),
+             jax.local_device_count(), jax.device_count())
+
+
+def is_leader() -> bool:
+    return jax.process_index() == 0
+
+
+def _broadcast(payload: bytes | None) -> bytes:
+    """The leader's bytes, in every process (a collective: every process calls it)."""
+    from jax.experimental import multihost_utils
+
+    leader = is_leader()
+    size = np.array([len(payload) if leader else 0], np.int32)
+    n = int(np.asarray(multihost_utils.broadcast_one_to_all(size))[0])
+    cap = 1 << max(8, (n - 1).bit_length())  # power-of-two buffers: one compiled broadcast per size class
+    buf = np.zeros(cap, np.uint8)
+    if leader:
+        buf[:n] = np.frombuffer(payload, np.uint8)
+    return np.asarray(multihost_utils.broadcast_one_to_all(buf))[:n].tobytes()
+
+
+def lockstep_config(config: EngineConfig) -> EngineConfig:
+    """The config every process runs with (module docstring: what is not across processes yet)."""
+    if jax.process_count() > 1 and config.snapshot_dir:
+        raise ValueError(f"snapshot_dir={config.snapshot_dir!r} is not supported with {jax.process_count()} "
+                         "processes yet: serve without --snapshot-dir (docs/architecture.md, tensor parallelism)")
+    return dataclasses.replace(config, host_pages=0, disk_pages=0) if jax.process_count() > 1 else config
+
+
+class LockstepEngine(Engine):
+    """An ``Engine`` whose state-changing calls are repeated in every process (module docstring).
+
+    In the leader each call in ``LOCKSTEP_CALLS`` is broadcast before it runs (calls made inside
+    another, such as ``generate``'s ``submit`` and ``step``, are broadcast as themselves; a call made
+    by a broadcast call is not broadcast again); in a follower the methods run as ``Engine``'s, made
+    by ``follow``."""
+
+    def __init__(self, *args, **kwargs):
+        self._depth = 0
+        self._closed = False
+        super().__init__(*args, **kwargs)
+
+    def _send(self, name: str, args: tuple, kwargs: dict) -> None:
+        if name == "submit" and jax.process_count() > 1:
+            sampling = kwargs.get("sampling")
+            if sampling is None or sampling.seed is None:  # one stream for every process
+                from inferscale_jax.sampling import SamplingParams
+                kwargs = dict(kwargs, sampling=dataclasses.replace(sampling or SamplingParams(),
+                                                                   seed=secrets.randbits(63)))
+        if is_leader() and jax.process_count() > 1:
+            _broadcast(pickle.dumps((name, args, kwargs)))
+        return kwargs
+
+
+def _lockstep(name: str):
+    base = getattr(Engine, name)
+
+    def method(self, *args, **kwargs):
+        if self._depth == 0 and is_leader():
+            if name == "close":
+                if self._closed:
+                    return None
+                self._closed = True
+            kwargs = self._send(name, args, kwargs)
+        self._depth += 1
+        try:
+            return base(self, *args, **kwargs)
+        finally:
+            self._depth -= 1
+
+    method.__name__ = name
+    method.__doc__ = base.__doc__
+    return method
+
+
+for _name in LOCKSTEP_CALLS:
+    setattr(LockstepEngine, _name, _lockstep(_name))
+
+
+def follow(engine: LockstepEngine) -> None:
+    """A follower's loop: make each call the leader broadcasts, until it closes its engine.  A call
+    that raises here raised in the leader too (same state, same call): it is logged and skipped."""
+    assert not is_leader(), "follow() runs in the processes other than 0"
+    while True:
+        name, args, kwargs = pickle.loads(_broadcast(None))
+        engine._depth += 1  # made as Engine's: nothing inside is broadcast
+        try:
+            getattr(Engine, name)(engine, *args, **kwargs)
+        except Exception as err:  # noqa: BLE001 - the leader got the same error and reported it
+            log.debug("lockstep call %s raised %r (as in the leader)", name, err)
+        finally:
+            engine._depth -= 1
+        if name == "close":
+            return

@@ -1,0 +1,47 @@
+"""One process of test_multiprocess.py: ``jax.distributed`` over two local processes (gloo), a
+tensor-parallel mesh of one CPU device from each.  Process 0 leads (its ``LockstepEngine`` calls are
+repeated in process 1, which follows) and prints its outputs as one JSON line.
+
+    python mp_child.py PROCESS_ID PORT
+"""
+
+import json
+import os
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [HERE, os.path.dirname(HERE)]
+
+from inferscale_jax import distributed  # noqa: E402
+
+
+def main(pid: int, port: int) -> None:
+    distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=pid)
+    from mp_common import CASES, GREEDY, config, model, segment
+
+    from inferscale_jax import SamplingParams
+
+    params, cfg = model()
+    engine = distributed.LockstepEngine(params, cfg, None, distributed.lockstep_config(config(tensor_parallel=2)))
+    if not distributed.is_leader():
+        distributed.follow(engine)
+        print("FOLLOWER_DONE", flush=True)
+        return
+    engine.register_segment("a", token_ids=segment())
+    outs = engine.generate_batch(CASES)
+    engine.delete_segment("a")
+    try:
+        engine.generate(prompt_token_ids=[1, 2], segments=["a"])  # raises in both processes alike
+    except Exception as e:  # noqa: BLE001
+        err = type(e).__name__
+    # both processes still in step; unseeded sampling gets one seed from the leader
+    again = engine.generate(prompt_token_ids=[5, 6, 7], sampling=GREEDY)
+    engine.generate(prompt_token_ids=[5, 6, 7], sampling=SamplingParams(max_tokens=4, temperature=1.0))
+    engine.close()
+    print("MP_RESULT " + json.dumps({"tokens": [o.token_ids for o in outs], "error": err,
+                                     "again": again.token_ids, "mesh": engine.stats()["mesh"]["tensor_parallel"]}),
+          flush=True)
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]), int(sys.argv[2]))

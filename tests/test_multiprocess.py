@@ -1,0 +1,46 @@
+"""Two local processes joined by ``jax.distributed`` (gloo CPU collectives) form a TP=2 mesh, one
+CPU device each; process 0 leads a ``LockstepEngine`` and process 1 follows it
+(``inferscale_jax/distributed.py``).  Their tokens equal a one-process TP=1 engine's - greedy and
+seeded sampling, with an injected segment - and a call that fails (a deleted segment) fails alike
+in both, which stay in step."""
+
+import json
+import os
+import subprocess
+import sys
+
+from mp_common import CASES, GREEDY, config, model, segment
+from server_util import free_port
+
+from inferscale_jax import Engine
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def test_two_processes_tp2_equal_one_process_tp1(tmp_path):
+    port = free_port()
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env.pop("XLA_FLAGS", None)
+    procs = [subprocess.Popen([sys.executable, os.path.join(HERE, "mp_child.py"), str(i), str(port)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path)
+             for i in (0, 1)]
+    outs = []
+    try:
+        for p in procs:
+            outs.append(p.communicate(timeout=600))
+    finally:
+        for p in procs:
+            p.kill()
+    lead, follow = outs
+    assert procs[1].returncode == 0 and "FOLLOWER_DONE" in follow[0], follow[1][-4000:]
+    line = next((x for x in lead[0].splitlines() if x.startswith("MP_RESULT ")), None)
+    assert line is not None, lead[1][-4000:]
+    got = json.loads(line[len("MP_RESULT "):])
+    assert got["mesh"] == 2
+    params, cfg = model()
+    ref = Engine(params, cfg, None, config())
+    ref.register_segment("a", token_ids=segment())
+    want = [o.token_ids for o in ref.generate_batch(CASES)]
+    assert got["tokens"] == want
+    assert got["error"] == "SegmentNotFound"
+    assert got["again"] == ref.generate(prompt_token_ids=[5, 6, 7], sampling=GREEDY).token_ids
