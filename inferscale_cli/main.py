@@ -193,6 +193,11 @@ def cmd_serve(args) -> int:
     logging.basicConfig(level=getattr(logging, args.log_level.upper()),
                         format="%(asctime)s %(levelname)s %(name)s %(message)s", force=True)
     quiet_loggers()
+    lockstep = None
+    if args.coordinator or args.num_processes or args.process_id is not None:
+        # several processes (hosts), one mesh: before any other JAX call (inferscale_jax/distributed.py)
+        from inferscale_jax import distributed as lockstep
+        lockstep.initialize(args.coordinator, args.num_processes, args.process_id)
     keys = load_api_keys(args.api_keys) if args.api_keys else None  # fail before loading the model
     if keys is None and args.host not in ("127.0.0.1", "localhost", "::1"):
         print(f"warning: serving on {args.host} without --api-keys: anyone who can reach it is tenant 'default'",
@@ -204,7 +209,15 @@ def cmd_serve(args) -> int:
     config = EngineConfig(dtype=resolve_dtype(args.dtype), page_size=args.page_size, hbm_pages=args.hbm_pages,
                           max_batch=args.max_batch, max_num_batched_tokens=args.max_num_batched_tokens,
                           tensor_parallel=args.tensor_parallel, **extra)
-    engine = Engine.from_pretrained(args.model, config)
+    if lockstep is not None:
+        config = lockstep.lockstep_config(config)
+        engine = lockstep.LockstepEngine.from_pretrained(args.model, config)
+        if not lockstep.is_leader():  # a follower: the leader's calls, until it closes the engine
+            print(f"process {args.process_id}: following process 0", file=sys.stderr, flush=True)
+            lockstep.follow(engine)
+            return 0
+    else:
+        engine = Engine.from_pretrained(args.model, config)
     name = args.model_name or (os.path.basename(os.path.normpath(args.model)) if args.model else "inferscale-default")
     server: uvicorn.Server | None = None
 
@@ -324,6 +337,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help="new tokens per device step, prefill chunks and decode rows together "
                         "(default: max(max-batch, 2048))")
+    s.add_argument("--coordinator", metavar="HOST:PORT",
+                   help="several processes (hosts), one mesh: process 0's address for jax.distributed; process 0 "
+                        "serves HTTP, the others follow it (docs/architecture.md)")
+    s.add_argument("--num-processes", type=int, default=None, help="processes of the mesh (with --coordinator)")
+    s.add_argument("--process-id", type=int, default=None, help="this process's index, 0 serves (with --coordinator)")
     s.add_argument("--no-warmup", dest="warmup", action="store_false",
                    help="skip compiling every step bucket at startup (the first requests then compile)")
     s.add_argument("--max-waiting", type=int, default=256,

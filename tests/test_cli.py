@@ -185,3 +185,33 @@ def test_tensor_parallel_past_the_devices_is_one_line(tmp_path, env):
     r = inferscale(tmp_path, env, "precompute", "corpus.jsonl", "--snapshot-dir", "./kv", "--tensor-parallel", "2")
     assert r.returncode == 2
     one_error_line(r, "tensor_parallel=2", "1 device")
+
+
+def test_serve_over_two_processes_answers_as_one(tmp_path, env):
+    """``serve --coordinator ... --num-processes 2 --process-id I --tensor-parallel 2`` as two users'
+    shells would start it: process 0 serves, process 1 follows; a greedy completion equals a
+    one-process server's, and SIGTERM to process 0 ends both."""
+    coord = f"127.0.0.1:{free_port()}"
+    common = ["--coordinator", coord, "--num-processes", "2", "--tensor-parallel", "2", "--no-warmup"]
+    env1 = dict(env)
+    env1.pop("XLA_FLAGS", None)
+    follower = subprocess.Popen([INFERSCALE, "serve", *common, "--process-id", "1", "--port", str(free_port())],
+                                cwd=tmp_path, env=env1, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    body = {"prompt": "The kettle", "max_tokens": 8, "temperature": 0}
+    try:
+        leader = Serve(tmp_path, env1, *common, "--process-id", "0")
+        try:
+            two = httpx.post(leader.url + "/v1/completions", json=body, timeout=120).json()
+        finally:
+            log = leader.stop()
+        assert leader.proc.returncode == 0, log[-3000:]
+        assert follower.wait(timeout=120) == 0, follower.stderr.read()[-3000:]
+    finally:
+        follower.kill()
+    single = Serve(tmp_path, env1, "--no-warmup")
+    try:
+        one = httpx.post(single.url + "/v1/completions", json=body, timeout=120).json()
+    finally:
+        single.stop()
+    assert two["usage"]["completion_tokens"] == one["usage"]["completion_tokens"] == 8
+    assert two["choices"][0]["text"] == one["choices"][0]["text"], (two, one)
