@@ -1,12 +1,14 @@
 """InferScale-JAX: personalized LLM serving by KV injection.
 
-Public API (docs/architecture.md): ``Engine``, ``EngineConfig``, ``SamplingParams`` and the exceptions
+Public API (docs/architecture.md): ``Engine`` (``LockstepEngine`` for a mesh over several processes:
+docs/multi_host.md), ``EngineConfig``, ``SamplingParams`` and the exceptions
 ``SegmentNotFound``, ``SegmentExists``, ``RequestTooLong``, ``SnapshotMismatch``.
 """
 
 from inferscale_jax.async_engine import AsyncEngine
 from inferscale_jax.config import EngineConfig
 from inferscale_jax.default_model import default_model_dir
+from inferscale_jax.distributed import LockstepEngine
 from inferscale_jax.engine import Engine
 from inferscale_jax.errors import (EngineFault, PoolExhausted, RequestTooLong, SegmentExists, SegmentNotFound,
                                    SnapshotCorrupt, SnapshotMismatch, StorageError)
@@ -21,6 +23,7 @@ __all__ = [
     "EngineConfig",
     "EngineFault",
     "GenerationOutput",
+    "LockstepEngine",
     "PoolExhausted",
     "RequestMetrics",
     "RequestOutput",
