@@ -51,7 +51,8 @@ class EngineConfig:
     #   save_snapshot() and close()
     strict_restore: bool = False  # a snapshot of another model/dtype/page size: raise (True) or log, start empty
     # tensor parallelism (sharding.py): weights Megatron-style and the KV pool (on kv heads) split over
-    # this many devices of one mesh; it must divide the model's heads, kv heads and MLP width
+    # this many devices of one mesh; it must divide the model's heads and MLP width, and divide its kv
+    # heads or be a multiple of them (kv heads replicated)
     tensor_parallel: int = 1
 
     def __post_init__(self):

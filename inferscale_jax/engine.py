@@ -93,7 +93,7 @@ class Engine:
             sharding.check_tensor_parallel(cfg, config.tensor_parallel, len(jax.devices()))
             self.mesh = sharding.make_mesh(config.tensor_parallel)
             run_cfg, self.params = sharding.shard_params(cfg, params, self.mesh)
-        cache = PagedKVCache.create(cfg, num_pages, s, self.dtype, impl, mesh=self.mesh)
+        cache = PagedKVCache.create(run_cfg, num_pages, s, self.dtype, impl, mesh=self.mesh)  # (its kv heads)
         self.max_batch = config.max_batch or self._auto_max_batch(num_pages)
         budget = config.max_num_batched_tokens or max(self.max_batch, 4 * config.prefill_chunk)
         if budget < self.max_batch:
@@ -177,8 +177,10 @@ class Engine:
         multiple of ``AUTO_PAGES_QUANTUM`` pages.  The pool's size is part of every compiled
         step's shapes, and free memory differs by a few MB from one start to the next: unrounded,
         a restart found none of its steps in the persistent compilation cache (bench/NOTES.md)."""
-        # with tensor parallelism each device holds 1/N of every page
-        per_page = page_bytes(self.cfg, self.config.page_size, self.dtype) // self.config.tensor_parallel
+        # with tensor parallelism each device holds 1/N of every page's kv heads (one replica when the
+        # model has fewer kv heads than N: sharding.py)
+        tp, kv = self.config.tensor_parallel, self.cfg.num_kv_heads
+        per_page = page_bytes(self.cfg, self.config.page_size, self.dtype) * max(kv, tp) // kv // tp
         stats = jax.local_devices()[0].memory_stats() or {}
         if "bytes_limit" in stats:
             free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)

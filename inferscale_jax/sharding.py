@@ -18,9 +18,13 @@ as they are, device 0 would hold only q columns.  ``interleave`` reorders them s
 ``i*Hkv/N ..`` (GQA maps q head h to kv head ``h // G``, so each device's q heads read only its own
 kv heads) - and the model splits the fused output per group (``ModelConfig.fused_shards``).
 
-The KV pool's ``[Hkv, P, S, D]`` layer arrays are split on kv heads, so N must divide the kv heads
-(replicating kv heads when N exceeds them, as vLLM does, is not built: the engine refuses with the
-limit named).  Page tables, slots and every per-step input are replicated.
+The KV pool's ``[Hkv, P, S, D]`` layer arrays are split on kv heads.  When N exceeds the kv heads
+(N a multiple of them), each kv head is replicated ``N / Hkv`` times, as vLLM does: the layout model
+(``layout_config``) has N kv heads whose k/v projections repeat the real ones (``expand_kv``), so
+device i holds kv head ``i // (N / Hkv)`` - the one its q heads read - and attention is unchanged.
+The pool then holds N / Hkv copies of each head (one per device); the tiers and snapshots keep the
+real heads only (``tiers.gather_pages`` takes one copy, ``scatter_pages`` repeats it), so their
+layout does not depend on N.  Page tables, slots and every per-step input are replicated.
 """
 
 from __future__ import annotations
@@ -53,10 +57,42 @@ def check_tensor_parallel(cfg: ModelConfig, tp: int, num_devices: int) -> None:
     if tp > num_devices:
         bad(f"only {num_devices} device(s) are visible; use at most {num_devices} (or start the process "
             "with more devices)")
-    for name, value in (("num_kv_heads", cfg.num_kv_heads), ("num_heads", cfg.num_heads),
-                        ("intermediate_size", cfg.intermediate_size)):
+    for name, value in (("num_heads", cfg.num_heads), ("intermediate_size", cfg.intermediate_size)):
         if value % tp:
             bad(f"it must divide the model's {name} ({value}); choose a divisor of {value}")
+    kv = cfg.num_kv_heads
+    if kv % tp and tp % kv:
+        bad(f"it must divide the model's num_kv_heads ({kv}) or be a multiple of it (each kv head then "
+            f"replicated); choose a divisor or a multiple of {kv}")
+
+
+def layout_config(cfg: ModelConfig, tp: int) -> ModelConfig:
+    """The model config of the tensor-parallel layout: fused matrices in ``tp`` groups, and ``tp`` kv
+    heads when the model has fewer (each replicated ``tp / Hkv`` times)."""
+    kv = tp if cfg.num_kv_heads < tp else cfg.num_kv_heads
+    return dataclasses.replace(cfg, num_kv_heads=kv, fused_shards=tp)
+
+
+def expand_kv(cfg: ModelConfig, params: dict, rep: int) -> dict:
+    """Each kv head's k and v projection columns (and biases) repeated ``rep`` times, in place."""
+    if rep == 1:
+        return params
+    qd, kvd, d = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.head_dim
+
+    def grow(w):
+        lead = w.shape[:-1]
+        q, k, v = w[..., :qd], w[..., qd:qd + kvd], w[..., qd + kvd:]
+        heads = lambda x: jnp.repeat(x.reshape(*lead, cfg.num_kv_heads, d), rep, axis=-2).reshape(*lead, -1)  # noqa: E731
+        return jnp.concatenate([q, heads(k), heads(v)], axis=-1)
+
+    layers = []
+    for p in params["layers"]:
+        p = dict(p)
+        for name in ("wqkv", "bqkv"):
+            if name in p:
+                p[name] = grow(p[name])
+        layers.append(p)
+    return dict(params, layers=layers)
 
 
 def make_mesh(tp: int, devices=None) -> Mesh:
@@ -117,8 +153,9 @@ def interleave(cfg: ModelConfig, params: dict, n: int) -> dict:
 def shard_params(cfg: ModelConfig, params: dict, mesh: Mesh) -> tuple[ModelConfig, dict]:
     """(the model config of the sharded layout, the weights interleaved and placed on the mesh)."""
     n = mesh.shape[AXIS]
-    shardings = param_shardings(cfg, mesh)
-    params = interleave(cfg, params, n)
+    lcfg = layout_config(cfg, n)
+    shardings = param_shardings(lcfg, mesh)
+    params = interleave(lcfg, expand_kv(cfg, params, lcfg.num_kv_heads // cfg.num_kv_heads), n)
     placed = {"layers": [dict() for _ in params["layers"]]}
     for path, sh in shardings.items():
         node = params
@@ -129,7 +166,7 @@ def shard_params(cfg: ModelConfig, params: dict, mesh: Mesh) -> tuple[ModelConfi
             placed["layers"][path[1]][path[2]] = value
         else:
             placed[path[0]] = value
-    return dataclasses.replace(cfg, fused_shards=n), placed
+    return lcfg, placed
 
 
 def replicated(mesh: Mesh) -> NamedSharding:

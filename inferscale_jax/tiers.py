@@ -83,17 +83,20 @@ def page_bucket(n: int) -> int:
     return -(-n // step) * step
 
 
-@jax.jit
-def gather_pages(cache: PagedKVCache, pages: jax.Array) -> jax.Array:
-    """pages [n] int32 -> [L, 2, Hkv, n, S, D]: every layer's K and V of those pages."""
-    return jnp.stack([jnp.stack([k[:, pages], v[:, pages]]) for k, v in zip(cache.k, cache.v)])
+@functools.partial(jax.jit, static_argnames=("rep",))
+def gather_pages(cache: PagedKVCache, pages: jax.Array, rep: int = 1) -> jax.Array:
+    """pages [n] int32 -> [L, 2, Hkv, n, S, D]: every layer's K and V of those pages.  ``rep`` > 1:
+    the pool repeats each real kv head ``rep`` times (tensor parallelism, sharding.py): one copy."""
+    return jnp.stack([jnp.stack([k[::rep, pages], v[::rep, pages]]) for k, v in zip(cache.k, cache.v)])
 
 
-@functools.partial(jax.jit, donate_argnames=("cache",))
-def scatter_pages(cache: PagedKVCache, kv: jax.Array, pages: jax.Array) -> PagedKVCache:
-    """Write kv [L, 2, Hkv, n, S, D] into pages [n] int32; ids outside the pool are dropped."""
-    ks = [k.at[:, pages].set(kv[i, 0], mode="drop") for i, k in enumerate(cache.k)]
-    vs = [v.at[:, pages].set(kv[i, 1], mode="drop") for i, v in enumerate(cache.v)]
+@functools.partial(jax.jit, donate_argnames=("cache",), static_argnames=("rep",))
+def scatter_pages(cache: PagedKVCache, kv: jax.Array, pages: jax.Array, rep: int = 1) -> PagedKVCache:
+    """Write kv [L, 2, Hkv, n, S, D] into pages [n] int32 (each kv head ``rep`` times); ids outside the
+    pool are dropped."""
+    grow = (lambda x: jnp.repeat(x, rep, axis=0)) if rep > 1 else (lambda x: x)  # noqa: E731
+    ks = [k.at[:, pages].set(grow(kv[i, 0]), mode="drop") for i, k in enumerate(cache.k)]
+    vs = [v.at[:, pages].set(grow(kv[i, 1]), mode="drop") for i, v in enumerate(cache.v)]
     return cache.with_pages(ks, vs)
 
 
@@ -141,12 +144,14 @@ class Tiers:
             # with an explicit sharding (committed); a cache that turned from uncommitted to committed
             # on the first promotion would recompile every jitted step that takes it.
             runner.cache = jax.device_put(cache, self.device_sharding)
-        else:  # tensor parallel: a block [L, 2, Hkv, n, S, D] is split on kv heads like the pool
-            spec = PartitionSpec(None, None, "tp")
+        else:  # tensor parallel: a block [L, 2, Hkv, n, S, D] is split on kv heads like the pool (replicated
+            # when the pool repeats fewer real heads than devices)
+            spec = PartitionSpec(None, None, "tp") if cache.k[0].shape[0] == cfg.num_kv_heads else PartitionSpec()
             self.device = cache.mesh.devices.flat[0]
             self.device_sharding = NamedSharding(cache.mesh, spec)
             pinned = pinned_host_sharding(self.device) is not None
             self.host_sharding = NamedSharding(cache.mesh, spec, memory_kind="pinned_host") if pinned else None
+        self.rep = cache.k[0].shape[0] // cfg.num_kv_heads  # copies of each kv head in the pool
         self.page_nbytes = page_bytes(cfg, ec.page_size, dtype)
         self.layout = (cfg.num_layers, 2, cfg.num_kv_heads, ec.page_size, cfg.head_dim)  # + nb at axis 3
         if ec.host_pages is not None:
@@ -214,7 +219,7 @@ class Tiers:
         n = len(node.pages)
         pages = np.zeros(page_bucket(n), np.int32)  # padding gathers the null page
         pages[:n] = node.pages
-        kv = gather_pages(self.runner.cache, jnp.asarray(pages))
+        kv = gather_pages(self.runner.cache, jnp.asarray(pages), self.rep)
         host = jax.device_put(kv, self.host_sharding) if self.host_sharding else np.asarray(jax.device_get(kv))
         jax.block_until_ready(host)
         seg = next(s for s in self.store.all_segments() if s.uid == uid)
@@ -317,7 +322,7 @@ class Tiers:
         t2 = time.perf_counter()
         padded = np.full(page_bucket(len(pages)), self.runner.cache.num_pages, np.int32)  # padding: dropped
         padded[:len(pages)] = pages
-        self.runner.cache = scatter_pages(self.runner.cache, dev, jnp.asarray(padded))
+        self.runner.cache = scatter_pages(self.runner.cache, dev, jnp.asarray(padded), self.rep)
         node = ChainNode(seg.namespace, (seg.uid,), num_tokens, pages)
         self.store.add_node(node)
         for h, page in zip(hashes or self.page_hashes(seg), pages):  # as KVManager.materialize would have
@@ -357,7 +362,7 @@ class Tiers:
         t0 = time.perf_counter()
         for nb in sorted({page_bucket(n) for n in page_counts}):
             kv = jax.ShapeDtypeStruct(self.shape(nb), self.dtype, sharding=self.device_sharding)
-            scatter_pages.lower(self.runner.cache, kv, jax.ShapeDtypeStruct((nb,), jnp.int32)).compile()
+            scatter_pages.lower(self.runner.cache, kv, jax.ShapeDtypeStruct((nb,), jnp.int32), self.rep).compile()
         return time.perf_counter() - t0
 
     def host_copies(self, segs: list[Segment]) -> dict[int, np.ndarray]:
@@ -380,7 +385,7 @@ class Tiers:
             if node is not None:
                 pages = np.zeros(page_bucket(len(node.pages)), np.int32)
                 pages[:len(node.pages)] = node.pages
-                group.append((seg.uid, gather_pages(self.runner.cache, jnp.asarray(pages))))
+                group.append((seg.uid, gather_pages(self.runner.cache, jnp.asarray(pages), self.rep)))
                 group_bytes += len(pages) * self.page_nbytes
                 if group_bytes >= TRANSFER_GROUP_BYTES:
                     flush()

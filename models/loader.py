@@ -85,11 +85,13 @@ def load_params(model_dir: str, cfg: ModelConfig, dtype=jnp.bfloat16) -> dict:
     return assemble(cfg, leaves)
 
 
-def _read_leaf(handle_of, cfg: ModelConfig, s, n: int, idx: tuple, dtype) -> np.ndarray:
-    """One device's slice ``idx`` of leaf ``s`` in the layout of ``n`` shard-major groups
-    (``ModelConfig.fused_shards``), read from the HF tensors with safetensors' slicing (only the
-    rows it needs of a row-major file)."""
+def _read_leaf(handle_of, cfg: ModelConfig, s, n: int, idx: tuple, dtype, rep: int = 1) -> np.ndarray:
+    """One device's slice ``idx`` of leaf ``s`` (a spec of the layout config ``cfg``) in the layout of
+    ``n`` shard-major groups (``ModelConfig.fused_shards``), read from the HF tensors with
+    safetensors' slicing (only the rows it needs of a row-major file).  ``rep`` > 1: the layout's kv
+    heads repeat each real one ``rep`` times (``sharding.expand_kv``); a group then holds one head."""
     names, sizes = s.hf_names, hf_split_sizes(cfg, s)
+    d = cfg.head_dim
     if len(names) == 1:
         sl = handle_of(names[0]).get_slice(names[0])
         x = sl[tuple(idx[::-1])].T if s.transpose else sl[tuple(idx)]
@@ -101,11 +103,13 @@ def _read_leaf(handle_of, cfg: ModelConfig, s, n: int, idx: tuple, dtype) -> np.
     pieces = []
     for g in range(o0 // per, -(-o1 // per)):
         off = g * per
-        for name, size in zip(names, sizes):
+        for part, (name, size) in enumerate(zip(names, sizes)):
             w = size // n
             lo, hi = max(o0, off), min(o1, off + w)
             if lo < hi:  # rows [r0, r1) of HF tensor `name` (its output axis)
                 r0, r1 = g * w + lo - off, g * w + hi - off
+                if rep > 1 and len(names) == 3 and part:  # k / v: layout head r0 // d is real head // rep
+                    r0, r1 = (r0 // d // rep) * d + r0 % d, (r0 // d // rep) * d + r0 % d + (r1 - r0)
                 sl = handle_of(name).get_slice(name)
                 pieces.append(np.asarray(sl[(slice(r0, r1),) + lead[::-1]]).T if s.transpose
                               else np.asarray(sl[r0:r1]))
@@ -118,15 +122,15 @@ def load_params_sharded(model_dir: str, cfg: ModelConfig, mesh, dtype=jnp.bfloat
     each device reads only its slice of every weight from the files (``jax.make_array_from_callback``;
     no full copy of the model on one device or in host memory: one slice at a time on the host).
     Returns (the model config of that layout, the pytree), as ``sharding.shard_params`` does."""
-    import dataclasses
-
-    from inferscale_jax.sharding import AXIS, param_shardings
+    from inferscale_jax.sharding import AXIS, layout_config, param_shardings
 
     where = safetensors_files(model_dir)
     specs = param_specs(cfg)
     _check_present(specs, where, model_dir)
     n = mesh.shape[AXIS]
-    shardings = param_shardings(cfg, mesh)
+    lcfg = layout_config(cfg, n)
+    rep = lcfg.num_kv_heads // cfg.num_kv_heads
+    shardings = param_shardings(lcfg, mesh)
     np_dtype = jnp.dtype(dtype)
     handles = {}
 
@@ -145,15 +149,15 @@ def load_params_sharded(model_dir: str, cfg: ModelConfig, mesh, dtype=jnp.bfloat
                     raise CheckpointError(f"tensor {name!r} in {os.path.basename(where[name])} has shape {got}, "
                                           f"expected {tuple(want)} from config.json")
         leaves = {}
-        for s in specs:
+        for s in param_specs(lcfg):
             groups = n if len(s.hf_names) > 1 else 1
             leaves[s.path] = jax.make_array_from_callback(
                 s.shape, shardings[s.path],
-                lambda idx, s=s, groups=groups: _read_leaf(handle_of, cfg, s, groups, idx, np_dtype))
+                lambda idx, s=s, groups=groups: _read_leaf(handle_of, lcfg, s, groups, idx, np_dtype, rep))
     finally:
         for h in handles.values():
             h.__exit__(None, None, None)
-    return dataclasses.replace(cfg, fused_shards=n), assemble(cfg, leaves)
+    return lcfg, assemble(lcfg, leaves)
 
 
 def _check_present(specs, where: dict, model_dir: str) -> None:

@@ -79,11 +79,24 @@ def test_each_device_holds_a_1_over_n_slice(res, tp, n):
         assert all(s == want for s in sh[name]), (name, sh[name], want)
 
 
-@pytest.mark.parametrize("tp", [2, 4])
-def test_sharded_loading_reads_the_same_weights(res, tp):
-    got = res[f"load{tp}"]
-    assert got["fused_shards"] == tp
+@pytest.mark.parametrize("name,tp,kv", [("load2", 2, 4), ("load4", 4, 4), ("load_rep4", 4, 4)])
+def test_sharded_loading_reads_the_same_weights(res, name, tp, kv):
+    got = res[name]
+    assert (got["fused_shards"], got["kv_heads"]) == (tp, kv)
     assert got["mismatch"] == []
+
+
+def test_kv_heads_replicated_when_devices_exceed_them(res):
+    """4 q / 2 kv heads on 4 devices: each device holds one copy of the kv head its q head reads."""
+    r, hf = res["rep4"], res["hf_rep"]
+    for case in ("chain", "again", "plain"):
+        close(r[case], hf["chain"])
+    close(r["promoted"], hf["a_q"])
+    for case in ("chain", "again", "plain", "compose", "promoted"):
+        close(r[case], res["rep1"][case])
+    assert (r["tier_before"], r["tier_after"]) == ("host", "hbm")
+    close(r["restored"], hf["a_q"])  # a snapshot of the replicated pool restored at TP=2 (heads split)
+    assert r["shards"]["pages"] == [[1, 64, 8, 16]] * 4
 
 
 def test_from_pretrained_tensor_parallel(res):

@@ -39,7 +39,7 @@ def chosen(out):
     return out.token_ids, [out.logprobs[i][t] for i, t in enumerate(out.token_ids)]
 
 
-def run(params, cfg, tp, seg_a, seg_b, q, work, **kw):
+def run(params, cfg, tp, seg_a, seg_b, q, work, label="", **kw):
     sp = SamplingParams(max_tokens=N_OUT, temperature=0.0, ignore_eos=True, logprobs=1)
     conf = dict(dtype="float32", page_size=8, hbm_pages=64, prefill_chunk=16, tensor_parallel=tp, **kw)
     e = Engine(params, cfg, None, EngineConfig(**conf))
@@ -64,7 +64,7 @@ def run(params, cfg, tp, seg_a, seg_b, q, work, **kw):
     r["shards"]["pages"] = [list(s.data.shape) for s in e.runner.cache.k[0].addressable_shards]
     r["mesh"] = e.stats()["mesh"]["tensor_parallel"]
     if tp > 1:  # a snapshot of this TP degree restored onto another one re-shards
-        snap = os.path.join(work, f"snap{tp}-{kw.get('attention_impl', 'ref')}")
+        snap = os.path.join(work, f"snap{label}{tp}-{kw.get('attention_impl', 'ref')}")
         s = Engine(params, cfg, None, EngineConfig(**dict(conf, snapshot_dir=snap)))
         s.register_segment("a", token_ids=seg_a)
         s.save_snapshot()
@@ -89,17 +89,24 @@ def main(work):
            "hf": {"chain": hf_greedy(model, seg_a + seg_b + q), "a_q": hf_greedy(model, seg_a + q)}}
     for tp in (1, 2, 4):
         res[str(tp)] = run(params, cfg, tp, seg_a, seg_b, q, work)
+    # 2 kv heads on 4 devices: each kv head replicated twice (sharding.expand_kv)
+    model2 = build_hf_model("llama", os.path.join(work, "hf2"))
+    cfg2 = ModelConfig.from_pretrained(os.path.join(work, "hf2"))
+    params2 = load_params(os.path.join(work, "hf2"), cfg2, np.float32)
+    res["hf_rep"] = {"chain": hf_greedy(model2, seg_a + seg_b + q), "a_q": hf_greedy(model2, seg_a + q)}
+    for tp in (1, 4):
+        res[f"rep{tp}"] = run(params2, cfg2, tp, seg_a, seg_b, q, work, label="rep")
     # sharded loading: each device reads its slices from the files; the same arrays as loading whole
     # and sharding after, for the fused (q/k/v, gate/up), row-parallel, vocab-parallel and replicated
-    # weights
+    # weights, and for replicated kv heads
     from inferscale_jax import sharding
     from models import load_params_sharded
-    for tp in (2, 4):
+    for name, c, p, tp in (("load2", cfg, params, 2), ("load4", cfg, params, 4), ("load_rep4", cfg2, params2, 4)):
         mesh = sharding.make_mesh(tp)
-        lcfg, loaded = load_params_sharded(os.path.join(work, "hf"), cfg, mesh, np.float32)
-        _, placed = sharding.shard_params(cfg, params, mesh)
+        lcfg, loaded = load_params_sharded(os.path.join(work, "hf" if c is cfg else "hf2"), c, mesh, np.float32)
+        _, placed = sharding.shard_params(c, p, mesh)
         leaves = zip(jax.tree_util.tree_leaves_with_path(loaded), jax.tree_util.tree_leaves(placed))
-        res[f"load{tp}"] = {"fused_shards": lcfg.fused_shards, "mismatch": [
+        res[name] = {"fused_shards": lcfg.fused_shards, "kv_heads": lcfg.num_kv_heads, "mismatch": [
             jax.tree_util.keystr(path) for (path, a), b in leaves
             if a.sharding != b.sharding or not np.array_equal(np.asarray(a), np.asarray(b))]}
     # Engine.from_pretrained with tensor_parallel=2 loads sharded (no tokenizer in this folder: ids only)
