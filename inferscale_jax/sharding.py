@@ -169,6 +169,29 @@ def shard_params(cfg: ModelConfig, params: dict, mesh: Mesh) -> tuple[ModelConfi
     return lcfg, placed
 
 
+def init_params_sharded(cfg: ModelConfig, mesh: Mesh, key: jax.Array, dtype=jnp.bfloat16,
+                        scale: float = 0.02) -> tuple[ModelConfig, dict]:
+    """Random weights (``models.init_params``'s values) generated in the tensor-parallel layout on the
+    mesh, each device computing its own shards (benchmarks of models too large for one device)."""
+    from models import init_params
+
+    n = mesh.shape[AXIS]
+    lcfg = layout_config(cfg, n)
+    shardings = param_shardings(lcfg, mesh)
+    out = {"layers": [dict() for _ in range(cfg.num_layers)]}
+    for path, sh in shardings.items():
+        if path[0] == "layers":
+            out["layers"][path[1]][path[2]] = sh
+        else:
+            out[path[0]] = sh
+    rep = lcfg.num_kv_heads // cfg.num_kv_heads
+
+    def make(k):
+        return interleave(lcfg, expand_kv(cfg, init_params(cfg, k, dtype=dtype, scale=scale), rep), n)
+
+    return lcfg, jax.jit(make, out_shardings=out)(key)
+
+
 def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, P())
 

@@ -101,3 +101,7 @@ def test_kv_heads_replicated_when_devices_exceed_them(res):
 
 def test_from_pretrained_tensor_parallel(res):
     close(res["pretrained2"], res["hf"]["a_q"])
+
+
+def test_random_weights_generated_sharded_equal_init_params(res):
+    assert res["init_sharded_mismatch"] == []

@@ -115,6 +115,15 @@ def main(work):
     out = e.generate(prompt_token_ids=seg_a + q, sampling=SamplingParams(max_tokens=N_OUT, temperature=0.0,
                                                                          ignore_eos=True, logprobs=1))
     res["pretrained2"] = chosen(out)
+    # random weights generated sharded (benchmarks): init_params' values in the layout of shard_params
+    from models import init_params
+    mesh = sharding.make_mesh(4)
+    _, gen = sharding.init_params_sharded(cfg2, mesh, jax.random.PRNGKey(3), np.float32)
+    _, ref = sharding.shard_params(cfg2, init_params(cfg2, jax.random.PRNGKey(3), np.float32), mesh)
+    res["init_sharded_mismatch"] = [
+        jax.tree_util.keystr(path) for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(gen),
+                                                            jax.tree_util.tree_leaves(ref))
+        if a.sharding != b.sharding or not np.allclose(np.asarray(a), np.asarray(b), rtol=0, atol=1e-6)]
     # the Pallas kernels (interpret mode on the CPU) inside shard_map, TP=2
     res["pallas2"] = run(params, cfg, 2, seg_a, seg_b, q, work, attention_impl="pallas")
     print("TP_RESULT " + json.dumps(res), flush=True)
