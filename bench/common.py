@@ -33,6 +33,8 @@ import time
 
 LLAMA3_8B = dict(vocab=128256, hidden=4096, inter=14336, layers=32, heads=32, kv=8, head_dim=128,
                  theta=500000.0, max_pos=32768, eps=1e-5)
+LLAMA3_70B = dict(vocab=128256, hidden=8192, inter=28672, layers=80, heads=64, kv=8, head_dim=128,
+                  theta=500000.0, max_pos=32768, eps=1e-5)
 TINY = dict(vocab=512, hidden=64, inter=128, layers=2, heads=4, kv=2, head_dim=16,
             theta=500000.0, max_pos=2048, eps=1e-5)
 
