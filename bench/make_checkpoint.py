@@ -1,4 +1,4 @@
-"""Write a Llama-3-8B-shaped HF checkpoint of random bf16 weights, for serving benchmarks that
+"""Write a Llama-3-8B-shaped (or ``--shape 70b``) HF checkpoint of random bf16 weights, for benchmarks that
 load a model folder (``bench/serve.py --model``): ``config.json``, sharded
 ``model-0000i-of-0000n.safetensors`` + index, and the embedded default model's tokenizer with
 one added token ``<tN>`` for every id past its own, so each id the model can sample decodes to
@@ -24,7 +24,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [os.path.dirname(HERE), HERE]
 
-from common import model_config, shape  # noqa: E402  (bench/common.py: the 8B shape)
+from common import LLAMA3_70B, model_config, shape  # noqa: E402  (bench/common.py: the shapes)
 from inferscale_jax.default_model import HF_CONFIG, default_model_dir  # noqa: E402
 from models.params import hf_split_sizes, param_specs  # noqa: E402
 
@@ -35,12 +35,17 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("out")
     ap.add_argument("--quick", action="store_true", help="the tiny bench shape (CPU: the harness only)")
+    ap.add_argument("--shape", choices=["8b", "70b"], default="8b", help="Llama-3 shape (default: %(default)s)")
+    ap.add_argument("--layers", type=int, default=None,
+                    help="fewer layers than the shape has (a load-time probe of a model too big for the disk)")
     args = ap.parse_args()
     import torch
     from safetensors.torch import save_file
 
     t0 = time.perf_counter()
-    sh = shape(args.quick)
+    sh = shape(args.quick) if args.shape == "8b" or args.quick else dict(LLAMA3_70B)
+    if args.layers:
+        sh = dict(sh, layers=args.layers)
     cfg = model_config(sh)
     os.makedirs(args.out, exist_ok=True)
     from transformers import PreTrainedTokenizerFast

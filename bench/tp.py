@@ -22,6 +22,12 @@ c. The 8B shape at TP=1 and TP=N: decode step at batch 1 (target TP=1 / TP=N >= 
    throughput at 64 rows (64 requests of 64 prompt tokens, 32 new tokens each, all submitted at once;
    tok/s over the window where every request decodes, ``batch_decode.run_batch``).
 
+d. Loading: a 70B-shaped checkpoint with ``--load-layers`` of its 80 layers (default 8, ~18 GB: the
+   whole model does not fit the disk) written by ``bench/make_checkpoint.py`` in a child process, then
+   ``Engine.from_pretrained`` at TP=N: seconds, the process's peak host memory before and after
+   (``ru_maxrss``: each device reads only its slices, one at a time), and the load time scaled to 80
+   layers.
+
 Writes ``tp.md`` to ``--out``.
 """
 
@@ -170,6 +176,42 @@ def large(args):
 
 
 @section
+def loading(args):
+    import resource
+    import shutil
+    import subprocess
+    import tempfile
+
+    from inferscale_jax import Engine, EngineConfig
+
+    tp = jax.device_count()
+    folder = tempfile.mkdtemp(prefix="tp-load-", dir=args.load_dir)
+    try:
+        cmd = [sys.executable, os.path.join(ROOT, "bench", "make_checkpoint.py"), folder]
+        cmd += ["--quick"] if args.quick else ["--shape", "70b", "--layers", str(args.load_layers)]
+        t0 = time.time()
+        subprocess.run(cmd, check=True, capture_output=True, text=True)
+        log(f"  checkpoint written in {time.time() - t0:.0f} s")
+        size = sum(os.path.getsize(os.path.join(folder, f)) for f in os.listdir(folder) if f.endswith(".safetensors"))
+        rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        t0 = time.time()
+        eng = Engine.from_pretrained(folder, EngineConfig(dtype="bfloat16", page_size=16, hbm_pages=1 + 64,
+                                                          tensor_parallel=tp, compilation_cache=False))
+        dt = time.time() - t0
+        rss1 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        layers = eng.cfg.num_layers
+        del eng
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+    full = 80 if not args.quick else layers
+    R["load"] = dict(s=dt, bytes=size, rss0=rss0, rss1=rss1, layers=layers)
+    table(f"d. Engine.from_pretrained at TP={tp}, a {'tiny' if args.quick else '70B'}-shaped checkpoint of {layers} layers",
+          ["checkpoint GB", "load s", "GB/s", "peak host RSS before GB", "after GB", f"load s scaled to {full} layers"],
+          [[f"{size / 1e9:.1f}", f"{dt:.1f}", f"{size / dt / 1e9:.2f}", f"{rss0 / 1e9:.2f}", f"{rss1 / 1e9:.2f}",
+            f"{dt * full / layers:.0f}"]])
+
+
+@section
 def small(args):
     tp = jax.device_count()
     sh = dict(TINY, heads=8, kv=4, head_dim=16, hidden=128, inter=256) if args.quick else LLAMA3_8B
@@ -201,7 +243,9 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=os.path.join("bench", "results"))
     ap.add_argument("--quick", action="store_true", help="tiny shapes (works on CPU host devices)")
-    ap.add_argument("--sections", default="abc")
+    ap.add_argument("--sections", default="abcd")
+    ap.add_argument("--load-layers", type=int, default=8, help="section d: layers of the 70B-shaped checkpoint")
+    ap.add_argument("--load-dir", default=None, help="section d: where the checkpoint is written (default: tmp)")
     args = ap.parse_args()
     log(f"devices: {jax.devices()}  jax {jax.__version__}")
     t0 = time.time()
@@ -211,6 +255,8 @@ def main():
         large(args)
     if "c" in args.sections:
         small(args)
+    if "d" in args.sections:
+        loading(args)
     dev = jax.devices()[0]
     cmd = " ".join(shlex.quote(a) for a in [os.path.relpath(sys.argv[0], ROOT)] + sys.argv[1:])
     head = [f"# Tensor-parallel benchmark ({'quick, tiny shapes' if args.quick else '70B and 8B shapes, random bf16'})",
