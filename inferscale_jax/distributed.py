@@ -14,9 +14,10 @@ mesh: NCCL on GPUs, gloo on CPUs), padded to a power-of-two size so few shapes c
 ``initialize`` starts ``jax.distributed`` (coordinator address, process count and id; or the
 cluster environment JAX detects when they are None), with gloo as the CPU collectives.
 
-Not across processes yet: the host and disk tiers (a demoted segment is dropped and recomputed on
-use: ``host_pages`` and ``disk_pages`` are set to 0) and snapshots (``snapshot_dir`` is refused);
-each needs every process to move its own shards of the pages.
+Across processes the pinned-host tier works as in one (each process keeps its own shards of a
+demoted segment in its host memory).  Not across processes yet: the disk tier (``disk_pages`` is set
+to 0: a segment leaving the host tier is recomputed on use) and snapshots (``snapshot_dir`` is
+refused); both need every process to write and read its own shards.
 """
 
 from __future__ import annotations
@@ -72,7 +73,7 @@ def lockstep_config(config: EngineConfig) -> EngineConfig:
     if jax.process_count() > 1 and config.snapshot_dir:
         raise ValueError(f"snapshot_dir={config.snapshot_dir!r} is not supported with {jax.process_count()} "
                          "processes yet: serve without --snapshot-dir (docs/architecture.md, tensor parallelism)")
-    return dataclasses.replace(config, host_pages=0, disk_pages=0) if jax.process_count() > 1 else config
+    return dataclasses.replace(config, disk_pages=0) if jax.process_count() > 1 else config
 
 
 class LockstepEngine(Engine):

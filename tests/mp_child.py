@@ -17,7 +17,7 @@ from inferscale_jax import distributed  # noqa: E402
 
 def main(pid: int, port: int) -> None:
     distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=pid)
-    from mp_common import CASES, GREEDY, config, model, segment
+    from mp_common import CASES, GREEDY, config, fill, model, segment
 
     from inferscale_jax import SamplingParams
 
@@ -29,6 +29,12 @@ def main(pid: int, port: int) -> None:
         return
     engine.register_segment("a", token_ids=segment())
     outs = engine.generate_batch(CASES)
+    # pool pressure: more segments than the pool holds demote the least recently used ones to each
+    # process's pinned host memory (its own shards); naming one promotes it back in both processes
+    fill(engine)
+    tiers = {"a_before": engine.segment_tier("a")}
+    promoted = engine.generate(prompt_token_ids=[9, 8, 7], segments=["a"], sampling=GREEDY)
+    tiers["a_after"] = engine.segment_tier("a")
     engine.delete_segment("a")
     try:
         engine.generate(prompt_token_ids=[1, 2], segments=["a"])  # raises in both processes alike
@@ -38,7 +44,8 @@ def main(pid: int, port: int) -> None:
     again = engine.generate(prompt_token_ids=[5, 6, 7], sampling=GREEDY)
     engine.generate(prompt_token_ids=[5, 6, 7], sampling=SamplingParams(max_tokens=4, temperature=1.0))
     engine.close()
-    print("MP_RESULT " + json.dumps({"tokens": [o.token_ids for o in outs], "error": err,
+    print("MP_RESULT " + json.dumps({"tokens": [o.token_ids for o in outs], "error": err, "tiers": tiers,
+                                     "promoted": promoted.token_ids,
                                      "again": again.token_ids, "mesh": engine.stats()["mesh"]["tensor_parallel"]}),
           flush=True)
 

@@ -29,4 +29,10 @@ def segment():
 
 
 def config(**kw):
-    return EngineConfig(**dict(dict(dtype="float32", page_size=8, hbm_pages=64, prefill_chunk=16), **kw))
+    return EngineConfig(**dict(dict(dtype="float32", page_size=8, hbm_pages=40, prefill_chunk=16), **kw))
+
+
+def fill(engine):
+    """More segments than the 40-page pool holds beside "a": the least recently used go to the host tier."""
+    for i in range(10):
+        engine.register_segment(f"fill{i}", token_ids=segment()[i:] + [i + 3])

@@ -2,14 +2,15 @@
 CPU device each; process 0 leads a ``LockstepEngine`` and process 1 follows it
 (``inferscale_jax/distributed.py``).  Their tokens equal a one-process TP=1 engine's - greedy and
 seeded sampling, with an injected segment - and a call that fails (a deleted segment) fails alike
-in both, which stay in step."""
+in both, which stay in step; a segment demoted under pool pressure to each process's pinned host
+memory (its own shards) is promoted back alike."""
 
 import json
 import os
 import subprocess
 import sys
 
-from mp_common import CASES, GREEDY, config, model, segment
+from mp_common import CASES, GREEDY, config, fill, model, segment
 from server_util import free_port
 
 from inferscale_jax import Engine
@@ -42,5 +43,10 @@ def test_two_processes_tp2_equal_one_process_tp1(tmp_path):
     ref.register_segment("a", token_ids=segment())
     want = [o.token_ids for o in ref.generate_batch(CASES)]
     assert got["tokens"] == want
+    fill(ref)
+    assert ref.segment_tier("a") == "host"
+    assert got["tiers"] == {"a_before": "host", "a_after": "hbm"}
+    assert got["promoted"] == ref.generate(prompt_token_ids=[9, 8, 7], segments=["a"], sampling=GREEDY).token_ids
     assert got["error"] == "SegmentNotFound"
+    ref.delete_segment("a")
     assert got["again"] == ref.generate(prompt_token_ids=[5, 6, 7], sampling=GREEDY).token_ids
