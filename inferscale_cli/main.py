@@ -156,7 +156,8 @@ def cmd_precompute(args) -> int:
     from inferscale_jax.precompute import precompute
 
     config = EngineConfig(dtype=resolve_dtype(args.dtype), page_size=args.page_size,
-                          snapshot_dir=args.snapshot_dir, max_batch=args.batch, tensor_parallel=args.tensor_parallel)
+                          snapshot_dir=args.snapshot_dir, max_batch=args.batch, tensor_parallel=args.tensor_parallel,
+                          kv_dtype=args.kv_dtype)
     with Engine.from_pretrained(_model_dir(args), config) as engine:
         w = engine.warmup(serving=False)  # the batch job's step buckets, several compiling at once
         print(f"warm-up: {w['buckets']} step shapes ready in {w['seconds']:.1f} s", file=sys.stderr)
@@ -208,7 +209,7 @@ def cmd_serve(args) -> int:
                      snapshot_interval_s=args.snapshot_interval)
     config = EngineConfig(dtype=resolve_dtype(args.dtype), page_size=args.page_size, hbm_pages=args.hbm_pages,
                           max_batch=args.max_batch, max_num_batched_tokens=args.max_num_batched_tokens,
-                          tensor_parallel=args.tensor_parallel, **extra)
+                          tensor_parallel=args.tensor_parallel, kv_dtype=args.kv_dtype, **extra)
     if lockstep is not None:
         config = lockstep.lockstep_config(config)
         engine = lockstep.LockstepEngine.from_pretrained(args.model, config)
@@ -312,6 +313,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="KV page size; must match the server's (default: %(default)s)")
     s.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
                    help="split the model and its KV pool over N devices of this host (default: %(default)s)")
+    s.add_argument("--kv-dtype", default=None, choices=["int8", "float8_e4m3fn"],
+                   help="compressed KV pages (a scale per token and head; the jnp attention for now; default: "
+                        "the model's dtype)")
     s.set_defaults(fn=cmd_precompute)
 
     s = add("serve", help="OpenAI-compatible HTTP server with segments, tenants, streaming, metrics")
@@ -332,6 +336,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--hbm-pages", type=int, help="KV pool pages (default: sized from free device memory)")
     s.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
                    help="split the model and its KV pool over N devices of this host (default: %(default)s)")
+    s.add_argument("--kv-dtype", default=None, choices=["int8", "float8_e4m3fn"],
+                   help="compressed KV pages (a scale per token and head; the jnp attention for now; default: "
+                        "the model's dtype)")
     s.add_argument("--max-batch", type=int, default=None,
                    help="sequences per device step (default: from the machine: 256 on a GPU, 64 on the CPU)")
     s.add_argument("--max-num-batched-tokens", type=int, default=None,

@@ -7,6 +7,7 @@ import os
 
 DTYPES = ("bfloat16", "float32", "float16")
 ATTENTION_IMPLS = ("auto", "pallas", "ref")
+QUANTIZED_KV_DTYPES = ("int8", "float8_e4m3fn")
 MATMUL_PRECISIONS = ("default", "high", "highest")
 
 
@@ -15,6 +16,9 @@ class EngineConfig:
     page_size: int = 16
     hbm_pages: int | None = None  # None: size the pool from free device memory (a multiple of 512 pages)
     dtype: str = "bfloat16"
+    # the KV pages' dtype: None = the model's dtype; "int8" / "float8_e4m3fn" store compressed KV with a
+    # float32 scale per (token, kv head), twice the tokens per byte (pallas_kernels/quant.py)
+    kv_dtype: str | None = None
     snapshot_dir: str | None = None
     # sequences per device step; None: from the machine (256 on a GPU/TPU, 64 on the CPU, fewer when
     # the page pool holds less than 1024 tokens per sequence: Engine.max_batch)
@@ -72,6 +76,9 @@ class EngineConfig:
             bad("hbm_pages", self.hbm_pages, "must be >= 2 (page 0 is the reserved null page) or None")
         if self.dtype not in DTYPES:
             bad("dtype", self.dtype, f"must be one of {DTYPES}")
+        if self.kv_dtype not in (None, self.dtype, *QUANTIZED_KV_DTYPES):
+            bad("kv_dtype", self.kv_dtype, f"must be None (the model's dtype, {self.dtype}) or one of "
+                f"{QUANTIZED_KV_DTYPES}")
         if self.max_batch is not None and self.max_batch < 1:
             bad("max_batch", self.max_batch, "must be >= 1 or None")
         if self.prefill_chunk < 16 or self.prefill_chunk & (self.prefill_chunk - 1):
@@ -101,6 +108,15 @@ class EngineConfig:
             bad("snapshot_interval_s", self.snapshot_interval_s, "must be > 0 or None")
         if self.snapshot_interval_s is not None and not self.snapshot_dir:
             bad("snapshot_interval_s", self.snapshot_interval_s, "needs snapshot_dir to be set")
+
+    @property
+    def quantized_kv(self) -> bool:
+        return self.kv_dtype in QUANTIZED_KV_DTYPES
+
+    @property
+    def storage_label(self) -> str:
+        """The dtype snapshots record and compare: the model's, plus the KV's when it is compressed."""
+        return f"{self.dtype}/kv={self.kv_dtype}" if self.quantized_kv else self.dtype
 
     @property
     def resolved_matmul_precision(self) -> str:

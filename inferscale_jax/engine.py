@@ -75,13 +75,18 @@ class Engine:
         self.max_model_len = min(config.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
         # model fingerprint = config + weights digest (given by from_pretrained) + dtype + page size
         base = fingerprint or f"{config_digest(cfg)}|unnamed-weights"
-        self.fingerprint = hashlib.sha256(f"{base}|{config.dtype}|{s}".encode()).hexdigest()
+        kv_tag = f"|kv={config.kv_dtype}" if config.quantized_kv else ""  # compressed KV: other bytes
+        self.fingerprint = hashlib.sha256(f"{base}|{config.dtype}|{s}{kv_tag}".encode()).hexdigest()
         self.model_fingerprint = hashlib.sha256(base.encode()).hexdigest()  # the part SnapshotMismatch names
         num_pages = config.hbm_pages or self._auto_pages()
         impl = config.attention_impl
         if impl == "auto":
             pow2 = cfg.head_dim >= 16 and cfg.head_dim & (cfg.head_dim - 1) == 0
             impl = "pallas" if jax.default_backend() == "gpu" and pow2 else "ref"
+        if config.quantized_kv and impl == "pallas":
+            raise ValueError(f"kv_dtype={config.kv_dtype!r} runs on the jnp attention for now: the Pallas kernels "
+                             "do not read compressed pages yet; pass attention_impl='ref' (slower on a GPU) "
+                             "or leave kv_dtype unset")
         self.compilation_cache_dir = (compile_cache.enable(config.compilation_cache_dir)
                                       if config.compilation_cache else None)
         # tensor parallelism (sharding.py): the weights in the sharded layout, placed on the mesh; the
@@ -93,7 +98,8 @@ class Engine:
             sharding.check_tensor_parallel(cfg, config.tensor_parallel, len(jax.devices()))
             self.mesh = sharding.make_mesh(config.tensor_parallel)
             run_cfg, self.params = sharding.shard_params(cfg, params, self.mesh)
-        cache = PagedKVCache.create(run_cfg, num_pages, s, self.dtype, impl, mesh=self.mesh)  # (its kv heads)
+        cache = PagedKVCache.create(run_cfg, num_pages, s, self.dtype, impl, mesh=self.mesh,  # (its kv heads)
+                                    kv_dtype=config.kv_dtype)
         self.max_batch = config.max_batch or self._auto_max_batch(num_pages)
         budget = config.max_num_batched_tokens or max(self.max_batch, 4 * config.prefill_chunk)
         if budget < self.max_batch:
@@ -180,7 +186,10 @@ class Engine:
         # with tensor parallelism each device holds 1/N of every page's kv heads (one replica when the
         # model has fewer kv heads than N: sharding.py)
         tp, kv = self.config.tensor_parallel, self.cfg.num_kv_heads
-        per_page = page_bytes(self.cfg, self.config.page_size, self.dtype) * max(kv, tp) // kv // tp
+        kv_bytes = self.dtype if not self.config.quantized_kv else jnp.int8  # (+ 4 bytes of scale per row)
+        per_page = page_bytes(self.cfg, self.config.page_size, kv_bytes) * max(kv, tp) // kv // tp
+        if self.config.quantized_kv:
+            per_page = per_page * (self.cfg.head_dim + 4) // self.cfg.head_dim
         stats = jax.local_devices()[0].memory_stats() or {}
         if "bytes_limit" in stats:
             free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
@@ -503,6 +512,8 @@ class Engine:
             "node_jobs": len(self.scheduler.jobs),
             "preemptions": self.scheduler.preemptions,
             "attention_impl": self.runner.cache.impl,
+            "kv_dtype": self.config.kv_dtype or self.config.dtype,
+            "kv_bytes_per_token": self.tiers.page_nbytes // self.config.page_size,  # all layers, K and V (+ scales)
             "mesh": sharding.mesh_stats(self.mesh, self.runner.device),
             "tiers": self.tiers.stats(),
             "snapshot": self.persistence.stats() if self.persistence is not None else None,

@@ -31,7 +31,8 @@ from models.dense_cache import dense_attention
 from pallas_kernels.cascade_attention import (shared_prefix_decode_attention,
                                               shared_prefix_decode_attention_ref)
 from pallas_kernels.decode_attention import paged_decode_attention, paged_decode_attention_ref
-from pallas_kernels.kv_write import write_kv, write_kv_pallas
+from pallas_kernels.kv_write import write_kv, write_kv_pallas, write_kv_quantized
+from pallas_kernels.quant import dequantize_kv, is_quantized
 from pallas_kernels.ragged_attention import ragged_paged_attention, ragged_paged_attention_ref
 
 
@@ -65,22 +66,43 @@ class PagedKVCache:
     # tensor parallelism (inferscale_jax/sharding.py): the pages are split on kv heads over this
     # mesh's "tp" axis and ``attend`` runs per shard; None: one device
     mesh: Mesh | None = dataclasses.field(default=None, metadata=dict(static=True))
+    # compressed KV (pallas_kernels/quant.py): int8 / float8 pages and one float32 scale per (token,
+    # kv head), L x [Hkv, P, S]; None for pages of the model's dtype
+    k_scale: list[jax.Array] | None = None
+    v_scale: list[jax.Array] | None = None
+    compute_dtype: str = dataclasses.field(default="bfloat16", metadata=dict(static=True))  # of dequantized KV
 
     @classmethod
     def create(cls, cfg: ModelConfig, num_pages: int, page_size: int, dtype, impl: str = "ref",
-               mesh: Mesh | None = None) -> "PagedKVCache":
+               mesh: Mesh | None = None, kv_dtype=None) -> "PagedKVCache":
+        kv_dtype = jnp.dtype(kv_dtype or dtype)
         shape = (cfg.num_kv_heads, num_pages, page_size, cfg.head_dim)
-        if mesh is None:
-            zeros = lambda: jnp.zeros(shape, dtype)  # noqa: E731
-        else:  # each device allocates only its own kv heads
-            from inferscale_jax.sharding import kv_sharding
-            zeros = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=kv_sharding(mesh))
-        return cls(k=[zeros() for _ in range(cfg.num_layers)], v=[zeros() for _ in range(cfg.num_layers)],
-                   impl=impl, mesh=mesh)
 
-    def with_pages(self, k: list, v: list) -> "PagedKVCache":
-        """The same cache (impl, mesh) over other page arrays."""
-        return dataclasses.replace(self, k=k, v=v)
+        def zeros_of(shp, dt):
+            if mesh is None:
+                return lambda: jnp.zeros(shp, dt)
+            from inferscale_jax.sharding import kv_sharding  # each device allocates only its own kv heads
+            return jax.jit(lambda: jnp.zeros(shp, dt), out_shardings=kv_sharding(mesh))
+
+        zeros = zeros_of(shape, kv_dtype)
+        scales = None
+        if is_quantized(kv_dtype):
+            ones = zeros_of(shape[:-1], jnp.float32)
+            scales = ([ones() for _ in range(cfg.num_layers)], [ones() for _ in range(cfg.num_layers)])
+        return cls(k=[zeros() for _ in range(cfg.num_layers)], v=[zeros() for _ in range(cfg.num_layers)],
+                   impl=impl, mesh=mesh, k_scale=scales[0] if scales else None,
+                   v_scale=scales[1] if scales else None, compute_dtype=jnp.dtype(dtype).name)
+
+    @property
+    def quantized(self) -> bool:
+        return self.k_scale is not None
+
+    def with_pages(self, k: list, v: list, k_scale: list | None = None, v_scale: list | None = None) -> "PagedKVCache":
+        """The same cache (impl, mesh, dtypes) over other page arrays (and scales, when quantized)."""
+        return dataclasses.replace(self, k=k, v=v, k_scale=k_scale, v_scale=v_scale)
+
+    def _scales(self, layer: int):
+        return (self.k_scale[layer], self.v_scale[layer]) if self.quantized else (None, None)
 
     @property
     def num_pages(self) -> int:
@@ -92,41 +114,62 @@ class PagedKVCache:
 
     def layer_view(self, layer: int) -> "PagedKVCache":
         """The cache of one layer (as layer 0), for ``forward``'s per-layer nested jit."""
-        return self.with_pages([self.k[layer]], [self.v[layer]])
+        ks, vs = self._scales(layer)
+        return self.with_pages([self.k[layer]], [self.v[layer]], *(([ks], [vs]) if self.quantized else ()))
 
     def with_layer(self, layer: int, view: "PagedKVCache") -> "PagedKVCache":
         ks, vs = list(self.k), list(self.v)
         ks[layer], vs[layer] = view.k[0], view.v[0]
-        return self.with_pages(ks, vs)
+        if not self.quantized:
+            return self.with_pages(ks, vs)
+        kss, vss = list(self.k_scale), list(self.v_scale)
+        kss[layer], vss[layer] = view.k_scale[0], view.v_scale[0]
+        return self.with_pages(ks, vs, kss, vss)
 
     def attend(self, layer: int, q: jax.Array, k: jax.Array, v: jax.Array,
                positions: jax.Array, meta: AttnMeta) -> tuple[jax.Array, "PagedKVCache"]:
-        if self.mesh is None:
-            out, kp, vp = _write_and_attend(q, k, v, self.k[layer], self.v[layer], positions, meta, self.impl)
-        else:  # per shard: each device its own q / kv heads and pages; tables and lengths replicated
+        scales = self._scales(layer)
+        fn = functools.partial(_write_and_attend, impl=self.impl, compute_dtype=self.compute_dtype)
+        if self.mesh is not None:  # per shard: each device its own q / kv heads and pages; tables replicated
             heads = PartitionSpec(None, None, "tp", None)
             pages = PartitionSpec("tp")
             rep = PartitionSpec()
-            fn = jax.shard_map(functools.partial(_write_and_attend, impl=self.impl), mesh=self.mesh,
-                               in_specs=(heads, heads, heads, pages, pages, rep, rep),
-                               out_specs=(heads, pages, pages), check_vma=False)
-            out, kp, vp = fn(q, k, v, self.k[layer], self.v[layer], positions, meta)
+            fn = jax.shard_map(fn, mesh=self.mesh, in_specs=(heads, heads, heads, pages, pages, pages, rep, rep),
+                               out_specs=(heads, pages, pages, pages), check_vma=False)
+        out, kp, vp, new_scales = fn(q, k, v, self.k[layer], self.v[layer], scales, positions, meta)
         ks, vs = list(self.k), list(self.v)
         ks[layer], vs[layer] = kp, vp
-        return out, self.with_pages(ks, vs)
+        if not self.quantized:
+            return out, self.with_pages(ks, vs)
+        kss, vss = list(self.k_scale), list(self.v_scale)
+        kss[layer], vss[layer] = new_scales
+        return out, self.with_pages(ks, vs, kss, vss)
 
 
 def _write_and_attend(q: jax.Array, k: jax.Array, v: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
-                      positions: jax.Array, meta: AttnMeta, impl: str):
-    """Scatter the step's new K/V into their slots, then attend (one device's heads)."""
+                      scales: tuple, positions: jax.Array, meta: AttnMeta, impl: str, compute_dtype: str):
+    """Scatter the step's new K/V into their slots, then attend (one device's heads).  Quantized pages
+    (``scales`` = (k_scale, v_scale)): the new tokens are quantized as they are written, and the jnp
+    attention reads the layer's pages dequantized (the Pallas kernels do not read quantized pages yet:
+    the engine refuses that combination)."""
     b, t, hq, d = q.shape  # q [B, T, Hq, D]; k/v [B, T, Hkv, D]
     hkv = k.shape[2]
-    dtype = k_pages.dtype
     pallas = impl == "pallas"
+    if scales[0] is not None:
+        kq, vq, ks, vs = write_kv_quantized(k_pages, v_pages, scales[0], scales[1], k.reshape(b * t, hkv, d),
+                                            v.reshape(b * t, hkv, d), meta.slots)
+        dtype = jnp.dtype(compute_dtype)
+        kp, vp = dequantize_kv(kq, ks, dtype), dequantize_kv(vq, vs, dtype)
+        out = _attend(q.astype(dtype), kp, vp, positions, meta, pallas)
+        return out, kq, vq, (ks, vs)
+    dtype = k_pages.dtype
     write = write_kv_pallas if pallas else write_kv  # the Pallas scatter is ~5x faster on the H200
     kp, vp = write(k_pages, v_pages, k.reshape(b * t, hkv, d).astype(dtype),
                    v.reshape(b * t, hkv, d).astype(dtype), meta.slots)
-    q = q.astype(dtype)
+    return _attend(q.astype(dtype), kp, vp, positions, meta, pallas), kp, vp, (None, None)
+
+
+def _attend(q, kp, vp, positions, meta: AttnMeta, pallas: bool):
     if meta.by_position:
         out = paged_attention_by_position(q, kp, vp, meta.page_table, positions)
     elif meta.ragged:  # q [1, N]: the flat tokens of a mixed step
@@ -139,7 +182,7 @@ def _write_and_attend(q: jax.Array, k: jax.Array, v: jax.Array, k_pages: jax.Arr
     else:  # q [1, R]: one token per row
         fn = paged_decode_attention if pallas else paged_decode_attention_ref
         out = fn(q[0], kp, vp, meta.page_table, meta.kv_lens)[None]
-    return out, kp, vp
+    return out
 
 
 def paged_attention_by_position(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,

@@ -44,7 +44,7 @@ from inferscale_jax.errors import EngineFault
 from inferscale_jax.kv_cache import AttnMeta, PagedKVCache
 from inferscale_jax.sampling import MAX_LOGPROBS, sample_tokens
 from models import ModelConfig, forward
-from pallas_kernels.splice import splice_kv, splice_kv_ref
+from pallas_kernels.splice import splice_kv, splice_kv_quantized_ref, splice_kv_ref
 
 log = logging.getLogger("inferscale.runner")
 
@@ -227,6 +227,8 @@ class PendingStep:
 
 @functools.partial(jax.jit, static_argnames=("use_kernel",), donate_argnames=("cache",))
 def _splice(cache: PagedKVCache, src_slots, dst_slots, shift, inv_freq, *, use_kernel: bool):
+    if cache.quantized:  # compressed KV: the jnp splice (dequantize, rotate, quantize again)
+        return _splice_quantized(cache, src_slots, dst_slots, shift, inv_freq)
     fn = splice_kv if use_kernel else splice_kv_ref
     if cache.mesh is not None:  # per shard: each device re-rotates its own kv heads' pages
         pages, rep = jax.sharding.PartitionSpec("tp"), jax.sharding.PartitionSpec()
@@ -238,6 +240,17 @@ def _splice(cache: PagedKVCache, src_slots, dst_slots, shift, inv_freq, *, use_k
         ks.append(k)
         vs.append(v)
     return cache.with_pages(ks, vs)
+
+
+def _splice_quantized(cache: PagedKVCache, src_slots, dst_slots, shift, inv_freq):
+    fn = splice_kv_quantized_ref
+    if cache.mesh is not None:
+        pages, rep = jax.sharding.PartitionSpec("tp"), jax.sharding.PartitionSpec()
+        fn = jax.shard_map(fn, mesh=cache.mesh, in_specs=(pages,) * 4 + (rep,) * 4, out_specs=(pages,) * 4,
+                           check_vma=False)
+    out = [fn(k, v, ks, vs, src_slots, dst_slots, shift, inv_freq)
+           for k, v, ks, vs in zip(cache.k, cache.v, cache.k_scale, cache.v_scale)]
+    return cache.with_pages(*[[o[i] for o in out] for i in range(4)])
 
 
 class ModelRunner:

@@ -173,7 +173,7 @@ class Persistence:
             os.makedirs(self.snap_dir, exist_ok=True)
         except OSError as err:
             raise storage_error(err, self.dir, f"creating {self.snap_dir}") or err
-        self.identity = Identity(kv.fingerprint, model_fingerprint, kv.config.dtype, kv.config.page_size)
+        self.identity = Identity(kv.fingerprint, model_fingerprint, kv.config.storage_label, kv.config.page_size)
         self.registry = Registry(os.path.join(self.dir, "registry.sqlite3"), self.identity)
         self._writer: threading.Thread | None = None
         self._dirty = False
@@ -524,9 +524,9 @@ class Persistence:
             if arr is None:
                 raise self._corrupt(path, f"segment {rec['id']!r} (uid {uid}) is listed but its KV is missing")
             shape = e.tiers.shape(int(rec["num_pages"]))
-            if tuple(arr.shape) != shape or arr.dtype != e.dtype:
+            if tuple(arr.shape) != shape or arr.dtype != e.tiers.block_dtype:
                 raise self._corrupt(path, f"segment {rec['id']!r} has KV of shape {tuple(arr.shape)} {arr.dtype}, "
-                                          f"expected {shape} {e.dtype}")
+                                          f"expected {shape} {e.tiers.block_dtype}")
             if sums[rec["key"]] != int(rec["crc32"]):
                 raise self._corrupt(path, f"segment {rec['id']!r} fails its CRC-32 checksum")
             arrays[uid] = arr

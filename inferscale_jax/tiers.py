@@ -56,10 +56,11 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 
 from inferscale_jax.errors import StorageError
-from inferscale_jax.kv_cache import PagedKVCache, page_bytes
+from inferscale_jax.kv_cache import PagedKVCache
 from inferscale_jax.prefix_cache import root_hash
 from inferscale_jax.registry import storage_error
 from inferscale_jax.segments import ChainNode, Segment, SegmentStore
+from pallas_kernels.quant import pack_block, unpack_block
 
 if TYPE_CHECKING:
     from inferscale_jax.config import EngineConfig
@@ -86,7 +87,12 @@ def page_bucket(n: int) -> int:
 @functools.partial(jax.jit, static_argnames=("rep",))
 def gather_pages(cache: PagedKVCache, pages: jax.Array, rep: int = 1) -> jax.Array:
     """pages [n] int32 -> [L, 2, Hkv, n, S, D]: every layer's K and V of those pages.  ``rep`` > 1:
-    the pool repeats each real kv head ``rep`` times (tensor parallelism, sharding.py): one copy."""
+    the pool repeats each real kv head ``rep`` times (tensor parallelism, sharding.py): one copy.
+    Quantized pages: [L, 2, Hkv, n, S, D + 4] uint8, each row's scale appended (quant.pack_block)."""
+    if cache.quantized:
+        return jnp.stack([jnp.stack([pack_block(k[::rep, pages], ks[::rep, pages]),
+                                     pack_block(v[::rep, pages], vs[::rep, pages])])
+                          for k, v, ks, vs in zip(cache.k, cache.v, cache.k_scale, cache.v_scale)])
     return jnp.stack([jnp.stack([k[::rep, pages], v[::rep, pages]]) for k, v in zip(cache.k, cache.v)])
 
 
@@ -95,6 +101,13 @@ def scatter_pages(cache: PagedKVCache, kv: jax.Array, pages: jax.Array, rep: int
     """Write kv [L, 2, Hkv, n, S, D] into pages [n] int32 (each kv head ``rep`` times); ids outside the
     pool are dropped."""
     grow = (lambda x: jnp.repeat(x, rep, axis=0)) if rep > 1 else (lambda x: x)  # noqa: E731
+    if cache.quantized:
+        out: list[list] = [[], [], [], []]
+        for i, (k, v, ks, vs) in enumerate(zip(cache.k, cache.v, cache.k_scale, cache.v_scale)):
+            (kq, kss), (vq, vss) = unpack_block(kv[i, 0], k.dtype), unpack_block(kv[i, 1], v.dtype)
+            for j, (arr, new) in enumerate(((k, kq), (v, vq), (ks, kss), (vs, vss))):
+                out[j].append(arr.at[:, pages].set(grow(new), mode="drop"))
+        return cache.with_pages(*out)
     ks = [k.at[:, pages].set(grow(kv[i, 0]), mode="drop") for i, k in enumerate(cache.k)]
     vs = [v.at[:, pages].set(grow(kv[i, 1]), mode="drop") for i, v in enumerate(cache.v)]
     return cache.with_pages(ks, vs)
@@ -152,8 +165,11 @@ class Tiers:
             pinned = pinned_host_sharding(self.device) is not None
             self.host_sharding = NamedSharding(cache.mesh, spec, memory_kind="pinned_host") if pinned else None
         self.rep = cache.k[0].shape[0] // cfg.num_kv_heads  # copies of each kv head in the pool
-        self.page_nbytes = page_bytes(cfg, ec.page_size, dtype)
-        self.layout = (cfg.num_layers, 2, cfg.num_kv_heads, ec.page_size, cfg.head_dim)  # + nb at axis 3
+        # a block's rows: D values of the KV dtype, or (compressed KV) D bytes + the scale's 4 (quant.py)
+        self.block_dtype = np.dtype(np.uint8) if cache.quantized else np.dtype(dtype)
+        row = cfg.head_dim + 4 if cache.quantized else cfg.head_dim
+        self.layout = (cfg.num_layers, 2, cfg.num_kv_heads, ec.page_size, row)  # + nb at axis 3
+        self.page_nbytes = int(np.prod(self.layout)) * self.block_dtype.itemsize
         if ec.host_pages is not None:
             self.host_capacity = ec.host_pages
         else:  # 4x the HBM pool, at most a quarter of the machine's RAM
@@ -269,7 +285,7 @@ class Tiers:
         self.counters["evictions_disk"] += 1
 
     def _read_disk(self, entry: TierEntry) -> np.ndarray:
-        arr = np.empty(self.shape(entry.num_pages), self.dtype)
+        arr = np.empty(self.shape(entry.num_pages), self.block_dtype)
         buf = memoryview(arr.reshape(-1).view(np.uint8))
         with open(entry.path, "rb") as f:
             got = f.readinto(buf)
@@ -361,7 +377,7 @@ class Tiers:
         """Compile the scatter for the buckets of ``page_counts`` ahead of use; returns the seconds spent."""
         t0 = time.perf_counter()
         for nb in sorted({page_bucket(n) for n in page_counts}):
-            kv = jax.ShapeDtypeStruct(self.shape(nb), self.dtype, sharding=self.device_sharding)
+            kv = jax.ShapeDtypeStruct(self.shape(nb), self.block_dtype, sharding=self.device_sharding)
             scatter_pages.lower(self.runner.cache, kv, jax.ShapeDtypeStruct((nb,), jnp.int32), self.rep).compile()
         return time.perf_counter() - t0
 

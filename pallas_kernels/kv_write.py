@@ -125,3 +125,29 @@ def write_kv_ref(k_pages, v_pages, k_new, v_new, slots):
     k = k_pages.at[:, page, off].set(jnp.swapaxes(k_new, 0, 1))
     v = v_pages.at[:, page, off].set(jnp.swapaxes(v_new, 0, 1))
     return k, v
+
+
+@jax.jit
+def write_kv_quantized(
+    k_pages: jax.Array,  # [Hkv, P, S, D] int8 / float8_e4m3fn
+    v_pages: jax.Array,
+    k_scale: jax.Array,  # [Hkv, P, S] float32: one scale per (token, head) (pallas_kernels/quant.py)
+    v_scale: jax.Array,
+    k_new: jax.Array,  # [N, Hkv, D] the model's dtype
+    v_new: jax.Array,
+    slots: jax.Array,  # [N] int32
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """Quantize the new tokens (per token and head) and scatter values and scales into their slots."""
+    from pallas_kernels.quant import quantize_kv
+
+    hkv, p, s, d = k_pages.shape
+
+    def put(pages, scales, new):
+        q, sc = quantize_kv(new, pages.dtype)  # [N, Hkv, D], [N, Hkv]
+        flat = pages.reshape(hkv, p * s, d).at[:, slots].set(jnp.swapaxes(q, 0, 1), mode="drop")
+        sflat = scales.reshape(hkv, p * s).at[:, slots].set(sc.T, mode="drop")
+        return flat.reshape(pages.shape), sflat.reshape(scales.shape)
+
+    kp, ks = put(k_pages, k_scale, k_new)
+    vp, vs = put(v_pages, v_scale, v_new)
+    return kp, vp, ks, vs

@@ -124,6 +124,9 @@ def main(work):
         jax.tree_util.keystr(path) for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(gen),
                                                             jax.tree_util.tree_leaves(ref))
         if a.sharding != b.sharding or not np.allclose(np.asarray(a), np.asarray(b), rtol=0, atol=1e-6)]
+    # compressed KV pages (int8 and a float32 scale per token and head) split over 2 devices
+    for tp in (1, 2):
+        res[f"int8_{tp}"] = run(params, cfg, tp, seg_a, seg_b, q, work, label="int8", kv_dtype="int8")
     # the Pallas kernels (interpret mode on the CPU) inside shard_map, TP=2
     res["pallas2"] = run(params, cfg, 2, seg_a, seg_b, q, work, attention_impl="pallas")
     print("TP_RESULT " + json.dumps(res), flush=True)
