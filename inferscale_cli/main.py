@@ -314,8 +314,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
                    help="split the model and its KV pool over N devices of this host (default: %(default)s)")
     s.add_argument("--kv-dtype", default=None, choices=["int8", "float8_e4m3fn"],
-                   help="compressed KV pages (a scale per token and head; the jnp attention for now; default: "
-                        "the model's dtype)")
+                   help="compressed KV pages, a float32 scale per token and head (default: the model's dtype)")
     s.set_defaults(fn=cmd_precompute)
 
     s = add("serve", help="OpenAI-compatible HTTP server with segments, tenants, streaming, metrics")
@@ -337,8 +336,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
                    help="split the model and its KV pool over N devices of this host (default: %(default)s)")
     s.add_argument("--kv-dtype", default=None, choices=["int8", "float8_e4m3fn"],
-                   help="compressed KV pages (a scale per token and head; the jnp attention for now; default: "
-                        "the model's dtype)")
+                   help="compressed KV pages, a float32 scale per token and head (default: the model's dtype)")
     s.add_argument("--max-batch", type=int, default=None,
                    help="sequences per device step (default: from the machine: 256 on a GPU, 64 on the CPU)")
     s.add_argument("--max-num-batched-tokens", type=int, default=None,

@@ -83,10 +83,6 @@ class Engine:
         if impl == "auto":
             pow2 = cfg.head_dim >= 16 and cfg.head_dim & (cfg.head_dim - 1) == 0
             impl = "pallas" if jax.default_backend() == "gpu" and pow2 else "ref"
-        if config.quantized_kv and impl == "pallas":
-            raise ValueError(f"kv_dtype={config.kv_dtype!r} runs on the jnp attention for now: the Pallas kernels "
-                             "do not read compressed pages yet; pass attention_impl='ref' (slower on a GPU) "
-                             "or leave kv_dtype unset")
         self.compilation_cache_dir = (compile_cache.enable(config.compilation_cache_dir)
                                       if config.compilation_cache else None)
         # tensor parallelism (sharding.py): the weights in the sharded layout, placed on the mesh; the

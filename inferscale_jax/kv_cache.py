@@ -149,18 +149,15 @@ class PagedKVCache:
 def _write_and_attend(q: jax.Array, k: jax.Array, v: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
                       scales: tuple, positions: jax.Array, meta: AttnMeta, impl: str, compute_dtype: str):
     """Scatter the step's new K/V into their slots, then attend (one device's heads).  Quantized pages
-    (``scales`` = (k_scale, v_scale)): the new tokens are quantized as they are written, and the jnp
-    attention reads the layer's pages dequantized (the Pallas kernels do not read quantized pages yet:
-    the engine refuses that combination)."""
+    (``scales`` = (k_scale, v_scale)): the new tokens are quantized as they are written, and the
+    kernels (and their references) dequantize each row they read with its scale."""
     b, t, hq, d = q.shape  # q [B, T, Hq, D]; k/v [B, T, Hkv, D]
     hkv = k.shape[2]
     pallas = impl == "pallas"
-    if scales[0] is not None:
+    if scales[0] is not None:  # compressed pages: quantized as written, dequantized as read
         kq, vq, ks, vs = write_kv_quantized(k_pages, v_pages, scales[0], scales[1], k.reshape(b * t, hkv, d),
                                             v.reshape(b * t, hkv, d), meta.slots)
-        dtype = jnp.dtype(compute_dtype)
-        kp, vp = dequantize_kv(kq, ks, dtype), dequantize_kv(vq, vs, dtype)
-        out = _attend(q.astype(dtype), kp, vp, positions, meta, pallas)
+        out = _attend(q.astype(jnp.dtype(compute_dtype)), kq, vq, positions, meta, pallas, (ks, vs))
         return out, kq, vq, (ks, vs)
     dtype = k_pages.dtype
     write = write_kv_pallas if pallas else write_kv  # the Pallas scatter is ~5x faster on the H200
@@ -169,19 +166,22 @@ def _write_and_attend(q: jax.Array, k: jax.Array, v: jax.Array, k_pages: jax.Arr
     return _attend(q.astype(dtype), kp, vp, positions, meta, pallas), kp, vp, (None, None)
 
 
-def _attend(q, kp, vp, positions, meta: AttnMeta, pallas: bool):
-    if meta.by_position:
+def _attend(q, kp, vp, positions, meta: AttnMeta, pallas: bool, scales=(None, None)):
+    sc = {} if scales[0] is None else dict(k_scale=scales[0], v_scale=scales[1])
+    if meta.by_position:  # (blend's recompute, plain jnp: compressed pages dequantized first)
+        if sc:
+            kp, vp = dequantize_kv(kp, sc["k_scale"], q.dtype), dequantize_kv(vp, sc["v_scale"], q.dtype)
         out = paged_attention_by_position(q, kp, vp, meta.page_table, positions)
     elif meta.ragged:  # q [1, N]: the flat tokens of a mixed step
         fn = ragged_paged_attention if pallas else ragged_paged_attention_ref
-        out = fn(q[0], kp, vp, meta.page_table, meta.cu_q_lens, meta.kv_lens)[None]  # [1, N, Hq, D]
+        out = fn(q[0], kp, vp, meta.page_table, meta.cu_q_lens, meta.kv_lens, **sc)[None]  # [1, N, Hq, D]
     elif meta.shared_pages is not None:  # q [1, R]: one token per row, a cascade group
         fn = shared_prefix_decode_attention if pallas else shared_prefix_decode_attention_ref
         out = fn(q[0], kp, vp, meta.shared_pages, meta.shared_len, meta.page_table,
-                 meta.kv_lens, meta.shared_rows)[None]
+                 meta.kv_lens, meta.shared_rows, **sc)[None]
     else:  # q [1, R]: one token per row
         fn = paged_decode_attention if pallas else paged_decode_attention_ref
-        out = fn(q[0], kp, vp, meta.page_table, meta.kv_lens)[None]
+        out = fn(q[0], kp, vp, meta.page_table, meta.kv_lens, **sc)[None]
     return out
 
 

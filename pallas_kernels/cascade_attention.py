@@ -79,13 +79,13 @@ MIN_BLOCKS_PER_SPLIT = 4
 
 
 def check_shared_prefix_inputs(q, k_pages, v_pages, shared_pages, shared_len, suffix_table,
-                               suffix_lens, shared_rows=None) -> tuple[int, ...]:
+                               suffix_lens, shared_rows=None, k_scale=None, v_scale=None) -> tuple[int, ...]:
     """Validate both functions' inputs; return (B, Hq, Hkv, G, P, S, D, Ps, MP).
 
     Length *values* are checked too when concrete (eager calls), skipped under jit.
     """
     b, hq, hkv, g, p, s, d, mp = check_decode_inputs(q, k_pages, v_pages, suffix_table,
-                                                     suffix_lens)
+                                                     suffix_lens, k_scale, v_scale)
     if shared_pages.ndim != 1 or not jnp.issubdtype(shared_pages.dtype, jnp.integer):
         common._fail("shared_pages", f"{shared_pages.dtype}{list(shared_pages.shape)}",
                      "a 1-D int32 page list [Ps]")
@@ -122,15 +122,15 @@ def _shared_kernel(
     q_ref,  # [R, D] query rows of one kv head
     k_ref,  # [P*S, D] (head h, all pages)
     v_ref,  # [P*S, D]
-    o_ref,  # [R, D] fp32 unnormalised partial
-    m_ref,  # [R] fp32 running max (log2 units)
-    l_ref,  # [R] fp32 sum
-    *,
+    *refs,  # (ks_ref, vs_ref [P*S] fp32 when quantized), o_ref [R, D] fp32 unnormalised partial,
+    #         m_ref [R] fp32 running max (log2 units), l_ref [R] fp32 sum
+    quantized: bool,
     page_size: int,
     block_kv: int,
     split_tokens: int,
     scale_log2: float,
 ):
+    scale_refs, (o_ref, m_ref, l_ref) = (refs[:2], refs[2:]) if quantized else ((), refs)
     split = pl.program_id(2)
     rows, d = q_ref.shape
     q = q_ref[...]  # [R, D]
@@ -154,6 +154,9 @@ def _shared_kernel(
         o, m, l, slot = carry  # [R, D], [R], [R] fp32; [BK] slots of tile i
         k = k_ref[slot]  # [BK, D]
         v = v_ref[slot]
+        if scale_refs:  # compressed pages: dequantized in registers with each row's scale
+            k = (k.astype(jnp.float32) * scale_refs[0][slot][:, None]).astype(q.dtype)
+            v = (v.astype(jnp.float32) * scale_refs[1][slot][:, None]).astype(q.dtype)
         next_slot = slots_of(i + 1)  # off the critical path of the next iteration
         logits = lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=_PREC,
                                  preferred_element_type=jnp.float32) * scale_log2  # [R, BK]
@@ -178,7 +181,7 @@ def _shared_kernel(
     l_ref[...] = l
 
 
-def _shared_part(q, k_pages, v_pages, shared_pages, shared_len, *, sm_scale, block_rows,
+def _shared_part(q, k_pages, v_pages, shared_pages, shared_len, k_scale, v_scale, *, sm_scale, block_rows,
                  block_kv, num_splits, num_warps, num_stages, interpret):
     """(o_shared [B, Hq, D] fp32 normalised, lse_shared [B, Hq] fp32 natural log)."""
     b, hq, d = q.shape
@@ -199,9 +202,14 @@ def _shared_part(q, k_pages, v_pages, shared_pages, shared_len, *, sm_scale, blo
     split_tokens = pl.cdiv(max_blocks, num_splits) * block_kv
     num_splits = pl.cdiv(ps * s, split_tokens)  # drop splits that could never hold tokens
 
-    kernel = functools.partial(_shared_kernel, page_size=s, block_kv=block_kv,
+    quantized = k_scale is not None
+    kernel = functools.partial(_shared_kernel, quantized=quantized, page_size=s, block_kv=block_kv,
                                split_tokens=split_tokens, scale_log2=float(sm_scale) * _LOG2E)
     per_head = pl.BlockSpec((None, p * s, d), lambda r, h, t: (h, 0, 0))
+    scales, scale_specs = (), []
+    if quantized:  # each head's [P*S] scales, whole
+        scales = (k_scale.reshape(hkv, p * s), v_scale.reshape(hkv, p * s))
+        scale_specs = [pl.BlockSpec((None, p * s), lambda r, h, t: (h, 0))] * 2
     o, m, l = pl.pallas_call(
         kernel,
         grid=(row_blocks, hkv, num_splits),  # row blocks fastest: K/V tiles shared in L2
@@ -209,7 +217,7 @@ def _shared_part(q, k_pages, v_pages, shared_pages, shared_len, *, sm_scale, blo
             pl.BlockSpec((1,), lambda r, h, t: (0,)),  # shared_len
             pl.BlockSpec((ps,), lambda r, h, t: (0,)),  # shared page list: whole
             pl.BlockSpec((None, block_rows, d), lambda r, h, t: (h, r, 0)),  # query rows
-            per_head, per_head,
+            per_head, per_head, *scale_specs,
         ],
         out_specs=[
             pl.BlockSpec((None, None, block_rows, d), lambda r, h, t: (h, t, r, 0)),
@@ -225,7 +233,7 @@ def _shared_part(q, k_pages, v_pages, shared_pages, shared_len, *, sm_scale, blo
         interpret=interpret,
         name=f"shared_prefix_decode_r{block_rows}_bk{block_kv}_sp{num_splits}",
     )(jnp.reshape(shared_len, (1,)).astype(jnp.int32), shared_pages.astype(jnp.int32), qr,
-      k_pages.reshape(hkv, p * s, d), v_pages.reshape(hkv, p * s, d))
+      k_pages.reshape(hkv, p * s, d), v_pages.reshape(hkv, p * s, d), *scales)
     m_max = jnp.max(m, axis=1)  # [Hkv, Rp]
     w = jnp.exp2(m - m_max[:, None])  # [Hkv, NS, Rp]
     l_tot = jnp.sum(l * w, axis=1)  # [Hkv, Rp]
@@ -258,14 +266,14 @@ def merge_lse(o_a, lse_a, o_b, lse_b):
     "sm_scale", "block_rows", "block_kv", "num_splits", "suffix_num_splits", "num_warps",
     "num_stages", "interpret"))
 def _cascade(q, k_pages, v_pages, shared_pages, shared_len, suffix_table, suffix_lens,
-             shared_rows, *, sm_scale, block_rows, block_kv, num_splits, suffix_num_splits,
+             shared_rows, k_scale, v_scale, *, sm_scale, block_rows, block_kv, num_splits, suffix_num_splits,
              num_warps, num_stages, interpret):
     o_sf, lse_sf = paged_decode_attention(q, k_pages, v_pages, suffix_table, suffix_lens,
                                           sm_scale=sm_scale, num_splits=suffix_num_splits,
-                                          interpret=interpret, return_lse=True)
+                                          interpret=interpret, return_lse=True, k_scale=k_scale, v_scale=v_scale)
     if shared_pages.shape[0] == 0:  # no shared prefix at all: plain decode
         return o_sf
-    o_sh, lse_sh = _shared_part(q, k_pages, v_pages, shared_pages, shared_len,
+    o_sh, lse_sh = _shared_part(q, k_pages, v_pages, shared_pages, shared_len, k_scale, v_scale,
                                 sm_scale=sm_scale, block_rows=block_rows, block_kv=block_kv,
                                 num_splits=num_splits, num_warps=num_warps,
                                 num_stages=num_stages, interpret=interpret)
@@ -293,8 +301,11 @@ def shared_prefix_decode_attention(
     num_warps: int | None = None,
     num_stages: int | None = None,
     interpret: bool | None = None,
+    k_scale: jax.Array | None = None,
+    v_scale: jax.Array | None = None,
 ) -> jax.Array:  # [B, Hq, D], dtype of q
     """Decode attention over a shared prefix + per-row suffixes (see the module docstring).
+    Compressed pages: ``k_scale`` / ``v_scale [Hkv, P, S]`` float32, rows dequantized in registers.
 
     Knobs of the shared part: ``block_rows`` query rows per program (power of two >= 16;
     default 128, 64 for fp32), ``block_kv`` tokens per tile (power of two >= 16, default 64),
@@ -304,7 +315,7 @@ def shared_prefix_decode_attention(
     Eager calls also check the length values (one host sync); under jit only shapes are.
     """
     b, hq, hkv, g, p, s, d, ps, mp = check_shared_prefix_inputs(
-        q, k_pages, v_pages, shared_pages, shared_len, suffix_table, suffix_lens, shared_rows)
+        q, k_pages, v_pages, shared_pages, shared_len, suffix_table, suffix_lens, shared_rows, k_scale, v_scale)
     common.check_power_of_two("page_size", s)
     common.check_power_of_two("head_dim", d, common.MIN_DOT_DIM)
     # defaults from the H200 sweep (bench/NOTES.md, `bench/kernels.py --sections f --tune`):
@@ -323,7 +334,8 @@ def shared_prefix_decode_attention(
     sm_scale = 1.0 / math.sqrt(d) if sm_scale is None else float(sm_scale)
     interpret = common.default_interpret() if interpret is None else interpret
     return _cascade(q, k_pages, v_pages, shared_pages, jnp.asarray(shared_len, jnp.int32),
-                    suffix_table, suffix_lens, shared_rows, sm_scale=sm_scale, block_rows=block_rows,
+                    suffix_table, suffix_lens, shared_rows, k_scale, v_scale, sm_scale=sm_scale,
+                    block_rows=block_rows,
                     block_kv=block_kv, num_splits=num_splits,
                     suffix_num_splits=suffix_num_splits, num_warps=num_warps,
                     num_stages=num_stages, interpret=interpret)
@@ -340,14 +352,20 @@ def shared_prefix_decode_attention_ref(
     shared_rows: jax.Array | None = None,  # [B] bool
     *,
     sm_scale: float | None = None,
+    k_scale: jax.Array | None = None,
+    v_scale: jax.Array | None = None,
     **unused_knobs,
 ) -> jax.Array:  # [B, Hq, D]
-    """Pure-jnp reference: per row, gather shared + suffix tokens, mask, fp32 softmax.
+    """Pure-jnp reference: per row, gather shared + suffix tokens, mask, fp32 softmax (compressed
+    pages dequantized to q's dtype first, as the kernel does).
 
     The kernel's tuning arguments are accepted and ignored (one call site for both)."""
     del unused_knobs
     b, hq, hkv, g, p, s, d, ps, mp = check_shared_prefix_inputs(
-        q, k_pages, v_pages, shared_pages, shared_len, suffix_table, suffix_lens, shared_rows)
+        q, k_pages, v_pages, shared_pages, shared_len, suffix_table, suffix_lens, shared_rows, k_scale, v_scale)
+    if k_scale is not None:
+        from pallas_kernels.quant import dequantize_kv
+        k_pages, v_pages = dequantize_kv(k_pages, k_scale, q.dtype), dequantize_kv(v_pages, v_scale, q.dtype)
     sm_scale = 1.0 / math.sqrt(d) if sm_scale is None else float(sm_scale)
     hi = lax.Precision.HIGHEST
     shared_ok = jnp.broadcast_to(jnp.arange(ps * s) < jnp.asarray(shared_len), (b, ps * s))

@@ -108,3 +108,27 @@ def merge_splits(o_part: jax.Array, lse: jax.Array, dtype) -> jax.Array:
     w = jnp.exp2(lse - jnp.where(jnp.isfinite(lse_max), lse_max, 0.0))  # empty split: 0
     denom = w.sum(axis=0)
     return ((w[..., None] * o_part).sum(axis=0) / jnp.where(denom > 0, denom, 1.0)[..., None]).astype(dtype)
+
+
+def check_scales(k_pages: jax.Array, k_scale, v_scale) -> bool:
+    """Compressed pages (``pallas_kernels/quant.py``): int8 / float8 ``k_pages`` need float32 scales
+    ``[Hkv, P, S]`` for K and V; other pages take none.  Returns whether the pages are quantized."""
+    quantized = k_pages.dtype in (jnp.dtype(jnp.int8), jnp.dtype(jnp.float8_e4m3fn))
+    if quantized != (k_scale is not None) or (k_scale is None) != (v_scale is None):
+        _fail("k_scale / v_scale", "given" if k_scale is not None else None,
+              "both, exactly when the pages are int8 / float8_e4m3fn (one float32 scale per token and head)")
+    if quantized:
+        for name, sc in (("k_scale", k_scale), ("v_scale", v_scale)):
+            if sc.shape != k_pages.shape[:-1]:
+                _fail(f"{name}.shape", sc.shape, f"{k_pages.shape[:-1]} = [Hkv, P, S] of the pages")
+            check_dtype(name, sc, jnp.float32)
+    return quantized
+
+
+def query_dtype_ok(q: jax.Array, k_pages: jax.Array, quantized: bool) -> None:
+    """q has the pages' dtype, or (compressed pages) any float dtype the pages dequantize to."""
+    if quantized:
+        if not jnp.issubdtype(q.dtype, jnp.floating) or q.dtype == jnp.dtype(jnp.float8_e4m3fn):
+            _fail("q.dtype", q.dtype, "bfloat16 / float16 / float32 (compressed pages dequantize to q's dtype)")
+    else:
+        check_dtype("q", q, k_pages.dtype)

@@ -62,12 +62,12 @@ TARGET_BLOCK_TOKENS = 128  # H200 sweep (bench/NOTES.md): 128-token tiles beat 6
 MIN_BLOCKS_PER_SPLIT = 1  # H200: B=1 short contexts want every block in flight (latency-bound)
 
 
-def check_decode_inputs(q, k_pages, v_pages, page_table, lengths) -> tuple[int, ...]:
+def check_decode_inputs(q, k_pages, v_pages, page_table, lengths, k_scale=None, v_scale=None) -> tuple[int, ...]:
     """Validate decode inputs; return (B, Hq, Hkv, G, P, S, D, max_pages)."""
     hkv, p, s, d = common.check_pages(k_pages, v_pages)
     if q.ndim != 3 or q.shape[-1] != d:
         common._fail("q.shape", q.shape, f"[B, Hq, {d}] (head_dim of the pages)")
-    common.check_dtype("q", q, k_pages.dtype)
+    common.query_dtype_ok(q, k_pages, common.check_scales(k_pages, k_scale, v_scale))
     b, hq, _ = q.shape
     g = common.check_gqa(hq, hkv)
     max_pages = common.check_page_table(page_table, b)
@@ -94,8 +94,9 @@ def _decode_kernel(
     q_ref,  # [Gp, D] (rows >= G are out of bounds: masked)
     k_ref,  # [P*S, D] (head h, all pages)
     v_ref,  # [P*S, D]
-    o_ref,  # [Gp, D] (final out) or [Gp, D] fp32 partial
-    *stat_refs,  # () or (lse2_ref [Gp],) with the final out, or (m_ref [Gp], l_ref [Gp]) fp32
+    *refs,  # (ks_ref, vs_ref [P*S] fp32 when quantized), o_ref [Gp, D] (final out) or [Gp, D] fp32
+    #         partial, then () or (lse2_ref [Gp],) with the final out, or (m_ref [Gp], l_ref [Gp]) fp32
+    quantized: bool,
     group: int,
     page_size: int,
     block_tokens: int,
@@ -103,6 +104,10 @@ def _decode_kernel(
     max_pages: int,
     scale_log2: float,
 ):
+    if quantized:
+        ks_ref, vs_ref, o_ref, *stat_refs = refs
+    else:
+        o_ref, *stat_refs = refs
     b, s = pl.program_id(0), pl.program_id(2)
     gp, d = q_ref.shape
     row_ok = jnp.arange(gp) < group  # [Gp]
@@ -135,6 +140,9 @@ def _decode_kernel(
         valid = tok_start + i * block_tokens + offs < length  # [BK]
         k = k_ref[slot]  # [BK, D] gathered from up to pages_per_block pages
         v = v_ref[slot]  # [BK, D]
+        if quantized:  # compressed pages: dequantized in registers with each row's scale
+            k = (k.astype(jnp.float32) * ks_ref[slot][:, None]).astype(q.dtype)
+            v = (v.astype(jnp.float32) * vs_ref[slot][:, None]).astype(q.dtype)
         # Prefetch: the next block's page ids load alongside this block's K/V, so the
         # page-table read is off the critical path (no dependent load inside an iteration).
         next_slot = slots_of(i + 1)
@@ -187,14 +195,19 @@ def paged_decode_attention(
     num_stages: int = 2,
     interpret: bool | None = None,
     return_lse: bool = False,
+    k_scale: jax.Array | None = None,
+    v_scale: jax.Array | None = None,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:  # [B, Hq, D], dtype of q (+ lse [B, Hq] fp32)
     """Attention of one query token per sequence over its paged KV cache (see module doc).
 
     ``return_lse=True`` returns ``(out, lse)``, ``lse [B, Hq] float32`` the natural-log
     log-sum-exp of the scaled logits (``-inf`` where ``lengths[b] == 0``; see item 6).
+    Compressed pages (int8 / float8_e4m3fn, ``pallas_kernels/quant.py``): ``k_scale`` / ``v_scale``
+    ``[Hkv, P, S]`` float32; each gathered row is dequantized in registers to q's dtype.
     """
     b, hq, hkv, g, p, s, d, max_pages = check_decode_inputs(q, k_pages, v_pages, page_table,
-                                                            lengths)
+                                                            lengths, k_scale, v_scale)
+    quantized = k_scale is not None
     common.check_power_of_two("page_size", s)
     common.check_power_of_two("head_dim", d, common.MIN_DOT_DIM)
     gp = max(common.MIN_DOT_DIM, 1 << (g - 1).bit_length())  # q rows as a power-of-two tile
@@ -221,7 +234,7 @@ def paged_decode_attention(
     page_table = page_table.astype(jnp.int32)
 
     kernel = functools.partial(
-        _decode_kernel, group=g, page_size=s, block_tokens=block_tokens,
+        _decode_kernel, quantized=quantized, group=g, page_size=s, block_tokens=block_tokens,
         num_splits=num_splits, max_pages=max_pages, scale_log2=float(sm_scale) * _LOG2E)
     in_specs = [
         pl.BlockSpec((b,), lambda i, j, k: (0,)),  # lengths: whole
@@ -230,6 +243,10 @@ def paged_decode_attention(
         pl.BlockSpec((None, p * s, d), lambda i, j, k: (j, 0, 0)),  # all pages of head j
         pl.BlockSpec((None, p * s, d), lambda i, j, k: (j, 0, 0)),
     ]
+    scales = ()
+    if quantized:  # each head's [P*S] scales, whole
+        in_specs += [pl.BlockSpec((None, p * s), lambda i, j, k: (j, 0))] * 2
+        scales = (k_scale.reshape(hkv, p * s), v_scale.reshape(hkv, p * s))
     if num_splits == 1:
         out_shape = jax.ShapeDtypeStruct((b, hkv, g, d), q.dtype)
         out_specs = pl.BlockSpec((None, None, gp, d), lambda i, j, k: (i, j, 0, 0))
@@ -256,7 +273,7 @@ def paged_decode_attention(
         compiler_params=common.compiler_params(num_warps, num_stages),
         interpret=interpret,
         name=f"paged_decode_bk{block_tokens}_sp{num_splits}",
-    )(lengths, page_table, q4, k2, v2)
+    )(lengths, page_table, q4, k2, v2, *scales)
     if num_splits == 1:
         if return_lse:
             out, lse2 = res  # [B, Hkv, G, D], [B, Hkv, G]
@@ -285,10 +302,16 @@ def paged_decode_attention_ref(
     lengths: jax.Array,  # [B]
     *,
     sm_scale: float | None = None,
+    k_scale: jax.Array | None = None,
+    v_scale: jax.Array | None = None,
 ) -> jax.Array:  # [B, Hq, D]
-    """Plain-jnp reference: gather the pages, mask by length, softmax in fp32."""
+    """Plain-jnp reference: gather the pages (compressed ones dequantized to q's dtype, as the kernel
+    does), mask by length, softmax in fp32."""
     b, hq, hkv, g, p, s, d, max_pages = check_decode_inputs(q, k_pages, v_pages, page_table,
-                                                            lengths)
+                                                            lengths, k_scale, v_scale)
+    if k_scale is not None:
+        from pallas_kernels.quant import dequantize_kv
+        k_pages, v_pages = dequantize_kv(k_pages, k_scale, q.dtype), dequantize_kv(v_pages, v_scale, q.dtype)
     if sm_scale is None:
         sm_scale = 1.0 / math.sqrt(d)
     hi = lax.Precision.HIGHEST

@@ -89,7 +89,8 @@ _REF_CHUNK_BYTES = 1 << 25  # the reference gathers K/V for this many bytes of t
 # engine runs it on the CPU, where the allocator keeps its high-water mark as resident memory)
 
 
-def check_ragged_inputs(q, k_pages, v_pages, page_table, cu_q_lens, kv_lens) -> tuple[int, ...]:
+def check_ragged_inputs(q, k_pages, v_pages, page_table, cu_q_lens, kv_lens, k_scale=None,
+                        v_scale=None) -> tuple[int, ...]:
     """Validate the arguments of both ragged functions; return (N, R, Hq, Hkv, P, S, D).
 
     Length *values* are checked too when they are concrete (eager calls), skipped under jit.
@@ -107,8 +108,10 @@ def check_ragged_inputs(q, k_pages, v_pages, page_table, cu_q_lens, kv_lens) -> 
     max_pages = common.check_page_table(page_table, rows)
     common.check_int_vector("cu_q_lens", cu_q_lens, rows + 1)
     common.check_int_vector("kv_lens", kv_lens, rows)
-    if q.dtype != k_pages.dtype:
+    quantized = common.check_scales(k_pages, k_scale, v_scale)
+    if q.dtype != k_pages.dtype and not quantized:
         common._fail("q.dtype", q.dtype, f"the dtype of k_pages ({k_pages.dtype}); cast one")
+    common.query_dtype_ok(q, k_pages, quantized)
     if common.is_concrete(cu_q_lens, kv_lens):
         cu, kl = np.asarray(cu_q_lens, np.int64), np.asarray(kv_lens, np.int64)
         ql = np.diff(cu)
@@ -177,7 +180,7 @@ def _block_meta(cu_q_lens, kv_lens, *, num_tokens, num_blocks, block_q, max_page
     return jnp.stack(meta, axis=1).reshape(-1)
 
 
-def _attend(meta, page_table_ref, q_ref, k_ref, v_ref, o_ref, lse_refs, tile, *, group,
+def _attend(meta, page_table_ref, q_ref, k_ref, v_ref, o_ref, lse_refs, scale_refs, tile, *, group,
             num_q_heads, page_size, max_pages, num_splits, sm_scale):
     """One program's attention with one static tile: (rows, block_q, block_kv, prefetch)."""
     rows, block_q, block_kv, prefetch = tile
@@ -216,6 +219,9 @@ def _attend(meta, page_table_ref, q_ref, k_ref, v_ref, o_ref, lse_refs, tile, *,
             slots = slots_of(j, clamp=masked)
         k = k_ref[slots, :]  # [block_kv, D]
         v = v_ref[slots, :]
+        if scale_refs:  # compressed pages: dequantized in registers with each row's scale
+            k = (k.astype(jnp.float32) * scale_refs[0][slots][:, None]).astype(q.dtype)
+            v = (v.astype(jnp.float32) * scale_refs[1][slots][:, None]).astype(q.dtype)
         s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=_PREC,
                             preferred_element_type=jnp.float32)  # [M, block_kv] raw scores
         if masked:
@@ -244,17 +250,18 @@ def _attend(meta, page_table_ref, q_ref, k_ref, v_ref, o_ref, lse_refs, tile, *,
         lse_refs[0][row_ids] = jnp.where(valid, m + jnp.log2(jnp.where(valid, l, 1.0)), -jnp.inf)
 
 
-def _ragged_kernel(meta_ref, page_table_ref, q_ref, k_ref, v_ref, o_ref, *lse_refs,
-                   num_blocks, tiles, **kw):
+def _ragged_kernel(meta_ref, page_table_ref, q_ref, k_ref, v_ref, *refs, quantized, num_blocks, tiles, **kw):
     """meta_ref [NB * 5] int32; page_table_ref [R * max_pages]; q_ref / o_ref [N * Hq, D];
-    k_ref / v_ref [P * S, D] (this kv head); lse_refs: () or ([N * Hq] fp32) when split."""
+    k_ref / v_ref [P * S, D] (this kv head); refs: (ks_ref, vs_ref [P * S] fp32 when quantized),
+    o_ref, then () or (lse [N * Hq] fp32,) when split."""
+    scale_refs, (o_ref, *lse_refs) = (refs[:2], refs[2:]) if quantized else ((), refs)
     blk = num_blocks - 1 - pl.program_id(1)  # last blocks (longest loops) first
     # program ids are read here, outside the cond (interpret mode cannot read them inside)
     meta = tuple(meta_ref[blk * _META + i] for i in range(_META))
     meta += (pl.program_id(0), pl.program_id(2))  # split, kv head
     cnt = meta[1]
     attend = functools.partial(_attend, meta, page_table_ref, q_ref, k_ref, v_ref, o_ref,
-                               lse_refs, **kw)
+                               lse_refs, scale_refs, **kw)
 
     @pl.when(cnt > 0)
     def _():
@@ -266,7 +273,7 @@ def _ragged_kernel(meta_ref, page_table_ref, q_ref, k_ref, v_ref, o_ref, *lse_re
 
 @functools.partial(jax.jit, static_argnames=(
     "sm_scale", "block_q", "tiles", "num_warps", "num_stages", "kv_splits", "interpret"))
-def _ragged(q, k_pages, v_pages, page_table, cu_q_lens, kv_lens, *, sm_scale, block_q, tiles,
+def _ragged(q, k_pages, v_pages, page_table, cu_q_lens, kv_lens, k_scale, v_scale, *, sm_scale, block_q, tiles,
             num_warps, num_stages, kv_splits, interpret):
     num_tokens, num_q_heads, head_dim = q.shape  # [N, Hq, D]
     num_kv_heads, num_pages, page_size, _ = k_pages.shape  # [Hkv, P, S, D]
@@ -291,21 +298,26 @@ def _ragged(q, k_pages, v_pages, page_table, cu_q_lens, kv_lens, *, sm_scale, bl
     else:
         out_shape = [jax.ShapeDtypeStruct((n_rows, head_dim), q.dtype)]
         out_specs = [whole(n_rows, head_dim)]
+    quantized = k_scale is not None
+    scales, scale_specs = (), []
+    if quantized:  # each head's [P*S] scales, whole
+        scales = (k_scale.reshape(num_kv_heads, -1), v_scale.reshape(num_kv_heads, -1))
+        scale_specs = [pl.BlockSpec((None, num_pages * page_size), lambda s, i, h: (h, 0))] * 2
     kernel = functools.partial(
-        _ragged_kernel, num_blocks=num_blocks, tiles=tiles, group=group,
+        _ragged_kernel, quantized=quantized, num_blocks=num_blocks, tiles=tiles, group=group,
         num_q_heads=num_q_heads, page_size=page_size, max_pages=max_pages,
         num_splits=kv_splits, sm_scale=sm_scale)
     outs = pl.pallas_call(
         kernel,
         grid=(kv_splits, num_blocks, num_kv_heads),  # dim 0 varies fastest on launch
         in_specs=[whole(num_blocks * _META), whole(num_rows * max_pages), whole(n_rows, head_dim),
-                  per_head, per_head],
+                  per_head, per_head, *scale_specs],
         out_specs=out_specs,
         out_shape=out_shape,
         compiler_params=common.compiler_params(num_warps, num_stages),
         interpret=interpret,
         name=f"ragged_paged_attention_bq{block_q}_bkv{tiles[-1][2]}_g{group}_s{kv_splits}",
-    )(meta, page_table.astype(jnp.int32).reshape(-1), q_rows, k_slots, v_slots)
+    )(meta, page_table.astype(jnp.int32).reshape(-1), q_rows, k_slots, v_slots, *scales)
     if split:  # [splits, N*Hq, D], [splits, N*Hq] -> merged (padding rows: all zero)
         out = common.merge_splits(*outs, q.dtype)
     else:
@@ -328,8 +340,12 @@ def ragged_paged_attention(
     num_warps: int | None = None,
     num_stages: int | None = None,
     interpret: bool | None = None,
+    k_scale: jax.Array | None = None,
+    v_scale: jax.Array | None = None,
 ) -> jax.Array:  # [N, Hq, D], q.dtype; padding tokens: zeros
     """Causal attention of a flat batch of decode rows and prefill chunks (see module doc).
+    Compressed pages (int8 / float8_e4m3fn): ``k_scale`` / ``v_scale [Hkv, P, S]`` float32, each
+    gathered row dequantized in registers to q's dtype (``pallas_kernels/quant.py``).
 
     Knobs are static and default from ``N``, ``G = Hq // Hkv`` and the dtype, as in
     :func:`paged_prefill_attention` with ``N`` as the chunk length (H200 sweep,
@@ -343,7 +359,7 @@ def ragged_paged_attention(
     mode), 1 = no split-KV.  Eager calls also check the length values (one host sync).
     """
     num_tokens, num_rows, num_q_heads, num_kv_heads, _, page_size, head_dim = (
-        check_ragged_inputs(q, k_pages, v_pages, page_table, cu_q_lens, kv_lens))
+        check_ragged_inputs(q, k_pages, v_pages, page_table, cu_q_lens, kv_lens, k_scale, v_scale))
     interpret = common.default_interpret() if interpret is None else interpret
     group = num_q_heads // num_kv_heads
     small_rows, small_q = _small_tile(group)
@@ -368,7 +384,7 @@ def ragged_paged_attention(
     if num_tokens == 0 or num_rows == 0:
         return jnp.zeros_like(q)
     sm_scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else float(sm_scale)
-    return _ragged(q, k_pages, v_pages, page_table, cu_q_lens, kv_lens, sm_scale=sm_scale,
+    return _ragged(q, k_pages, v_pages, page_table, cu_q_lens, kv_lens, k_scale, v_scale, sm_scale=sm_scale,
                    block_q=block_q, tiles=tiles, num_warps=num_warps, num_stages=num_stages,
                    kv_splits=int(kv_splits), interpret=interpret)
 
@@ -382,13 +398,19 @@ def ragged_paged_attention_ref(
     kv_lens: jax.Array,  # [R] int32
     *,
     sm_scale: float | None = None,
+    k_scale: jax.Array | None = None,
+    v_scale: jax.Array | None = None,
 ) -> jax.Array:  # [N, Hq, D]
     """Pure-jnp reference, token by token: each token finds its row and position, gathers
     its row's pages densely and runs a masked fp32 softmax (padding tokens: zeros).  Tokens
     go through ``lax.map`` in batches, so the gathered K/V stay within ``_REF_CHUNK_BYTES``.
+    Compressed pages are dequantized to q's dtype first, as the kernel does.
     """
     num_tokens, num_rows, _, _, _, _, head_dim = check_ragged_inputs(
-        q, k_pages, v_pages, page_table, cu_q_lens, kv_lens)
+        q, k_pages, v_pages, page_table, cu_q_lens, kv_lens, k_scale, v_scale)
+    if k_scale is not None:
+        from pallas_kernels.quant import dequantize_kv
+        k_pages, v_pages = dequantize_kv(k_pages, k_scale, q.dtype), dequantize_kv(v_pages, v_scale, q.dtype)
     if num_tokens == 0 or num_rows == 0:
         return jnp.zeros_like(q)
     sm_scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else float(sm_scale)
