@@ -510,6 +510,7 @@ class Engine:
             "attention_impl": self.runner.cache.impl,
             "kv_dtype": self.config.kv_dtype or self.config.dtype,
             "kv_bytes_per_token": self.tiers.page_nbytes // self.config.page_size,  # all layers, K and V (+ scales)
+            "tokens_resident": self.tiers.stats()["tokens_resident"],
             "mesh": sharding.mesh_stats(self.mesh, self.runner.device),
             "tiers": self.tiers.stats(),
             "snapshot": self.persistence.stats() if self.persistence is not None else None,

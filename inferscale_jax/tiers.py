@@ -431,7 +431,13 @@ class Tiers:
         c = self.counters
         roots = [n for n in self.store.nodes() if len(n.uids) == 1]
         promotions = c["promotions_host"] + c["promotions_disk"]
+        s = self.config.page_size
         return {
+            # KV bytes of one token (all layers, K and V; compressed KV: values + scales) and the tokens
+            # each tier holds (pages x page size)
+            "kv_bytes_per_token": self.page_nbytes // s,
+            "tokens_resident": {"hbm": self.pool.num_used * s, "host": self.pages_in("host") * s,
+                                "disk": self.pages_in("disk") * s},
             "hbm": {"segments": len(roots), "pages_used": self.pool.num_used,
                     "bytes_used": self.pool.num_used * self.page_nbytes, "pages_total": self.pool.num_pages - 1,
                     "evictions": c["evictions_hbm"]},

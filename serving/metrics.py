@@ -74,6 +74,16 @@ class _EngineCollector:
         comp.add_metric(["warmup"], s.get("compiles", 0) - after)
         comp.add_metric(["after_warmup"], after)
         yield comp
+        if "kv_bytes_per_token" in s:
+            bpt = GaugeMetricFamily("inferscale_kv_bytes_per_token",
+                                    "KV bytes of one token, all layers, K and V (compressed KV: values + scales)",
+                                    labels=["kv_dtype"])
+            bpt.add_metric([str(s.get("kv_dtype"))], s["kv_bytes_per_token"])
+            yield bpt
+            res = GaugeMetricFamily("inferscale_tokens_resident", "tokens whose KV each tier holds", labels=["tier"])
+            for tier, n in (s.get("tokens_resident") or {}).items():
+                res.add_metric([tier], n)
+            yield res
         mesh = s.get("mesh")
         if mesh:
             tp = GaugeMetricFamily("inferscale_tensor_parallel", "devices the model and KV pool are split over")

@@ -63,6 +63,7 @@ def test_injected_equals_full_prefill_with_the_same_kv_dtype(kv):
     assert st["kv_dtype"] == kv
     # 2 layers x K,V x 2 kv heads x (16 bytes + a 4-byte scale) per token, vs 4-byte floats: 512
     assert st["kv_bytes_per_token"] == 2 * 2 * 2 * (16 + 4)
+    assert st["tokens_resident"]["hbm"] == st["pages_used"] * 8 and st["tokens_resident"]["host"] == 0
 
 
 @pytest.mark.parametrize("kv", KV)

@@ -75,6 +75,7 @@ def test_health_models_metrics(http):
                  "inferscale_evictions_total", "inferscale_segments{", "inferscale_preemptions_total"):
         assert name in text, name
     assert "inferscale_tensor_parallel 1.0" in text  # one device (tensor parallelism: docs/architecture.md)
+    assert 'inferscale_kv_bytes_per_token{kv_dtype="float32"}' in text and 'inferscale_tokens_resident{tier="hbm"}' in text
 
 
 def test_completion_equals_engine(http, ref):
