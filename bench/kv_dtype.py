@@ -1,0 +1,221 @@
+"""Compressed KV: kernel speed and end-to-end quality of int8 / float8_e4m3fn pages vs the model's dtype.
+
+Usage (from the repository root)::
+
+    python bench/kv_dtype.py --out bench/results                    # H200: kernels + quality, ~3 min
+    python bench/kv_dtype.py --model /tmp/small-lm --sections b      # quality on a trained checkpoint
+    python bench/kv_dtype.py --quick --out /tmp/kvq                  # tiny shapes on the CPU (interpret)
+
+a. Kernels (32 q / 8 kv heads, d=128, page 16): paged decode at B in {1, 32, 128} x context {4k, 16k}
+   and the ragged kernel on a 2048-token chunk over 16k, with bf16 pages and with int8 / float8
+   pages + scales: time, bytes read (a compressed row is D + 4 bytes: values and its float32 scale),
+   GB/s and the fraction of the bandwidth ceiling (max of the read-only reduction and a copy,
+   ``bench/common.py``), speed-up over bf16, and the error of each against the bf16 reference on the
+   same (unquantized) K/V with outlier channels (a few 20x larger, as a real K has).
+b. Quality, end to end: an engine per KV dtype over the same weights (``--model`` folder, default
+   random Llama weights of a small shape); a segment of L tokens (L in 1k, 4k, 8k; shorter in
+   ``--quick``) injected before a 32-token question, 128 greedy tokens.  Per KV dtype vs the model's
+   dtype: greedy agreement (tokens equal up to the first difference / 128) and the mean per-token KL
+   divergence of the next-token distributions (top-20 log-probs, ``SamplingParams(logprobs=20)``,
+   both renormalised over the tokens in both top-20s, up to the first differing token).  Random weights have flat distributions, so their KL
+   says little: pass a trained checkpoint (``bench/train_small_lm.py``) for the figures that count.
+
+Writes ``kv_dtype.md`` to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import math
+import os
+import shlex
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from common import median, read_bandwidth  # noqa: E402  (bench/common.py)
+from report import FAILURES, MD, log, section, table, write_md  # noqa: E402  (bench/report.py)
+
+KV_DTYPES = ("int8", "float8_e4m3fn")
+R: dict = {}
+
+
+def timeit(fn, reps):
+    fn()
+    jax.block_until_ready(fn())
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn())
+        ts.append(time.perf_counter() - t0)
+    return median(ts)
+
+
+def ceiling(quick):
+    n = (64 << 20) if quick else (2 << 30)
+    x = jax.random.normal(jax.random.PRNGKey(7), (n // 2,), jnp.bfloat16)
+    cp = jax.jit(lambda a: jax.lax.optimization_barrier(a).copy())
+    t = timeit(lambda: cp(x), 10)
+    return max(read_bandwidth(n), 2 * x.nbytes / t)
+
+
+def pages(hkv, p, s, d, key):
+    k1, k2 = jax.random.split(key)
+    big = jnp.where(jnp.arange(d) < 4, 20.0, 1.0)
+    return (jax.random.normal(k1, (hkv, p, s, d)) * big).astype(jnp.bfloat16), \
+        jax.random.normal(k2, (hkv, p, s, d)).astype(jnp.bfloat16)
+
+
+@section
+def kernels(args):
+    from pallas_kernels.decode_attention import paged_decode_attention, paged_decode_attention_ref
+    from pallas_kernels.quant import quantize_kv
+    from pallas_kernels.ragged_attention import ragged_paged_attention
+
+    interp = jax.default_backend() != "gpu"
+    hq, hkv, d, s = (8, 2, 16, 8) if args.quick else (32, 8, 128, 16)
+    bw = ceiling(args.quick)
+    R["bw"] = bw
+    rows = []
+    shapes = [(1, 64), (4, 128)] if args.quick else [(1, 4096), (32, 4096), (128, 4096), (1, 16384), (32, 16384)]
+    for b, ctx in shapes:
+        per = ctx // s
+        p = b * per + 1
+        k, v = pages(hkv, p, s, d, jax.random.PRNGKey(b + ctx))
+        q = jax.random.normal(jax.random.PRNGKey(1), (b, hq, d)).astype(jnp.bfloat16)
+        tbl = (1 + jnp.arange(b * per, dtype=jnp.int32)).reshape(b, per)
+        lens = jnp.full((b,), ctx, jnp.int32)
+        ref = paged_decode_attention_ref(q, k, v, tbl, lens)
+        base = None
+        for name in ("bfloat16",) + KV_DTYPES:
+            if name == "bfloat16":
+                kw, kp, vp, row = {}, k, v, d * 2
+            else:
+                (kp, ks), (vp, vs) = quantize_kv(k, jnp.dtype(name)), quantize_kv(v, jnp.dtype(name))
+                kw, row = dict(k_scale=ks, v_scale=vs), d + 4
+            fn = jax.jit(lambda q, kp=kp, vp=vp, kw=kw, tbl=tbl, lens=lens: paged_decode_attention(
+                q, kp, vp, tbl, lens, interpret=interp, **kw))
+            t = timeit(lambda: fn(q), 3 if args.quick else 50)
+            out = fn(q)
+            err = float(jnp.max(jnp.abs(out.astype(jnp.float32) - ref.astype(jnp.float32))) /
+                        jnp.max(jnp.abs(ref.astype(jnp.float32))))
+            nbytes = 2 * b * ctx * hkv * row
+            base = base or t
+            rows.append([f"decode B={b} ctx={ctx}", name, f"{t * 1e6:.1f}", f"{nbytes / t / 1e9:.0f}",
+                         f"{nbytes / t / bw:.0%}", f"{base / t:.2f}", f"{err:.1e}"])
+            log(f"  decode B={b} ctx={ctx} {name}: {t * 1e6:.1f} us, err {err:.1e}")
+    # ragged: one chunk over a long context
+    t_new, ctx = (16, 64) if args.quick else (2048, 16384)
+    per = (ctx + t_new) // s
+    k, v = pages(hkv, per + 1, s, d, jax.random.PRNGKey(9))
+    q = jax.random.normal(jax.random.PRNGKey(2), (t_new, hq, d)).astype(jnp.bfloat16)
+    tbl = (1 + jnp.arange(per, dtype=jnp.int32))[None]
+    cu, kvl = jnp.array([0, t_new], jnp.int32), jnp.array([ctx + t_new], jnp.int32)
+    base = None
+    for name in ("bfloat16",) + KV_DTYPES:
+        kw, kp, vp = {}, k, v
+        if name != "bfloat16":
+            (kp, ks), (vp, vs) = quantize_kv(k, jnp.dtype(name)), quantize_kv(v, jnp.dtype(name))
+            kw = dict(k_scale=ks, v_scale=vs)
+        fn = jax.jit(lambda q, kp=kp, vp=vp, kw=kw: ragged_paged_attention(q, kp, vp, tbl, cu, kvl, interpret=interp,
+                                                                            **kw))
+        t = timeit(lambda: fn(q), 2 if args.quick else 20)
+        base = base or t
+        flops = 4 * t_new * (ctx + (t_new + 1) / 2) * d * hq
+        rows.append([f"ragged {t_new} over {ctx}", name, f"{t * 1e6:.1f}", f"{flops / t / 1e12:.0f} TFLOP/s", "",
+                     f"{base / t:.2f}", ""])
+    table("a. Kernels on compressed pages (bytes: values + a float32 scale per row; error vs bf16 pages' ref)",
+          ["case", "pages", "us", "GB/s", "of ceiling", "speed-up vs bf16", "rel err vs bf16 ref"], rows)
+    MD.extend([f"Bandwidth ceiling {bw / 1e9:.0f} GB/s (the larger of a read-only reduction and a copy).", ""])
+
+
+def kl_and_agreement(ref, out):
+    """(greedy agreement fraction, mean KL over the shared prefix) from two outputs' top-k logprobs."""
+    n = len(ref.token_ids)
+    agree = next((i for i, (a, b) in enumerate(zip(ref.token_ids, out.token_ids)) if a != b), n)
+    kls = []
+    for i in range(min(agree + 1, n)):
+        p, q = ref.logprobs[i], out.logprobs[i]
+        keys = [t for t in p if t in q]
+        if not keys:
+            continue
+        # both distributions renormalised over the tokens in both top-20s: a proper KL (>= 0)
+        lp = np.array([p[t] for t in keys])
+        lq = np.array([q[t] for t in keys])
+        lp, lq = lp - np.logaddexp.reduce(lp), lq - np.logaddexp.reduce(lq)
+        kls.append(float(np.sum(np.exp(lp) * (lp - lq))))
+    return agree / n, float(np.mean(kls)) if kls else math.nan
+
+
+@section
+def quality(args):
+    from inferscale_jax import Engine, EngineConfig, SamplingParams
+    from models import ModelConfig, init_params
+
+    if args.model:
+        from models import load_params
+        cfg = ModelConfig.from_pretrained(args.model)
+        params = load_params(args.model, cfg, jnp.bfloat16)
+    else:
+        from common import model_config
+        sh = dict(vocab=4096, hidden=256, inter=768, layers=4, heads=8, kv=2, head_dim=32, theta=500000.0,
+                  max_pos=16384, eps=1e-5)
+        cfg = model_config(sh)
+        params = init_params(cfg, jax.random.PRNGKey(0), dtype=jnp.bfloat16, scale=0.05)
+    n_out = 16 if args.quick else 128
+    Ls = [128, 256] if args.quick else [1024, 4096, 8192]
+    sp = SamplingParams(max_tokens=n_out, temperature=0.0, ignore_eos=True, logprobs=20)
+    rng = np.random.default_rng(0)
+    rows = []
+    for L in Ls:
+        seg = rng.integers(0, cfg.vocab_size, L).tolist()
+        q = rng.integers(0, cfg.vocab_size, 32).tolist()
+        outs = {}
+        for name in (None,) + KV_DTYPES:
+            e = Engine(params, cfg, None, EngineConfig(dtype="bfloat16", page_size=16, kv_dtype=name,
+                                                       hbm_pages=1 + (L + 256) // 16 * 2, prefill_chunk=512,
+                                                       max_batch=8))
+            e.register_segment("s", token_ids=seg)
+            outs[name] = e.generate(prompt_token_ids=q, segments=["s"], sampling=sp)
+            del e
+        for name in KV_DTYPES:
+            agree, kl = kl_and_agreement(outs[None], outs[name])
+            rows.append([L, name, f"{agree:.2f}", f"{kl:.2e}"])
+            log(f"  L={L} {name}: greedy agreement {agree:.2f}, mean KL {kl:.2e}")
+    table(f"b. End to end vs bf16 KV ({'model ' + args.model if args.model else 'random weights, a small shape'}): "
+          f"a segment of L tokens injected + 32-token question, {n_out} greedy tokens",
+          ["L", "kv dtype", "greedy agreement", "mean KL (top-20)"], rows)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", default=os.path.join("bench", "results"))
+    ap.add_argument("--quick", action="store_true", help="tiny shapes (CPU: interpret mode)")
+    ap.add_argument("--sections", default="ab")
+    ap.add_argument("--model", default=None, help="section b: an HF checkpoint folder (default: random weights)")
+    args = ap.parse_args()
+    t0 = time.time()
+    if "a" in args.sections:
+        kernels(args)
+    if "b" in args.sections:
+        quality(args)
+    dev = jax.devices()[0]
+    cmd = " ".join(shlex.quote(a) for a in [os.path.relpath(sys.argv[0], ROOT)] + sys.argv[1:])
+    head = ["# Compressed KV benchmark", "", f"- date: {datetime.datetime.now().isoformat(timespec='seconds')}",
+            f"- device: {dev.device_kind} ({dev.platform}), jax {jax.__version__}", f"- command: `python {cmd}`",
+            f"- total time: {time.time() - t0:.0f} s", ""]
+    if FAILURES:
+        head += ["**FAILURES:**", ""] + [f"- {f}" for f in FAILURES] + [""]
+    write_md(args.out, "kv_dtype.md", head + MD)
+    if FAILURES:
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()
