@@ -20,6 +20,9 @@ b. Quality, end to end: an engine per KV dtype over the same weights (``--model`
    both renormalised over the tokens in both top-20s, up to the first differing token).  Random weights have flat distributions, so their KL
    says little: pass a trained checkpoint (``bench/train_small_lm.py``) for the figures that count.
 
+c. Injection modes: compose and blend against exact (exact with bf16 KV the reference) over 3
+   segments of 1k + a 32-token question, for each KV dtype: greedy agreement and KL.
+
 Writes ``kv_dtype.md`` to ``--out``.
 """
 
@@ -156,18 +159,8 @@ def kl_and_agreement(ref, out):
 @section
 def quality(args):
     from inferscale_jax import Engine, EngineConfig, SamplingParams
-    from models import ModelConfig, init_params
 
-    if args.model:
-        from models import load_params
-        cfg = ModelConfig.from_pretrained(args.model)
-        params = load_params(args.model, cfg, jnp.bfloat16)
-    else:
-        from common import model_config
-        sh = dict(vocab=4096, hidden=256, inter=768, layers=4, heads=8, kv=2, head_dim=32, theta=500000.0,
-                  max_pos=16384, eps=1e-5)
-        cfg = model_config(sh)
-        params = init_params(cfg, jax.random.PRNGKey(0), dtype=jnp.bfloat16, scale=0.05)
+    cfg, params = model_for(args)
     n_out = 16 if args.quick else 128
     Ls = [128, 256] if args.quick else [1024, 4096, 8192]
     sp = SamplingParams(max_tokens=n_out, temperature=0.0, ignore_eos=True, logprobs=20)
@@ -193,11 +186,58 @@ def quality(args):
           ["L", "kv dtype", "greedy agreement", "mean KL (top-20)"], rows)
 
 
+@section
+def modes_quality(args):
+    """c. compose / blend vs exact on 3 segments, per KV dtype (the quality table never measured
+    before): greedy agreement and KL against exact with the model's-dtype KV."""
+    from inferscale_jax import Engine, EngineConfig, SamplingParams
+
+    cfg, params = model_for(args)
+    n_out = 16 if args.quick else 128
+    L = 64 if args.quick else 1024
+    sp = SamplingParams(max_tokens=n_out, temperature=0.0, ignore_eos=True, logprobs=20)
+    rng = np.random.default_rng(3)
+    segs = [rng.integers(0, cfg.vocab_size, L).tolist() for _ in range(3)]
+    q = rng.integers(0, cfg.vocab_size, 32).tolist()
+    rows, ref = [], None
+    for kv in (None,) + KV_DTYPES:
+        e = Engine(params, cfg, None, EngineConfig(dtype="bfloat16", page_size=16, kv_dtype=kv,
+                                                   hbm_pages=1 + (3 * L + 256) // 16 * 3, prefill_chunk=512,
+                                                   max_batch=8))
+        for i, sg in enumerate(segs):
+            e.register_segment(f"s{i}", token_ids=sg)
+        for mode in ("exact", "compose", "blend"):
+            out = e.generate(prompt_token_ids=q, segments=["s0", "s1", "s2"], sampling=sp, mode=mode)
+            if ref is None:
+                ref = out
+                continue
+            agree, kl = kl_and_agreement(ref, out)
+            rows.append([kv or "bfloat16", mode, f"{agree:.2f}", f"{kl:.2e}"])
+        del e
+    table(f"c. Injection modes vs exact with bf16 KV: 3 segments of {L} + a 32-token question, {n_out} greedy tokens",
+          ["kv dtype", "mode", "greedy agreement", "mean KL (top-20)"], rows)
+
+
+def model_for(args):
+    """(config, bf16 params): the --model checkpoint, or random weights of a small shape."""
+    from models import ModelConfig, init_params
+
+    if args.model:
+        from models import load_params
+        cfg = ModelConfig.from_pretrained(args.model)
+        return cfg, load_params(args.model, cfg, jnp.bfloat16)
+    from common import model_config
+    sh = dict(vocab=4096, hidden=256, inter=768, layers=4, heads=8, kv=2, head_dim=32, theta=500000.0,
+              max_pos=16384, eps=1e-5)
+    cfg = model_config(sh)
+    return cfg, init_params(cfg, jax.random.PRNGKey(0), dtype=jnp.bfloat16, scale=0.05)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=os.path.join("bench", "results"))
     ap.add_argument("--quick", action="store_true", help="tiny shapes (CPU: interpret mode)")
-    ap.add_argument("--sections", default="ab")
+    ap.add_argument("--sections", default="abc")
     ap.add_argument("--model", default=None, help="section b: an HF checkpoint folder (default: random weights)")
     args = ap.parse_args()
     t0 = time.time()
@@ -205,6 +245,8 @@ def main():
         kernels(args)
     if "b" in args.sections:
         quality(args)
+    if "c" in args.sections:
+        modes_quality(args)
     dev = jax.devices()[0]
     cmd = " ".join(shlex.quote(a) for a in [os.path.relpath(sys.argv[0], ROOT)] + sys.argv[1:])
     head = ["# Compressed KV benchmark", "", f"- date: {datetime.datetime.now().isoformat(timespec='seconds')}",
