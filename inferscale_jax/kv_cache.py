@@ -31,7 +31,7 @@ from models.dense_cache import dense_attention
 from pallas_kernels.cascade_attention import (shared_prefix_decode_attention,
                                               shared_prefix_decode_attention_ref)
 from pallas_kernels.decode_attention import paged_decode_attention, paged_decode_attention_ref
-from pallas_kernels.kv_write import write_kv, write_kv_pallas, write_kv_quantized
+from pallas_kernels.kv_write import write_kv, write_kv_pallas, write_kv_quantized, write_kv_quantized_pallas
 from pallas_kernels.quant import dequantize_kv, is_quantized
 from pallas_kernels.ragged_attention import ragged_paged_attention, ragged_paged_attention_ref
 
@@ -155,8 +155,9 @@ def _write_and_attend(q: jax.Array, k: jax.Array, v: jax.Array, k_pages: jax.Arr
     hkv = k.shape[2]
     pallas = impl == "pallas"
     if scales[0] is not None:  # compressed pages: quantized as written, dequantized as read
-        kq, vq, ks, vs = write_kv_quantized(k_pages, v_pages, scales[0], scales[1], k.reshape(b * t, hkv, d),
-                                            v.reshape(b * t, hkv, d), meta.slots)
+        write = write_kv_quantized_pallas if pallas else write_kv_quantized  # quantized in the scatter
+        kq, vq, ks, vs = write(k_pages, v_pages, scales[0], scales[1], k.reshape(b * t, hkv, d),
+                               v.reshape(b * t, hkv, d), meta.slots)
         out = _attend(q.astype(jnp.dtype(compute_dtype)), kq, vq, positions, meta, pallas, (ks, vs))
         return out, kq, vq, (ks, vs)
     dtype = k_pages.dtype

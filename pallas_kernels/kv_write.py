@@ -151,3 +151,76 @@ def write_kv_quantized(
     kp, ks = put(k_pages, k_scale, k_new)
     vp, vs = put(v_pages, v_scale, v_new)
     return kp, vp, ks, vs
+
+
+def _write_quant_kernel(slots_ref, k_new_ref, v_new_ref, k_in_ref, v_in_ref, ks_in_ref, vs_in_ref,
+                        k_out_ref, v_out_ref, ks_out_ref, vs_out_ref, *, n: int, block: int, qmax: float,
+                        is_int: bool):
+    # as _write_kernel, and each row is quantized on the way (pallas_kernels/quant.py): scale =
+    # max|x| / qmax per (token, head), values x / scale (rounded and clipped for int8)
+    del k_in_ref, v_in_ref, ks_in_ref, vs_in_ref  # aliased with the outputs
+    i, h = pl.program_id(0), pl.program_id(1)
+    d = k_new_ref.shape[-1]
+    r = jnp.minimum(i * block + jnp.arange(block, dtype=jnp.int32), n - 1)  # [T]
+    slot = slots_ref[r]
+    num_slots = k_out_ref.shape[0]
+    slot = jnp.where((slot >= 0) & (slot < num_slots), slot, 0)  # bad slot -> null page
+    col = jnp.arange(d, dtype=jnp.int32)[None, :]
+    for new_ref, out_ref, sc_ref in ((k_new_ref, k_out_ref, ks_out_ref), (v_new_ref, v_out_ref, vs_out_ref)):
+        x = new_ref[r[:, None], h, col].astype(jnp.float32)  # [T, D]
+        amax = jnp.max(jnp.abs(x), axis=1)
+        scale = jnp.where(amax > 0, amax / qmax, 1.0)  # [T]
+        y = x / scale[:, None]
+        if is_int:
+            y = jnp.clip(jnp.round(y), -qmax, qmax)
+        out_ref[slot[:, None], col] = y.astype(out_ref.dtype)
+        sc_ref[slot] = scale
+
+
+@functools.partial(jax.jit, static_argnames=("block_tokens", "num_warps", "interpret"))
+def write_kv_quantized_pallas(
+    k_pages: jax.Array,  # [Hkv, P, S, D] int8 / float8_e4m3fn
+    v_pages: jax.Array,
+    k_scale: jax.Array,  # [Hkv, P, S] float32
+    v_scale: jax.Array,
+    k_new: jax.Array,  # [N, Hkv, D]
+    v_new: jax.Array,
+    slots: jax.Array,  # [N] int32
+    *,
+    block_tokens: int = 64,
+    num_warps: int = 4,
+    interpret: bool | None = None,
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """Pallas variant of :func:`write_kv_quantized` (same contract): the quantization happens in the
+    kernel that scatters, one pass over the new tokens."""
+    hkv, p, s, d = k_pages.shape
+    n = k_new.shape[0]
+    common.check_scales(k_pages, k_scale, v_scale)
+    common.check_int_vector("slots", slots, n)
+    common.check_power_of_two("block_tokens", block_tokens)
+    if n == 0:
+        return k_pages, v_pages, k_scale, v_scale
+    if interpret is None:
+        interpret = common.default_interpret()
+    is_int = k_pages.dtype == jnp.dtype(jnp.int8)
+    k3, v3 = k_pages.reshape(hkv, p * s, d), v_pages.reshape(hkv, p * s, d)
+    ks2, vs2 = k_scale.reshape(hkv, p * s), v_scale.reshape(hkv, p * s)
+    page_spec = pl.BlockSpec((None, p * s, d), lambda i, h: (h, 0, 0))
+    scale_spec = pl.BlockSpec((None, p * s), lambda i, h: (h, 0))
+    new_spec = pl.BlockSpec((n, hkv, d), lambda i, h: (0, 0, 0))
+    outs = pl.pallas_call(
+        functools.partial(_write_quant_kernel, n=n, block=block_tokens, qmax=127.0 if is_int else 448.0,
+                          is_int=is_int),
+        grid=(pl.cdiv(n, block_tokens), hkv),
+        in_specs=[pl.BlockSpec((n,), lambda i, h: (0,)), new_spec, new_spec, page_spec, page_spec, scale_spec,
+                  scale_spec],
+        out_specs=[page_spec, page_spec, scale_spec, scale_spec],
+        out_shape=[jax.ShapeDtypeStruct(k3.shape, k3.dtype), jax.ShapeDtypeStruct(v3.shape, v3.dtype),
+                   jax.ShapeDtypeStruct(ks2.shape, jnp.float32), jax.ShapeDtypeStruct(vs2.shape, jnp.float32)],
+        input_output_aliases={3: 0, 4: 1, 5: 2, 6: 3},
+        compiler_params=common.compiler_params(num_warps, 1),
+        interpret=interpret,
+        name=f"write_kv_quantized_t{block_tokens}",
+    )(slots.astype(jnp.int32), k_new, v_new, k3, v3, ks2, vs2)
+    return (outs[0].reshape(k_pages.shape), outs[1].reshape(v_pages.shape), outs[2].reshape(k_scale.shape),
+            outs[3].reshape(v_scale.shape))
