@@ -199,6 +199,9 @@ def cmd_serve(args) -> int:
         # several processes (hosts), one mesh: before any other JAX call (inferscale_jax/distributed.py)
         from inferscale_jax import distributed as lockstep
         lockstep.initialize(args.coordinator, args.num_processes, args.process_id)
+    from inferscale_jax import tracing
+    if tracing.configure_from_env():  # OTEL_* environment, 'inferscale-jax[tracing]' installed
+        print("tracing: exporting spans over OTLP", file=sys.stderr)
     keys = load_api_keys(args.api_keys) if args.api_keys else None  # fail before loading the model
     if keys is None and args.host not in ("127.0.0.1", "localhost", "::1"):
         print(f"warning: serving on {args.host} without --api-keys: anyone who can reach it is tenant 'default'",

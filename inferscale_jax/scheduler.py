@@ -74,6 +74,7 @@ from inferscale_jax.outputs import GenerationOutput, RequestMetrics
 from inferscale_jax.runner import PendingStep, StepPlan, StepRow
 from inferscale_jax.sampling import MAX_LOGPROBS, SamplingParams
 from inferscale_jax.segments import ChainNode, Segment, SegmentStore
+from inferscale_jax.tracing import RequestTrace
 from models import ModelConfig
 
 if TYPE_CHECKING:
@@ -112,6 +113,7 @@ class Request:
     text: str | None = None
     preemptions: int = 0
     stop_ids: frozenset | None = None  # stop token ids + EOS unless ignore_eos (set at the first token)
+    trace: RequestTrace | None = None  # spans and the JSON log line (tracing.py)
 
     def __post_init__(self):
         self.penalty = self.sampling.has_penalty  # (read per row per step)
@@ -182,6 +184,7 @@ class Scheduler:
 
     # -- queue ----------------------------------------------------------------------------
     def add(self, req: Request) -> None:
+        req.trace = RequestTrace(req.id, req.tenant, req.mode, req.chain, len(req.prompt_tokens))
         self.requests[req.id] = req
         self.waiting.append(req)
 
@@ -230,6 +233,9 @@ class Scheduler:
         while self.waiting and self._active() < self.max_batch:
             window = list(self.waiting)[:LOOKAHEAD]
             req = next((r for r in window if self._resident(r)), window[0])
+            t_adm = time.perf_counter()
+            tiers = [self.kv.tiers.where(seg) for seg in req.chain]  # (tracing: the cache outcome)
+            promoted0 = self.kv.tiers.counters["promotion_bytes"]
             try:
                 self._check_segments(req)
                 missing = self.kv.start(req)
@@ -246,6 +252,10 @@ class Scheduler:
                 self._fail(req, err, self.failed)
                 continue
             self.waiting.remove(req)
+            if req.trace is not None:
+                computed = missing is not None or req.chain_computed > 0  # by a node job, or in its own prefill
+                node = "none" if not req.chain else ("computed" if computed else "reused")
+                req.trace.admitted(tiers, self.kv.tiers.counters["promotion_bytes"] - promoted0, node, t_adm)
             if missing is not None:
                 self._wait_for_node(req, *missing)
                 if not self._provision_jobs():
@@ -513,6 +523,8 @@ class Scheduler:
         seq = owner.seq
         end = owner.prefill_end if isinstance(owner, Request) else len(seq.tokens)
         take = min(self.config.prefill_chunk, end - seq.computed, budget or end)
+        if isinstance(owner, Request) and owner.trace is not None:
+            owner.trace.chunk(take, seq.computed)
         return owner.row(seq.tokens[seq.computed:seq.computed + take], seq.computed)
 
     def _lost(self, err: Exception, *steps) -> list[RequestOutput]:
@@ -628,6 +640,8 @@ class Scheduler:
     def _on_token(self, req: Request, res, i: int) -> RequestOutput:
         sp = req.sampling
         tok = res.token_list[i]
+        if not req.out_ids and req.trace is not None:
+            req.trace.first_token()
         req.out_ids.append(tok)
         if sp.logprobs is not None:
             lp = {int(t): float(v) for t, v in zip(res.top_ids[i][:sp.logprobs], res.top_logprobs[i][:sp.logprobs])}
@@ -699,6 +713,8 @@ class Scheduler:
             log.error("request %s: its output could not be decoded", req.id, exc_info=err)
             text, reason, error = "", "error", error or err
             req.finish_reason = reason
+        if req.trace is not None:
+            req.trace.finished(reason, metrics)
         out = GenerationOutput(
             text=text, token_ids=list(req.out_ids), finish_reason=reason, metrics=metrics,
             logprobs=list(req.logprobs) if req.sampling.logprobs is not None else None, request_id=req.id)

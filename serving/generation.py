@@ -229,9 +229,9 @@ async def run_job(state, request: Request, job: Job) -> Response:
         if outs is None:
             return Response(status_code=499)
         _record(state, fields, outs)
-        return JSONResponse(_full_response(state, job, outs))
+        return JSONResponse(_full_response(state, job, outs), headers={"X-Request-Id": job.id})
     return StreamingResponse(_sse(state, job, streams, firsts, fields), media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", "X-Request-Id": job.id})
 
 
 async def _first(stream):

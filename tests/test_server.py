@@ -85,6 +85,7 @@ def test_completion_equals_engine(http, ref):
     assert r.status_code == 200, r.text
     body = r.json()
     assert body["object"] == "text_completion" and body["choices"][0]["text"] == want.text
+    assert r.headers["x-request-id"] == body["id"]  # the id the engine's JSON log line names (tracing.py)
     assert body["choices"][0]["finish_reason"] == want.finish_reason
     usage = body["usage"]
     assert usage["prompt_tokens"] == want.metrics.prompt_tokens
