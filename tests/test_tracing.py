@@ -17,9 +17,6 @@ from inferscale_jax import SamplingParams  # noqa: E402
 from tiny_engine import make_engine  # noqa: E402
 
 EXPORTER = InMemorySpanExporter()
-_provider = trace_sdk.TracerProvider()
-_provider.add_span_processor(SimpleSpanProcessor(EXPORTER))
-trace.set_tracer_provider(_provider)  # once per process (the API keeps the first one)
 SP = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
 A, B = list(range(3, 40)), list(range(50, 75))
 
@@ -31,9 +28,14 @@ def spans_of(request_id):
     return root, kids
 
 
-@pytest.mark.skipif(not isinstance(trace.get_tracer_provider(), trace_sdk.TracerProvider),
-                    reason="another tracer provider was installed first in this process")
 def test_spans_for_a_hit_a_miss_and_a_promotion(caplog):
+    # installed here, not at import: the API keeps the first provider for the whole process, and the
+    # other test modules' requests should not fill the in-memory exporter
+    provider = trace_sdk.TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(EXPORTER))
+    trace.set_tracer_provider(provider)
+    if trace.get_tracer_provider() is not provider:
+        pytest.skip("another tracer provider was installed first in this process")
     e = make_engine()
     e.register_segment("a", token_ids=A)
     e.register_segment("b", token_ids=B)
