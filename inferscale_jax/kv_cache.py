@@ -15,6 +15,12 @@ rows) runs the decode kernel, or the cascade kernel when a group of rows shares 
 once for the group.  Blend's recompute (``by_position``) keeps its own ``[B, T]`` layout.  ``impl``
 picks the Pallas kernels or their pure-jnp references (fast on the CPU, where Pallas only
 interprets).
+
+Compressed KV (``kv_dtype`` int8 / float8_e4m3fn, ``pallas_kernels/quant.py``): ``k_scale`` /
+``v_scale`` hold one float32 scale per (token, kv head), ``[Hkv, P, S]`` per layer; the write
+quantizes the step's new tokens and the kernels dequantize what they read.  Tensor parallelism
+(``mesh``, ``inferscale_jax/sharding.py``): every page array is split on kv heads and ``attend``
+runs per shard in ``jax.shard_map``, the tables and lengths replicated.
 """
 
 from __future__ import annotations
