@@ -339,18 +339,28 @@ class Soak:
             self.fail("5xx" if status >= 500 else "segment", f"register {seg.owner}/{seg.sid}: {status} {resp}")
 
     async def delete(self, http, seg: Seg) -> None:
+        cur = seg.current()
+        if cur is not None:
+            cur.end_pending = now()  # from here a racing completion may see the segment gone
         t, ta, status, resp = await self.seg_call(http, seg, "DELETE", f"/v1/segments/{seg.sid}")
         self.seg_ops[f"delete {status}"] += 1
         if status == 200:
             cur = seg.current()
             cur.end_sent, cur.end_acked = t, ta
         else:
+            if cur is not None:
+                cur.end_pending = None
             self.fail("5xx" if status >= 500 else "segment", f"delete {seg.owner}/{seg.sid}: {status} {resp}")
 
     async def update(self, http, seg: Seg, content: int) -> None:
         if self.put_supported is not False:
+            pending = seg.current()
+            if pending is not None:
+                pending.end_pending = now()  # (as in delete)
             t, ta, status, resp = await self.seg_call(http, seg, "PUT", f"/v1/segments/{seg.sid}",
                                                       {"text": TEXTS[content]})
+            if pending is not None and status not in (200, 201):
+                pending.end_pending = None
             self.seg_ops[f"update {status}"] += 1
             code = self._err(resp)[0]
             if status in (404, 405) and code in ("route_not_found", "method_not_allowed"):

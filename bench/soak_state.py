@@ -39,8 +39,11 @@ class Version:
     sent: float  # the creating request was sent
     acked: float  # ... and acknowledged
     present_from: float  # certainly present since (an update keeps its predecessor's)
-    end_sent: float | None = None  # the deleting / replacing request was sent
+    end_sent: float | None = None  # the deleting / replacing request was sent (recorded at its answer)
     end_acked: float | None = None
+    # a deleting / replacing request in flight since (set before it is sent: a completion answered
+    # before the churner reads the delete's answer must not count the segment as present throughout)
+    end_pending: float | None = None
 
 
 @dataclasses.dataclass
@@ -68,7 +71,9 @@ class Seg:
                        if v.sent <= t1 and (v.end_acked is None or v.end_acked >= t0)})
 
     def present_throughout(self, t0: float, t1: float) -> bool:
-        return any(v.present_from <= t0 and (v.end_sent is None or v.end_sent >= t1) for v in self.versions)
+        def end(v):
+            return v.end_sent if v.end_sent is not None else v.end_pending
+        return any(v.present_from <= t0 and (end(v) is None or end(v) >= t1) for v in self.versions)
 
     def history(self, t0: float, t1: float) -> str:
         """The versions near [t0, t1], wall-clock (failure messages)."""
