@@ -50,7 +50,7 @@ def bandwidth(b: EngineBench):
         rows.append([name, f"{nbytes / 2**30:.2f} GiB", f"{t * 1e6:.0f}", f"{min(times) * 1e6:.0f}",
                      f"{bws[-1] / 1e9:.0f} GB/s"])
     b.copy_bw = max(bws)
-    del box
+    box.clear()
     read_bytes = (64 << 20) if b.quick else (2 << 30)
     b.read_bw = read_bandwidth(read_bytes)
     rows.append(["sum (read only, float32 accumulate)", f"{read_bytes / 2**30:.2f} GiB", "", "",

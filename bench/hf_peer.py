@@ -134,7 +134,7 @@ def run_hf(spec: dict) -> dict:
         except Exception as e:  # noqa: BLE001 - reported, the eager rows stand
             print(f"  HF StaticCache + torch.compile path failed: {type(e).__name__}: {e}", flush=True)
             res["reuse_static_error"] = f"{type(e).__name__}: {e}"[:300]
-    del model
+    model = None  # noqa: F841 - freed before the next section
     gc.collect()
     if dev.type == "cuda":
         torch.cuda.empty_cache()

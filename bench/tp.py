@@ -172,7 +172,7 @@ def large(args):
            ["all-reduce share of the decode step's device time",
             "n/a" if ar is None else f"{ar / 1e3:.2f} of {total / 1e3:.2f} ms",
             "", "n/a" if not total else f"{ar / total:.1%}", ""]])
-    del eng
+    eng = None  # noqa: F841 - its pool freed before the next section
 
 
 @section
@@ -200,7 +200,7 @@ def loading(args):
         dt = time.time() - t0
         rss1 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
         layers = eng.cfg.num_layers
-        del eng
+        eng = None  # noqa: F841 - its pool freed before the next engine
     finally:
         shutil.rmtree(folder, ignore_errors=True)
     full = 80 if not args.quick else layers
@@ -229,7 +229,7 @@ def small(args):
         run_batch(eng, reqs())  # compiles
         runs = timed(eng, lambda: run_batch(eng, reqs()), 2 if args.quick else 3, f"64 rows TP={n}")
         res[n] = dict(dec=dec, tok_s=median([r["tok_s"] for r in runs if r["tok_s"]]))
-        del eng
+        eng = None  # noqa: F841 - its pool freed before the next engine
     R["small"] = res
     table(f"c. {'tiny' if args.quick else 'Llama-3-8B'} shape, TP=1 vs TP={tp}",
           ["measure", "TP=1", f"TP={tp}", "TP=1 / TP=N (step) or TP=N / TP=1 (tok/s)", "target"],
