@@ -269,19 +269,9 @@ class EngineBench:
 
     # ---- timed repetitions
     def timed(self, eng, fn, reps: int, label: str) -> list:
-        """``reps`` results of ``fn()``; a repetition inside which the engine compiled is dropped and
-        reported (its time would include the compile).  Raises when every one compiled."""
-        out = []
-        for _ in range(reps):
-            c0 = eng.compiles
-            r = fn()
-            if eng.compiles != c0:
-                self.dropped_reps += 1
-                self.log(f"  WARNING {label}: a timed repetition compiled {eng.compiles - c0} bucket(s); dropped")
-                continue
-            out.append(r)
-        if reps and not out:
-            raise RuntimeError(f"{label}: every timed repetition compiled")
+        """``timed_reps``, counting the dropped repetitions for the report."""
+        out = timed_reps(eng, fn, reps, label, self.log)
+        self.dropped_reps += reps - len(out)
         return out
 
     def drop_segments(self, eng, names):
@@ -290,6 +280,39 @@ class EngineBench:
                 eng.delete_segment(name)
             except Exception as e:  # noqa: BLE001 - reported; the next section goes on
                 self.log(f"  could not delete {name}: {e!r}")
+
+
+def timed_reps(eng, fn, reps: int, label: str, log=print) -> list:
+    """``reps`` results of ``fn()``; a repetition inside which the engine compiled is dropped and
+    reported (its time would include the compile).  Raises when every one compiled."""
+    out = []
+    for _ in range(reps):
+        c0 = eng.compiles
+        r = fn()
+        if eng.compiles != c0:
+            log(f"  WARNING {label}: a timed repetition compiled {eng.compiles - c0} bucket(s); dropped")
+            continue
+        out.append(r)
+    if reps and not out:
+        raise RuntimeError(f"{label}: every timed repetition compiled")
+    return out
+
+
+def copy_bandwidth(num_bytes: int = 2 << 30, reps: int = 10) -> float:
+    """Bytes/s (read + written) of a device copy of ``num_bytes`` of bf16 (median of ``reps``)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    x = jax.random.normal(jax.random.PRNGKey(7), (num_bytes // 2,), jnp.bfloat16)
+    cp = jax.jit(lambda a: jax.lax.optimization_barrier(a).copy())
+    cp(x).block_until_ready()
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        cp(x).block_until_ready()
+        times.append(time.perf_counter() - t)
+    return 2 * x.nbytes / float(np.median(times))
 
 
 def timed_generate(eng, ids, segs, max_tokens: int = 1, mode: str | None = None):

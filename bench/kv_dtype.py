@@ -29,10 +29,8 @@ Writes ``kv_dtype.md`` to ``--out``.
 from __future__ import annotations
 
 import argparse
-import datetime
 import math
 import os
-import shlex
 import sys
 import time
 
@@ -42,8 +40,8 @@ sys.path.insert(0, ROOT)
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from common import median, read_bandwidth  # noqa: E402  (bench/common.py)
-from report import FAILURES, MD, log, section, table, write_md  # noqa: E402  (bench/report.py)
+from common import copy_bandwidth, median, read_bandwidth  # noqa: E402  (bench/common.py)
+from report import MD, finish, log, section, table  # noqa: E402  (bench/report.py)
 
 KV_DTYPES = ("int8", "float8_e4m3fn")
 R: dict = {}
@@ -62,10 +60,7 @@ def timeit(fn, reps):
 
 def ceiling(quick):
     n = (64 << 20) if quick else (2 << 30)
-    x = jax.random.normal(jax.random.PRNGKey(7), (n // 2,), jnp.bfloat16)
-    cp = jax.jit(lambda a: jax.lax.optimization_barrier(a).copy())
-    t = timeit(lambda: cp(x), 10)
-    return max(read_bandwidth(n), 2 * x.nbytes / t)
+    return max(read_bandwidth(n), copy_bandwidth(n))
 
 
 def pages(hkv, p, s, d, key):
@@ -247,16 +242,7 @@ def main():
         quality(args)
     if "c" in args.sections:
         modes_quality(args)
-    dev = jax.devices()[0]
-    cmd = " ".join(shlex.quote(a) for a in [os.path.relpath(sys.argv[0], ROOT)] + sys.argv[1:])
-    head = ["# Compressed KV benchmark", "", f"- date: {datetime.datetime.now().isoformat(timespec='seconds')}",
-            f"- device: {dev.device_kind} ({dev.platform}), jax {jax.__version__}", f"- command: `python {cmd}`",
-            f"- total time: {time.time() - t0:.0f} s", ""]
-    if FAILURES:
-        head += ["**FAILURES:**", ""] + [f"- {f}" for f in FAILURES] + [""]
-    write_md(args.out, "kv_dtype.md", head + MD)
-    if FAILURES:
-        sys.exit(1)
+    finish(args.out, "kv_dtype.md", "Compressed KV benchmark", t0, ROOT)
 
 
 if __name__ == "__main__":

@@ -58,6 +58,27 @@ def table(title, headers, rows, md=True):
         MD.append("")
 
 
+def finish(out_dir: str, name: str, title: str, t0: float, root: str, extra: list[str] = ()) -> None:
+    """Write the report ``name``: a header (title, date, device, the command as typed, total time,
+    ``extra`` lines, failures) then ``MD``; exit non-zero when a check failed."""
+    import datetime
+    import shlex
+    import sys
+
+    import jax
+
+    dev = jax.devices()[0]
+    cmd = " ".join(shlex.quote(a) for a in [os.path.relpath(sys.argv[0], root)] + sys.argv[1:])
+    head = [f"# {title}", "", f"- date: {datetime.datetime.now().isoformat(timespec='seconds')}",
+            f"- devices: {jax.device_count()} x {dev.device_kind} ({dev.platform}), jax {jax.__version__}",
+            f"- command: `python {cmd}`", f"- total time: {time.time() - t0:.0f} s", *extra, ""]
+    if FAILURES:
+        head += ["**FAILURES:**", ""] + [f"- {f}" for f in FAILURES] + [""]
+    write_md(out_dir, name, head + MD)
+    if FAILURES:
+        sys.exit(1)
+
+
 def section(fn):
     """Run one section; print its traceback instead of stopping the script."""
     @functools.wraps(fn)

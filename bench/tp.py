@@ -34,9 +34,7 @@ Writes ``tp.md`` to ``--out``.
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
-import shlex
 import sys
 import time
 
@@ -45,9 +43,9 @@ sys.path.insert(0, ROOT)
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-from common import (LLAMA3_8B, LLAMA3_70B, TINY, greedy, median, model_config, ms, ratio,  # noqa: E402
-                    read_bandwidth, step_read_bytes, timed_generate)
-from report import FAILURES, MD, log, section, table, write_md  # noqa: E402  (bench/report.py)
+from common import (LLAMA3_8B, LLAMA3_70B, TINY, copy_bandwidth, greedy, median, model_config, ms,  # noqa: E402
+                    ratio, read_bandwidth, step_read_bytes, timed_generate, timed_reps)
+from report import finish, log, section, table  # noqa: E402  (bench/report.py)
 
 Q = 64
 R: dict = {}
@@ -75,18 +73,6 @@ def build(sh: dict, tp: int, quick: bool):
     return eng, cfg
 
 
-def timed(eng, fn, reps, label):
-    out = []
-    for _ in range(reps):
-        c0 = eng.compiles
-        r = fn()
-        if eng.compiles == c0:
-            out.append(r)
-        else:
-            log(f"  WARNING {label}: a timed repetition compiled; dropped")
-    return out
-
-
 def ttft(eng, cfg, segs, reps, n_tokens=Q):
     import numpy as np
     rng = np.random.default_rng(1)
@@ -96,7 +82,7 @@ def ttft(eng, cfg, segs, reps, n_tokens=Q):
         return out.metrics.ttft_s
     one()
     one()
-    return median(timed(eng, one, reps, f"ttft {segs}"))
+    return median(timed_reps(eng, one, reps, f"ttft {segs}"))
 
 
 def decode_step(eng, cfg, segs, reps):
@@ -107,22 +93,13 @@ def decode_step(eng, cfg, segs, reps):
         out, _ = timed_generate(eng, rng.integers(0, cfg.vocab_size, Q).tolist(), segs, max_tokens=64)
         return 1.0 / out.metrics.decode_tokens_per_s
     timed_generate(eng, rng.integers(0, cfg.vocab_size, Q).tolist(), segs, max_tokens=8)
-    return median(timed(eng, one, reps, f"decode {segs}"))
+    return median(timed_reps(eng, one, reps, f"decode {segs}"))
 
 
 @section
 def ceilings(args):
     n = (64 << 20) if args.quick else (2 << 30)
-    R["read_bw"] = read_bandwidth(n)
-    x = jax.random.normal(jax.random.PRNGKey(7), (n // 2,), jnp.bfloat16)
-    cp = jax.jit(lambda a: jax.lax.optimization_barrier(a).copy())
-    cp(x).block_until_ready()
-    t = []
-    for _ in range(10):
-        t0 = time.perf_counter()
-        cp(x).block_until_ready()
-        t.append(time.perf_counter() - t0)
-    R["copy_bw"] = 2 * x.nbytes / median(t)
+    R["read_bw"], R["copy_bw"] = read_bandwidth(n), copy_bandwidth(n)
     R["bw"] = max(R["read_bw"], R["copy_bw"])
     table("a. Per-device ceilings (device 0)", ["op", "GB/s"],
           [["read-only reduction", f"{R['read_bw'] / 1e9:.0f}"], ["copy (read + write)", f"{R['copy_bw'] / 1e9:.0f}"]])
@@ -227,7 +204,7 @@ def small(args):
             return [dict(prompt_token_ids=rng.integers(0, cfg.vocab_size, Q).tolist(), sampling=greedy(32))
                     for _ in range(64)]
         run_batch(eng, reqs())  # compiles
-        runs = timed(eng, lambda: run_batch(eng, reqs()), 2 if args.quick else 3, f"64 rows TP={n}")
+        runs = timed_reps(eng, lambda: run_batch(eng, reqs()), 2 if args.quick else 3, f"64 rows TP={n}")
         res[n] = dict(dec=dec, tok_s=median([r["tok_s"] for r in runs if r["tok_s"]]))
         eng = None  # noqa: F841 - its pool freed before the next engine
     R["small"] = res
@@ -257,17 +234,8 @@ def main():
         small(args)
     if "d" in args.sections:
         loading(args)
-    dev = jax.devices()[0]
-    cmd = " ".join(shlex.quote(a) for a in [os.path.relpath(sys.argv[0], ROOT)] + sys.argv[1:])
-    head = [f"# Tensor-parallel benchmark ({'quick, tiny shapes' if args.quick else '70B and 8B shapes, random bf16'})",
-            "", f"- date: {datetime.datetime.now().isoformat(timespec='seconds')}",
-            f"- devices: {jax.device_count()} x {dev.device_kind} ({dev.platform}), jax {jax.__version__}",
-            f"- command: `python {cmd}`", f"- total time: {time.time() - t0:.0f} s", ""]
-    if FAILURES:
-        head += ["**FAILURES:**", ""] + [f"- {f}" for f in FAILURES] + [""]
-    write_md(args.out, "tp.md", head + MD)
-    if FAILURES:
-        sys.exit(1)
+    finish(args.out, "tp.md", f"Tensor-parallel benchmark ({'quick, tiny shapes' if args.quick else '70B and 8B shapes, random bf16'})",
+           t0, ROOT)
 
 
 if __name__ == "__main__":

@@ -54,18 +54,29 @@ def is_leader() -> bool:
     return jax.process_index() == 0
 
 
+_HEAD = 1024  # bytes of the first broadcast: a 4-byte length and the start of the payload
+
+
 def _broadcast(payload: bytes | None) -> bytes:
-    """The leader's bytes, in every process (a collective: every process calls it)."""
+    """The leader's bytes, in every process (a collective: every process calls it).  One broadcast
+    of ``_HEAD`` bytes carries a call as small as ``step``'s (every device step makes one); a longer
+    payload sends its rest in a second, of a power-of-two size (one compiled broadcast per class)."""
     from jax.experimental import multihost_utils
 
     leader = is_leader()
-    size = np.array([len(payload) if leader else 0], np.int32)
-    n = int(np.asarray(multihost_utils.broadcast_one_to_all(size))[0])
-    cap = 1 << max(8, (n - 1).bit_length())  # power-of-two buffers: one compiled broadcast per size class
-    buf = np.zeros(cap, np.uint8)
+    head = np.zeros(_HEAD, np.uint8)
     if leader:
-        buf[:n] = np.frombuffer(payload, np.uint8)
-    return np.asarray(multihost_utils.broadcast_one_to_all(buf))[:n].tobytes()
+        data = len(payload).to_bytes(4, "little") + payload
+        head[:min(len(data), _HEAD)] = np.frombuffer(data[:_HEAD], np.uint8)
+    head = np.asarray(multihost_utils.broadcast_one_to_all(head))
+    n = int.from_bytes(head[:4].tobytes(), "little")
+    if n <= _HEAD - 4:
+        return head[4:4 + n].tobytes()
+    rest = n - (_HEAD - 4)
+    buf = np.zeros(1 << max(8, (rest - 1).bit_length()), np.uint8)
+    if leader:
+        buf[:rest] = np.frombuffer(payload[_HEAD - 4:], np.uint8)
+    return head[4:].tobytes() + np.asarray(multihost_utils.broadcast_one_to_all(buf))[:rest].tobytes()
 
 
 def lockstep_config(config: EngineConfig) -> EngineConfig:
@@ -89,15 +100,17 @@ class LockstepEngine(Engine):
         self._closed = False
         super().__init__(*args, **kwargs)
 
-    def _send(self, name: str, args: tuple, kwargs: dict) -> None:
-        if name == "submit" and jax.process_count() > 1:
+    def _send(self, name: str, args: tuple, kwargs: dict) -> dict:
+        """(The leader) broadcast the call; returns its keyword arguments as every process makes it."""
+        if jax.process_count() == 1:
+            return kwargs
+        if name == "submit":
             sampling = kwargs.get("sampling")
             if sampling is None or sampling.seed is None:  # one stream for every process
                 from inferscale_jax.sampling import SamplingParams
                 kwargs = dict(kwargs, sampling=dataclasses.replace(sampling or SamplingParams(),
                                                                    seed=secrets.randbits(63)))
-        if is_leader() and jax.process_count() > 1:
-            _broadcast(pickle.dumps((name, args, kwargs)))
+        _broadcast(pickle.dumps((name, args, kwargs)))
         return kwargs
 
 

@@ -182,10 +182,7 @@ class Engine:
         # with tensor parallelism each device holds 1/N of every page's kv heads (one replica when the
         # model has fewer kv heads than N: sharding.py)
         tp, kv = self.config.tensor_parallel, self.cfg.num_kv_heads
-        kv_bytes = self.dtype if not self.config.quantized_kv else jnp.int8  # (+ 4 bytes of scale per row)
-        per_page = page_bytes(self.cfg, self.config.page_size, kv_bytes) * max(kv, tp) // kv // tp
-        if self.config.quantized_kv:
-            per_page = per_page * (self.cfg.head_dim + 4) // self.cfg.head_dim
+        per_page = page_bytes(self.cfg, self.config.page_size, self.config.kv_dtype or self.dtype) * max(kv, tp) // kv // tp
         stats = jax.local_devices()[0].memory_stats() or {}
         if "bytes_limit" in stats:
             free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)

@@ -38,7 +38,7 @@ from pallas_kernels.cascade_attention import (shared_prefix_decode_attention,
                                               shared_prefix_decode_attention_ref)
 from pallas_kernels.decode_attention import paged_decode_attention, paged_decode_attention_ref
 from pallas_kernels.kv_write import write_kv, write_kv_pallas, write_kv_quantized, write_kv_quantized_pallas
-from pallas_kernels.quant import dequantize_kv, is_quantized
+from pallas_kernels.quant import SCALE_BYTES, dequantize_pages, is_quantized
 from pallas_kernels.ragged_attention import ragged_paged_attention, ragged_paged_attention_ref
 
 
@@ -124,13 +124,14 @@ class PagedKVCache:
         return self.with_pages([self.k[layer]], [self.v[layer]], *(([ks], [vs]) if self.quantized else ()))
 
     def with_layer(self, layer: int, view: "PagedKVCache") -> "PagedKVCache":
-        ks, vs = list(self.k), list(self.v)
-        ks[layer], vs[layer] = view.k[0], view.v[0]
-        if not self.quantized:
-            return self.with_pages(ks, vs)
-        kss, vss = list(self.k_scale), list(self.v_scale)
-        kss[layer], vss[layer] = view.k_scale[0], view.v_scale[0]
-        return self.with_pages(ks, vs, kss, vss)
+        return self._set_layer(layer, view.k[0], view.v[0], view._scales(0))
+
+    def _set_layer(self, layer: int, k, v, scales) -> "PagedKVCache":
+        """The cache with one layer's pages (and scales, when quantized) replaced."""
+        new = [list(self.k), list(self.v)] + ([list(self.k_scale), list(self.v_scale)] if self.quantized else [])
+        for arrays, value in zip(new, (k, v, *scales)):
+            arrays[layer] = value
+        return self.with_pages(*new)
 
     def attend(self, layer: int, q: jax.Array, k: jax.Array, v: jax.Array,
                positions: jax.Array, meta: AttnMeta) -> tuple[jax.Array, "PagedKVCache"]:
@@ -143,13 +144,7 @@ class PagedKVCache:
             fn = jax.shard_map(fn, mesh=self.mesh, in_specs=(heads, heads, heads, pages, pages, pages, rep, rep),
                                out_specs=(heads, pages, pages, pages), check_vma=False)
         out, kp, vp, new_scales = fn(q, k, v, self.k[layer], self.v[layer], scales, positions, meta)
-        ks, vs = list(self.k), list(self.v)
-        ks[layer], vs[layer] = kp, vp
-        if not self.quantized:
-            return out, self.with_pages(ks, vs)
-        kss, vss = list(self.k_scale), list(self.v_scale)
-        kss[layer], vss[layer] = new_scales
-        return out, self.with_pages(ks, vs, kss, vss)
+        return out, self._set_layer(layer, kp, vp, new_scales)
 
 
 def _write_and_attend(q: jax.Array, k: jax.Array, v: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
@@ -176,8 +171,7 @@ def _write_and_attend(q: jax.Array, k: jax.Array, v: jax.Array, k_pages: jax.Arr
 def _attend(q, kp, vp, positions, meta: AttnMeta, pallas: bool, scales=(None, None)):
     sc = {} if scales[0] is None else dict(k_scale=scales[0], v_scale=scales[1])
     if meta.by_position:  # (blend's recompute, plain jnp: compressed pages dequantized first)
-        if sc:
-            kp, vp = dequantize_kv(kp, sc["k_scale"], q.dtype), dequantize_kv(vp, sc["v_scale"], q.dtype)
+        kp, vp = dequantize_pages(kp, vp, *scales, q.dtype)
         out = paged_attention_by_position(q, kp, vp, meta.page_table, positions)
     elif meta.ragged:  # q [1, N]: the flat tokens of a mixed step
         fn = ragged_paged_attention if pallas else ragged_paged_attention_ref
@@ -205,5 +199,7 @@ def paged_attention_by_position(q: jax.Array, k_pages: jax.Array, v_pages: jax.A
 
 
 def page_bytes(cfg: ModelConfig, page_size: int, dtype) -> int:
-    """Bytes one page takes across all layers, K and V."""
-    return 2 * cfg.num_layers * cfg.num_kv_heads * page_size * cfg.head_dim * jnp.dtype(dtype).itemsize
+    """Bytes one page takes across all layers, K and V; a compressed KV dtype's rows hold D bytes and
+    their scale (``pallas_kernels/quant.py``)."""
+    row = cfg.head_dim + SCALE_BYTES if is_quantized(dtype) else cfg.head_dim * jnp.dtype(dtype).itemsize
+    return 2 * cfg.num_layers * cfg.num_kv_heads * page_size * row

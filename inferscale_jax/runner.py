@@ -228,29 +228,15 @@ class PendingStep:
 @functools.partial(jax.jit, static_argnames=("use_kernel",), donate_argnames=("cache",))
 def _splice(cache: PagedKVCache, src_slots, dst_slots, shift, inv_freq, *, use_kernel: bool):
     if cache.quantized:  # compressed KV: the jnp splice (dequantize, rotate, quantize again)
-        return _splice_quantized(cache, src_slots, dst_slots, shift, inv_freq)
-    fn = splice_kv if use_kernel else splice_kv_ref
+        fn, arrays = splice_kv_quantized_ref, [cache.k, cache.v, cache.k_scale, cache.v_scale]
+    else:
+        fn, arrays = (splice_kv if use_kernel else splice_kv_ref), [cache.k, cache.v]
     if cache.mesh is not None:  # per shard: each device re-rotates its own kv heads' pages
         pages, rep = jax.sharding.PartitionSpec("tp"), jax.sharding.PartitionSpec()
-        fn = jax.shard_map(fn, mesh=cache.mesh, in_specs=(pages, pages, rep, rep, rep, rep),
-                           out_specs=(pages, pages), check_vma=False)
-    ks, vs = [], []
-    for k, v in zip(cache.k, cache.v):
-        k, v = fn(k, v, src_slots, dst_slots, shift, inv_freq)
-        ks.append(k)
-        vs.append(v)
-    return cache.with_pages(ks, vs)
-
-
-def _splice_quantized(cache: PagedKVCache, src_slots, dst_slots, shift, inv_freq):
-    fn = splice_kv_quantized_ref
-    if cache.mesh is not None:
-        pages, rep = jax.sharding.PartitionSpec("tp"), jax.sharding.PartitionSpec()
-        fn = jax.shard_map(fn, mesh=cache.mesh, in_specs=(pages,) * 4 + (rep,) * 4, out_specs=(pages,) * 4,
-                           check_vma=False)
-    out = [fn(k, v, ks, vs, src_slots, dst_slots, shift, inv_freq)
-           for k, v, ks, vs in zip(cache.k, cache.v, cache.k_scale, cache.v_scale)]
-    return cache.with_pages(*[[o[i] for o in out] for i in range(4)])
+        fn = jax.shard_map(fn, mesh=cache.mesh, in_specs=(pages,) * len(arrays) + (rep,) * 4,
+                           out_specs=(pages,) * len(arrays), check_vma=False)
+    out = [fn(*layer, src_slots, dst_slots, shift, inv_freq) for layer in zip(*arrays)]
+    return cache.with_pages(*[[o[i] for o in out] for i in range(len(arrays))])
 
 
 class ModelRunner:

@@ -38,7 +38,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from models.config import ModelConfig
-from models.params import param_specs
+from models.params import assemble, param_specs
 
 log = logging.getLogger("inferscale.sharding")
 
@@ -150,23 +150,16 @@ def interleave(cfg: ModelConfig, params: dict, n: int) -> dict:
     return dict(params, layers=layers)
 
 
+def to_layout(cfg: ModelConfig, lcfg: ModelConfig, params: dict) -> dict:
+    """Weights of ``cfg`` in the layout of ``lcfg`` (``layout_config``): kv heads repeated, fused
+    matrices shard-major."""
+    return interleave(lcfg, expand_kv(cfg, params, lcfg.num_kv_heads // cfg.num_kv_heads), lcfg.fused_shards)
+
+
 def shard_params(cfg: ModelConfig, params: dict, mesh: Mesh) -> tuple[ModelConfig, dict]:
-    """(the model config of the sharded layout, the weights interleaved and placed on the mesh)."""
-    n = mesh.shape[AXIS]
-    lcfg = layout_config(cfg, n)
-    shardings = param_shardings(lcfg, mesh)
-    params = interleave(lcfg, expand_kv(cfg, params, lcfg.num_kv_heads // cfg.num_kv_heads), n)
-    placed = {"layers": [dict() for _ in params["layers"]]}
-    for path, sh in shardings.items():
-        node = params
-        for k in path:
-            node = node[k]
-        value = jax.device_put(node, sh)
-        if path[0] == "layers":
-            placed["layers"][path[1]][path[2]] = value
-        else:
-            placed[path[0]] = value
-    return lcfg, placed
+    """(the model config of the sharded layout, the weights in that layout placed on the mesh)."""
+    lcfg = layout_config(cfg, mesh.shape[AXIS])
+    return lcfg, jax.device_put(to_layout(cfg, lcfg, params), assemble(lcfg, param_shardings(lcfg, mesh)))
 
 
 def init_params_sharded(cfg: ModelConfig, mesh: Mesh, key: jax.Array, dtype=jnp.bfloat16,
@@ -175,30 +168,15 @@ def init_params_sharded(cfg: ModelConfig, mesh: Mesh, key: jax.Array, dtype=jnp.
     mesh, each device computing its own shards (benchmarks of models too large for one device)."""
     from models import init_params
 
-    n = mesh.shape[AXIS]
-    lcfg = layout_config(cfg, n)
-    shardings = param_shardings(lcfg, mesh)
-    out = {"layers": [dict() for _ in range(cfg.num_layers)]}
-    for path, sh in shardings.items():
-        if path[0] == "layers":
-            out["layers"][path[1]][path[2]] = sh
-        else:
-            out[path[0]] = sh
-    rep = lcfg.num_kv_heads // cfg.num_kv_heads
-
-    def make(k):
-        return interleave(lcfg, expand_kv(cfg, init_params(cfg, k, dtype=dtype, scale=scale), rep), n)
-
-    return lcfg, jax.jit(make, out_shardings=out)(key)
+    lcfg = layout_config(cfg, mesh.shape[AXIS])
+    make = jax.jit(lambda k: to_layout(cfg, lcfg, init_params(cfg, k, dtype=dtype, scale=scale)),
+                   out_shardings=assemble(lcfg, param_shardings(lcfg, mesh)))
+    return lcfg, make(key)
 
 
-def replicated(mesh: Mesh) -> NamedSharding:
-    return NamedSharding(mesh, P())
-
-
-def kv_sharding(mesh: Mesh, memory_kind: str | None = None) -> NamedSharding:
-    """Sharding of a layer's pages (or any array with kv heads first)."""
-    return NamedSharding(mesh, KV_SPEC, memory_kind=memory_kind)
+def kv_sharding(mesh: Mesh) -> NamedSharding:
+    """Sharding of a layer's pages (kv heads first)."""
+    return NamedSharding(mesh, KV_SPEC)
 
 
 def mesh_stats(mesh: Mesh | None, device) -> dict:

@@ -56,11 +56,11 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 
 from inferscale_jax.errors import StorageError
-from inferscale_jax.kv_cache import PagedKVCache
+from inferscale_jax.kv_cache import PagedKVCache, page_bytes
 from inferscale_jax.prefix_cache import root_hash
 from inferscale_jax.registry import storage_error
 from inferscale_jax.segments import ChainNode, Segment, SegmentStore
-from pallas_kernels.quant import pack_block, unpack_block
+from pallas_kernels.quant import SCALE_BYTES, pack_block, unpack_block
 
 if TYPE_CHECKING:
     from inferscale_jax.config import EngineConfig
@@ -167,9 +167,9 @@ class Tiers:
         self.rep = cache.k[0].shape[0] // cfg.num_kv_heads  # copies of each kv head in the pool
         # a block's rows: D values of the KV dtype, or (compressed KV) D bytes + the scale's 4 (quant.py)
         self.block_dtype = np.dtype(np.uint8) if cache.quantized else np.dtype(dtype)
-        row = cfg.head_dim + 4 if cache.quantized else cfg.head_dim
+        row = cfg.head_dim + SCALE_BYTES if cache.quantized else cfg.head_dim
         self.layout = (cfg.num_layers, 2, cfg.num_kv_heads, ec.page_size, row)  # + nb at axis 3
-        self.page_nbytes = int(np.prod(self.layout)) * self.block_dtype.itemsize
+        self.page_nbytes = page_bytes(cfg, ec.page_size, cache.k[0].dtype)
         if ec.host_pages is not None:
             self.host_capacity = ec.host_pages
         else:  # 4x the HBM pool, at most a quarter of the machine's RAM

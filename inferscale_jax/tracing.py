@@ -16,7 +16,7 @@ standard OTLP exporter when ``opentelemetry-sdk`` and an OTLP exporter package a
 (service name, headers, sampler) is read by the SDK itself.  ``pip install 'inferscale-jax[tracing]'``.
 
 The log line (logger ``inferscale.request``, INFO): ``{"request_id", "tenant", "segments": [{"id",
-"uid", "tier"}], "mode", "prompt_tokens", "cached_tokens", "generated_tokens", "ttft_s", "e2e_s",
+"uid", "tier"}], "promoted_bytes", "chain_node", "mode", "prompt_tokens", "cached_tokens", "generated_tokens", "ttft_s", "e2e_s",
 "finish_reason"}`` - the request id the HTTP response returns in its ``X-Request-Id`` header.
 """
 
@@ -76,6 +76,7 @@ class RequestTrace:
         self.prompt_tokens = prompt_tokens
         self._t0, self._t0_ns = time.perf_counter(), time.time_ns()
         self._admitted = self._first = None
+        self.promoted_bytes, self.node = 0, "not admitted"
         self._chunks: list[tuple[float, int, int]] = []
         self.tracer = _tracer()
         self.root = None
@@ -135,6 +136,7 @@ class RequestTrace:
             log.info(json.dumps({
                 "request_id": self.request_id, "tenant": self.tenant, "mode": self.mode,
                 "segments": [dict(s, tier=tier_of(s)) for s in self.segments],
+                "promoted_bytes": self.promoted_bytes, "chain_node": self.node,
                 "prompt_tokens": metrics.prompt_tokens, "cached_tokens": metrics.cached_tokens,
                 "generated_tokens": metrics.generated_tokens, "ttft_s": round(metrics.ttft_s, 6),
                 "e2e_s": round(metrics.e2e_s, 6), "finish_reason": reason}))

@@ -69,6 +69,7 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels import common
 from pallas_kernels.decode_attention import check_decode_inputs, paged_decode_attention
+from pallas_kernels.quant import dequantize_pages, dequantize_rows
 
 _LOG2E = math.log2(math.e)
 _LN2 = math.log(2.0)
@@ -155,8 +156,8 @@ def _shared_kernel(
         k = k_ref[slot]  # [BK, D]
         v = v_ref[slot]
         if scale_refs:  # compressed pages: dequantized in registers with each row's scale
-            k = (k.astype(jnp.float32) * scale_refs[0][slot][:, None]).astype(q.dtype)
-            v = (v.astype(jnp.float32) * scale_refs[1][slot][:, None]).astype(q.dtype)
+            k = dequantize_rows(k, scale_refs[0][slot], q.dtype)
+            v = dequantize_rows(v, scale_refs[1][slot], q.dtype)
         next_slot = slots_of(i + 1)  # off the critical path of the next iteration
         logits = lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=_PREC,
                                  preferred_element_type=jnp.float32) * scale_log2  # [R, BK]
@@ -363,9 +364,7 @@ def shared_prefix_decode_attention_ref(
     del unused_knobs
     b, hq, hkv, g, p, s, d, ps, mp = check_shared_prefix_inputs(
         q, k_pages, v_pages, shared_pages, shared_len, suffix_table, suffix_lens, shared_rows, k_scale, v_scale)
-    if k_scale is not None:
-        from pallas_kernels.quant import dequantize_kv
-        k_pages, v_pages = dequantize_kv(k_pages, k_scale, q.dtype), dequantize_kv(v_pages, v_scale, q.dtype)
+    k_pages, v_pages = dequantize_pages(k_pages, v_pages, k_scale, v_scale, q.dtype)
     sm_scale = 1.0 / math.sqrt(d) if sm_scale is None else float(sm_scale)
     hi = lax.Precision.HIGHEST
     shared_ok = jnp.broadcast_to(jnp.arange(ps * s) < jnp.asarray(shared_len), (b, ps * s))

@@ -53,6 +53,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from pallas_kernels import common
+from pallas_kernels.quant import dequantize_pages, dequantize_rows
 
 _LOG2E = math.log2(math.e)
 _LN2 = math.log(2.0)  # return_lse: base-2 log-sum-exp * ln 2 = natural log
@@ -141,8 +142,7 @@ def _decode_kernel(
         k = k_ref[slot]  # [BK, D] gathered from up to pages_per_block pages
         v = v_ref[slot]  # [BK, D]
         if quantized:  # compressed pages: dequantized in registers with each row's scale
-            k = (k.astype(jnp.float32) * ks_ref[slot][:, None]).astype(q.dtype)
-            v = (v.astype(jnp.float32) * vs_ref[slot][:, None]).astype(q.dtype)
+            k, v = dequantize_rows(k, ks_ref[slot], q.dtype), dequantize_rows(v, vs_ref[slot], q.dtype)
         # Prefetch: the next block's page ids load alongside this block's K/V, so the
         # page-table read is off the critical path (no dependent load inside an iteration).
         next_slot = slots_of(i + 1)
@@ -309,9 +309,7 @@ def paged_decode_attention_ref(
     does), mask by length, softmax in fp32."""
     b, hq, hkv, g, p, s, d, max_pages = check_decode_inputs(q, k_pages, v_pages, page_table,
                                                             lengths, k_scale, v_scale)
-    if k_scale is not None:
-        from pallas_kernels.quant import dequantize_kv
-        k_pages, v_pages = dequantize_kv(k_pages, k_scale, q.dtype), dequantize_kv(v_pages, v_scale, q.dtype)
+    k_pages, v_pages = dequantize_pages(k_pages, v_pages, k_scale, v_scale, q.dtype)
     if sm_scale is None:
         sm_scale = 1.0 / math.sqrt(d)
     hi = lax.Precision.HIGHEST

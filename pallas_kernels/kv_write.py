@@ -28,6 +28,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels import common
+from pallas_kernels.quant import quantize_kv
 
 
 def check_write_inputs(k_pages, v_pages, k_new, v_new, slots) -> tuple[int, int, int, int, int]:
@@ -138,8 +139,6 @@ def write_kv_quantized(
     slots: jax.Array,  # [N] int32
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """Quantize the new tokens (per token and head) and scatter values and scales into their slots."""
-    from pallas_kernels.quant import quantize_kv
-
     hkv, p, s, d = k_pages.shape
 
     def put(pages, scales, new):
@@ -154,10 +153,8 @@ def write_kv_quantized(
 
 
 def _write_quant_kernel(slots_ref, k_new_ref, v_new_ref, k_in_ref, v_in_ref, ks_in_ref, vs_in_ref,
-                        k_out_ref, v_out_ref, ks_out_ref, vs_out_ref, *, n: int, block: int, qmax: float,
-                        is_int: bool):
-    # as _write_kernel, and each row is quantized on the way (pallas_kernels/quant.py): scale =
-    # max|x| / qmax per (token, head), values x / scale (rounded and clipped for int8)
+                        k_out_ref, v_out_ref, ks_out_ref, vs_out_ref, *, n: int, block: int):
+    # as _write_kernel, and each row is quantized on the way (quant.quantize_kv, in registers)
     del k_in_ref, v_in_ref, ks_in_ref, vs_in_ref  # aliased with the outputs
     i, h = pl.program_id(0), pl.program_id(1)
     d = k_new_ref.shape[-1]
@@ -167,13 +164,8 @@ def _write_quant_kernel(slots_ref, k_new_ref, v_new_ref, k_in_ref, v_in_ref, ks_
     slot = jnp.where((slot >= 0) & (slot < num_slots), slot, 0)  # bad slot -> null page
     col = jnp.arange(d, dtype=jnp.int32)[None, :]
     for new_ref, out_ref, sc_ref in ((k_new_ref, k_out_ref, ks_out_ref), (v_new_ref, v_out_ref, vs_out_ref)):
-        x = new_ref[r[:, None], h, col].astype(jnp.float32)  # [T, D]
-        amax = jnp.max(jnp.abs(x), axis=1)
-        scale = jnp.where(amax > 0, amax / qmax, 1.0)  # [T]
-        y = x / scale[:, None]
-        if is_int:
-            y = jnp.clip(jnp.round(y), -qmax, qmax)
-        out_ref[slot[:, None], col] = y.astype(out_ref.dtype)
+        q, scale = quantize_kv(new_ref[r[:, None], h, col], out_ref.dtype)  # [T, D], [T]
+        out_ref[slot[:, None], col] = q
         sc_ref[slot] = scale
 
 
@@ -202,15 +194,13 @@ def write_kv_quantized_pallas(
         return k_pages, v_pages, k_scale, v_scale
     if interpret is None:
         interpret = common.default_interpret()
-    is_int = k_pages.dtype == jnp.dtype(jnp.int8)
     k3, v3 = k_pages.reshape(hkv, p * s, d), v_pages.reshape(hkv, p * s, d)
     ks2, vs2 = k_scale.reshape(hkv, p * s), v_scale.reshape(hkv, p * s)
     page_spec = pl.BlockSpec((None, p * s, d), lambda i, h: (h, 0, 0))
     scale_spec = pl.BlockSpec((None, p * s), lambda i, h: (h, 0))
     new_spec = pl.BlockSpec((n, hkv, d), lambda i, h: (0, 0, 0))
     outs = pl.pallas_call(
-        functools.partial(_write_quant_kernel, n=n, block=block_tokens, qmax=127.0 if is_int else 448.0,
-                          is_int=is_int),
+        functools.partial(_write_quant_kernel, n=n, block=block_tokens),
         grid=(pl.cdiv(n, block_tokens), hkv),
         in_specs=[pl.BlockSpec((n,), lambda i, h: (0,)), new_spec, new_spec, page_spec, page_spec, scale_spec,
                   scale_spec],

@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 
 KV_DTYPES = {"int8": jnp.int8, "float8_e4m3fn": jnp.float8_e4m3fn}
+SCALE_BYTES = 4  # a row's float32 scale, stored beside its D one-byte values
 _QMAX = {"int8": 127.0, "float8_e4m3fn": 448.0}
 
 
@@ -40,6 +41,19 @@ def quantize_kv(x: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
 def dequantize_kv(q: jax.Array, scale: jax.Array, dtype) -> jax.Array:
     """values [..., D], scale [...] -> [..., D] of ``dtype``."""
     return (q.astype(jnp.float32) * scale[..., None]).astype(dtype)
+
+
+def dequantize_rows(rows: jax.Array, scales: jax.Array, dtype) -> jax.Array:
+    """Gathered rows [R, D] and their scales [R] -> [R, D] of ``dtype`` (inside a kernel: in registers)."""
+    return (rows.astype(jnp.float32) * scales[:, None]).astype(dtype)
+
+
+def dequantize_pages(k_pages, v_pages, k_scale, v_scale, dtype):
+    """The references' view of compressed pages: both dequantized to ``dtype`` (unchanged when
+    ``k_scale`` is None: pages of the model's dtype)."""
+    if k_scale is None:
+        return k_pages, v_pages
+    return dequantize_kv(k_pages, k_scale, dtype), dequantize_kv(v_pages, v_scale, dtype)
 
 
 def pack_block(q: jax.Array, scale: jax.Array) -> jax.Array:

@@ -80,6 +80,7 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels import common
 from pallas_kernels.prefill_attention import _LOG2E, _MASK, _PREC, _choose_blocks, _next_pow2
+from pallas_kernels.quant import dequantize_pages, dequantize_rows
 
 _MIN_SPLIT_KEYS = 256  # kv_splits=None: at least this much KV capacity per split
 _SPLITS_PER_SM = 2  # kv_splits=None: aim for about this many programs per SM
@@ -220,8 +221,8 @@ def _attend(meta, page_table_ref, q_ref, k_ref, v_ref, o_ref, lse_refs, scale_re
         k = k_ref[slots, :]  # [block_kv, D]
         v = v_ref[slots, :]
         if scale_refs:  # compressed pages: dequantized in registers with each row's scale
-            k = (k.astype(jnp.float32) * scale_refs[0][slots][:, None]).astype(q.dtype)
-            v = (v.astype(jnp.float32) * scale_refs[1][slots][:, None]).astype(q.dtype)
+            k = dequantize_rows(k, scale_refs[0][slots], q.dtype)
+            v = dequantize_rows(v, scale_refs[1][slots], q.dtype)
         s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=_PREC,
                             preferred_element_type=jnp.float32)  # [M, block_kv] raw scores
         if masked:
@@ -408,9 +409,7 @@ def ragged_paged_attention_ref(
     """
     num_tokens, num_rows, _, _, _, _, head_dim = check_ragged_inputs(
         q, k_pages, v_pages, page_table, cu_q_lens, kv_lens, k_scale, v_scale)
-    if k_scale is not None:
-        from pallas_kernels.quant import dequantize_kv
-        k_pages, v_pages = dequantize_kv(k_pages, k_scale, q.dtype), dequantize_kv(v_pages, v_scale, q.dtype)
+    k_pages, v_pages = dequantize_pages(k_pages, v_pages, k_scale, v_scale, q.dtype)
     if num_tokens == 0 or num_rows == 0:
         return jnp.zeros_like(q)
     sm_scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else float(sm_scale)
