@@ -72,11 +72,7 @@ def load_params(model_dir: str, cfg: ModelConfig, dtype=jnp.bfloat16) -> dict:
             parts = []
             for name, size in zip(s.hf_names, hf_split_sizes(cfg, s)):
                 arr = handles[where[name]].get_tensor(name)
-                want = (size,) + s.shape[:-1][::-1] if s.transpose else s.shape[:-1] + (size,)
-                if tuple(arr.shape) != tuple(want):
-                    raise CheckpointError(
-                        f"tensor {name!r} in {os.path.basename(where[name])} has shape {tuple(arr.shape)}, "
-                        f"expected {tuple(want)} from config.json")
+                _check_shape(s, name, size, arr.shape, where)
                 parts.append(jnp.asarray(arr))
             leaves[s.path] = _place(parts, transpose=s.transpose, dtype=jnp.dtype(dtype))
     finally:
@@ -143,11 +139,7 @@ def load_params_sharded(model_dir: str, cfg: ModelConfig, mesh, dtype=jnp.bfloat
     try:
         for s in specs:  # shapes first: a wrong one is a clear error before any device work
             for name, size in zip(s.hf_names, hf_split_sizes(cfg, s)):
-                got = tuple(handle_of(name).get_slice(name).get_shape())
-                want = (size,) + s.shape[:-1][::-1] if s.transpose else s.shape[:-1] + (size,)
-                if got != tuple(want):
-                    raise CheckpointError(f"tensor {name!r} in {os.path.basename(where[name])} has shape {got}, "
-                                          f"expected {tuple(want)} from config.json")
+                _check_shape(s, name, size, handle_of(name).get_slice(name).get_shape(), where)
         leaves = {}
         for s in param_specs(lcfg):
             groups = n if len(s.hf_names) > 1 else 1
@@ -158,6 +150,14 @@ def load_params_sharded(model_dir: str, cfg: ModelConfig, mesh, dtype=jnp.bfloat
         for h in handles.values():
             h.__exit__(None, None, None)
     return lcfg, assemble(lcfg, leaves)
+
+
+def _check_shape(s, name: str, size: int, got, where: dict) -> None:
+    """The HF tensor ``name`` (``size`` rows of spec ``s``'s output) has the shape config.json implies."""
+    want = (size,) + s.shape[:-1][::-1] if s.transpose else s.shape[:-1] + (size,)
+    if tuple(got) != tuple(want):
+        raise CheckpointError(f"tensor {name!r} in {os.path.basename(where[name])} has shape {tuple(got)}, "
+                              f"expected {tuple(want)} from config.json")
 
 
 def _check_present(specs, where: dict, model_dir: str) -> None:
