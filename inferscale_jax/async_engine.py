@@ -245,6 +245,16 @@ class AsyncEngine:
         kwargs = await self._pretokenized(kwargs, "text", "token_ids")
         return await self.call(self.engine.register_segment, *args, **kwargs)
 
+    async def update_segment(self, *args, **kwargs):
+        """``Engine.update_segment``; its ``text`` is tokenized off the engine loop."""
+        kwargs = await self._pretokenized(kwargs, "text", "token_ids")
+        return await self.call(self.engine.update_segment, *args, **kwargs)
+
+    async def append_segment(self, *args, **kwargs):
+        """``Engine.append_segment``; its ``text`` is tokenized off the engine loop."""
+        kwargs = await self._pretokenized(kwargs, "text", "token_ids")
+        return await self.call(self.engine.append_segment, *args, **kwargs)
+
     async def delete_segment(self, *args, **kwargs):
         return await self.call(self.engine.delete_segment, *args, **kwargs)
 

@@ -51,6 +51,7 @@ from inferscale_jax.outputs import GenerationOutput
 from inferscale_jax.runner import ModelRunner, StepRow, freeze_heap
 from inferscale_jax.sampling import SamplingParams, request_key
 from inferscale_jax.scheduler import Request, RequestOutput, Scheduler
+from inferscale_jax.segment_updates import VersionResult, next_version
 from inferscale_jax.segments import ChainNode, Segment, SegmentInfo, check_segment_id, check_tenant
 from inferscale_jax.snapshot import Persistence
 from inferscale_jax.tokenizer import decode_ids, encode_text
@@ -111,7 +112,8 @@ class Engine:
         if tokenizer is not None and getattr(tokenizer, "bos_token_id", None) is not None:
             if tokenizer("a").input_ids[:1] == [tokenizer.bos_token_id]:
                 self.bos_prefix = [tokenizer.bos_token_id]
-        self._counters = dict(requests=0, prompt_tokens=0, cached_tokens=0, generated_tokens=0)
+        self._counters = dict(requests=0, prompt_tokens=0, cached_tokens=0, generated_tokens=0,
+                              segment_tokens_computed=0)
         # the parts, each holding only the collaborators it needs (docs/architecture.md): pages,
         # store, prefix cache and tiers (kv_manager.py); the schedule (scheduler.py); persistence
         self.kv = KVManager(config, cfg, self.runner, self.dtype, num_pages=num_pages,
@@ -226,6 +228,7 @@ class Engine:
         total = len(self.bos_prefix) + len(ids)
         self._check_fits(total, f"segment {segment_id!r}")
         seq = self.kv.materialize(self.kv.root(ns), self.bos_prefix + ids, None)
+        self._counters["segment_tokens_computed"] += len(seq.tokens) - seq.cached
         info = SegmentInfo(id=segment_id, tenant=tenant, num_tokens=len(ids), public=public, pin=pin,
                            created=time.time())
         seg = self.store.add(info, ids)
@@ -311,6 +314,42 @@ class Engine:
                 raise
             docs = docs[len(seqs):]
         return infos
+
+    def update_segment(self, segment_id: str, text: str | None = None, token_ids=None, *,
+                       tenant: str = "default") -> SegmentInfo:
+        """Replace a segment's content atomically; returns the new version's info (``version``
+        one higher).  Requests already running keep reading the old version to their end; new
+        ones see only the new version; the old version's chain nodes are never served again.
+        Only tokens after the old and new versions' common prefix are computed
+        (``segment_updates.py``).  Durable like ``register_segment``."""
+        seg, ids = self._new_content(segment_id, text, token_ids, tenant, "update_segment")
+        return self._next_version(seg, ids, promote=False).info
+
+    def append_segment(self, segment_id: str, text: str | None = None, token_ids=None, *,
+                       tenant: str = "default") -> SegmentInfo:
+        """Append tokens to a segment: a new version whose KV is the old one's plus the appended
+        tokens computed over it (cost proportional to the appended tokens).  The text is
+        tokenized on its own and its ids appended, so the result equals registering the
+        concatenated token ids.  Versioned and durable like ``update_segment``."""
+        seg, ids = self._new_content(segment_id, text, token_ids, tenant, "append_segment")
+        return self._next_version(seg, seg.token_ids + ids, promote=True).info
+
+    def _new_content(self, segment_id, text, token_ids, tenant, what: str) -> tuple[Segment, list[int]]:
+        check_segment_id(segment_id)
+        if (text is None) == (token_ids is None):
+            raise ValueError(f"{what} needs exactly one of text= or token_ids=")
+        check_tenant(tenant)
+        seg = self.store.owned(segment_id, tenant)
+        ids = self._encode(text, "text") if text is not None else self._check_ids(token_ids, "token_ids")
+        if not ids:
+            raise ValueError(f"{what}({segment_id!r}): the new content is empty; give at least one token")
+        return seg, ids
+
+    def _next_version(self, seg: Segment, ids: list[int], promote: bool) -> VersionResult:
+        self._check_fits(len(self.bos_prefix) + len(ids), f"segment {seg.info.id!r}")
+        result = next_version(self.kv, self.persistence, seg, ids, promote=promote)
+        self._counters["segment_tokens_computed"] += result.computed_tokens
+        return result
 
     def list_segments(self, tenant: str = "default") -> list[SegmentInfo]:
         return self.store.visible(tenant)
@@ -489,6 +528,7 @@ class Engine:
             "prompt_tokens": c["prompt_tokens"],
             "cached_tokens": c["cached_tokens"],
             "generated_tokens": c["generated_tokens"],
+            "segment_tokens_computed": c["segment_tokens_computed"],  # register / update / append_segment
             "hit_rate": c["cached_tokens"] / c["prompt_tokens"] if c["prompt_tokens"] else 0.0,
             "compiles": self.runner.compiles,
             "warm": self.runner.warm,

@@ -169,8 +169,12 @@ class KVManager:
         """Prepare and compute ``tokens`` now, one chunk per step (registered segments)."""
         seq = self.prepare(root, tokens, base, want_logits=False)
         chunk = self.config.prefill_chunk
-        for c in range(seq.computed, len(tokens), chunk):
-            self.step([StepRow(tokens[c:c + chunk], c, seq.pages)], 0)
+        try:
+            for c in range(seq.computed, len(tokens), chunk):
+                self.step([StepRow(tokens[c:c + chunk], c, seq.pages)], 0)
+        except BaseException:
+            self.release(seq.pages)
+            raise
         seq.computed = len(tokens)
         self.register_full_pages(seq)
         return seq

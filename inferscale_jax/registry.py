@@ -20,6 +20,11 @@ Schema
   a stale chain or snapshot entry can never be mistaken for a new segment) and
   ``snapshot_step`` (the last snapshot whose files were fsynced: the commit point that
   ``snapshot.py`` restores from).
+- Versions: ``update_segment`` / ``append_segment`` (``segment_updates.py``) replace a row's
+  ``uid``, ``token_ids``, ``version`` and ``updated`` in one transaction (``replace``), so after
+  a crash the row is the old version or the new one, never a mix; the KV is keyed by uid, so a
+  snapshot of the old version is never restored for the new one.  Files written before
+  versions existed get the two columns added at open (``version`` 1).
 - ``segment_meta``: optional key/value pairs per segment, keyed like ``segments`` plus ``key``
   and stamped with the segment's ``uid`` (a row whose uid is not the live segment's is stale
   and ignored).  ``precompute.py`` keeps each document's ``text_sha256`` here, so a re-run
@@ -72,6 +77,8 @@ CREATE TABLE IF NOT EXISTS segments (
     public INTEGER NOT NULL,
     pin INTEGER NOT NULL,
     created REAL NOT NULL,
+    version INTEGER NOT NULL DEFAULT 1,  -- 1 at registration, +1 per update / append
+    updated REAL NOT NULL DEFAULT 0,     -- when this version was acknowledged (0: never updated)
     PRIMARY KEY (fingerprint, namespace, id)
 );
 CREATE TABLE IF NOT EXISTS segment_meta (
@@ -140,6 +147,8 @@ class SegmentRow:
     pin: bool
     created: float
     parent: str | None = None
+    version: int = 1
+    updated: float = 0.0
 
 
 class Registry:
@@ -156,6 +165,10 @@ class Registry:
             if problems != ["ok"]:
                 raise sqlite3.DatabaseError("; ".join(problems[:3]))
             self._db.executescript(SCHEMA)
+            have = {r[1] for r in self._db.execute("PRAGMA table_info(segments)").fetchall()}
+            for column, decl in (("version", "INTEGER NOT NULL DEFAULT 1"), ("updated", "REAL NOT NULL DEFAULT 0")):
+                if column not in have:  # a file from before segment versions
+                    self._db.execute(f"ALTER TABLE segments ADD COLUMN {column} {decl}")
         except sqlite3.Error as err:
             if self._db is not None:
                 self._db.close()
@@ -197,11 +210,11 @@ class Registry:
         """This engine's segments (its fingerprint), oldest uid first."""
         with self._lock:
             cur = self._db.execute(
-                "SELECT namespace, id, uid, tenant, token_ids, public, pin, created, parent FROM segments "
-                "WHERE fingerprint = ? ORDER BY uid", (self.identity.fingerprint,))
+                "SELECT namespace, id, uid, tenant, token_ids, public, pin, created, parent, version, updated "
+                "FROM segments WHERE fingerprint = ? ORDER BY uid", (self.identity.fingerprint,))
             return [SegmentRow(ns, sid, uid, tenant, np.frombuffer(blob, "<i4").tolist(), bool(pub), bool(pin),
-                               created, parent)
-                    for ns, sid, uid, tenant, blob, pub, pin, created, parent in cur.fetchall()]
+                               created, parent, version, updated)
+                    for ns, sid, uid, tenant, blob, pub, pin, created, parent, version, updated in cur.fetchall()]
 
     def foreign(self) -> tuple[Identity, int] | None:
         """The identity of rows written by another model / dtype / page size, and their count."""
@@ -238,14 +251,34 @@ class Registry:
         ident = self.identity
         with self._transaction(what) as db:
             db.executemany(
-                "INSERT INTO segments VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                "INSERT INTO segments (fingerprint, model, dtype, page_size, namespace, id, uid, tenant, token_ids, "
+                "parent, public, pin, created, version, updated) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 [(ident.fingerprint, ident.model, ident.dtype, ident.page_size, row.namespace, row.id, row.uid,
                   row.tenant, np.asarray(row.token_ids, "<i4").tobytes(), row.parent, int(row.public), int(row.pin),
-                  row.created) for row in rows])
-            db.execute(
-                "INSERT INTO meta VALUES ('next_uid', ?) ON CONFLICT(key) DO UPDATE SET "
-                "value = MAX(CAST(value AS INTEGER), CAST(excluded.value AS INTEGER))",
-                (str(max(row.uid for row in rows) + 1),))
+                  row.created, row.version, row.updated) for row in rows])
+            self._advance_uid(db, max(row.uid for row in rows))
+
+    @staticmethod
+    def _advance_uid(db, uid: int) -> None:
+        db.execute(
+            "INSERT INTO meta VALUES ('next_uid', ?) ON CONFLICT(key) DO UPDATE SET "
+            "value = MAX(CAST(value AS INTEGER), CAST(excluded.value AS INTEGER))", (str(uid + 1),))
+
+    def replace(self, old_uid: int, row: SegmentRow) -> None:
+        """A new version of a segment: the row ``(namespace, id)`` recorded with ``old_uid`` takes
+        ``row``'s uid, token ids, version and update time, and its meta rows go (they describe the
+        old version), in one fsynced transaction.  ``KeyError`` if no such row (it was deleted or
+        replaced meanwhile: nothing is written)."""
+        key = (self.identity.fingerprint, row.namespace, row.id)
+        with self._transaction(f"recording version {row.version} of segment {row.id!r}") as db:
+            cur = db.execute(
+                "UPDATE segments SET uid = ?, token_ids = ?, version = ?, updated = ? "
+                "WHERE fingerprint = ? AND namespace = ? AND id = ? AND uid = ?",
+                (row.uid, np.asarray(row.token_ids, "<i4").tobytes(), row.version, row.updated, *key, old_uid))
+            if cur.rowcount != 1:
+                raise KeyError(f"segment {row.id!r} (uid {old_uid}) is not in the registry")
+            db.execute("DELETE FROM segment_meta WHERE fingerprint = ? AND namespace = ? AND id = ?", key)
+            self._advance_uid(db, row.uid)
 
     def delete(self, namespace: str, segment_id: str) -> None:
         key = (self.identity.fingerprint, namespace, segment_id)

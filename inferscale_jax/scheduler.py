@@ -69,7 +69,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from inferscale_jax.config import EngineConfig
-from inferscale_jax.errors import EngineFault, PoolExhausted, SegmentNotFound
+from inferscale_jax.errors import EngineFault, PoolExhausted, RequestTooLong, SegmentNotFound
 from inferscale_jax.outputs import GenerationOutput, RequestMetrics
 from inferscale_jax.runner import PendingStep, StepPlan, StepRow
 from inferscale_jax.sampling import MAX_LOGPROBS, SamplingParams
@@ -234,10 +234,10 @@ class Scheduler:
             window = list(self.waiting)[:LOOKAHEAD]
             req = next((r for r in window if self._resident(r)), window[0])
             t_adm = time.perf_counter()
-            tiers = [self.kv.tiers.where(seg) for seg in req.chain]  # (tracing: the cache outcome)
-            promoted0 = self.kv.tiers.counters["promotion_bytes"]
             try:
                 self._check_segments(req)
+                tiers = [self.kv.tiers.where(seg) for seg in req.chain]  # (tracing: the cache outcome)
+                promoted0 = self.kv.tiers.counters["promotion_bytes"]
                 missing = self.kv.start(req)
             except PoolExhausted as err:
                 if self.running or self.jobs:
@@ -344,18 +344,34 @@ class Scheduler:
 
     def _check_segments(self, req: Request) -> None:
         """Before admission: every segment the request names must still be registered.  One
-        deleted (or replaced) after submit fails a request that never ran with ``SegmentNotFound``;
-        a preempted request already holds the segment's tokens in its prompt, so it continues
+        updated after submit (``segment_updates.py``) is re-resolved to its current version: the
+        request never ran, so it reads what a request submitted now would (its length checked
+        again).  One deleted after submit fails a request that never ran with ``SegmentNotFound``.
+        A preempted request already holds the segment's tokens in its prompt, so it continues
         without the chain (its KV is recomputed exactly, mostly from the prefix cache)."""
         store = self.kv.store
-        dead = [seg for seg in req.chain if not store.is_live(seg)]
-        if not dead:
+        if all(store.is_live(seg) for seg in req.chain):
             return
         if req.preemptions:
             req.chain, req.mode = [], "exact"
             return
-        raise SegmentNotFound(f"segment {dead[0].info.id!r} not found: it was deleted after this request was "
-                              "submitted; list your segments with GET /v1/segments and retry")
+        current = [store.current(seg) for seg in req.chain]
+        gone = next((seg for seg, cur in zip(req.chain, current) if cur is None), None)
+        if gone is not None:
+            raise SegmentNotFound(f"segment {gone.info.id!r} not found: it was deleted after this request was "
+                                  "submitted; list your segments with GET /v1/segments and retry")
+        bos = len(self.kv.bos_prefix)
+        question = req.prompt_tokens[bos + sum(len(seg.token_ids) for seg in req.chain):]
+        tokens = list(self.kv.bos_prefix) + [t for seg in current for t in seg.token_ids] + question
+        total = len(tokens) + req.sampling.max_tokens
+        limit = min(self.config.max_model_len or self.cfg.max_position_embeddings, self.cfg.max_position_embeddings,
+                    (self.kv.pool.num_pages - 1) * self.config.page_size)
+        if total > limit:
+            raise RequestTooLong(
+                f"request needs {total} tokens ({len(tokens)} prompt + {req.sampling.max_tokens} max_tokens) after "
+                f"segment {req.chain[0].info.id!r} was updated, but the limit is {limit} (the model's "
+                "max_position_embeddings or the KV page pool); shorten it or lower max_tokens")
+        req.chain, req.prompt_tokens = current, tokens
 
     def _fail(self, req: Request | NodeJob, err: Exception, outs: list[RequestOutput]) -> None:
         """Fail one request with ``err`` (its pages released) and report it in ``outs``; for a

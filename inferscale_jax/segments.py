@@ -60,6 +60,8 @@ class SegmentInfo:
     public: bool = False
     pin: bool = False
     created: float = 0.0
+    version: int = 1  # 1 at registration, +1 per update_segment / append_segment
+    updated: float = 0.0  # when this version replaced the previous one (0.0: never updated)
 
 
 @dataclasses.dataclass
@@ -112,6 +114,29 @@ class SegmentStore:
             raise SegmentNotFound(
                 f"segment {segment_id!r} not found; list your segments with list_segments() / GET /v1/segments")
         return seg
+
+    def replace(self, old: Segment, info: SegmentInfo, token_ids: list[int], uid: int | None = None
+                ) -> tuple[Segment, list[ChainNode]]:
+        """A new version of ``old`` (same namespace and id) under a new uid; returns it and the
+        chain nodes that contained ``old`` (the caller releases their pages).  Requests holding
+        ``old`` see it as no longer live (``is_live``): the scheduler re-resolves the ones not
+        yet running (``current``), running ones keep their own page references to the end."""
+        assert self.is_live(old), "replacing a segment that is not live"
+        dead = self.remove(old)
+        uid = self._next_uid if uid is None else uid
+        self._next_uid = max(self._next_uid, uid + 1)
+        seg = Segment(info=info, uid=uid, namespace=old.namespace, token_ids=list(token_ids))
+        self._segments[(old.namespace, info.id)] = seg
+        return seg, dead
+
+    def peek_uid(self) -> int:
+        """The uid the next ``add`` / ``replace`` hands out."""
+        return self._next_uid
+
+    def current(self, seg: Segment) -> Segment | None:
+        """The live version of ``seg``'s id in its namespace (``seg`` itself unless it was
+        updated or deleted; ``None`` once deleted)."""
+        return self._segments.get((seg.namespace, seg.info.id))
 
     def is_live(self, seg: Segment) -> bool:
         """Whether ``seg`` is still registered (not deleted, nor replaced by a new registration)."""

@@ -200,6 +200,15 @@ class Persistence:
         self._dirty = True
         self.maybe_snapshot()
 
+    def on_updated(self, old: Segment, new: Segment) -> None:
+        """Record ``new`` as the next version of ``old``'s row (one fsynced transaction:
+        ``Registry.replace``); raises, with nothing recorded, if that fails.  The caller swaps
+        the versions in memory after this returns, then calls ``maybe_snapshot``."""
+        i = new.info
+        self.registry.replace(old.uid, SegmentRow(new.namespace, i.id, new.uid, i.tenant, new.token_ids, i.public,
+                                                  i.pin, i.created, version=i.version, updated=i.updated))
+        self._dirty = True
+
     def on_deleted(self, seg: Segment) -> None:
         self.registry.delete(seg.namespace, seg.info.id)
         self._dirty = True
@@ -260,7 +269,7 @@ class Persistence:
             tokens = e.bos_prefix + seg.token_ids
             i = seg.info
             rec = dict(key=None, namespace=seg.namespace, id=i.id, uid=seg.uid, tenant=i.tenant, public=i.public,
-                       pin=i.pin, created=i.created, num_tokens=len(tokens),
+                       pin=i.pin, created=i.created, version=i.version, updated=i.updated, num_tokens=len(tokens),
                        num_pages=-(-len(tokens) // e.config.page_size), digest=token_digest(tokens),
                        tokens_at=[at, at + len(seg.token_ids)])
             ids.append(np.asarray(seg.token_ids, np.int32))
@@ -430,7 +439,7 @@ class Persistence:
         segs = []
         for row in rows:
             info = SegmentInfo(id=row.id, tenant=row.tenant, num_tokens=len(row.token_ids), public=row.public,
-                               pin=row.pin, created=row.created)
+                               pin=row.pin, created=row.created, version=row.version, updated=row.updated)
             segs.append(e.store.restore(info, row.token_ids, row.uid))
         ntok = {seg.uid: len(e.bos_prefix) + len(seg.token_ids) for seg in segs}
         headroom = e.pool.num_pages // HEADROOM_FRACTION
@@ -491,7 +500,8 @@ class Persistence:
                 if token_digest(e.bos_prefix + tokens) != rec["digest"]:
                     raise ValueError(f"the token ids of segment {rec['id']!r} do not match its digest")
                 out.append(SegmentRow(rec["namespace"], rec["id"], int(rec["uid"]), rec["tenant"], tokens,
-                                      bool(rec["public"]), bool(rec["pin"]), float(rec["created"])))
+                                      bool(rec["public"]), bool(rec["pin"]), float(rec["created"]),
+                                      version=int(rec.get("version", 1)), updated=float(rec.get("updated", 0.0))))
         except Exception as err:  # noqa: BLE001 - any failure to read is corruption
             raise self._corrupt(path, f"its token ids cannot be read ({type(err).__name__}: {err})") from err
         return out

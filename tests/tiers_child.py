@@ -4,6 +4,8 @@ per acknowledged step on stdout, and waits to be killed with SIGKILL.
     python tiers_child.py DIR after_register   # acks, generations, then idle: no snapshot ever taken
     python tiers_child.py DIR mid_snapshot     # snapshot 1, more acks and a delete, then snapshot 2
                                                # paused between its data and its commit
+    python tiers_child.py DIR mid_update:STAGE # s0 registered and snapshotted, then an update of s0
+                                               # paused at STAGE (segment_updates.py: computed|committed)
 """
 
 import json
@@ -21,7 +23,23 @@ def say(**kw):
     print(json.dumps(kw), flush=True)
 
 
+def mid_update(snapshot_dir: str, stage: str) -> None:
+    engine = make_engine(snapshot_dir=snapshot_dir)
+    engine.register_segment("s0", token_ids=seg_tokens(0), tenant="t")
+    say(ack="s0")
+    toks, lps = gen(engine, "s0", tenant="t")
+    say(gen="s0", tokens=toks, logprobs=[{str(k): v for k, v in d.items()} for d in lps])
+    engine.save_snapshot()
+    os.environ["INFERSCALE_TEST_UPDATE_PAUSE"] = f"{stage}:600"
+    os.environ["INFERSCALE_TEST_UPDATE_PAUSE_MARKER"] = os.path.join(snapshot_dir, "..", "update-paused")
+    say(updating=True)
+    engine.update_segment("s0", token_ids=seg_tokens(9, 27), tenant="t")  # paused until killed
+    say(error="the update was not paused")
+
+
 def main(snapshot_dir: str, mode: str) -> None:
+    if mode.startswith("mid_update:"):
+        return mid_update(snapshot_dir, mode.split(":", 1)[1])
     engine = make_engine(snapshot_dir=snapshot_dir)
     ids = ["s0", "s1", "s2"]
     for i, sid in enumerate(ids[:2] if mode == "mid_snapshot" else ids):
