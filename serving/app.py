@@ -25,9 +25,11 @@ Layers, outermost first:
 Segments: ``POST /v1/segments`` computes the KV on the engine thread (the call returns when the
 segment is durable, per docs/architecture.md); ``GET /v1/segments`` lists the caller's and the public
 segments; ``GET`` / ``DELETE /v1/segments/{id}`` answer a foreign id exactly like a missing one.
-Ids may hold ``/`` and ``:`` (the routes match the rest of the path).  Deleting a public segment
-needs an admin key (403 ``admin_required``), like registering one; the check and the delete run
-as one call on the engine thread, so no other command slips between them.
+Ids may hold ``/`` and ``:`` (the routes match the rest of the path).  ``PUT /v1/segments/{id}``
+(new content) and ``POST /v1/segments/{id}/append`` make a new version (``segment_updates.py``);
+their responses carry ``version``.  Deleting, updating or appending to a public segment needs an
+admin key (403 ``admin_required``), like registering one; the check and the change run as one
+call on the engine thread, so no other command slips between them.
 """
 
 from __future__ import annotations
@@ -51,7 +53,7 @@ from serving.errors import APIError, from_engine, internal_error, invalid_field,
 from serving.generation import chat_job, completion_job, run_job
 from serving.metrics import ServerMetrics
 from serving.middleware import LOG_KEY, ServingMiddleware
-from serving.schemas import ChatCompletionRequest, CompletionRequest, SegmentCreate
+from serving.schemas import ChatCompletionRequest, CompletionRequest, SegmentContent, SegmentCreate
 
 log = logging.getLogger("inferscale.server")
 MAX_JSON_DEPTH = 64
@@ -173,7 +175,8 @@ def public_needs_admin(action: str, segment_id: str, param: str | None = None) -
 
 def _segment_json(info) -> dict:
     return {"id": info.id, "object": "segment", "num_tokens": info.num_tokens, "public": info.public,
-            "pin": info.pin, "created": int(info.created)}
+            "pin": info.pin, "created": int(info.created), "version": info.version,
+            "updated": int(info.updated) if info.updated else None}
 
 
 def create_app(engine_or_async_engine, *, api_keys=None, max_body_bytes: int = 2 << 20, max_waiting: int = 256,
@@ -321,6 +324,37 @@ def create_app(engine_or_async_engine, *, api_keys=None, max_body_bytes: int = 2
         except APIError as e:
             raise segment_not_found(segment_id) if e.status == 404 else e
         return {"id": segment_id, "object": "segment", "deleted": True}
+
+    def _change(segment_id: str, principal: Principal, how: str, token_ids: list[int]):
+        """On the engine thread, as one command: the admin check, then the update or append."""
+        if not principal.admin and _changed_is_public(segment_id, principal.tenant):
+            raise public_needs_admin("updating" if how == "update" else "appending to", segment_id)
+        change = engine.update_segment if how == "update" else engine.append_segment
+        return change(segment_id, token_ids=token_ids, tenant=principal.tenant)
+
+    async def _new_version(segment_id: str, request: Request, how: str):
+        principal = state.principal(request)
+        req = await _parse(request, SegmentContent)
+        request.scope[LOG_KEY]["segments"] = [segment_id]
+        try:
+            ids = req.token_ids if req.token_ids is not None else await ae.tokenize(req.text)  # off the engine thread
+        except Exception as e:
+            raise _engine_error(e, "tokenize") from None
+        try:
+            info = await engine_call(_change, segment_id, principal, how, ids)
+        except APIError as e:
+            raise segment_not_found(segment_id) if e.status == 404 else e
+        return _segment_json(info)
+
+    @app.put("/v1/segments/{segment_id:path}")
+    async def update_segment(segment_id: str, request: Request):
+        """A new version of the segment (``Engine.update_segment``); the response carries ``version``."""
+        return await _new_version(segment_id, request, "update")
+
+    @app.post("/v1/segments/{segment_id:path}/append")
+    async def append_segment(segment_id: str, request: Request):
+        """Tokens appended to the segment (``Engine.append_segment``); the response carries ``version``."""
+        return await _new_version(segment_id, request, "append")
 
     # -- models, stats, health, metrics -----------------------------------------------------
     @app.get("/v1/models")

@@ -231,3 +231,16 @@ class SegmentCreate(_Strict):
         if (self.text is None) == (self.token_ids is None):
             raise ValueError("give exactly one of 'text' or 'token_ids'")
         return self
+
+
+class SegmentContent(_Strict):
+    """``PUT /v1/segments/{id}`` (the new content) and ``POST /v1/segments/{id}/append`` (the tokens
+    to append): exactly one of ``text`` / ``token_ids``."""
+    text: str | None = None
+    token_ids: list[int] | None = None
+
+    @model_validator(mode="after")
+    def _one_source(self):
+        if (self.text is None) == (self.token_ids is None):
+            raise ValueError("give exactly one of 'text' or 'token_ids'")
+        return self

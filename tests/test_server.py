@@ -177,6 +177,43 @@ def test_segments_crud_and_cached_tokens(http, ref):
     assert r.status_code == 404 and r.json()["error"]["code"] == "segment_not_found"
 
 
+def test_segment_update_and_append(http, ref):
+    sid, t1 = "ver/doc", "Store hours: nine to five on weekdays."
+    assert http.post("/v1/segments", json={"id": sid, "text": t1}, headers=A).json()["version"] == 1
+    t2 = "Store hours: eight to eight every day, holidays included."
+    r = http.put(f"/v1/segments/{sid}", json={"text": t2}, headers=A)
+    assert r.status_code == 200, r.text
+    assert r.json()["version"] == 2 and r.json()["updated"] is not None
+    ref.register_segment(sid, text=t2)
+    t3 = " Closed on the first of January."
+    r = http.post(f"/v1/segments/{sid}/append", json={"text": t3}, headers=A)
+    assert r.status_code == 200 and r.json()["version"] == 3, r.text
+    info = ref.append_segment(sid, text=t3)
+    assert r.json()["num_tokens"] == info.num_tokens
+    want = greedy(ref, "When are you open?", segments=[sid])
+    r = http.post("/v1/completions", json={"prompt": "When are you open?", "segments": [sid], "max_tokens": 12,
+                                           "temperature": 0}, headers=A).json()
+    assert r["choices"][0]["text"] == want.text and r["usage"]["prompt_tokens"] == want.metrics.prompt_tokens
+    assert r["usage"]["prompt_tokens_details"]["cached_tokens"] >= info.num_tokens
+    assert http.get(f"/v1/segments/{sid}", headers=A).json()["version"] == 3
+    # another tenant's id is a missing one; bad bodies are a 400 naming the rule
+    assert http.put(f"/v1/segments/{sid}", json={"text": "x"}, headers=B).status_code == 404
+    assert http.post(f"/v1/segments/{sid}/append", json={"text": "x"}, headers=B).status_code == 404
+    assert http.put("/v1/segments/no-such", json={"text": "x"}, headers=A).status_code == 404
+    r = http.put(f"/v1/segments/{sid}", json={"text": "x", "token_ids": [1]}, headers=A)
+    assert r.status_code == 400 and "exactly one" in r.json()["error"]["message"]
+    r = http.post(f"/v1/segments/{sid}/append", json={"token_ids": [10**9]}, headers=A)
+    assert r.status_code == 400 and "vocab" in r.json()["error"]["message"]
+    # a public segment changes only with an admin key
+    assert http.post("/v1/segments", json={"id": "pub-ver", "text": t1, "public": True}, headers=A).status_code == 201
+    r = http.put("/v1/segments/pub-ver", json={"text": t2}, headers=A_USER)
+    assert r.status_code == 403 and r.json()["error"]["code"] == "admin_required"
+    assert http.put("/v1/segments/pub-ver", json={"text": t2}, headers=A).json()["version"] == 2
+    assert http.delete("/v1/segments/pub-ver", headers=A).status_code == 200
+    assert http.delete(f"/v1/segments/{sid}", headers=A).status_code == 200
+    ref.delete_segment(sid)
+
+
 def test_tenancy_and_auth(http):
     sid = "tenancy-private"
 
