@@ -58,6 +58,10 @@ class EngineConfig:
     # this many devices of one mesh; it must divide the model's heads and MLP width, and divide its kv
     # heads or be a multiple of them (kv heads replicated)
     tensor_parallel: int = 1
+    # conversation memory (sessions.py): a session expires this long after its last turn, and a tenant
+    # keeps at most this many (saving one more deletes its least recently used)
+    session_ttl_s: float = 3600.0
+    max_sessions_per_tenant: int = 100
 
     def __post_init__(self):
         # folders are absolute from here on: orbax refuses relative paths, and a later chdir must
@@ -98,6 +102,10 @@ class EngineConfig:
             bad("matmul_precision", self.matmul_precision, f"must be one of {MATMUL_PRECISIONS} or None")
         if not isinstance(self.tensor_parallel, int) or self.tensor_parallel < 1:
             bad("tensor_parallel", self.tensor_parallel, "must be an integer >= 1 (devices of the mesh)")
+        if not self.session_ttl_s > 0:
+            bad("session_ttl_s", self.session_ttl_s, "must be > 0 seconds")
+        if not isinstance(self.max_sessions_per_tenant, int) or self.max_sessions_per_tenant < 1:
+            bad("max_sessions_per_tenant", self.max_sessions_per_tenant, "must be an integer >= 1")
         if self.attention_impl not in ATTENTION_IMPLS:
             bad("attention_impl", self.attention_impl, f"must be one of {ATTENTION_IMPLS}")
         if self.host_pages is not None and self.host_pages < 0:

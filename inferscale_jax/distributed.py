@@ -4,7 +4,8 @@ JAX is multi-controller: every process runs the same program, and a jitted step 
 spans processes runs only when every process calls it, with the same arguments, in the same order.
 So the engine runs in lockstep in every process: process 0 (the leader) serves HTTP and drives the
 schedule; its ``LockstepEngine`` sends each state-changing call (``submit``, ``step``, ``abort``,
-``register_segment``, ``register_segments_batch``, ``delete_segment``, ``warmup``, ``close``) to the
+``register_segment``, ``register_segments_batch``, ``delete_segment``, segment versions and
+sessions, ``warmup``, ``close``: ``LOCKSTEP_CALLS``) to the
 other processes before making it, and they (``follow``) make the same call on their own engine.
 The engine is deterministic given its calls (a request without a seed gets one on the leader, so
 sampling agrees), so every process reaches the same device steps.  The calls travel as pickled
@@ -36,7 +37,8 @@ from inferscale_jax.engine import Engine
 log = logging.getLogger("inferscale.distributed")
 
 LOCKSTEP_CALLS = ("submit", "step", "abort", "register_segment", "register_segments_batch", "delete_segment",
-                  "warmup", "close")
+                  "update_segment", "append_segment", "save_session", "list_sessions", "session_info",
+                  "delete_session", "warmup", "close")  # (the session calls delete expired sessions)
 
 
 def initialize(coordinator: str | None = None, num_processes: int | None = None,

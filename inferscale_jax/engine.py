@@ -51,8 +51,10 @@ from inferscale_jax.outputs import GenerationOutput
 from inferscale_jax.runner import ModelRunner, StepRow, freeze_heap
 from inferscale_jax.sampling import SamplingParams, request_key
 from inferscale_jax.scheduler import Request, RequestOutput, Scheduler
+from inferscale_jax import sessions
 from inferscale_jax.segment_updates import VersionResult, next_version
-from inferscale_jax.segments import ChainNode, Segment, SegmentInfo, check_segment_id, check_tenant
+from inferscale_jax.sessions import SessionInfo
+from inferscale_jax.segments import ChainNode, Segment, SegmentInfo, check_segment_id, check_tenant, literal
 from inferscale_jax.snapshot import Persistence
 from inferscale_jax.tokenizer import decode_ids, encode_text
 from models import ModelConfig, inv_freq
@@ -224,13 +226,18 @@ class Engine:
         ids = self._encode(text, "text") if text is not None else self._check_ids(token_ids, "token_ids")
         if not ids:
             raise ValueError(f"segment {segment_id!r} is empty: give at least one token")
-        ns = self.store.check_new(segment_id, tenant, public)
-        total = len(self.bos_prefix) + len(ids)
-        self._check_fits(total, f"segment {segment_id!r}")
+        return self._register(segment_id, ids, tenant, public=public, pin=pin)
+
+    def _register(self, internal_id: str, ids: list[int], tenant: str, *, public: bool = False, pin: bool = False,
+                  session: bool = False) -> SegmentInfo:
+        """Compute and record a segment (or a session's first version: ``sessions.py``)."""
+        ns = self.store.check_new(internal_id, tenant, public)
+        self._check_fits(len(self.bos_prefix) + len(ids), f"segment {internal_id!r}")
         seq = self.kv.materialize(self.kv.root(ns), self.bos_prefix + ids, None)
         self._counters["segment_tokens_computed"] += len(seq.tokens) - seq.cached
-        info = SegmentInfo(id=segment_id, tenant=tenant, num_tokens=len(ids), public=public, pin=pin,
-                           created=time.time())
+        now = time.time()
+        info = SegmentInfo(id=internal_id, tenant=tenant, num_tokens=len(ids), public=public, pin=pin,
+                           created=now, updated=now if session else 0.0)
         seg = self.store.add(info, ids)
         self.store.add_node(ChainNode(ns, (seg.uid,), len(seq.tokens), seq.pages))
         if self.persistence is not None:
@@ -356,18 +363,54 @@ class Engine:
 
     def delete_segment(self, segment_id: str, tenant: str = "default") -> None:
         """Forget a segment; its pages are freed once no running request reads them."""
-        seg = self.store.owned(segment_id, tenant)
+        self._remove(self.store.owned(segment_id, tenant))
+
+    def _remove(self, seg: Segment) -> None:
+        """Forget a segment or session: durably, then its lower-tier copy and chain nodes."""
         if self.persistence is not None:
             self.persistence.on_deleted(seg)
         self.tiers.forget(seg.uid)
         for node in self.store.remove(seg):
             self.kv.release_node(node)
 
+    # -- sessions (sessions.py) -------------------------------------------------------------
+    def save_session(self, session_id: str, text: str | None = None, token_ids=None, *, segments=(),
+                     tenant: str = "default") -> SessionInfo:
+        """Keep a conversation so far as the tenant's session ``session_id``: the tokens of
+        ``segments`` (ids and literal token runs, as ``submit`` takes them) followed by ``text`` or
+        ``token_ids`` (no BOS).  Each save is the session's next version, computed mostly from what
+        the last turn left in pages.  A later ``submit(..., session=session_id)`` whose tokens
+        start with it computes only the rest (``sessions.py``)."""
+        sessions.check_session_id(session_id)
+        if (text is None) == (token_ids is None):
+            raise ValueError("save_session needs exactly one of text= or token_ids=")
+        check_tenant(tenant)
+        ids = self._encode(text, "text") if text is not None else self._check_ids(token_ids, "token_ids")
+        ids = [t for item in segments for t in self._chain_element(item, tenant).token_ids] + ids
+        if not ids:
+            raise ValueError(f"session {session_id!r} is empty: give at least one token")
+        return sessions.save(self, session_id, tenant, ids)
+
+    def list_sessions(self, tenant: str = "default") -> list[SessionInfo]:
+        check_tenant(tenant)
+        return sessions.listing(self, tenant)
+
+    def session_info(self, session_id: str, tenant: str = "default") -> SessionInfo:
+        """``SegmentNotFound`` for an unknown or expired session (or another tenant's)."""
+        check_tenant(tenant)
+        return sessions.info(self, session_id, tenant)
+
+    def delete_session(self, session_id: str, tenant: str = "default") -> None:
+        check_tenant(tenant)
+        sessions.delete(self, session_id, tenant)
+
     # -- generation -----------------------------------------------------------------------
     def submit(self, prompt: str | None = None, *, prompt_token_ids=None, segments=(),
                tenant: str = "default", sampling: SamplingParams | None = None, mode: str = "exact",
-               request_id: str | None = None) -> str:
-        """Validate and queue a request (``scheduler.py``, 1); returns its id."""
+               request_id: str | None = None, session: str | None = None) -> str:
+        """Validate and queue a request (``scheduler.py``, 1); returns its id.  ``session``: a
+        conversation kept by ``save_session``; when its tokens begin this request's, its KV is
+        injected as the first segment (``sessions.py``)."""
         t0 = time.perf_counter()
         if self.fault is not None:
             raise self.fault
@@ -382,10 +425,14 @@ class Engine:
             raise ValueError("segments must be a list of segment ids, not a string")
         ids = (self._encode(prompt, "prompt") if prompt is not None
                else self._check_ids(prompt_token_ids or [], "prompt_token_ids"))
-        chain = [self.store.resolve(sid, tenant) for sid in segments]
+        chain = [self._chain_element(item, tenant) for item in segments]
         if not ids and not chain:
             raise ValueError("prompt is empty and no segments are named: give at least one token")
         tokens = list(self.bos_prefix) + [t for seg in chain for t in seg.token_ids] + ids
+        if session is not None:
+            hit = sessions.split(self, session, tenant, tokens[len(self.bos_prefix):])
+            if hit is not None:  # [session] + the rest: the earlier turns' KV, exactly
+                chain, mode = [hit], "exact"
         self._check_fits(len(tokens) + sampling.max_tokens, "request",
                          detail=f" ({len(tokens)} prompt + {sampling.max_tokens} max_tokens)")
         if mode != "exact" and len(chain) > 1:
@@ -397,6 +444,16 @@ class Engine:
         key = request_key(sampling.seed)  # no seed: OS entropy, so processes never repeat a stream
         self.scheduler.add(Request(rid, tenant, tokens, chain, sampling, mode, key, arrival=t0))
         return rid
+
+    def _chain_element(self, item, tenant: str) -> Segment:
+        """A ``segments`` item: a segment id, or a list of token ids placed literally (a chat
+        template's text around a segment placed inside a message: ``segments.literal``)."""
+        if isinstance(item, str):
+            return self.store.resolve(item, tenant)
+        if isinstance(item, (list, tuple)) and item:
+            return literal(self._check_ids(item, "segments (a literal token run)"), tenant)
+        raise ValueError(f"segments holds {item!r}: each item is a segment id (str) or a non-empty list of "
+                         "token ids placed literally")
 
     def step(self) -> list[RequestOutput]:
         """One scheduler iteration: admit, then one device step of decode rows and prefill chunks
@@ -521,7 +578,8 @@ class Engine:
             "pages_used": self.pool.num_used,
             "pages_free": self.pool.num_free,
             "page_size": self.config.page_size,
-            "segments": len(self.store),
+            "segments": len(self.store) - sessions.count(self),
+            "sessions": sessions.count(self),
             "chain_nodes": len(self.store.nodes()),
             "prefix_cached_pages": len(self.prefix_cache),
             "requests": c["requests"],

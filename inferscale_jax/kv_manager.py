@@ -46,7 +46,7 @@ from inferscale_jax.errors import PoolExhausted
 from inferscale_jax.page_pool import PagePool
 from inferscale_jax.prefix_cache import PrefixCache, page_hash, root_hash
 from inferscale_jax.runner import ModelRunner, StepResult, StepRow
-from inferscale_jax.segments import ChainNode, Segment, SegmentStore
+from inferscale_jax.segments import ChainNode, Segment, SegmentStore, is_literal
 from inferscale_jax.tiers import Tiers
 from models import ModelConfig
 
@@ -200,7 +200,10 @@ class KVManager:
                 return None
             nodes: list[ChainNode] = []
             try:
+                fresh = bool(req.chain) and is_literal(req.chain[0]) and self.store.node(req.chain[:1], False) is None
                 node, missing = self.walk_chain(req.chain, nodes)
+                if fresh:  # the literal's node was computed for this request: not cached tokens
+                    req.chain_computed += nodes[0].num_tokens - len(self.bos_prefix)
                 if missing is not None:
                     req.nodes = nodes
                     return missing, node
@@ -312,7 +315,10 @@ class KVManager:
         return node
 
     def promote(self, seg: Segment) -> ChainNode:
-        """Bring a segment evicted to host, disk or the recompute tier back into HBM pages."""
+        """Bring a segment evicted to host, disk or the recompute tier back into HBM pages; a
+        literal chain element's node is computed now (``segments.literal``)."""
+        if is_literal(seg):
+            return self.compute_root(seg)
         return self.tiers.promote(seg, self)
 
     def compute_root(self, seg: Segment) -> ChainNode:

@@ -73,7 +73,7 @@ from inferscale_jax.errors import EngineFault, PoolExhausted, RequestTooLong, Se
 from inferscale_jax.outputs import GenerationOutput, RequestMetrics
 from inferscale_jax.runner import PendingStep, StepPlan, StepRow
 from inferscale_jax.sampling import MAX_LOGPROBS, SamplingParams
-from inferscale_jax.segments import ChainNode, Segment, SegmentStore
+from inferscale_jax.segments import SESSION_PREFIX, ChainNode, Segment, SegmentStore
 from inferscale_jax.tracing import RequestTrace
 from models import ModelConfig
 
@@ -348,12 +348,13 @@ class Scheduler:
         request never ran, so it reads what a request submitted now would (its length checked
         again).  One deleted after submit fails a request that never ran with ``SegmentNotFound``.
         A preempted request already holds the segment's tokens in its prompt, so it continues
-        without the chain (its KV is recomputed exactly, mostly from the prefix cache)."""
+        without the chain (its KV is recomputed exactly, mostly from the prefix cache), as does a
+        request whose session (``sessions.py``) another turn changed or deleted meanwhile."""
         store = self.kv.store
         if all(store.is_live(seg) for seg in req.chain):
             return
-        if req.preemptions:
-            req.chain, req.mode = [], "exact"
+        if req.preemptions or any(seg.info.id.startswith(SESSION_PREFIX) for seg in req.chain):
+            req.chain, req.mode = [], "exact"  # (a session changed by another turn: this turn's tokens stand)
             return
         current = [store.current(seg) for seg in req.chain]
         gone = next((seg for seg, cur in zip(req.chain, current) if cur is None), None)

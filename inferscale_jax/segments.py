@@ -22,7 +22,9 @@ released least-recently-used first when the pool needs room (never while a reque
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import re
+import struct
 import time
 from collections import OrderedDict
 
@@ -32,6 +34,7 @@ from inferscale_jax.prefix_cache import PUBLIC_TENANT
 # segment ids: what every route can carry unescaped in a path (docs/architecture.md, "Segments")
 SEGMENT_ID_ALPHABET = "A-Z a-z 0-9 . _ - : /"
 SEGMENT_ID_RE = re.compile(r"[A-Za-z0-9._:/-]{1,256}")
+SESSION_PREFIX = "~session/"  # sessions are segments under this id prefix (sessions.py); "~" is no id character
 
 
 def check_segment_id(segment_id) -> str:
@@ -85,6 +88,27 @@ class ChainNode:
     def key(self) -> tuple[str, tuple[int, ...]]:
         return (self.namespace, self.uids)
 
+    @property
+    def is_root(self) -> bool:
+        """A registered segment's own node (tiers demote these; other nodes are a cache)."""
+        return len(self.uids) == 1 and isinstance(self.uids[0], int)
+
+
+def literal(token_ids: list[int], namespace: str) -> Segment:
+    """A run of literal tokens as a chain element (e.g. a chat template's text before a segment
+    placed in a message: ``serving/chat.py``).  Not registered: its uid is ``("lit", digest)`` of
+    its tokens, so chain nodes over ``[literal, segment, ...]`` are keyed by the tokens that
+    precede the segment, and it is always live.  Its own node ``[literal]`` is computed when
+    first needed and is a cache like any chain node."""
+    ids = [int(t) for t in token_ids]
+    digest = hashlib.sha256(b"inferscale-literal/v1" + struct.pack(f"<{len(ids)}i", *ids)).hexdigest()
+    info = SegmentInfo(id=f"<{len(ids)} literal tokens>", tenant=namespace, num_tokens=len(ids))
+    return Segment(info=info, uid=("lit", digest), namespace=namespace, token_ids=ids)
+
+
+def is_literal(seg: Segment) -> bool:
+    return isinstance(seg.uid, tuple)
+
 
 class SegmentStore:
     def __init__(self):
@@ -108,9 +132,13 @@ class SegmentStore:
         self._segments[(ns, info.id)] = seg
         return seg
 
+    def get(self, namespace: str, internal_id: str) -> Segment | None:
+        """The segment (or session: ``sessions.py``) stored under exactly this key."""
+        return self._segments.get((namespace, internal_id))
+
     def resolve(self, segment_id: str, tenant: str) -> Segment:
         seg = self._segments.get((tenant, segment_id)) or self._segments.get((PUBLIC_TENANT, segment_id))
-        if seg is None:
+        if seg is None or segment_id.startswith(SESSION_PREFIX):
             raise SegmentNotFound(
                 f"segment {segment_id!r} not found; list your segments with list_segments() / GET /v1/segments")
         return seg
@@ -139,8 +167,9 @@ class SegmentStore:
         return self._segments.get((seg.namespace, seg.info.id))
 
     def is_live(self, seg: Segment) -> bool:
-        """Whether ``seg`` is still registered (not deleted, nor replaced by a new registration)."""
-        return self._segments.get((seg.namespace, seg.info.id)) is seg
+        """Whether ``seg`` is still registered (not deleted, nor replaced by a new version); a
+        literal always is."""
+        return is_literal(seg) or self._segments.get((seg.namespace, seg.info.id)) is seg
 
     def owned(self, segment_id: str, tenant: str) -> Segment:
         """A segment the tenant may delete: its own, or a public one it registered."""
@@ -149,7 +178,7 @@ class SegmentStore:
             pub = self._segments.get((PUBLIC_TENANT, segment_id))
             if pub is not None and pub.info.tenant == tenant:
                 seg = pub
-        if seg is None:
+        if seg is None or segment_id.startswith(SESSION_PREFIX):
             raise SegmentNotFound(f"segment {segment_id!r} not found for this tenant")
         return seg
 
@@ -162,8 +191,8 @@ class SegmentStore:
         return dead
 
     def visible(self, tenant: str) -> list[SegmentInfo]:
-        return [s.info for (ns, _), s in sorted(self._segments.items())
-                if ns == tenant or ns == PUBLIC_TENANT]
+        return [s.info for (ns, sid), s in sorted(self._segments.items())
+                if (ns == tenant or ns == PUBLIC_TENANT) and not sid.startswith(SESSION_PREFIX)]
 
     def __len__(self) -> int:
         return len(self._segments)
@@ -191,8 +220,8 @@ class SegmentStore:
         self._nodes[node.key] = node
 
     def evictable_nodes(self) -> list[ChainNode]:
-        """Chain nodes (not registered roots) no request reads, least recently used first."""
-        return [n for n in self._nodes.values() if len(n.uids) > 1 and n.readers == 0]
+        """Chain nodes (not registered roots: literal ones too) no request reads, least recently used first."""
+        return [n for n in self._nodes.values() if not n.is_root and n.readers == 0]
 
     def drop_node(self, node: ChainNode) -> None:
         del self._nodes[node.key]
@@ -220,4 +249,4 @@ class SegmentStore:
     def evictable_roots(self) -> list[ChainNode]:
         """Registered roots no request reads and not pinned, least recently used first."""
         pinned = {s.uid for s in self._segments.values() if s.info.pin}
-        return [n for n in self._nodes.values() if len(n.uids) == 1 and n.readers == 0 and n.uids[0] not in pinned]
+        return [n for n in self._nodes.values() if n.is_root and n.readers == 0 and n.uids[0] not in pinned]

@@ -258,7 +258,7 @@ class Persistence:
         t0 = time.perf_counter()
         segs = e.store.all_segments()
         arrays = e.tiers.host_copies(segs)
-        order = [n.uids[0] for n in reversed(e.store.nodes()) if len(n.uids) == 1]
+        order = [n.uids[0] for n in reversed(e.store.nodes()) if n.is_root]
         order += [uid for uid in reversed(e.tiers._entries) if uid not in order]
         rank = {uid: r for r, uid in enumerate(order)}
         records, tree = [], {}

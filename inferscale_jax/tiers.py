@@ -59,7 +59,7 @@ from inferscale_jax.errors import StorageError
 from inferscale_jax.kv_cache import PagedKVCache, page_bytes
 from inferscale_jax.prefix_cache import root_hash
 from inferscale_jax.registry import storage_error
-from inferscale_jax.segments import ChainNode, Segment, SegmentStore
+from inferscale_jax.segments import ChainNode, Segment, SegmentStore, is_literal
 from pallas_kernels.quant import SCALE_BYTES, pack_block, unpack_block
 
 if TYPE_CHECKING:
@@ -193,6 +193,8 @@ class Tiers:
     def where(self, seg: Segment) -> str:
         if self.store.root(seg) is not None:
             return "hbm"
+        if is_literal(seg):
+            return "literal"  # (not resident: computed at admission)
         entry = self._entries.get(seg.uid)
         return entry.tier if entry else "missing"
 
@@ -429,7 +431,7 @@ class Tiers:
 
     def stats(self) -> dict:
         c = self.counters
-        roots = [n for n in self.store.nodes() if len(n.uids) == 1]
+        roots = [n for n in self.store.nodes() if n.is_root]
         promotions = c["promotions_host"] + c["promotions_disk"]
         s = self.config.page_size
         return {

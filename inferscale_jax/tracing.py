@@ -72,7 +72,7 @@ class RequestTrace:
 
     def __init__(self, request_id: str, tenant: str, mode: str, segments: list, prompt_tokens: int):
         self.request_id, self.tenant, self.mode = request_id, tenant, mode
-        self.segments = [{"id": s.info.id, "uid": s.uid, "tier": None} for s in segments]
+        self.segments = [{"id": s.info.id, "uid": s.uid, "version": s.info.version, "tier": None} for s in segments]
         self.prompt_tokens = prompt_tokens
         self._t0, self._t0_ns = time.perf_counter(), time.time_ns()
         self._admitted = self._first = None

@@ -179,6 +179,16 @@ def _segment_json(info) -> dict:
             "updated": int(info.updated) if info.updated else None}
 
 
+def _session_json(info) -> dict:
+    return {"id": info.id, "object": "session", "num_tokens": info.num_tokens, "turns": info.turns,
+            "created": int(info.created), "updated": int(info.updated), "expires_at": int(info.expires)}
+
+
+def session_not_found(session_id: str) -> APIError:
+    return APIError(404, f"session {session_id!r} not found (unknown, expired or deleted); list yours with "
+                    "GET /v1/sessions", "session_not_found", "session")
+
+
 def create_app(engine_or_async_engine, *, api_keys=None, max_body_bytes: int = 2 << 20, max_waiting: int = 256,
                model_name: str = "inferscale", default_max_tokens: int = 256,
                body_timeout_s: float = 30.0) -> FastAPI:
@@ -261,7 +271,7 @@ def create_app(engine_or_async_engine, *, api_keys=None, max_body_bytes: int = 2
     async def chat_completions(request: Request):
         principal = state.principal(request)
         req = await _parse(request, ChatCompletionRequest)
-        return await run_job(state, request, chat_job(state, req, principal))
+        return await run_job(state, request, await chat_job(state, req, principal))
 
     # -- segments ---------------------------------------------------------------------------
     @app.post("/v1/segments", status_code=201)
@@ -355,6 +365,30 @@ def create_app(engine_or_async_engine, *, api_keys=None, max_body_bytes: int = 2
     async def append_segment(segment_id: str, request: Request):
         """Tokens appended to the segment (``Engine.append_segment``); the response carries ``version``."""
         return await _new_version(segment_id, request, "append")
+
+    # -- sessions (conversation memory: chat's "session" field) -----------------------------
+    @app.get("/v1/sessions")
+    async def list_sessions(request: Request):
+        principal = state.principal(request)
+        infos = await engine_call(engine.list_sessions, tenant=principal.tenant)
+        return {"object": "list", "data": [_session_json(i) for i in infos]}
+
+    @app.get("/v1/sessions/{session_id:path}")
+    async def get_session(session_id: str, request: Request):
+        principal = state.principal(request)
+        try:
+            return _session_json(await engine_call(engine.session_info, session_id, tenant=principal.tenant))
+        except APIError as e:
+            raise session_not_found(session_id) if e.status in (400, 404) else e
+
+    @app.delete("/v1/sessions/{session_id:path}")
+    async def delete_session(session_id: str, request: Request):
+        principal = state.principal(request)
+        try:
+            await engine_call(engine.delete_session, session_id, tenant=principal.tenant)
+        except APIError as e:
+            raise session_not_found(session_id) if e.status in (400, 404) else e
+        return {"id": session_id, "object": "session", "deleted": True}
 
     # -- models, stats, health, metrics -----------------------------------------------------
     @app.get("/v1/models")

@@ -52,6 +52,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from inferscale_jax.sampling import SamplingParams
+from serving import chat
 from serving.auth import Principal
 from serving.errors import APIError, from_engine, internal_error, invalid_field
 from serving.middleware import LOG_KEY
@@ -71,6 +72,7 @@ class Job:
     logprobs: int | None  # alternatives per position (None: off)
     stop: list[str]
     echo: str = ""  # completions with echo=true: the prompt text, put before each choice's text
+    session: tuple | None = None  # chat with a session: (session id, tenant, chat.ChatPrompt)
 
 
 def _check_model(state, model: str | None) -> None:
@@ -126,19 +128,42 @@ def completion_job(state, req: CompletionRequest, principal: Principal) -> Job:
     return _job(state, "completion", req, principal, prompt, max_tokens, req.logprobs, echo if req.echo else "")
 
 
-def chat_job(state, req: ChatCompletionRequest, principal: Principal) -> Job:
-    tok = state.tokenizer
-    if tok is None or not getattr(tok, "chat_template", None):
-        raise APIError(400, "this model's tokenizer has no chat template, so chat messages cannot be "
-                       "formatted; use /v1/completions with your own prompt format", "no_chat_template")
-    try:
-        text = tok.apply_chat_template(req.template_messages(), tokenize=False, add_generation_prompt=True)
-    except Exception as e:  # noqa: BLE001 - template errors (e.g. roles must alternate) are the client's
-        raise APIError(400, f"the chat template rejected the messages: {e}", "invalid_messages",
-                       "messages") from None
+async def chat_job(state, req: ChatCompletionRequest, principal: Principal) -> Job:
+    """Segments placed inside the messages and the session (``chat.py``) become the submits' chain
+    items, prompt ids and ``session``."""
+    prompt = await chat.build(state.tokenizer, req, _tokenizer(state), state.engine.bos_prefix)
     max_tokens = req.max_completion_tokens or req.max_tokens or state.default_max_tokens
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    return _job(state, "chat", req, principal, dict(prompt=text), max_tokens, logprobs)
+    job = _job(state, "chat", req, principal, dict(prompt_token_ids=prompt.prompt_token_ids, session=req.session),
+               max_tokens, logprobs)
+    for sub in job.submits:
+        sub["segments"] = list(prompt.segments)
+    if req.session is not None:
+        job.session = (req.session, principal.tenant, prompt)
+    return job
+
+
+def _tokenizer(state):
+    async def tokenize(text: str) -> list[int]:
+        try:
+            return await state.async_engine.tokenize(text)
+        except Exception as e:  # noqa: BLE001 - surfaced as the request's error
+            raise from_engine(e) from None
+    return tokenize
+
+
+async def save_session(state, job: Job, outs: list) -> None:
+    """After the reply (sample 0's): the conversation so far becomes the session's next version
+    (``chat.py``).  A failure is logged, not raised: the reply itself is complete and valid."""
+    if job.session is None or outs[0] is None:
+        return
+    sid, tenant, prompt = job.session
+    try:
+        items, tail = await chat.save_items(state.tokenizer, prompt, outs[0].text, _tokenizer(state),
+                                            state.engine.bos_prefix)
+        await state.async_engine.call(state.engine.save_session, sid, token_ids=tail, segments=items, tenant=tenant)
+    except Exception as e:  # noqa: BLE001 - see the docstring
+        log.warning("request %s: session %r was not saved: %s", job.id, sid, e)
 
 
 async def _until_disconnect(request: Request, awaitable):
@@ -206,7 +231,8 @@ async def _close(streams: list) -> None:
 async def run_job(state, request: Request, job: Job) -> Response:
     """Steps 2-5 of the module docstring."""
     fields = request.scope.get(LOG_KEY, {})
-    fields.update(id=job.id, segments=job.submits[0]["segments"], mode=job.submits[0]["mode"], stream=job.stream)
+    fields.update(id=job.id, segments=[s for s in job.submits[0]["segments"] if isinstance(s, str)],
+                  mode=job.submits[0]["mode"], stream=job.stream)
     if len(job.submits) > 1:
         fields["n"] = len(job.submits)
     state.admit()
@@ -229,6 +255,7 @@ async def run_job(state, request: Request, job: Job) -> Response:
         if outs is None:
             return Response(status_code=499)
         _record(state, fields, outs)
+        await save_session(state, job, outs)
         return JSONResponse(_full_response(state, job, outs), headers={"X-Request-Id": job.id})
     return StreamingResponse(_sse(state, job, streams, firsts, fields), media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", "X-Request-Id": job.id})
@@ -434,6 +461,7 @@ async def _sse(state, job: Job, streams: list, firsts: list, fields: dict):
             if item.finished:
                 outs[i] = item.output
         _record(state, fields, outs)
+        await save_session(state, job, outs)
         if job.include_usage:
             usage = {"id": job.id, "object": _chunk_object(job), "created": created, "model": state.model_name,
                      "choices": [], "usage": _usage(outs)}

@@ -59,7 +59,7 @@ Segment ids (``POST /v1/segments``): 1-256 characters of ``A-Z a-z 0-9 . _ - : /
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator, model_validator
 
@@ -70,6 +70,14 @@ SegmentId = Annotated[str, StringConstraints(min_length=1, max_length=256)]
 MAX_SEGMENTS_PER_REQUEST = 64
 MAX_N = 16  # samples per request
 MAX_MESSAGES = 4096
+
+
+def _check_id(v: str, what: str = "a segment id") -> str:
+    if not SEGMENT_ID_RE.fullmatch(v):
+        why = "characters outside that set" if 1 <= len(v) <= 256 else f"{len(v)} characters"
+        raise ValueError(f"{what} is 1-256 characters of {SEGMENT_ID_ALPHABET} (this one has {why}); "
+                         "choose an id of those characters only")
+    return v
 
 
 class _Strict(BaseModel):
@@ -172,16 +180,23 @@ class TextPart(BaseModel):
     text: str
 
 
+class SegmentPart(BaseModel):
+    """A segment placed inside a message (``serving/chat.py``)."""
+    model_config = ConfigDict(extra="ignore", strict=True)
+    type: Literal["segment"]
+    id: SegmentId
+
+    @field_validator("id")
+    @classmethod
+    def _id(cls, v):
+        return _check_id(v)
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    content: str | list[Annotated[TextPart | SegmentPart, Field(discriminator="type")]] | None = None
     name: str | None = None
-
-    def text(self) -> str:
-        if isinstance(self.content, list):
-            return "\n".join(p.text for p in self.content)
-        return self.content or ""
 
 
 class ChatCompletionRequest(_Generation):
@@ -200,14 +215,13 @@ class ChatCompletionRequest(_Generation):
             raise ValueError("top_logprobs needs logprobs=true")
         return self
 
-    def template_messages(self) -> list[dict[str, Any]]:
-        out = []
-        for m in self.messages:
-            d = {"role": m.role, "content": m.text()}
-            if m.name is not None:
-                d["name"] = m.name
-            out.append(d)
-        return out
+    # conversation memory (inferscale_jax/sessions.py): the tenant's session this turn reads and extends
+    session: SegmentId | None = None
+
+    @field_validator("session")
+    @classmethod
+    def _session(cls, v):
+        return v if v is None else _check_id(v, "a session id")
 
 
 class SegmentCreate(_Strict):
@@ -220,11 +234,7 @@ class SegmentCreate(_Strict):
     @field_validator("id")
     @classmethod
     def _id(cls, v):
-        if not SEGMENT_ID_RE.fullmatch(v):
-            why = "characters outside that set" if 1 <= len(v) <= 256 else f"{len(v)} characters"
-            raise ValueError(f"a segment id is 1-256 characters of {SEGMENT_ID_ALPHABET} (this one has {why}); "
-                             "choose an id of those characters only")
-        return v
+        return _check_id(v)
 
     @model_validator(mode="after")
     def _one_source(self):
