@@ -150,7 +150,10 @@ async def _parse(request: Request, model):
 
 
 def _validation_error(e: ValidationError) -> APIError:
-    first = e.errors(include_url=False)[0]
+    errors = e.errors(include_url=False)
+    # our validators' own messages name the rule and the fix: prefer one (a union's other branches
+    # would otherwise report "should be a valid string" for a content part with a bad segment id)
+    first = next((err for err in errors if err["type"] == "value_error"), errors[0])
     # drop pydantic's union-branch tags ("str", "list[int]", ...) from the location; keep names and indices
     loc = ".".join(str(x) for x in first["loc"] if not (isinstance(x, str) and (x in _TYPE_TAGS or "[" in x)))
     if first["type"] == "extra_forbidden":

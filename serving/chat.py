@@ -112,11 +112,15 @@ async def _split(text: str, placed: list[str], nonce: str, tokenize, bos: list[i
     return items, ids[-1]
 
 
-async def build(tok, req, tokenize, bos: list[int]) -> ChatPrompt:
-    """The engine's chain items and prompt ids of a chat request (module docstring)."""
+def require_template(tok) -> None:
     if tok is None or not getattr(tok, "chat_template", None):
         raise APIError(400, "this model's tokenizer has no chat template, so chat messages cannot be formatted; "
                        "use /v1/completions with your own prompt format", "no_chat_template")
+
+
+async def build(tok, req, tokenize, bos: list[int]) -> ChatPrompt:
+    """The engine's chain items and prompt ids of a chat request (module docstring)."""
+    require_template(tok)
     nonce = secrets.token_hex(4)
     messages, placed = _messages(req, nonce)
     items, last = await _split(_render(tok, messages, True), placed, nonce, tokenize, bos)

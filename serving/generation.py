@@ -131,6 +131,7 @@ def completion_job(state, req: CompletionRequest, principal: Principal) -> Job:
 async def chat_job(state, req: ChatCompletionRequest, principal: Principal) -> Job:
     """Segments placed inside the messages and the session (``chat.py``) become the submits' chain
     items, prompt ids and ``session``."""
+    chat.require_template(state.tokenizer)
     prompt = await chat.build(state.tokenizer, req, _tokenizer(state), state.engine.bos_prefix)
     max_tokens = req.max_completion_tokens or req.max_tokens or state.default_max_tokens
     logprobs = (req.top_logprobs or 0) if req.logprobs else None

@@ -102,28 +102,95 @@ def test_completion_equals_engine(http, ref):
     assert all(v <= 0 for v in lp["token_logprobs"])
 
 
+def render(ref, messages):
+    return ref.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+
 def test_chat_equals_engine(http, ref):
+    """Named segments go inside the system message, after its text: the request is the template
+    rendered with the segment's text there (serving/chat.py)."""
     messages = [{"role": "system", "content": "You answer briefly."}, {"role": "user", "content": "Warranty?"}]
-    prompt = ref.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    want = greedy(ref, prompt, max_tokens=10, segments=["faq"])
-    r = http.post("/v1/chat/completions", json={"model": "tiny", "messages": messages, "max_tokens": 10,
-                                                "temperature": 0, "segments": ["faq"]}, headers=A)
-    assert r.status_code == 200, r.text
-    body = r.json()
-    assert body["object"] == "chat.completion"
-    assert body["choices"][0]["message"] == {"role": "assistant", "content": want.text}
-    assert body["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    inline = [{"role": "system", "content": "You answer briefly.\n\n" + FAQ}, messages[1]]
+    want = greedy(ref, render(ref, inline), max_tokens=10)
+    cached = []
+    for _ in range(2):
+        r = http.post("/v1/chat/completions", json={"model": "tiny", "messages": messages, "max_tokens": 10,
+                                                    "temperature": 0, "segments": ["faq"]}, headers=A)
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert body["object"] == "chat.completion"
+        assert body["choices"][0]["message"] == {"role": "assistant", "content": want.text}
+        assert body["usage"]["prompt_tokens"] == want.metrics.prompt_tokens
+        cached.append(body["usage"]["prompt_tokens_details"]["cached_tokens"])
+    header = len(ref.tokenizer.encode("<|system|>You answer briefly.\n\n", add_special_tokens=False))
+    faq_tokens = len(ref.tokenizer.encode(FAQ, add_special_tokens=False))
+    assert cached[1] >= header + faq_tokens  # [template prefix + segment]: a chain node, reused
+
+
+def test_chat_segment_placed_as_a_content_part(http, ref):
+    parts = [{"type": "text", "text": "Policy:"}, {"type": "segment", "id": "faq"},
+             {"type": "text", "text": "How long is the warranty?"}]
+    messages = [{"role": "user", "content": parts}]
+    want = greedy(ref, render(ref, [{"role": "user", "content": "Policy:\n" + FAQ + "\nHow long is the warranty?"}]),
+                  max_tokens=8)
+    r = http.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 8, "temperature": 0},
+                  headers=A).json()
+    assert r["choices"][0]["message"]["content"] == want.text
+    assert r["usage"]["prompt_tokens"] == want.metrics.prompt_tokens
+    # another tenant naming "faq" has none (404), and with its own "faq" it never hits acme's KV
+    r = http.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 2}, headers=B)
+    assert r.status_code == 404 and r.json()["error"]["code"] == "segment_not_found"
+    assert http.post("/v1/segments", json={"id": "faq", "text": FAQ}, headers=B).status_code == 201
+    r = http.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 8, "temperature": 0},
+                  headers=B).json()
+    assert r["choices"][0]["message"]["content"] == want.text
+    assert r["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert http.delete("/v1/segments/faq", headers=B).status_code == 200
+    bad = [{"role": "user", "content": [{"type": "segment", "id": "bad id"}]}]
+    r = http.post("/v1/chat/completions", json={"messages": bad}, headers=A)
+    assert r.status_code == 400 and "segment id" in r.json()["error"]["message"]
+
+
+def test_chat_session_keeps_every_turn(http, ref):
+    messages = [{"role": "system", "content": "You are terse."}]
+    seen = 0
+    for turn in range(3):
+        messages.append({"role": "user", "content": f"Question number {turn}: what is covered?"})
+        r = http.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 6, "temperature": 0,
+                                                    "session": "conv-1", "segments": ["faq"]}, headers=A)
+        assert r.status_code == 200, r.text
+        body = r.json()
+        reply = body["choices"][0]["message"]["content"]
+        inline = [{"role": "system", "content": "You are terse.\n\n" + FAQ}, *messages[1:]]
+        want = greedy(ref, render(ref, inline), max_tokens=6)
+        assert reply == want.text and body["usage"]["prompt_tokens"] == want.metrics.prompt_tokens
+        if turn:  # every earlier turn (and the placed segment) came from the session
+            assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == seen
+        messages.append({"role": "assistant", "content": reply})
+        info = http.get("/v1/sessions/conv-1", headers=A).json()
+        assert info["turns"] == turn + 1 and info["num_tokens"] > seen
+        seen = info["num_tokens"]
+    assert [s["id"] for s in http.get("/v1/sessions", headers=A).json()["data"]] == ["conv-1"]
+    assert http.get("/v1/sessions", headers=B).json()["data"] == []
+    assert http.get("/v1/sessions/conv-1", headers=B).status_code == 404
+    assert http.delete("/v1/sessions/conv-1", headers=B).status_code == 404
+    assert http.delete("/v1/sessions/conv-1", headers=A).json()["deleted"] is True
+    assert http.get("/v1/sessions/conv-1", headers=A).status_code == 404
+    assert "conv-1" not in str(http.get("/v1/segments", headers=A).json())
 
 
 @pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions"])
 def test_streaming_sse(http, ref, route):
     chat = route.endswith("chat/completions")
     messages = [{"role": "user", "content": PROMPTS[1]}]
-    prompt = ref.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) \
-        if chat else PROMPTS[1]
-    want = greedy(ref, prompt, max_tokens=16, segments=["faq"])
+    if chat:  # the named segment goes into a system message of its own (there is none)
+        want = greedy(ref, render(ref, [{"role": "system", "content": FAQ}, *messages]), max_tokens=16)
+    else:
+        want = greedy(ref, PROMPTS[1], max_tokens=16, segments=["faq"])
     body = {"max_tokens": 16, "temperature": 0, "segments": ["faq"], "stream": True,
             "stream_options": {"include_usage": True}, **({"messages": messages} if chat else {"prompt": PROMPTS[1]})}
+    if chat:  # the first chat with this system prefix computes the [prefix + faq] chain node
+        assert http.post(route, json=dict(body, stream=False, max_tokens=1), headers=A).status_code == 200
     arrivals = []
     with http.stream("POST", route, json=body, headers=A) as r:
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
