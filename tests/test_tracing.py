@@ -67,7 +67,7 @@ def test_spans_for_a_hit_a_miss_and_a_promotion(caplog):
 
     lines = [json.loads(r.getMessage()) for r in caplog.records if r.name == "inferscale.request"]
     assert [x["request_id"] for x in lines] == [miss.request_id, hit.request_id, promo.request_id]
-    assert lines[2]["segments"] == [{"id": "a", "uid": lines[2]["segments"][0]["uid"], "tier": "host"}]
+    assert lines[2]["segments"] == [{"id": "a", "uid": lines[2]["segments"][0]["uid"], "version": 1, "tier": "host"}]
     assert lines[1]["cached_tokens"] == len(A + B) and lines[1]["finish_reason"] == "length"
     assert [x["chain_node"] for x in lines] == ["computed", "reused", "reused"]
     assert lines[2]["promoted_bytes"] == adm["inferscale.promoted_bytes"] > 0 and lines[0]["promoted_bytes"] == 0
