@@ -2,7 +2,8 @@
 
 Public API (docs/architecture.md): ``Engine`` (``LockstepEngine`` for a mesh over several processes:
 docs/multi_host.md), ``EngineConfig``, ``SamplingParams`` and the exceptions
-``SegmentNotFound``, ``SegmentExists``, ``RequestTooLong``, ``SnapshotMismatch``.
+``SegmentNotFound``, ``SegmentExists``, ``RequestTooLong``, ``SnapshotMismatch``; ``InferScale``, the
+HTTP client of the server's extensions (``inferscale_client``: standard library only).
 """
 
 from inferscale_jax.async_engine import AsyncEngine
@@ -16,6 +17,8 @@ from inferscale_jax.outputs import GenerationOutput, RequestMetrics
 from inferscale_jax.sampling import SamplingParams
 from inferscale_jax.scheduler import RequestOutput
 from inferscale_jax.segments import SegmentInfo
+from inferscale_jax.sessions import SessionInfo
+from inferscale_client import InferScale, InferScaleError
 
 __all__ = [
     "AsyncEngine",
@@ -23,6 +26,8 @@ __all__ = [
     "EngineConfig",
     "EngineFault",
     "GenerationOutput",
+    "InferScale",
+    "InferScaleError",
     "LockstepEngine",
     "PoolExhausted",
     "RequestMetrics",
@@ -32,6 +37,7 @@ __all__ = [
     "SegmentExists",
     "SegmentInfo",
     "SegmentNotFound",
+    "SessionInfo",
     "SnapshotCorrupt",
     "SnapshotMismatch",
     "StorageError",

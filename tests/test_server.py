@@ -584,3 +584,41 @@ def test_streamed_logprobs(http, route):
         for got, want in zip(merged["top_logprobs"], whole["top_logprobs"]):
             assert got.keys() == want.keys() and close(list(got.values()), list(want.values()))
         assert merged["text_offset"] == sorted(merged["text_offset"])
+
+
+def test_python_client_beside_the_openai_client(server, http, ref):
+    """``inferscale_client.InferScale`` for segments, versions and sessions; ``openai`` for chat."""
+    from openai import NotFoundError, OpenAI
+
+    from inferscale_client import InferScale, InferScaleError, NotFound
+
+    base, key = server.url + "/v1", A["Authorization"].split()[1]
+    llm, kb = OpenAI(base_url=base, api_key=key, max_retries=0), InferScale(base_url=base, api_key=key)
+    assert kb.health()["status"] == "ok"
+    info = kb.segments.create("client/kb", text="Shipping takes three days.")
+    assert info["version"] == 1 and "client/kb" in [s["id"] for s in kb.segments.list()]
+    assert kb.segments.update("client/kb", text="Shipping takes two days.")["version"] == 2
+    after = kb.segments.append("client/kb", text=" Express shipping takes one day.")
+    assert after["version"] == 3 and kb.segments.get("client/kb")["num_tokens"] == after["num_tokens"]
+    messages = [{"role": "user", "content": "How long is shipping?"}]
+    turns = []
+    for _ in range(2):
+        r = llm.chat.completions.create(model="tiny", messages=messages, max_tokens=4, temperature=0,
+                                        extra_body=kb.extensions(segments=["client/kb"], session="client-s"))
+        messages = messages + [{"role": "assistant", "content": r.choices[0].message.content},
+                               {"role": "user", "content": "And express?"}]
+        turns.append(r.usage.prompt_tokens_details.cached_tokens)
+    session = kb.sessions.get("client-s")
+    assert session["turns"] == 2 and turns[1] > 0 and [s["id"] for s in kb.sessions.list()] == ["client-s"]
+    kb.sessions.delete("client-s")
+    with pytest.raises(NotFound):
+        kb.sessions.get("client-s")
+    with pytest.raises(InferScaleError) as e:
+        kb.segments.create("client/kb", text="again")
+    assert e.value.status == 409 and "already exists" in e.value.message
+    kb.segments.delete("client/kb")
+    with pytest.raises(NotFoundError):  # the openai client sees the same 404
+        llm.completions.create(model="tiny", prompt="x", max_tokens=1, extra_body=kb.extensions(segments=["client/kb"]))
+    with pytest.raises(InferScaleError) as e:
+        InferScale(base_url=base, api_key="wrong").segments.list()
+    assert e.value.status == 401
