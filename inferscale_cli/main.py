@@ -212,7 +212,9 @@ def cmd_serve(args) -> int:
                      snapshot_interval_s=args.snapshot_interval)
     config = EngineConfig(dtype=resolve_dtype(args.dtype), page_size=args.page_size, hbm_pages=args.hbm_pages,
                           max_batch=args.max_batch, max_num_batched_tokens=args.max_num_batched_tokens,
-                          tensor_parallel=args.tensor_parallel, kv_dtype=args.kv_dtype, **extra)
+                          tensor_parallel=args.tensor_parallel, kv_dtype=args.kv_dtype,
+                          session_ttl_s=args.session_ttl, max_sessions_per_tenant=args.max_sessions_per_tenant,
+                          **extra)
     if lockstep is not None:
         config = lockstep.lockstep_config(config)
         engine = lockstep.LockstepEngine.from_pretrained(args.model, config)
@@ -345,6 +347,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help="new tokens per device step, prefill chunks and decode rows together "
                         "(default: max(max-batch, 2048))")
+    s.add_argument("--session-ttl", type=float, default=3600.0, metavar="SECONDS",
+                   help="chat sessions (conversation memory) expire this long after their last turn "
+                        "(default: %(default)s)")
+    s.add_argument("--max-sessions-per-tenant", type=int, default=100,
+                   help="a tenant's sessions at most; one more deletes its least recently used (default: %(default)s)")
     s.add_argument("--coordinator", metavar="HOST:PORT",
                    help="several processes (hosts), one mesh: process 0's address for jax.distributed; process 0 "
                         "serves HTTP, the others follow it (docs/architecture.md)")

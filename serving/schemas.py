@@ -17,7 +17,9 @@ Parameters (C: ``/v1/completions``, Ch: ``/v1/chat/completions``):
 =========================  =====  ==============================================================
  ``model``                  C Ch   optional; must name the served model (else 404)
  ``prompt``                 C      a string or token ids; a list of one of them
- ``messages``               Ch     roles system/developer/user/assistant/tool; text content
+ ``messages``               Ch     roles system/developer/user/assistant/tool; content a string
+                                   or parts: ``{"type": "text", "text"}`` and
+                                   ``{"type": "segment", "id"}`` (serving/chat.py)
  ``max_tokens``             C Ch   >= 1 (C default 16, Ch default: the server's);
                                    ``max_completion_tokens`` (Ch) is the same
  ``temperature``            C Ch   [0, 2]; 0 is greedy
@@ -47,9 +49,11 @@ Parameters (C: ``/v1/completions``, Ch: ``/v1/chat/completions``):
  any other field            C Ch   unsupported: 400 ``unknown or unsupported field 'NAME'``
 =========================  =====  ==============================================================
 
-Extensions (vLLM names where vLLM has one): ``segments`` (ids to inject, in order), ``mode``
-(``exact`` | ``compose`` | ``blend``), ``top_k``, ``stop_token_ids``, ``ignore_eos``,
-``repetition_penalty``.  Inside chat ``messages``, extra keys that clients echo back from
+Extensions (vLLM names where vLLM has one): ``segments`` (ids to inject, in order; in chat they
+go inside the system message), ``mode`` (``exact`` | ``compose`` | ``blend``), ``session`` (chat:
+conversation memory, inferscale_jax/sessions.py), ``top_k``, ``stop_token_ids``, ``ignore_eos``,
+``repetition_penalty``.  ``PUT /v1/segments/{id}`` and ``POST /v1/segments/{id}/append`` take
+``{"text"}`` or ``{"token_ids"}`` (``SegmentContent``).  Inside chat ``messages``, extra keys that clients echo back from
 earlier responses (``refusal``, ``annotations``, ...) are ignored.
 
 Segment ids (``POST /v1/segments``): 1-256 characters of ``A-Z a-z 0-9 . _ - : /``
