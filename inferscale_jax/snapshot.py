@@ -192,7 +192,7 @@ class Persistence:
         i = seg.info
         try:
             self.registry.add(SegmentRow(seg.namespace, i.id, seg.uid, i.tenant, seg.token_ids, i.public, i.pin,
-                                         i.created))
+                                         i.created, version=i.version, updated=i.updated))
         except BaseException:
             for node in self.kv.store.remove(seg):
                 self.kv.release_node(node)
