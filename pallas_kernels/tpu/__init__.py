@@ -14,6 +14,8 @@ how to benchmark on a TPU: ``docs/tpu.md``.
 """
 
 from pallas_kernels.tpu.common import tiling_problem
+from pallas_kernels.tpu.kv_write import write_kv_tpu
 from pallas_kernels.tpu.ragged_attention import ragged_paged_attention_tpu
+from pallas_kernels.tpu.splice import splice_kv_tpu
 
-__all__ = ["ragged_paged_attention_tpu", "tiling_problem"]
+__all__ = ["ragged_paged_attention_tpu", "splice_kv_tpu", "tiling_problem", "write_kv_tpu"]
