@@ -106,20 +106,29 @@ def _kernel(meta_ref, pt_ref, q_ref, k_hbm, v_hbm, o_ref, k_buf, v_buf, sem, *, 
     n_kv = jnp.where(cnt > 0, jnp.minimum(pl.cdiv(pos0 + cnt, keys), pl.cdiv(kv_len, keys)), 0)
     n_pages = pl.cdiv(kv_len, page_size)
 
-    def copies(j, slot):  # the DMAs of KV block j into buffer slot: one per page, K and V
-        out = []
-        for i in range(pages_per_block):
-            idx = j * pages_per_block + i
-            page = jnp.where(idx < n_pages, pt_ref[pt_off + jnp.minimum(idx, max_pages - 1)], 0)
-            for src, buf in ((k_hbm, k_buf), (v_hbm, v_buf)):
-                out.append(pltpu.make_async_copy(src.at[h, page], buf.at[slot, pl.ds(i * page_size, page_size)],
-                                                 sem.at[slot]))
-        return out
+    def page_copies(j, slot, i):  # page i of KV block j -> its rows of buffer slot (K and V)
+        idx = j * pages_per_block + i
+        page = jnp.where(idx < n_pages, pt_ref[pt_off + jnp.minimum(idx, max_pages - 1)], 0)
+        return [pltpu.make_async_copy(src.at[h, page], buf.at[slot, pl.ds(i * page_size, page_size)], sem.at[slot])
+                for src, buf in ((k_hbm, k_buf), (v_hbm, v_buf))]
+
+    def fetch(j, slot):  # start KV block j's page DMAs (a loop, not unrolled: one descriptor per page)
+        def body(i, carry):
+            for c in page_copies(j, slot, i):
+                c.start()
+            return carry
+        lax.fori_loop(0, pages_per_block, body, 0)
+
+    def wait(slot):  # every DMA of a block has one page's size: wait that many times
+        def body(i, carry):
+            for c in page_copies(0, slot, i):
+                c.wait()
+            return carry
+        lax.fori_loop(0, pages_per_block, body, 0)
 
     @pl.when(n_kv > 0)
     def _():
-        for c in copies(0, 0):
-            c.start()
+        fetch(0, 0)
 
     rows, head_dim = q_ref.shape
     q = q_ref[...]
@@ -134,11 +143,9 @@ def _kernel(meta_ref, pt_ref, q_ref, k_hbm, v_hbm, o_ref, k_buf, v_buf, sem, *, 
 
         @pl.when(j + 1 < n_kv)
         def _():
-            for c in copies(j + 1, 1 - slot):
-                c.start()
+            fetch(j + 1, 1 - slot)
 
-        for c in copies(j, slot):
-            c.wait()
+        wait(slot)
         k, v = k_buf[slot], v_buf[slot]  # [T, D]
         s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=precision,
                             preferred_element_type=jnp.float32) * sm_scale  # [M, T]
