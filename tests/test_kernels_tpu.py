@@ -55,7 +55,7 @@ RAGGED = [
 @pytest.mark.parametrize("Hq,Hkv,D,dtype,q_lens,cached,pad,block_q,ppb", RAGGED)
 def test_ragged_tpu_matches_ref(Hq, Hkv, D, dtype, q_lens, cached, pad, block_q, ppb):
     args, _ = make_case(q_lens=q_lens, cached=cached, pad=pad, Hq=Hq, Hkv=Hkv, D=D, S=SUB[dtype], dtype=dtype)
-    out = ragged_paged_attention_tpu(*args, block_q=block_q, pages_per_block=ppb, interpret=True)
+    out = ragged_paged_attention_tpu(*args, block_q=block_q, pages_per_block=ppb)
     check_output(out, args, dtype)
 
 
@@ -76,7 +76,7 @@ def test_ragged_tpu_block_choice_respects_tiling():
 def test_untileable_pages_are_refused_with_the_reason(S, D, dtype, why):
     args, _ = make_case(q_lens=[2], cached=[3], Hq=2, Hkv=1, D=D, S=S, dtype=dtype)
     with pytest.raises(ValueError, match=why):
-        ragged_paged_attention_tpu(*args, interpret=True)
+        ragged_paged_attention_tpu(*args)
     assert why in tpu_common.tiling_problem(D, S, dtype)
 
 
@@ -89,7 +89,7 @@ def test_write_kv_tpu_matches_ref(dtype, D, n, block):
     kn, vn = random_pages(2, (n, 2, D), dtype)
     slots = jnp.asarray(np.random.default_rng(n).permutation(np.arange(S, 6 * S))[:n], jnp.int32)
     slots = slots.at[-1].set(3).at[0].set(6 * S + 5)  # a padding token (null page); an out-of-range slot
-    got = write_kv_tpu(kp, vp, kn, vn, slots, block_tokens=block, interpret=True)
+    got = write_kv_tpu(kp, vp, kn, vn, slots, block_tokens=block)
     want = write_kv_ref(kp, vp, kn, vn, slots)  # (drops the out-of-range slot; the kernel: null page)
     for g, w in zip(got, want):  # every page but the null page, bit for bit
         np.testing.assert_array_equal(bits(g)[:, 1:], bits(w)[:, 1:])
@@ -104,7 +104,7 @@ def test_splice_tpu_rotates_k_copies_v_and_keeps_shift_zero_bits():
     kp = kp.at[:, src[0] // S, src[0] % S, :4].set(-0.0).at[:, src[1] // S, src[1] % S, :2].set(jnp.nan)
     dst = dst.at[5].set(-1)  # padding entry
     shift = jax.random.randint(jax.random.PRNGKey(4), (n,), -300, 300).at[:3].set(0)
-    k2, v2 = splice_kv_tpu(kp, vp, src, dst, shift, inv_freq(D), block_tokens=8, interpret=True)
+    k2, v2 = splice_kv_tpu(kp, vp, src, dst, shift, inv_freq(D), block_tokens=8)
     kr, vr = splice_kv_ref(kp, vp, src, dst, shift, inv_freq(D))
     live = np.asarray(dst) >= 0
     d_, s_ = dst[live], src[live]
@@ -117,10 +117,10 @@ def test_splice_tpu_rotates_k_copies_v_and_keeps_shift_zero_bits():
 
 def test_splice_tpu_stacked_layers_bf16_equals_ref():
     dtype, D, S, n = jnp.bfloat16, 128, 16, 21
-    kp, vp = random_pages(30, (2, 2, 5, S, D), dtype)  # [L, Hkv, P, S, D]
+    kp, vp = random_pages(30, (2, 1, 5, S, D), dtype)  # [L, Hkv, P, S, D]
     src, dst = disjoint_slots(31, n, 5 * S, first=S)
     shift = jax.random.randint(jax.random.PRNGKey(32), (n,), -300, 300).at[:2].set(0)
-    got = splice_kv_tpu(kp, vp, src, dst, shift, inv_freq(D), interpret=True)
+    got = splice_kv_tpu(kp, vp, src, dst, shift, inv_freq(D))
     want = splice_kv_ref(kp, vp, src, dst, shift, inv_freq(D))
     for g, w in zip(got, want):
         np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w, np.float32), rtol=1e-2, atol=1e-2)
@@ -212,7 +212,7 @@ def test_engine_on_tpu_kernels_gives_the_ref_tokens(monkeypatch):
     for impl in ("ref", "pallas_tpu"):
         e = Engine(params, cfg, None, EngineConfig(dtype="float32", page_size=tiny_engine.S, hbm_pages=64,
                                                    prefill_chunk=16, max_batch=4, max_num_batched_tokens=16,
-                                                   attention_impl=impl))
+                                                   max_model_len=64, attention_impl=impl))  # few buckets
         e.debug_checks = True
         assert e.stats()["attention_impl"] == impl
         e.register_segment("kb", token_ids=list(range(1, 20)))  # 2 full pages + 3 tokens
