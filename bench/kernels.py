@@ -1,9 +1,13 @@
-"""GPU benchmark of the Pallas kernels: correctness against the references, then speed.
+"""Benchmark of the Pallas kernels: correctness against the references, then speed.
 
-Usage (from the repository root)::
+The backend is detected: on a GPU the default sections are ``abcde`` (the Triton-style kernels of
+``pallas_kernels/``); on a TPU ``at`` (the ceilings and the Mosaic kernels of ``pallas_kernels/tpu/``,
+section t, docs/tpu.md).  Usage (from the repository root)::
 
     python bench/kernels.py --out bench/results          # full run on an H200, ~3-5 minutes
+    python bench/kernels.py --out bench/results/tpu      # on a TPU VM: sections a and t
     python bench/kernels.py --quick --out /tmp/kq        # tiny shapes, also on CPU (interpret)
+    python bench/kernels.py --quick --sections t --out /tmp/kt  # the TPU section on CPU (TPU interpret mode)
     python bench/kernels.py --tune --sections b           # + decode knob sweep (~2 more minutes)
 
 Sections (each guarded: a failure prints its traceback and the run goes on):
@@ -44,6 +48,12 @@ f. Shared-prefix (cascade) decode, not in the default list (``--sections f``): B
    (``return_lse=True``) for the split of the time, and effective bandwidth counting the
    shared K/V once plus the suffixes (the decode column counts what it reads: B copies), as a
    fraction of the bandwidth ceiling (main column) and of the copy bandwidth.
+t. The TPU kernels (default on a TPU; ``--sections t`` elsewhere runs them in TPU interpret mode):
+   ``ragged_paged_attention_tpu`` on decode steps (B in {8, 64} rows x ctx in {1k, 4k}) and a mixed
+   step (one 512-token chunk over 4k cached + 32 decode rows), against the jnp reference compiled by
+   XLA (checked, and timed as the peer), effective bandwidth (K + V read) beside the copy ceiling;
+   ``write_kv_tpu`` against the XLA scatter ``write_kv`` (2048 tokens); ``splice_kv_tpu`` against the
+   XLA ``splice_kv_ref`` (4096 tokens, one layer).  32 q / 8 kv heads, d=128, page 16, bf16.
 
 Timing: every measurement jit-compiles R kernel calls on R different input sets (so XLA
 cannot merge them and the data rotates through more memory than the 60 MB L2), warms up,
@@ -77,6 +87,8 @@ from pallas_kernels.cascade_attention import (  # noqa: E402
     shared_prefix_decode_attention, shared_prefix_decode_attention_ref)
 from pallas_kernels.kv_write import write_kv, write_kv_pallas, write_kv_ref  # noqa: E402
 from pallas_kernels.splice import splice_kv, splice_kv_ref  # noqa: E402
+from pallas_kernels.ragged_attention import ragged_paged_attention_ref  # noqa: E402
+from pallas_kernels.tpu import ragged_paged_attention_tpu, splice_kv_tpu, write_kv_tpu  # noqa: E402
 
 DT = jnp.bfloat16
 HQ, HKV, D, S = 32, 8, 128, 16
@@ -722,6 +734,69 @@ def cascade_tune(args, b, kp, vp, n_sh, sf_lens, casc_vars, eff, rows):
         log(f"  B={b} tune best: {results[0]}")
 
 
+# ---------------------------------------------------------------- (t) TPU kernels
+
+def _ragged_step(key, rows, num_pages):
+    """Random ragged inputs: ``rows`` = [(q_len, kv_len)], each row's pages consecutive from page 1."""
+    q_lens = np.array([r[0] for r in rows], np.int32)
+    kv_lens = np.array([r[1] for r in rows], np.int32)
+    width = int(max(-(-kv_lens // S)))
+    table = np.zeros((len(rows), width), np.int32)
+    nxt = 1
+    for i, kv in enumerate(kv_lens):
+        n = -(-int(kv) // S)
+        table[i, :n] = np.arange(nxt, nxt + n) % (num_pages - 1) + 1
+        nxt += n
+    cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    q = jax.random.normal(key, (int(cu[-1]), HQ, D), DT)
+    return q, jnp.asarray(table), jnp.asarray(cu), jnp.asarray(kv_lens)
+
+
+@section
+def tpu_kernels(args):
+    interp = jax.default_backend() != "tpu"
+    hq_note = f"{HQ}/{HKV} heads, d={D}, page {S}, bf16"
+    steps = ([("decode", [(1, 64)] * 2), ("mixed", [(16, 48), (1, 40)])] if args.quick else
+             [(f"decode B={b} ctx={c}", [(1, c)] * b) for b in (8, 64) for c in (1024, 4096)]
+             + [("mixed 512/4k + 32 decode", [(512, 4096)] + [(1, 2048)] * 32)])
+    rows = []
+    for name, spec in steps:
+        pages = 2 + sum(-(-kv // S) for _, kv in spec)
+        kp, vp = random_pool(jax.random.PRNGKey(7), pages)
+        q, table_, cu, kv = _ragged_step(jax.random.PRNGKey(8), spec, pages)
+        ours = jax.jit(functools.partial(ragged_paged_attention_tpu, interpret=interp))
+        ref = jax.jit(ragged_paged_attention_ref)
+        err = check(f"ragged tpu {name}", ours(q, kp, vp, table_, cu, kv), ref(q, kp, vp, table_, cu, kv))
+        t_ours = median_time(ours, (q, kp, vp, table_, cu, kv), args.reps)
+        t_ref = median_time(ref, (q, kp, vp, table_, cu, kv), args.reps)
+        nbytes = 2 * sum(kv for _, kv in spec) * HKV * D * 2  # K + V read once per row
+        frac = nbytes / t_ours / args.copy_bw if args.copy_bw else float("nan")
+        rows.append([name, f"{t_ours * 1e6:.0f}", f"{t_ref * 1e6:.0f}", f"{t_ref / t_ours:.2f}",
+                     f"{nbytes / t_ours / 1e9:.0f}", f"{frac:.0%}", f"{err:.1e}"])
+    table(f"t1. Ragged paged attention, TPU kernel vs jnp reference (XLA), {hq_note}",
+          ["step", "ours us", "ref us", "ref/ours", "GB/s", "of copy", "rel err"], rows)
+    n = 64 if args.quick else 2048
+    kp, vp = random_pool(jax.random.PRNGKey(9), 2 + 2 * n // S)
+    kn = jax.random.normal(jax.random.PRNGKey(10), (n, HKV, D), DT)
+    slots = jnp.asarray(np.random.default_rng(0).permutation(np.arange(S, (2 + 2 * n // S) * S))[:n], jnp.int32)
+    src = jnp.arange(S, S + n, dtype=jnp.int32)
+    shift = jnp.full((n,), 1000, jnp.int32)
+    inv_freq = (1.0 / 500000.0 ** (jnp.arange(0, D, 2, dtype=jnp.float32) / D))
+    rows = []
+    for name, fn, ref, a in (
+            ("write_kv", functools.partial(write_kv_tpu, interpret=interp), write_kv, (kn, kn, slots)),
+            ("splice (shift 1000)", functools.partial(splice_kv_tpu, inv_freq=inv_freq, interpret=interp),
+             functools.partial(splice_kv_ref, inv_freq=inv_freq), (src, src + n, shift))):
+        err = check(f"{name} tpu vs XLA", fn(kp, vp, *a)[0], ref(kp, vp, *a)[0], 1e-2)
+        t_ours, _ = time_chain(fn, (jnp.copy(kp), jnp.copy(vp)), [a], args.reps)
+        t_ref, _ = time_chain(ref, (jnp.copy(kp), jnp.copy(vp)), [a], args.reps)
+        nbytes = 2 * 2 * n * HKV * D * 2  # K and V, read + write
+        rows.append([name, n, f"{t_ours * 1e6:.0f}", f"{t_ref * 1e6:.0f}", f"{t_ref / t_ours:.2f}",
+                     f"{nbytes / t_ours / 1e9:.0f}", f"{err:.1e}"])
+    table(f"t2. KV write and splice, TPU kernels vs XLA (one layer, {hq_note})",
+          ["kernel", "tokens", "ours us", "XLA us", "XLA/ours", "GB/s", "rel err"], rows)
+
+
 # ---------------------------------------------------------------- report
 
 def write_report(args):
@@ -761,18 +836,21 @@ def main():
     ap.add_argument("--out", default=os.path.join("bench", "results"))
     ap.add_argument("--quick", action="store_true", help="tiny shapes (works on CPU)")
     ap.add_argument("--tune", action="store_true", help="also sweep the decode and prefill knobs")
-    ap.add_argument("--sections", default="abcde",
-                    help="subset of a,b,c,d,e,f to run (f, cascade decode, only when named)")
+    ap.add_argument("--sections", default=None,
+                    help="subset of a,b,c,d,e,f,t to run (default abcde; at on a TPU; f, cascade "
+                         "decode, and t, the TPU kernels, elsewhere only when named)")
     ap.add_argument("--reps", type=int, default=None)
     ap.add_argument("--profile", action="store_true",
                     help="section f: also the device time of each kernel (jax profiler trace)")
     args = ap.parse_args()
     args.interpret = jax.default_backend() != "gpu"
+    if args.sections is None:  # the backend's own kernels
+        args.sections = "at" if jax.default_backend() == "tpu" else "abcde"
     args.reps = args.reps or (2 if args.quick else 10)
     args.copy_bw = args.read_bw = args.ceiling_bw = args.mm_flops = None
     log(f"devices: {jax.devices()}  jax {jax.__version__}  interpret={args.interpret}")
     t0 = time.time()
-    if any(s in args.sections for s in "abcdf"):  # the ceilings the later sections divide by
+    if any(s in args.sections for s in "abcdft"):  # the ceilings the later sections divide by
         copy_bandwidth(args)
     if "b" in args.sections:
         decode(args)
@@ -788,6 +866,8 @@ def main():
         kv_write(args)
     if "f" in args.sections:
         cascade(args)
+    if "t" in args.sections:
+        tpu_kernels(args)
     MD.append(f"total time: {time.time() - t0:.0f} s")
     write_report(args)
     if FAILURES:

@@ -6,7 +6,7 @@ import dataclasses
 import os
 
 DTYPES = ("bfloat16", "float32", "float16")
-ATTENTION_IMPLS = ("auto", "pallas", "ref")
+ATTENTION_IMPLS = ("auto", "pallas", "pallas_tpu", "ref")
 QUANTIZED_KV_DTYPES = ("int8", "float8_e4m3fn")
 MATMUL_PRECISIONS = ("default", "high", "highest")
 
@@ -29,7 +29,9 @@ class EngineConfig:
     max_num_batched_tokens: int | None = None
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     hbm_fraction: float = 0.85  # of free device memory given to the page pool when hbm_pages is None
-    attention_impl: str = "auto"  # "pallas" kernels (GPU default), "ref" jnp (CPU default)
+    # "pallas" GPU kernels (GPU default), "pallas_tpu" TPU kernels (TPU default; interpret mode elsewhere),
+    # "ref" jnp (CPU default); "auto" picks by jax.default_backend() (inferscale_jax/kv_cache.py)
+    attention_impl: str = "auto"
     # matmul precision of the model's dots: "default" (bf16 inputs; TF32 for fp32 on a GPU),
     # "high" or "highest"; None: "highest" for float32 engines (a user picking fp32 wants it exact)
     matmul_precision: str | None = None

@@ -82,10 +82,7 @@ class Engine:
         self.fingerprint = hashlib.sha256(f"{base}|{config.dtype}|{s}{kv_tag}".encode()).hexdigest()
         self.model_fingerprint = hashlib.sha256(base.encode()).hexdigest()  # the part SnapshotMismatch names
         num_pages = config.hbm_pages or self._auto_pages()
-        impl = config.attention_impl
-        if impl == "auto":
-            pow2 = cfg.head_dim >= 16 and cfg.head_dim & (cfg.head_dim - 1) == 0
-            impl = "pallas" if jax.default_backend() == "gpu" and pow2 else "ref"
+        impl = config.attention_impl  # "auto" resolved by the cache (kv_cache.resolve_impl: by backend)
         self.compilation_cache_dir = (compile_cache.enable(config.compilation_cache_dir)
                                       if config.compilation_cache else None)
         # tensor parallelism (sharding.py): the weights in the sharded layout, placed on the mesh; the

@@ -12,9 +12,17 @@ attention over everything each sequence has in pages.  Engine steps hand it a fl
 row ``r`` owning tokens ``cu_q_lens[r] .. cu_q_lens[r + 1] - 1``) runs the ragged kernel
 (cached pages + causal over the row's own chunk); a *decode* step (one token per row, ``N``
 rows) runs the decode kernel, or the cascade kernel when a group of rows shares a prefix read
-once for the group.  Blend's recompute (``by_position``) keeps its own ``[B, T]`` layout.  ``impl``
-picks the Pallas kernels or their pure-jnp references (fast on the CPU, where Pallas only
-interprets).
+once for the group.  Blend's recompute (``by_position``) keeps its own ``[B, T]`` layout.
+
+``impl`` picks the kernels, here and nowhere else (:func:`resolve_impl`, at construction):
+``"pallas"`` the GPU (Triton-style) kernels of ``pallas_kernels/``, ``"pallas_tpu"`` the Mosaic TPU
+kernels of ``pallas_kernels/tpu/`` (TPU interpret mode off a TPU), ``"ref"`` their pure-jnp
+references (fast on the CPU, where Pallas only interprets).  ``"auto"`` follows
+``jax.default_backend()``: GPU kernels on a GPU, TPU kernels on a TPU, references elsewhere.  On
+``pallas_tpu`` a decode step and a cascade group run the ragged TPU kernel (a decode row is a row
+of one token; a cascade row's page list is its group's shared pages followed by its own), and
+pages the TPU kernels cannot take - compressed KV, or shapes that do not tile
+(``pallas_kernels/tpu/common.py``) - run the references, with the reason logged once.
 
 Compressed KV (``kv_dtype`` int8 / float8_e4m3fn, ``pallas_kernels/quant.py``): ``k_scale`` /
 ``v_scale`` hold one float32 scale per (token, kv head), ``[Hkv, P, S]`` per layer; the write
@@ -27,6 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 
 import jax
 import jax.numpy as jnp
@@ -40,6 +49,43 @@ from pallas_kernels.decode_attention import paged_decode_attention, paged_decode
 from pallas_kernels.kv_write import write_kv, write_kv_pallas, write_kv_quantized, write_kv_quantized_pallas
 from pallas_kernels.quant import SCALE_BYTES, dequantize_pages, is_quantized
 from pallas_kernels.ragged_attention import ragged_paged_attention, ragged_paged_attention_ref
+from pallas_kernels.splice import splice_kv, splice_kv_quantized_ref, splice_kv_ref
+from pallas_kernels.tpu import ragged_paged_attention_tpu, splice_kv_tpu, tiling_problem, write_kv_tpu
+
+log = logging.getLogger("inferscale.kv_cache")
+IMPLS = ("pallas", "pallas_tpu", "ref")  # what ``impl`` holds once resolved ("auto" never)
+
+
+def resolve_impl(requested: str, head_dim: int, page_size: int, dtype, kv_dtype=None) -> str:
+    """The kernels a cache of this shape runs (one of IMPLS) for ``EngineConfig.attention_impl``.
+
+    "auto": the GPU kernels on a GPU (power-of-two head_dim >= 16, Triton's tiles), the TPU kernels
+    on a TPU, else the references.  "pallas_tpu" (forced, or chosen by "auto") falls back to "ref"
+    when the TPU kernels cannot take these pages, and says why."""
+    impl = requested
+    if requested == "auto":
+        backend = jax.default_backend()
+        pow2 = head_dim >= 16 and head_dim & (head_dim - 1) == 0
+        impl = {"gpu": "pallas" if pow2 else "ref", "tpu": "pallas_tpu"}.get(backend, "ref")
+    if impl == "pallas_tpu":
+        kv_dtype = jnp.dtype(kv_dtype or dtype)
+        problem = (f"compressed KV ({kv_dtype.name}) is not supported by the TPU kernels" if is_quantized(kv_dtype)
+                   else tiling_problem(head_dim, page_size, dtype))
+        if problem:
+            log.warning("attention_impl=%r: the TPU kernels cannot run these pages, using the jnp references: %s",
+                        requested, problem)
+            impl = "ref"
+    if impl not in IMPLS:
+        raise ValueError(f"attention_impl: got {requested!r}, expected 'auto' or one of {IMPLS}")
+    return impl
+
+
+def splice_fn(impl: str, quantized: bool):
+    """The splice (K/V between slots, K re-rotated) of a cache: compressed pages the jnp splice
+    (dequantize, rotate, quantize again), else the impl's kernel or the reference."""
+    if quantized:
+        return splice_kv_quantized_ref
+    return {"pallas": splice_kv, "pallas_tpu": splice_kv_tpu}.get(impl, splice_kv_ref)
 
 
 @jax.tree_util.register_dataclass
@@ -81,6 +127,8 @@ class PagedKVCache:
     @classmethod
     def create(cls, cfg: ModelConfig, num_pages: int, page_size: int, dtype, impl: str = "ref",
                mesh: Mesh | None = None, kv_dtype=None) -> "PagedKVCache":
+        """Zeroed pages; ``impl`` as ``EngineConfig.attention_impl`` ("auto" resolved here)."""
+        impl = resolve_impl(impl, cfg.head_dim, page_size, dtype, kv_dtype)
         kv_dtype = jnp.dtype(kv_dtype or dtype)
         shape = (cfg.num_kv_heads, num_pages, page_size, cfg.head_dim)
 
@@ -154,25 +202,29 @@ def _write_and_attend(q: jax.Array, k: jax.Array, v: jax.Array, k_pages: jax.Arr
     kernels (and their references) dequantize each row they read with its scale."""
     b, t, hq, d = q.shape  # q [B, T, Hq, D]; k/v [B, T, Hkv, D]
     hkv = k.shape[2]
-    pallas = impl == "pallas"
     if scales[0] is not None:  # compressed pages: quantized as written, dequantized as read
+        pallas = impl == "pallas"  # (resolve_impl never leaves "pallas_tpu" on compressed pages)
         write = write_kv_quantized_pallas if pallas else write_kv_quantized  # quantized in the scatter
         kq, vq, ks, vs = write(k_pages, v_pages, scales[0], scales[1], k.reshape(b * t, hkv, d),
                                v.reshape(b * t, hkv, d), meta.slots)
-        out = _attend(q.astype(jnp.dtype(compute_dtype)), kq, vq, positions, meta, pallas, (ks, vs))
+        out = _attend(q.astype(jnp.dtype(compute_dtype)), kq, vq, positions, meta, impl, (ks, vs))
         return out, kq, vq, (ks, vs)
     dtype = k_pages.dtype
-    write = write_kv_pallas if pallas else write_kv  # the Pallas scatter is ~5x faster on the H200
+    # the Pallas scatter is ~5x faster than XLA's on the H200; the TPU one is DMAs (bench/kernels.py)
+    write = {"pallas": write_kv_pallas, "pallas_tpu": write_kv_tpu}.get(impl, write_kv)
     kp, vp = write(k_pages, v_pages, k.reshape(b * t, hkv, d).astype(dtype),
                    v.reshape(b * t, hkv, d).astype(dtype), meta.slots)
-    return _attend(q.astype(dtype), kp, vp, positions, meta, pallas), kp, vp, (None, None)
+    return _attend(q.astype(dtype), kp, vp, positions, meta, impl), kp, vp, (None, None)
 
 
-def _attend(q, kp, vp, positions, meta: AttnMeta, pallas: bool, scales=(None, None)):
+def _attend(q, kp, vp, positions, meta: AttnMeta, impl: str, scales=(None, None)):
     sc = {} if scales[0] is None else dict(k_scale=scales[0], v_scale=scales[1])
+    pallas = impl == "pallas"
     if meta.by_position:  # (blend's recompute, plain jnp: compressed pages dequantized first)
         kp, vp = dequantize_pages(kp, vp, *scales, q.dtype)
         out = paged_attention_by_position(q, kp, vp, meta.page_table, positions)
+    elif impl == "pallas_tpu":  # one TPU kernel for mixed, decode and cascade steps
+        out = ragged_paged_attention_tpu(q[0], kp, vp, *_as_ragged(meta, kp.shape[2]))[None]
     elif meta.ragged:  # q [1, N]: the flat tokens of a mixed step
         fn = ragged_paged_attention if pallas else ragged_paged_attention_ref
         out = fn(q[0], kp, vp, meta.page_table, meta.cu_q_lens, meta.kv_lens, **sc)[None]  # [1, N, Hq, D]
@@ -184,6 +236,27 @@ def _attend(q, kp, vp, positions, meta: AttnMeta, pallas: bool, scales=(None, No
         fn = paged_decode_attention if pallas else paged_decode_attention_ref
         out = fn(q[0], kp, vp, meta.page_table, meta.kv_lens, **sc)[None]
     return out
+
+
+def _as_ragged(meta: AttnMeta, page_size: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(page_table, cu_q_lens, kv_lens) of the ragged kernel for any non-blend step: a mixed step's
+    own; a decode step's rows are rows of one token; a cascade row's page list is its group's shared
+    pages (``shared_len``, full pages: the engine's guarantee) followed by its own suffix pages."""
+    table, kv_lens = meta.page_table, meta.kv_lens
+    if meta.ragged:
+        return table, meta.cu_q_lens, kv_lens
+    rows, width = table.shape
+    cu = jnp.arange(rows + 1, dtype=jnp.int32)
+    if meta.shared_pages is None or meta.shared_pages.shape[0] == 0:
+        return table, cu, kv_lens
+    num_shared = meta.shared_pages.shape[0]
+    group = jnp.ones((rows,), bool) if meta.shared_rows is None else meta.shared_rows.astype(bool)
+    n_sh = jnp.where(group, meta.shared_len // page_size, 0)[:, None]  # [R, 1] shared pages of each row
+    col = jnp.arange(num_shared + width, dtype=jnp.int32)[None, :]
+    own = jnp.take_along_axis(table, jnp.clip(col - n_sh, 0, width - 1), axis=1)
+    shared = meta.shared_pages[jnp.clip(col, 0, num_shared - 1)]
+    full = jnp.where(col < n_sh, shared, jnp.where(col - n_sh < width, own, 0))
+    return full.astype(jnp.int32), cu, kv_lens + n_sh[:, 0] * page_size
 
 
 def paged_attention_by_position(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,

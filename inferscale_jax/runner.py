@@ -41,10 +41,9 @@ import numpy as np
 
 from inferscale_jax.buckets import StepBuckets, StepKey, next_pow2
 from inferscale_jax.errors import EngineFault
-from inferscale_jax.kv_cache import AttnMeta, PagedKVCache
+from inferscale_jax.kv_cache import AttnMeta, PagedKVCache, splice_fn
 from inferscale_jax.sampling import MAX_LOGPROBS, sample_tokens
 from models import ModelConfig, forward
-from pallas_kernels.splice import splice_kv, splice_kv_quantized_ref, splice_kv_ref
 
 log = logging.getLogger("inferscale.runner")
 
@@ -225,12 +224,10 @@ class PendingStep:
         return self._ids
 
 
-@functools.partial(jax.jit, static_argnames=("use_kernel",), donate_argnames=("cache",))
-def _splice(cache: PagedKVCache, src_slots, dst_slots, shift, inv_freq, *, use_kernel: bool):
-    if cache.quantized:  # compressed KV: the jnp splice (dequantize, rotate, quantize again)
-        fn, arrays = splice_kv_quantized_ref, [cache.k, cache.v, cache.k_scale, cache.v_scale]
-    else:
-        fn, arrays = (splice_kv if use_kernel else splice_kv_ref), [cache.k, cache.v]
+@functools.partial(jax.jit, donate_argnames=("cache",))
+def _splice(cache: PagedKVCache, src_slots, dst_slots, shift, inv_freq):
+    fn = splice_fn(cache.impl, cache.quantized)  # (compressed KV: dequantize, rotate, quantize again)
+    arrays = [cache.k, cache.v] + ([cache.k_scale, cache.v_scale] if cache.quantized else [])
     if cache.mesh is not None:  # per shard: each device re-rotates its own kv heads' pages
         pages, rep = jax.sharding.PartitionSpec("tp"), jax.sharding.PartitionSpec()
         fn = jax.shard_map(fn, mesh=cache.mesh, in_specs=(pages,) * len(arrays) + (rep,) * 4,
@@ -584,4 +581,4 @@ class ModelRunner:
         m = next_pow2(n, 16)  # bucketed; padding entries have dst = -1 (skipped by the kernel)
         pad = lambda x, v=0: np.pad(np.asarray(x, np.int32), (0, m - n), constant_values=v)  # noqa: E731
         self.cache = _splice(self.cache, jnp.asarray(pad(src_slots)), jnp.asarray(pad(dst_slots, -1)),
-                             jnp.asarray(pad(shift)), self.inv_freq, use_kernel=self.cache.impl == "pallas")
+                             jnp.asarray(pad(shift)), self.inv_freq)

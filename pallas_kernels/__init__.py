@@ -1,7 +1,8 @@
 """Triton-style Pallas kernels of the paged KV cache (self-contained: no engine imports).
 
 Each kernel sits beside its pure-jnp ``*_ref`` in its own module; both call one validator.
-Layout, backend selection and shared input checks: :mod:`pallas_kernels.common`.
+Layout, backend selection and shared input checks: :mod:`pallas_kernels.common`.  The Mosaic TPU
+kernels, on the same layout and beside the same references: :mod:`pallas_kernels.tpu`.
 """
 
 from pallas_kernels.cascade_attention import (

@@ -12,7 +12,8 @@ table is padding).
 Backends: every kernel is written in the Triton style of Pallas and always passes
 ``jax.experimental.pallas.triton.CompilerParams`` explicitly (without them jax 0.10 routes to
 Mosaic GPU and 0.11 to Triton).  ``interpret`` defaults to ``True`` off the GPU, so the same
-kernels run (slowly) on the CPU in tests.
+kernels run (slowly) on the CPU in tests.  The TPU (Mosaic) kernels of :mod:`pallas_kernels.tpu`
+read the same layout (its ``common`` holds their tiling rules).
 
 This package imports nothing from the engine.
 """
