@@ -73,6 +73,10 @@ class Segment:
     uid: int
     namespace: str  # the tenant, or PUBLIC_TENANT
     token_ids: list[int]
+    lineage: int = 0  # the uid of its first version (update_segment keeps it; a new registration starts one)
+
+    def __post_init__(self):
+        self.lineage = self.lineage or self.uid
 
 
 @dataclasses.dataclass
@@ -153,7 +157,7 @@ class SegmentStore:
         dead = self.remove(old)
         uid = self._next_uid if uid is None else uid
         self._next_uid = max(self._next_uid, uid + 1)
-        seg = Segment(info=info, uid=uid, namespace=old.namespace, token_ids=list(token_ids))
+        seg = Segment(info=info, uid=uid, namespace=old.namespace, token_ids=list(token_ids), lineage=old.lineage)
         self._segments[(old.namespace, info.id)] = seg
         return seg, dead
 
@@ -162,9 +166,10 @@ class SegmentStore:
         return self._next_uid
 
     def current(self, seg: Segment) -> Segment | None:
-        """The live version of ``seg``'s id in its namespace (``seg`` itself unless it was
-        updated or deleted; ``None`` once deleted)."""
-        return self._segments.get((seg.namespace, seg.info.id))
+        """The live version of ``seg`` (``seg`` itself unless it was updated; ``None`` once
+        deleted, even if the id was registered again: that is another segment)."""
+        cur = self._segments.get((seg.namespace, seg.info.id))
+        return cur if cur is not None and cur.lineage == seg.lineage else None
 
     def is_live(self, seg: Segment) -> bool:
         """Whether ``seg`` is still registered (not deleted, nor replaced by a new version); a
