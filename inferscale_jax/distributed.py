@@ -27,6 +27,7 @@ import dataclasses
 import logging
 import pickle
 import secrets
+import time
 
 import jax
 import numpy as np
@@ -100,6 +101,7 @@ class LockstepEngine(Engine):
     def __init__(self, *args, **kwargs):
         self._depth = 0
         self._closed = False
+        self._call_time = time.time()
         super().__init__(*args, **kwargs)
 
     def _send(self, name: str, args: tuple, kwargs: dict) -> dict:
@@ -112,8 +114,12 @@ class LockstepEngine(Engine):
                 from inferscale_jax.sampling import SamplingParams
                 kwargs = dict(kwargs, sampling=dataclasses.replace(sampling or SamplingParams(),
                                                                    seed=secrets.randbits(63)))
-        _broadcast(pickle.dumps((name, args, kwargs)))
+        _broadcast(pickle.dumps((name, args, kwargs, self._call_time)))
         return kwargs
+
+    def now(self) -> float:
+        """The leader's clock at the current lockstep call (session expiry agrees in every process)."""
+        return self._call_time
 
 
 def _lockstep(name: str):
@@ -125,6 +131,7 @@ def _lockstep(name: str):
                 if self._closed:
                     return None
                 self._closed = True
+            self._call_time = time.time()
             kwargs = self._send(name, args, kwargs)
         self._depth += 1
         try:
@@ -146,7 +153,7 @@ def follow(engine: LockstepEngine) -> None:
     that raises here raised in the leader too (same state, same call): it is logged and skipped."""
     assert not is_leader(), "follow() runs in the processes other than 0"
     while True:
-        name, args, kwargs = pickle.loads(_broadcast(None))
+        name, args, kwargs, engine._call_time = pickle.loads(_broadcast(None))
         engine._depth += 1  # made as Engine's: nothing inside is broadcast
         try:
             getattr(Engine, name)(engine, *args, **kwargs)

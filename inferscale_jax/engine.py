@@ -232,7 +232,7 @@ class Engine:
         self._check_fits(len(self.bos_prefix) + len(ids), f"segment {internal_id!r}")
         seq = self.kv.materialize(self.kv.root(ns), self.bos_prefix + ids, None)
         self._counters["segment_tokens_computed"] += len(seq.tokens) - seq.cached
-        now = time.time()
+        now = self.now()
         info = SegmentInfo(id=internal_id, tenant=tenant, num_tokens=len(ids), public=public, pin=pin,
                            created=now, updated=now if session else 0.0)
         seg = self.store.add(info, ids)
@@ -351,7 +351,7 @@ class Engine:
 
     def _next_version(self, seg: Segment, ids: list[int], promote: bool) -> VersionResult:
         self._check_fits(len(self.bos_prefix) + len(ids), f"segment {seg.info.id!r}")
-        result = next_version(self.kv, self.persistence, seg, ids, promote=promote)
+        result = next_version(self.kv, self.persistence, seg, ids, promote=promote, now=self.now())
         self._counters["segment_tokens_computed"] += result.computed_tokens
         return result
 
@@ -371,6 +371,10 @@ class Engine:
             self.kv.release_node(node)
 
     # -- sessions (sessions.py) -------------------------------------------------------------
+    def now(self) -> float:
+        """Wall-clock time for session expiry (``LockstepEngine``: the leader's, in every process)."""
+        return time.time()
+
     def save_session(self, session_id: str, text: str | None = None, token_ids=None, *, segments=(),
                      tenant: str = "default") -> SessionInfo:
         """Keep a conversation so far as the tenant's session ``session_id``: the tokens of

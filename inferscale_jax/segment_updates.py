@@ -71,8 +71,8 @@ def common_prefix(a: list[int], b: list[int]) -> int:
     return i
 
 
-def next_version(kv: KVManager, persistence, seg: Segment, token_ids: list[int], *, promote: bool
-                 ) -> VersionResult:
+def next_version(kv: KVManager, persistence, seg: Segment, token_ids: list[int], *, promote: bool,
+                 now: float | None = None) -> VersionResult:
     """Compute, record and swap in ``token_ids`` as the next version of ``seg`` (module
     docstring, 1-3).  ``promote``: bring an evicted old version back to HBM to reuse its KV
     (appends).  Raises with nothing changed if the pool cannot hold the new version or the
@@ -94,7 +94,7 @@ def next_version(kv: KVManager, persistence, seg: Segment, token_ids: list[int],
         if view is not None:
             old.readers -= 1
     info = dataclasses.replace(seg.info, num_tokens=len(token_ids), version=seg.info.version + 1,
-                               updated=time.time())
+                               updated=time.time() if now is None else now)
     uid = store.peek_uid()
     try:
         _pause("computed")

@@ -29,7 +29,6 @@ deleted when next seen or listed, or at the next save of any session), and
 from __future__ import annotations
 
 import dataclasses
-import time
 
 from inferscale_jax.errors import SegmentNotFound
 from inferscale_jax.segments import SEGMENT_ID_ALPHABET, SEGMENT_ID_RE, SESSION_PREFIX, Segment
@@ -75,7 +74,7 @@ def count(engine) -> int:
 
 def purge(engine, now: float | None = None) -> int:
     """Delete every expired session; returns how many."""
-    now = time.time() if now is None else now
+    now = engine.now() if now is None else now
     dead = [s for s in _all(engine) if _info(engine, s).expires <= now]
     for seg in dead:
         engine._remove(seg)
@@ -85,7 +84,7 @@ def purge(engine, now: float | None = None) -> int:
 def get(engine, session_id: str, tenant: str) -> Segment | None:
     """The live session (``None`` if absent or expired: an expired one is deleted here)."""
     seg = engine.store.get(tenant, SESSION_PREFIX + check_session_id(session_id))
-    if seg is not None and _info(engine, seg).expires <= time.time():
+    if seg is not None and _info(engine, seg).expires <= engine.now():
         engine._remove(seg)
         return None
     return seg

@@ -4,7 +4,7 @@ tenancy; segments placed after literal tokens equal a full prefill and are compu
 
 import pytest
 
-from inferscale_jax import SamplingParams, SegmentNotFound, sessions
+from inferscale_jax import SamplingParams, SegmentNotFound
 from test_segment_versions import full_prefill, same
 from tiers_common import make_engine
 from tiny_engine import assert_only_nodes_hold_pages
@@ -64,7 +64,7 @@ def test_session_ttl_cap_and_tenancy(monkeypatch):
     # expiry: a session is gone once its last save is older than the TTL
     assert info.expires == info.updated + 1000.0 and [s.id for s in e.list_sessions()] == ["c"]
     later = info.updated + 1001.0
-    monkeypatch.setattr(sessions.time, "time", lambda: later)
+    monkeypatch.setattr(e, "now", lambda: later)
     assert e.list_sessions() == []
     assert e.stats()["sessions"] == 0
     with pytest.raises(ValueError, match="session="):
