@@ -43,9 +43,16 @@ def main(pid: int, port: int) -> None:
     # both processes still in step; unseeded sampling gets one seed from the leader
     again = engine.generate(prompt_token_ids=[5, 6, 7], sampling=GREEDY)
     engine.generate(prompt_token_ids=[5, 6, 7], sampling=SamplingParams(max_tokens=4, temperature=1.0))
+    # segment versions and sessions run in lockstep too (the leader's clock decides session expiry)
+    engine.register_segment("b", token_ids=segment()[:9])
+    engine.append_segment("b", token_ids=[4, 5, 6])
+    appended = engine.generate(prompt_token_ids=[3, 2], segments=["b"], sampling=GREEDY)
+    engine.save_session("s", token_ids=[7, 8, 9, 10])
+    turn = engine.generate(prompt_token_ids=[7, 8, 9, 10, 11, 12], session="s", sampling=GREEDY)
     engine.close()
     print("MP_RESULT " + json.dumps({"tokens": [o.token_ids for o in outs], "error": err, "tiers": tiers,
-                                     "promoted": promoted.token_ids,
+                                     "promoted": promoted.token_ids, "appended": appended.token_ids,
+                                     "turn": turn.token_ids, "turn_cached": turn.metrics.cached_tokens,
                                      "again": again.token_ids, "mesh": engine.stats()["mesh"]["tensor_parallel"]}),
           flush=True)
 

@@ -50,3 +50,7 @@ def test_two_processes_tp2_equal_one_process_tp1(tmp_path):
     assert got["error"] == "SegmentNotFound"
     ref.delete_segment("a")
     assert got["again"] == ref.generate(prompt_token_ids=[5, 6, 7], sampling=GREEDY).token_ids
+    ref.register_segment("b", token_ids=segment()[:9] + [4, 5, 6])
+    assert got["appended"] == ref.generate(prompt_token_ids=[3, 2], segments=["b"], sampling=GREEDY).token_ids
+    assert got["turn"] == ref.generate(prompt_token_ids=[7, 8, 9, 10, 11, 12], sampling=GREEDY).token_ids
+    assert got["turn_cached"] == 4
