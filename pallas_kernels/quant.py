@@ -34,7 +34,9 @@ def quantize_kv(x: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
     scale = jnp.where(amax > 0, amax / _QMAX[name], 1.0)
     y = xf / scale[..., None]
     if name == "int8":
-        y = jnp.clip(jnp.round(y), -127, 127)
+        # round half away from zero as add-then-truncate: the conversion truncates toward zero, and
+        # Pallas' Triton lowering has no `round` primitive (the H200 run found jnp.round unlowerable)
+        y = jnp.clip(y + jnp.where(y >= 0, 0.5, -0.5), -127.0, 127.0)
     return y.astype(dtype), scale
 
 

@@ -109,3 +109,20 @@ def test_quantizing_write_kernel_equals_the_xla_scatter(kv):
         a = np.asarray(jax.lax.bitcast_convert_type(a, jnp.uint8) if a.dtype.itemsize == 1 else a)
         b = np.asarray(jax.lax.bitcast_convert_type(b, jnp.uint8) if b.dtype.itemsize == 1 else b)
         assert np.array_equal(a[:, 1:], b[:, 1:])  # page 0: the null page padding writes to
+
+
+def test_int8_quantization_rounds_half_away_from_zero_without_a_round_primitive():
+    """The write kernel quantizes inside Pallas, whose Triton lowering has no `round` (found on the
+    H200): the rounding is add-then-truncate, equal to rounding half away from zero."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from pallas_kernels.quant import quantize_kv
+
+    x = jnp.asarray([[127.0, -127.0, 63.5, -63.5, 0.49, -0.51, 10.2, 0.0]], jnp.float32)
+    q, scale = quantize_kv(x, jnp.int8)
+    y = np.asarray(x[0]) / float(scale[0])
+    want = np.clip(np.sign(y) * np.floor(np.abs(y) + 0.5), -127, 127).astype(np.int8)
+    assert np.array_equal(np.asarray(q[0]), want)
+    assert "round" not in str(jax.make_jaxpr(lambda v: quantize_kv(v, jnp.int8))(x))
