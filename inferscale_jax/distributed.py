@@ -15,16 +15,19 @@ mesh: NCCL on GPUs, gloo on CPUs), padded to a power-of-two size so few shapes c
 ``initialize`` starts ``jax.distributed`` (coordinator address, process count and id; or the
 cluster environment JAX detects when they are None), with gloo as the CPU collectives.
 
-Across processes the pinned-host tier works as in one (each process keeps its own shards of a
-demoted segment in its host memory).  Not across processes yet: the disk tier (``disk_pages`` is set
-to 0: a segment leaving the host tier is recomputed on use) and snapshots (``snapshot_dir`` is
-refused); both need every process to write and read its own shards.
+Tiers across processes: each process keeps its own shards of a demoted segment in its pinned host
+memory and in its own disk tier (``disk_dir/process-I-of-P``: ``tiers.py`` converts between a
+block's global array and this process's part).  Not across processes yet: snapshots
+(``snapshot_dir`` is refused).  Orbax writes numpy items only in process 0 and a per-process
+checkpoint needs per-process type handlers; the orbax-native way is one global checkpoint of the
+sharded blocks on storage every process sees (docs/multi_host.md).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import pickle
 import secrets
 import time
@@ -83,11 +86,18 @@ def _broadcast(payload: bytes | None) -> bytes:
 
 
 def lockstep_config(config: EngineConfig) -> EngineConfig:
-    """The config every process runs with (module docstring: what is not across processes yet)."""
-    if jax.process_count() > 1 and config.snapshot_dir:
-        raise ValueError(f"snapshot_dir={config.snapshot_dir!r} is not supported with {jax.process_count()} "
-                         "processes yet: serve without --snapshot-dir (docs/architecture.md, tensor parallelism)")
-    return dataclasses.replace(config, disk_pages=0) if jax.process_count() > 1 else config
+    """The config of this process: with several processes each keeps its own disk tier
+    (``disk_dir/process-I-of-P``, or a temporary folder); ``snapshot_dir`` is refused (module
+    docstring)."""
+    count, index = jax.process_count(), jax.process_index()
+    if count == 1:
+        return config
+    if config.snapshot_dir:
+        raise ValueError(f"snapshot_dir={config.snapshot_dir!r} is not supported with {count} processes yet: serve "
+                         "without --snapshot-dir (docs/multi_host.md)")
+    if config.disk_dir:
+        return dataclasses.replace(config, disk_dir=os.path.join(config.disk_dir, f"process-{index}-of-{count}"))
+    return config
 
 
 class LockstepEngine(Engine):

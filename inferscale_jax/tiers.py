@@ -165,6 +165,12 @@ class Tiers:
             pinned = pinned_host_sharding(self.device) is not None
             self.host_sharding = NamedSharding(cache.mesh, spec, memory_kind="pinned_host") if pinned else None
         self.rep = cache.k[0].shape[0] // cfg.num_kv_heads  # copies of each kv head in the pool
+        # a mesh spanning processes (distributed.py): host arrays, disk files and snapshots hold this
+        # process's shards only ([L, 2, Hkv / P, nb, S, D] when kv heads are split, else every head)
+        self.multiprocess = cache.mesh is not None and not cache.k[0].is_fully_addressable
+        split = self.multiprocess and self.device_sharding.spec != PartitionSpec()
+        self.local_heads = cfg.num_kv_heads * len(jax.local_devices()) // len(cache.mesh.devices.flat) if split \
+            else cfg.num_kv_heads
         # a block's rows: D values of the KV dtype, or (compressed KV) D bytes + the scale's 4 (quant.py)
         self.block_dtype = np.dtype(np.uint8) if cache.quantized else np.dtype(dtype)
         row = cfg.head_dim + SCALE_BYTES if cache.quantized else cfg.head_dim
@@ -238,7 +244,7 @@ class Tiers:
         pages = np.zeros(page_bucket(n), np.int32)  # padding gathers the null page
         pages[:n] = node.pages
         kv = gather_pages(self.runner.cache, jnp.asarray(pages), self.rep)
-        host = jax.device_put(kv, self.host_sharding) if self.host_sharding else np.asarray(jax.device_get(kv))
+        host = jax.device_put(kv, self.host_sharding) if self.host_sharding else self.local(kv)
         jax.block_until_ready(host)
         seg = next(s for s in self.store.all_segments() if s.uid == uid)
         self.store.drop_node(node)
@@ -262,7 +268,7 @@ class Tiers:
             self._drop(next(x for x in self._entries.values() if x.tier == "disk"))
 
     def _host_to_disk(self, entry: TierEntry) -> None:
-        arr = np.ascontiguousarray(np.asarray(entry.kv))
+        arr = np.ascontiguousarray(self.local(entry.kv))
         folder = self._disk_dir or "the disk tier folder"
         try:
             folder = self.disk_dir()
@@ -295,9 +301,29 @@ class Tiers:
             raise OSError(f"disk tier file {entry.path} holds {got} bytes, expected {arr.nbytes}")
         return arr
 
-    def shape(self, num_pages: int) -> tuple[int, ...]:
+    def shape(self, num_pages: int, local: bool = True) -> tuple[int, ...]:
+        """A block's shape; ``local``: this process's part of it (all of it in one process)."""
         L, two, hkv, s, d = self.layout
-        return (L, two, hkv, page_bucket(num_pages), s, d)
+        return (L, two, self.local_heads if local else hkv, page_bucket(num_pages), s, d)
+
+    def local(self, kv) -> np.ndarray:
+        """A block as this process's numpy array: the whole block in one process; across processes,
+        the shards this process holds, in head order (one copy of replicated ones)."""
+        if isinstance(kv, np.ndarray):
+            return kv
+        if kv.is_fully_addressable:
+            return np.asarray(jax.device_get(kv))
+        parts = {}
+        for shard in kv.addressable_shards:
+            parts.setdefault(shard.index[2].start or 0, shard.data)
+        return np.concatenate([np.asarray(parts[k]) for k in sorted(parts)], axis=2)
+
+    def to_device(self, kv) -> jax.Array:
+        """A block (host jax.Array, or this process's numpy part) on the pool's devices."""
+        if self.multiprocess and isinstance(kv, np.ndarray):
+            shape = (*kv.shape[:2], self.layout[2], *kv.shape[3:])
+            return jax.make_array_from_process_local_data(self.device_sharding, kv, shape)
+        return jax.device_put(kv, self.device_sharding)
 
     # -- promotion (disk -> host -> HBM) --------------------------------------------------
     def promote(self, seg: Segment, kv: KVManager) -> ChainNode:
@@ -335,7 +361,7 @@ class Tiers:
                  hashes: list[bytes] | None = None, count: bool = True) -> ChainNode:
         """Move kv [L, 2, Hkv, nb, S, D] (host) into ``pages`` (allocated) and index the root node."""
         t1 = time.perf_counter()
-        dev = jax.device_put(kv, self.device_sharding)  # the one host -> device transfer
+        dev = self.to_device(kv)  # the one host -> device transfer
         jax.block_until_ready(dev)
         t2 = time.perf_counter()
         padded = np.full(page_bucket(len(pages)), self.runner.cache.num_pages, np.int32)  # padding: dropped
@@ -370,7 +396,7 @@ class Tiers:
         if pages is not None:
             self._install(seg, num_tokens, pages, kv, time.perf_counter(), count=False)
             return "hbm"
-        host = jax.device_put(kv, self.host_sharding) if self.host_sharding else kv
+        host = jax.device_put(self.to_device(kv), self.host_sharding) if self.host_sharding else kv
         self._entries[seg.uid] = TierEntry(seg.uid, num_tokens, n, "host", kv=host)
         self._enforce_capacity()
         return "host"
@@ -379,7 +405,7 @@ class Tiers:
         """Compile the scatter for the buckets of ``page_counts`` ahead of use; returns the seconds spent."""
         t0 = time.perf_counter()
         for nb in sorted({page_bucket(n) for n in page_counts}):
-            kv = jax.ShapeDtypeStruct(self.shape(nb), self.block_dtype, sharding=self.device_sharding)
+            kv = jax.ShapeDtypeStruct(self.shape(nb, local=False), self.block_dtype, sharding=self.device_sharding)
             scatter_pages.lower(self.runner.cache, kv, jax.ShapeDtypeStruct((nb,), jnp.int32), self.rep).compile()
         return time.perf_counter() - t0
 
@@ -393,8 +419,11 @@ class Tiers:
 
         def flush():
             nonlocal group_bytes
-            for uid, arr in zip([u for u, _ in group], jax.device_get([a for _, a in group])):
-                out[uid] = np.asarray(arr)
+            arrays = [a for _, a in group]
+            if not self.multiprocess:
+                arrays = jax.device_get(arrays)  # every copy in flight together
+            for uid, arr in zip([u for u, _ in group], arrays):
+                out[uid] = self.local(arr)
             group.clear()
             group_bytes = 0
 
@@ -410,7 +439,7 @@ class Tiers:
                 continue
             entry = self._entries.get(seg.uid)
             if entry is not None and entry.tier == "host":
-                out[seg.uid] = np.asarray(entry.kv)
+                out[seg.uid] = self.local(entry.kv)
             elif entry is not None and entry.tier == "disk":
                 out[seg.uid] = self._read_disk(entry)
         flush()

@@ -2,7 +2,10 @@
 tensor-parallel mesh of one CPU device from each.  Process 0 leads (its ``LockstepEngine`` calls are
 repeated in process 1, which follows) and prints its outputs as one JSON line.
 
-    python mp_child.py PROCESS_ID PORT
+    python mp_child.py PROCESS_ID PORT DISK_DIR
+
+Each process keeps its own shards of demoted segments in its pinned host memory and its disk tier
+(``DISK_DIR/process-I-of-2``).
 """
 
 import json
@@ -15,14 +18,15 @@ sys.path[:0] = [HERE, os.path.dirname(HERE)]
 from inferscale_jax import distributed  # noqa: E402
 
 
-def main(pid: int, port: int) -> None:
+def main(pid: int, port: int, disk_dir: str) -> None:
     distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=pid)
     from mp_common import CASES, GREEDY, config, fill, model, segment
 
     from inferscale_jax import SamplingParams
 
     params, cfg = model()
-    engine = distributed.LockstepEngine(params, cfg, None, distributed.lockstep_config(config(tensor_parallel=2)))
+    conf = config(tensor_parallel=2, disk_dir=disk_dir, host_pages=0)  # demoted KV goes on to disk
+    engine = distributed.LockstepEngine(params, cfg, None, distributed.lockstep_config(conf))
     if not distributed.is_leader():
         distributed.follow(engine)
         print("FOLLOWER_DONE", flush=True)
@@ -58,4 +62,4 @@ def main(pid: int, port: int) -> None:
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]), int(sys.argv[2]))
+    main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3])

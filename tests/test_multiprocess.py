@@ -3,7 +3,8 @@ CPU device each; process 0 leads a ``LockstepEngine`` and process 1 follows it
 (``inferscale_jax/distributed.py``).  Their tokens equal a one-process TP=1 engine's - greedy and
 seeded sampling, with an injected segment - and a call that fails (a deleted segment) fails alike
 in both, which stay in step; a segment demoted under pool pressure to each process's pinned host
-memory (its own shards) is promoted back alike."""
+memory and on to its own disk tier (its own shards) is promoted back alike; segment versions and a
+session turn run in lockstep too."""
 
 import json
 import os
@@ -18,11 +19,12 @@ from inferscale_jax import Engine
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def test_two_processes_tp2_equal_one_process_tp1(tmp_path):
+def run_pair(tmp_path, *args) -> dict:
+    """Both processes of ``mp_child.py``; the leader's result line."""
     port = free_port()
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     env.pop("XLA_FLAGS", None)
-    procs = [subprocess.Popen([sys.executable, os.path.join(HERE, "mp_child.py"), str(i), str(port)],
+    procs = [subprocess.Popen([sys.executable, os.path.join(HERE, "mp_child.py"), str(i), str(port), *args],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path)
              for i in (0, 1)]
     outs = []
@@ -36,16 +38,21 @@ def test_two_processes_tp2_equal_one_process_tp1(tmp_path):
     assert procs[1].returncode == 0 and "FOLLOWER_DONE" in follow[0], follow[1][-4000:]
     line = next((x for x in lead[0].splitlines() if x.startswith("MP_RESULT ")), None)
     assert line is not None, lead[1][-4000:]
-    got = json.loads(line[len("MP_RESULT "):])
+    return json.loads(line[len("MP_RESULT "):])
+
+
+def test_two_processes_tp2_equal_one_process_tp1(tmp_path):
+    disk = str(tmp_path / "disk")
+    got = run_pair(tmp_path, disk)
     assert got["mesh"] == 2
     params, cfg = model()
-    ref = Engine(params, cfg, None, config())
+    ref = Engine(params, cfg, None, config(host_pages=0))
     ref.register_segment("a", token_ids=segment())
     want = [o.token_ids for o in ref.generate_batch(CASES)]
     assert got["tokens"] == want
     fill(ref)
-    assert ref.segment_tier("a") == "host"
-    assert got["tiers"] == {"a_before": "host", "a_after": "hbm"}
+    assert ref.segment_tier("a") == "disk"
+    assert got["tiers"] == {"a_before": "disk", "a_after": "hbm"}  # each process's shards, on its disk
     assert got["promoted"] == ref.generate(prompt_token_ids=[9, 8, 7], segments=["a"], sampling=GREEDY).token_ids
     assert got["error"] == "SegmentNotFound"
     ref.delete_segment("a")
@@ -54,3 +61,4 @@ def test_two_processes_tp2_equal_one_process_tp1(tmp_path):
     assert got["appended"] == ref.generate(prompt_token_ids=[3, 2], segments=["b"], sampling=GREEDY).token_ids
     assert got["turn"] == ref.generate(prompt_token_ids=[7, 8, 9, 10, 11, 12], sampling=GREEDY).token_ids
     assert got["turn_cached"] == 4
+    assert sorted(os.listdir(disk)) == ["process-0-of-2", "process-1-of-2"]
