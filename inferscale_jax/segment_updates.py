@@ -57,9 +57,10 @@ def _pause(stage: str) -> None:
     if not want.startswith(stage + ":"):
         return
     marker = os.environ.get(PAUSE_MARKER_ENV)
-    if marker:
-        with open(marker, "w") as f:
+    if marker:  # written whole, then renamed: a test polling for it never reads it half-written
+        with open(marker + ".tmp", "w") as f:
             f.write(stage)
+        os.replace(marker + ".tmp", marker)
     time.sleep(float(want.split(":", 1)[1]))
 
 

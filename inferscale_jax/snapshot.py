@@ -109,9 +109,10 @@ class _RenameCommit(ocp.path.atomicity.AtomicRenameTemporaryPath):
         pause = os.environ.get(PAUSE_ENV)
         if pause:
             marker = os.environ.get(PAUSE_MARKER_ENV)
-            if marker:
-                with open(marker, "w") as f:
+            if marker:  # written whole, then renamed: a test polling for it never reads it half-written
+                with open(marker + ".tmp", "w") as f:
                     f.write(str(self.get()))
+                os.replace(marker + ".tmp", marker)
             log.warning("%s=%s: pausing before committing %s", PAUSE_ENV, pause, self.get())
             await asyncio.sleep(float(pause))
         await super().finalize()

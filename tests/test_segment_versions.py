@@ -1,7 +1,7 @@
 """Segment versions (``segment_updates.py``): update while requests read the old version, append
 computing only the new tokens, and a ``kill -9`` in the middle of an update (``tiers_child.py``)."""
 
-import os
+import time
 
 import numpy as np
 import pytest
@@ -136,14 +136,18 @@ def test_append_to_a_segment_evicted_to_host_promotes_it_first():
 def test_kill_in_the_middle_of_an_update(tmp_path, stage, version):
     d = tmp_path / "snap"
     child = Child(d, f"mid_update:{stage}", tmp_path / "child.log")
-    child.wait_for("updating")
-    marker = tmp_path / "update-paused"
-    while not marker.exists():
-        child.proc.poll()
-        assert child.proc.returncode is None, open(tmp_path / "child.log").read()[-3000:]
-        os.sched_yield()
-    assert marker.read_text() == stage
-    child.kill()
+    try:
+        child.wait_for("updating")
+        marker = tmp_path / "update-paused"
+        deadline = time.monotonic() + 240
+        while not marker.exists():
+            assert child.proc.poll() is None, open(tmp_path / "child.log").read()[-3000:]
+            assert time.monotonic() < deadline, "the update never paused"
+            time.sleep(0.02)
+        assert marker.read_text() == stage
+    finally:
+        if child.proc.poll() is None:
+            child.kill()
     e = make_engine(snapshot_dir=str(d))
     (info,) = e.list_segments("t")
     assert info.version == version
