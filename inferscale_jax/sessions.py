@@ -31,7 +31,7 @@ from __future__ import annotations
 import dataclasses
 
 from inferscale_jax.errors import SegmentNotFound
-from inferscale_jax.segments import SEGMENT_ID_ALPHABET, SEGMENT_ID_RE, SESSION_PREFIX, Segment
+from inferscale_jax.segments import SEGMENT_ID_ALPHABET, SESSION_PREFIX, Segment, check_segment_id
 
 
 def is_session_id(internal_id: str) -> bool:
@@ -39,9 +39,11 @@ def is_session_id(internal_id: str) -> bool:
 
 
 def check_session_id(session_id) -> str:
-    if not isinstance(session_id, str) or SEGMENT_ID_RE.fullmatch(session_id) is None:
-        raise ValueError(f"session={session_id!r} is invalid: use 1-256 characters of {SEGMENT_ID_ALPHABET}")
-    return session_id
+    """Session ids follow the segment-id rule (``segments.check_segment_id``); the error names ``session``."""
+    try:
+        return check_segment_id(session_id)
+    except ValueError:
+        raise ValueError(f"session={session_id!r} is invalid: use 1-256 characters of {SEGMENT_ID_ALPHABET}") from None
 
 
 @dataclasses.dataclass(frozen=True)
