@@ -17,10 +17,9 @@ cluster environment JAX detects when they are None), with gloo as the CPU collec
 
 Tiers across processes: each process keeps its own shards of a demoted segment in its pinned host
 memory and in its own disk tier (``disk_dir/process-I-of-P``: ``tiers.py`` converts between a
-block's global array and this process's part).  Not across processes yet: snapshots
-(``snapshot_dir`` is refused).  Orbax writes numpy items only in process 0 and a per-process
-checkpoint needs per-process type handlers; the orbax-native way is one global checkpoint of the
-sharded blocks on storage every process sees (docs/multi_host.md).
+block's global array and this process's part).  Snapshots: one global orbax checkpoint of every
+process's shards in the shared ``snapshot_dir`` (``snapshot_processes.py``); the leader decides when
+a periodic one is due and makes it a lockstep ``save_snapshot``.
 """
 
 from __future__ import annotations
@@ -42,7 +41,10 @@ log = logging.getLogger("inferscale.distributed")
 
 LOCKSTEP_CALLS = ("submit", "step", "abort", "register_segment", "register_segments_batch", "delete_segment",
                   "update_segment", "append_segment", "save_session", "list_sessions", "session_info",
-                  "delete_session", "warmup", "close")  # (the session calls delete expired sessions)
+                  "delete_session", "warmup", "save_snapshot", "close")  # (session calls delete expired sessions)
+# calls after which the leader checks whether a periodic snapshot is due (it alone decides)
+CHANGES = ("register_segment", "register_segments_batch", "delete_segment", "update_segment", "append_segment",
+           "save_session", "delete_session")
 
 
 def initialize(coordinator: str | None = None, num_processes: int | None = None,
@@ -87,16 +89,15 @@ def _broadcast(payload: bytes | None) -> bytes:
 
 def lockstep_config(config: EngineConfig) -> EngineConfig:
     """The config of this process: with several processes each keeps its own disk tier
-    (``disk_dir/process-I-of-P``, or a temporary folder); ``snapshot_dir`` is refused (module
-    docstring)."""
+    (``disk_dir/process-I-of-P``; with only ``snapshot_dir``, ``snapshot_dir/disk_tier/process-I-of-P``;
+    else a temporary folder).  ``snapshot_dir`` is shared: one global checkpoint
+    (``snapshot_processes.py``)."""
     count, index = jax.process_count(), jax.process_index()
     if count == 1:
         return config
-    if config.snapshot_dir:
-        raise ValueError(f"snapshot_dir={config.snapshot_dir!r} is not supported with {count} processes yet: serve "
-                         "without --snapshot-dir (docs/multi_host.md)")
-    if config.disk_dir:
-        return dataclasses.replace(config, disk_dir=os.path.join(config.disk_dir, f"process-{index}-of-{count}"))
+    base = config.disk_dir or (os.path.join(config.snapshot_dir, "disk_tier") if config.snapshot_dir else None)
+    if base:
+        return dataclasses.replace(config, disk_dir=os.path.join(base, f"process-{index}-of-{count}"))
     return config
 
 
@@ -131,6 +132,20 @@ class LockstepEngine(Engine):
         """The leader's clock at the current lockstep call (session expiry agrees in every process)."""
         return self._call_time
 
+    def maybe_snapshot(self) -> bool:
+        """(The leader, outside other calls) take a periodic snapshot when one is due, as a lockstep
+        ``save_snapshot`` so every process writes its shards at the same point; never raises (a
+        failure is logged and backs off, as a background snapshot's would)."""
+        p = self.persistence
+        if p is None or self._depth or not is_leader() or not p.due():
+            return False
+        try:
+            self.save_snapshot()
+        except Exception as err:  # noqa: BLE001 - the save counted and logged it (snapshot.py)
+            log.debug("periodic snapshot failed: %r", err)
+            return False
+        return True
+
 
 def _lockstep(name: str):
     base = getattr(Engine, name)
@@ -145,9 +160,12 @@ def _lockstep(name: str):
             kwargs = self._send(name, args, kwargs)
         self._depth += 1
         try:
-            return base(self, *args, **kwargs)
+            out = base(self, *args, **kwargs)
         finally:
             self._depth -= 1
+        if name in CHANGES and self._depth == 0:
+            self.maybe_snapshot()
+        return out
 
     method.__name__ = name
     method.__doc__ = base.__doc__

@@ -248,21 +248,41 @@ class Registry:
 
     def add_many(self, rows: list[SegmentRow], what: str = "recording segments") -> None:
         """Insert ``rows`` and advance ``next_uid`` past them, in one transaction."""
-        ident = self.identity
         with self._transaction(what) as db:
-            db.executemany(
-                "INSERT INTO segments (fingerprint, model, dtype, page_size, namespace, id, uid, tenant, token_ids, "
-                "parent, public, pin, created, version, updated) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                [(ident.fingerprint, ident.model, ident.dtype, ident.page_size, row.namespace, row.id, row.uid,
-                  row.tenant, np.asarray(row.token_ids, "<i4").tobytes(), row.parent, int(row.public), int(row.pin),
-                  row.created, row.version, row.updated) for row in rows])
+            self._insert(db, rows)
             self._advance_uid(db, max(row.uid for row in rows))
+
+    def _insert(self, db, rows: list[SegmentRow]) -> None:
+        ident = self.identity
+        db.executemany(
+            "INSERT INTO segments (fingerprint, model, dtype, page_size, namespace, id, uid, tenant, token_ids, "
+            "parent, public, pin, created, version, updated) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            [(ident.fingerprint, ident.model, ident.dtype, ident.page_size, row.namespace, row.id, row.uid,
+              row.tenant, np.asarray(row.token_ids, "<i4").tobytes(), row.parent, int(row.public), int(row.pin),
+              row.created, row.version, row.updated) for row in rows])
 
     @staticmethod
     def _advance_uid(db, uid: int) -> None:
         db.execute(
             "INSERT INTO meta VALUES ('next_uid', ?) ON CONFLICT(key) DO UPDATE SET "
             "value = MAX(CAST(value AS INTEGER), CAST(excluded.value AS INTEGER))", (str(uid + 1),))
+
+    def mirror(self, rows: list[SegmentRow], next_uid: int, snapshot_step: int | None) -> None:
+        """Make this engine's rows exactly ``rows``, with ``next_uid`` and ``snapshot_step``, in one
+        transaction: a follower's copy of the leader's registry across processes
+        (``snapshot_processes.py``).  Segment meta rows of this engine go."""
+        fp = self.identity.fingerprint
+        with self._transaction("mirroring the leader's segments") as db:
+            db.execute("DELETE FROM segments WHERE fingerprint = ?", (fp,))
+            db.execute("DELETE FROM segment_meta WHERE fingerprint = ?", (fp,))
+            self._insert(db, rows)
+            db.execute("INSERT INTO meta VALUES ('next_uid', ?) ON CONFLICT(key) DO UPDATE SET value = excluded.value",
+                       (str(next_uid),))
+            if snapshot_step is None:
+                db.execute("DELETE FROM meta WHERE key = 'snapshot_step'")
+            else:
+                db.execute("INSERT INTO meta VALUES ('snapshot_step', ?) ON CONFLICT(key) DO UPDATE SET "
+                           "value = excluded.value", (str(snapshot_step),))
 
     def replace(self, old_uid: int, row: SegmentRow) -> None:
         """A new version of a segment: the row ``(namespace, id)`` recorded with ``old_uid`` takes

@@ -87,6 +87,7 @@ import orbax.checkpoint as ocp
 from inferscale_jax.errors import SnapshotCorrupt, SnapshotMismatch, StorageError
 from inferscale_jax.registry import Identity, Registry, SegmentRow, storage_error
 from inferscale_jax.segments import Segment, SegmentInfo
+from inferscale_jax.snapshot_processes import Spread
 
 if TYPE_CHECKING:
     from inferscale_jax.kv_manager import KVManager
@@ -118,7 +119,14 @@ class _RenameCommit(ocp.path.atomicity.AtomicRenameTemporaryPath):
         await super().finalize()
 
 
-def _checkpointer() -> ocp.Checkpointer:
+def _checkpointer(alone: bool = False) -> ocp.Checkpointer:
+    """The orbax checkpointer: of every process (its barriers wait for all), or with ``alone``, of
+    this process only (the leader reading a snapshot's meta and token ids by itself)."""
+    if alone:
+        opts = ocp.options.MultiprocessingOptions(primary_host=None, active_processes={jax.process_index()})
+        handler = ocp.CompositeCheckpointHandler(composite_options=ocp.CompositeOptions(
+            multiprocessing_options=opts))
+        return ocp.Checkpointer(handler, multiprocessing_options=opts)
     return ocp.Checkpointer(ocp.CompositeCheckpointHandler(), temporary_path_class=_RenameCommit)
 
 
@@ -175,7 +183,14 @@ class Persistence:
         except OSError as err:
             raise storage_error(err, self.dir, f"creating {self.snap_dir}") or err
         self.identity = Identity(kv.fingerprint, model_fingerprint, kv.config.storage_label, kv.config.page_size)
-        self.registry = Registry(os.path.join(self.dir, "registry.sqlite3"), self.identity)
+        # several processes (snapshot_processes.py): one global checkpoint; process 0's registry is
+        # the record, every other process keeps a mirror in its own folder
+        self.spread = Spread(kv.tiers) if kv.tiers.multiprocess else None
+        folder = self.dir
+        if self.spread is not None and not self.spread.leader:
+            folder = os.path.join(self.dir, f"process-{self.spread.index}-of-{self.spread.count}")
+            os.makedirs(folder, exist_ok=True)
+        self.registry = Registry(os.path.join(folder, "registry.sqlite3"), self.identity)
         self._writer: threading.Thread | None = None
         self._dirty = False
         self._last_save = time.monotonic()
@@ -185,7 +200,8 @@ class Persistence:
                              last_disk_bytes=0, last_error=None, failures=0, restored_step=None, restore_s=0.0,
                              restore_read_s=0.0, restore_compile_s=0.0, restore_bytes=0, restored_hbm=0,
                              restored_host=0, recomputed=0, rebuilt=0)
-        atexit.register(_close_at_exit, weakref.ref(self))
+        if self.spread is None:  # across processes a final save needs every process: close() takes it
+            atexit.register(_close_at_exit, weakref.ref(self))
 
     # -- registry hooks -------------------------------------------------------------------
     def on_registered(self, seg: Segment) -> None:
@@ -216,14 +232,19 @@ class Persistence:
         self.maybe_snapshot()
 
     # -- saving ---------------------------------------------------------------------------
-    def maybe_snapshot(self) -> bool:
-        """Start a background snapshot if segments changed and ``snapshot_interval_s`` has passed
-        (and any failure's backoff); never raises: a periodic snapshot's failure is logged."""
+    def due(self) -> bool:
+        """Segments changed, ``snapshot_interval_s`` has passed (and any failure's backoff), and no
+        write is running."""
         interval = self.kv.config.snapshot_interval_s
         if interval is None or not self._dirty or (self._writer is not None and self._writer.is_alive()):
             return False
         now = time.monotonic()
-        if now - self._last_save < interval or now < self._retry_at:
+        return now - self._last_save >= interval and now >= self._retry_at
+
+    def maybe_snapshot(self) -> bool:
+        """Start a background snapshot when ``due()``; never raises: a periodic snapshot's failure is
+        logged.  Across processes the leader decides instead (``LockstepEngine.maybe_snapshot``)."""
+        if self.spread is not None or not self.due():
             return False
         try:
             self.save(wait=False)
@@ -253,8 +274,11 @@ class Persistence:
             self._writer = None
 
     def save(self, wait: bool = True) -> dict:
-        """Snapshot every segment's KV; returns the step's summary (``wait=False``: the capture's)."""
+        """Snapshot every segment's KV; returns the step's summary (``wait=False``: the capture's;
+        across processes the write is always waited for: snapshot_processes.py)."""
         self.wait()
+        sp = self.spread
+        wait = wait or sp is not None
         e = self.kv
         t0 = time.perf_counter()
         segs = e.store.all_segments()
@@ -265,6 +289,9 @@ class Persistence:
         records, tree = [], {}
         kept = [seg for seg in segs if seg.uid in arrays]  # the rest are in the recompute tier
         sums = dict(zip([seg.uid for seg in kept], crc32_many([arrays[seg.uid] for seg in kept])))
+        if sp is not None:  # every process's checksums of its own shards, process order
+            per = sp.gather([sums[seg.uid] for seg in kept])
+            sums = {seg.uid: [row[i] for row in per] for i, seg in enumerate(kept)}
         ids, at = [], 0
         for seg in segs:
             tokens = e.bos_prefix + seg.token_ids
@@ -277,7 +304,7 @@ class Persistence:
             at += len(seg.token_ids)
             if seg.uid in arrays:
                 rec.update(key=f"u{seg.uid}", crc32=sums[seg.uid], rank=rank.get(seg.uid, len(rank)))
-                tree[rec["key"]] = arrays[seg.uid]
+                tree[rec["key"]] = arrays[seg.uid] if sp is None else sp.to_global(arrays[seg.uid], rec["num_pages"])
             records.append(rec)
         token_ids = np.concatenate(ids) if ids else np.zeros(0, np.int32)  # [T]
         ident = self.identity
@@ -288,13 +315,15 @@ class Persistence:
         capture_s = time.perf_counter() - t0
         steps = self._steps(include_tmp=True)
         step = max(steps, default=0) + 1
+        if sp is not None:
+            step = sp.agree(step)  # the leader's: the others may list the folder while it writes
         args = (step, tree, token_ids, meta, t0, capture_s)
         if wait:
             return self._write(*args)
         self._writer = threading.Thread(target=self._write, args=(*args, False), name="inferscale-snapshot",
                                         daemon=True)
         self._writer.start()
-        return dict(step=step, segments=len(records), capture_s=capture_s, bytes=sum(a.nbytes for a in tree.values()))
+        return dict(step=step, segments=len(records), capture_s=capture_s, bytes=sum(_nbytes(a) for a in tree.values()))
 
     def _write(self, step: int, tree: dict, token_ids: np.ndarray, meta: dict, t0: float, capture_s: float,
                reraise: bool = True) -> dict:
@@ -313,7 +342,7 @@ class Persistence:
             self.registry.set_meta("snapshot_step", str(step))  # the commit point
             committed = True
             keep = {str(step), prev}
-            for name in os.listdir(self.snap_dir):
+            for name in os.listdir(self.snap_dir) if self.spread is None or self.spread.leader else []:
                 if name not in keep:
                     shutil.rmtree(os.path.join(self.snap_dir, name), ignore_errors=True)
         except BaseException as err:
@@ -330,7 +359,7 @@ class Persistence:
             log.info("snapshot %d succeeded after %d failed attempt(s)", step, c["failures"])
         self._retry_at = 0.0
         c.update(snapshots=c["snapshots"] + 1, last_step=step, last_duration_s=time.perf_counter() - t0,
-                 last_capture_s=capture_s, last_bytes=sum(a.nbytes for a in tree.values()),
+                 last_capture_s=capture_s, last_bytes=sum(_nbytes(a) for a in tree.values()),
                  last_disk_bytes=_dir_bytes(path), last_error=None, failures=0)
         log.info("snapshot %d: %d segments, %.1f MB in %.2f s", step, len(meta["segments"]), c["last_bytes"] / 1e6,
                  c["last_duration_s"])
@@ -340,6 +369,8 @@ class Persistence:
     def _remove_failed(self, step: int, committed: bool) -> None:
         """Delete what a failed save of ``step`` left: its temporary folder, and the renamed
         step itself unless the registry committed it (a full disk must not fill up further)."""
+        if self.spread is not None and not self.spread.leader:
+            return
         try:
             names = os.listdir(self.snap_dir)
         except OSError:
@@ -383,9 +414,11 @@ class Persistence:
             f"snapshot {path} is unreadable: {what}. Nothing was restored. Restore the files, or delete {path} "
             "to start from the previous snapshot (segments it lacks are recomputed from the registry)")
 
-    def _restore(self) -> None:
-        e, strict = self.kv, self.kv.config.strict_restore
-        t0 = time.perf_counter()
+    def _plan(self) -> tuple[list[SegmentRow], list[SegmentRow], int | None, str | None, dict | None]:
+        """Restore 1-2 (module docstring), reading only (but unfinished temp steps go): the registry's
+        rows, the rows the snapshot proves lost, the committed step, its path and meta (None when
+        there is no step or it is another engine's and ``strict_restore`` is off)."""
+        strict = self.kv.config.strict_restore
         for name in os.listdir(self.snap_dir):
             if TMP_SUFFIX in name:
                 log.warning("removing unfinished snapshot %s (a save was interrupted)", name)
@@ -401,28 +434,59 @@ class Persistence:
                                        "without them")
             log.warning("%s; they are kept but not loaded", msg)
         step = self._committed_step()
-        arrays: dict[int, np.ndarray] = {}
-        rank: dict[int, int] = {}
-        lost: list[SegmentRow] = []
-        if step is not None:
-            path = os.path.join(self.snap_dir, str(step))
+        if step is None:
+            return rows, [], None, None, None
+        path = os.path.join(self.snap_dir, str(step))
+        try:
+            meta = _checkpointer(alone=True).restore(path, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
+            if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+                raise ValueError(f"meta is not an {FORMAT} record")
+            other = Identity(meta["fingerprint"], meta["model"], meta["dtype"], int(meta["page_size"]))
+        except Exception as err:  # noqa: BLE001 - any failure to read is corruption
+            raise self._corrupt(path, f"its meta cannot be read ({type(err).__name__}: {err})") from err
+        why = self.identity.mismatch(other)
+        if why is not None:
+            msg = f"snapshot {path} was written by another engine: {why}"
+            if strict:
+                raise SnapshotMismatch(f"{msg}; point snapshot_dir elsewhere, or set strict_restore=False to "
+                                       "start without its KV")
+            log.warning("%s; starting without its KV (registered segments of this model are recomputed)", msg)
+            return rows, [], step, path, None
+        return rows, self._lost_rows(path, meta, rows), step, path, meta
+
+    def _restore(self) -> None:
+        e, sp = self.kv, self.spread
+        t0 = time.perf_counter()
+        if sp is None:
+            rows, lost, step, path, meta = self._plan()
+            arrays, rank = self._load(path, meta, rows + lost) if meta is not None else ({}, {})
+            if meta is not None:
+                self.counters["restored_step"] = step
+        else:  # the leader plans, every process reads its own shards (snapshot_processes.py)
+            plan = None
+            if sp.leader:
+                try:
+                    plan = ("ok", self._plan(), self.registry.next_uid())
+                except Exception as err:  # noqa: BLE001 - sent to the others, then raised here too
+                    plan = ("error", err)
+            plan = sp.agree(plan)
+            if plan[0] == "error":
+                raise plan[1]
+            (rows, lost, step, path, meta), next_uid = plan[1], plan[2]
+            if not sp.leader:  # the leader records the lost rows below; a mirror takes them now
+                rows, lost = sorted(rows + lost, key=lambda r: r.uid), []
+                self.registry.mirror(rows, next_uid, step)
+            failure = None
             try:
-                meta = _checkpointer().restore(path, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
-                if not isinstance(meta, dict) or meta.get("format") != FORMAT:
-                    raise ValueError(f"meta is not an {FORMAT} record")
-                other = Identity(meta["fingerprint"], meta["model"], meta["dtype"], int(meta["page_size"]))
-            except Exception as err:  # noqa: BLE001 - any failure to read is corruption
-                raise self._corrupt(path, f"its meta cannot be read ({type(err).__name__}: {err})") from err
-            why = self.identity.mismatch(other)
-            if why is not None:
-                msg = f"snapshot {path} was written by another engine: {why}"
-                if strict:
-                    raise SnapshotMismatch(f"{msg}; point snapshot_dir elsewhere, or set strict_restore=False to "
-                                           "start without its KV")
-                log.warning("%s; starting without its KV (registered segments of this model are recomputed)", msg)
-            else:
-                lost = self._lost_rows(path, meta, rows)
-                arrays, rank = self._load(path, meta, rows + lost)
+                arrays, rank = self._load(path, meta, rows + lost) if meta is not None else ({}, {})
+            except SnapshotCorrupt as err:
+                failure, arrays, rank = err, {}, {}
+            if not sp.all_ok(failure is None):
+                raise failure or SnapshotCorrupt(
+                    f"snapshot {path}: another process could not read or check its shards (its log names the "
+                    "file). Nothing was restored. Restore the files, or delete the step to start from the "
+                    "previous snapshot")
+            if meta is not None:
                 self.counters["restored_step"] = step
         t_read = time.perf_counter()
         # -- from here on the engine changes (everything above only read and checked) --
@@ -492,7 +556,7 @@ class Persistence:
                 f"restored. Put back the registry file the snapshot was taken with, or move {self.snap_dir} aside "
                 "to start with only the registry's segments")
         try:
-            ids = _checkpointer().restore(path, args=ocp.args.Composite(tokens=ocp.args.PyTreeRestore(
+            ids = _checkpointer(alone=True).restore(path, args=ocp.args.Composite(tokens=ocp.args.PyTreeRestore(
                 restore_args={"ids": ocp.RestoreArgs(restore_type=np.ndarray)}))).tokens["ids"]
             out = []
             for rec in recs:
@@ -521,10 +585,13 @@ class Persistence:
                     want[row.uid] = rec
             if not want:
                 return {}, {}
-            restore_args = {r["key"]: ocp.RestoreArgs(restore_type=np.ndarray)
-                            for r in meta["segments"] if r.get("key")}
+            sp = self.spread
+            restore_args = {r["key"]: ocp.RestoreArgs(restore_type=np.ndarray) if sp is None
+                            else sp.restore_args(int(r["num_pages"])) for r in meta["segments"] if r.get("key")}
             kv = _checkpointer().restore(
                 path, args=ocp.args.Composite(kv=ocp.args.PyTreeRestore(restore_args=restore_args))).kv
+            if sp is not None and isinstance(kv, dict):  # global arrays -> this process's shards
+                kv = {k: None if v is None else e.tiers.local(v) for k, v in kv.items()}
         except Exception as err:  # noqa: BLE001
             raise self._corrupt(path, f"its KV cannot be read ({type(err).__name__}: {err})") from err
         arrays, rank = {}, {}
@@ -538,7 +605,8 @@ class Persistence:
             if tuple(arr.shape) != shape or arr.dtype != e.tiers.block_dtype:
                 raise self._corrupt(path, f"segment {rec['id']!r} has KV of shape {tuple(arr.shape)} {arr.dtype}, "
                                           f"expected {shape} {e.tiers.block_dtype}")
-            if sums[rec["key"]] != int(rec["crc32"]):
+            want_crc = rec["crc32"][self.spread.index] if isinstance(rec["crc32"], list) else rec["crc32"]
+            if sums[rec["key"]] != int(want_crc):
                 raise self._corrupt(path, f"segment {rec['id']!r} fails its CRC-32 checksum")
             arrays[uid] = arr
             rank[uid] = int(rec["rank"])
@@ -564,6 +632,11 @@ class Persistence:
         c["dirty"] = self._dirty
         c["writing"] = self._writer is not None and self._writer.is_alive()
         return c
+
+
+def _nbytes(a) -> int:
+    """Bytes of a block as this process holds it (a global array across processes: its shards)."""
+    return a.nbytes if isinstance(a, np.ndarray) else sum(s.data.nbytes for s in a.addressable_shards)
 
 
 def _close_at_exit(ref) -> None:

@@ -4,7 +4,9 @@ CPU device each; process 0 leads a ``LockstepEngine`` and process 1 follows it
 seeded sampling, with an injected segment - and a call that fails (a deleted segment) fails alike
 in both, which stay in step; a segment demoted under pool pressure to each process's pinned host
 memory and on to its own disk tier (its own shards) is promoted back alike; segment versions and a
-session turn run in lockstep too."""
+session turn run in lockstep too.  Snapshots: both processes write their shards into one checkpoint
+in a shared ``snapshot_dir``, and a new pair of processes restores every segment from it (none
+recomputed) with the one-process engine's tokens."""
 
 import json
 import os
@@ -19,12 +21,13 @@ from inferscale_jax import Engine
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def run_pair(tmp_path, *args) -> dict:
-    """Both processes of ``mp_child.py``; the leader's result line."""
+def run_pair(tmp_path, *args, child: str = "mp_child.py") -> dict:
+    """Both processes of ``child``; the leader's result line (and the follower's, if it prints one,
+    under "follower")."""
     port = free_port()
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     env.pop("XLA_FLAGS", None)
-    procs = [subprocess.Popen([sys.executable, os.path.join(HERE, "mp_child.py"), str(i), str(port), *args],
+    procs = [subprocess.Popen([sys.executable, os.path.join(HERE, child), str(i), str(port), *args],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path)
              for i in (0, 1)]
     outs = []
@@ -35,10 +38,15 @@ def run_pair(tmp_path, *args) -> dict:
         for p in procs:
             p.kill()
     lead, follow = outs
-    assert procs[1].returncode == 0 and "FOLLOWER_DONE" in follow[0], follow[1][-4000:]
+    assert procs[1].returncode == 0 and ("FOLLOWER_DONE" in follow[0] or "MP_FOLLOWER" in follow[0]), \
+        follow[1][-4000:]
     line = next((x for x in lead[0].splitlines() if x.startswith("MP_RESULT ")), None)
     assert line is not None, lead[1][-4000:]
-    return json.loads(line[len("MP_RESULT "):])
+    out = json.loads(line[len("MP_RESULT "):])
+    other = next((x for x in follow[0].splitlines() if x.startswith("MP_FOLLOWER ")), None)
+    if other is not None:
+        out["follower"] = json.loads(other[len("MP_FOLLOWER "):])
+    return out
 
 
 def test_two_processes_tp2_equal_one_process_tp1(tmp_path):
@@ -62,3 +70,22 @@ def test_two_processes_tp2_equal_one_process_tp1(tmp_path):
     assert got["turn"] == ref.generate(prompt_token_ids=[7, 8, 9, 10, 11, 12], sampling=GREEDY).token_ids
     assert got["turn_cached"] == 4
     assert sorted(os.listdir(disk)) == ["process-0-of-2", "process-1-of-2"]
+
+
+def test_two_processes_snapshot_and_restore_their_shards(tmp_path):
+    snap = str(tmp_path / "snap")
+    saved = run_pair(tmp_path, snap, "save", child="mp_snapshot_child.py")
+    assert saved["first"] == 1 and saved["last_step"] == 2 and saved["follower"]["last_step"] == 2
+    assert os.path.exists(os.path.join(snap, "registry.sqlite3"))  # the leader's record
+    assert os.path.exists(os.path.join(snap, "process-1-of-2", "registry.sqlite3"))  # the follower's mirror
+    assert sorted(os.listdir(os.path.join(snap, "snapshots"))) == ["1", "2"]
+    got = run_pair(tmp_path, snap, "restore", child="mp_snapshot_child.py")
+    for side in (got, got["follower"]):
+        assert (side["restored_step"], side["restored_hbm"], side["recomputed"]) == (2, 3, 0)
+    assert got["tiers"] == ["hbm"] * 3
+    params, cfg = model()
+    ref = Engine(params, cfg, None, config())
+    ref.register_segment("a", token_ids=segment())
+    ref.register_segment("c", token_ids=segment()[:11])
+    assert got["a"] == ref.generate(prompt_token_ids=[9, 8, 7], segments=["a"], sampling=GREEDY).token_ids
+    assert got["c"] == ref.generate(prompt_token_ids=[3, 2], segments=["c"], sampling=GREEDY).token_ids

@@ -19,7 +19,6 @@ import jax
 import pytest
 
 from inferscale_jax import Engine, EngineConfig, SnapshotMismatch
-from inferscale_jax.errors import SnapshotCorrupt
 from models import init_params
 from tiers_common import CFG, gen, make_engine, seg_tokens
 
