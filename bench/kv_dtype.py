@@ -5,6 +5,8 @@ Usage (from the repository root)::
     python bench/kv_dtype.py --out bench/results                    # H200: kernels + quality, ~3 min
     python bench/kv_dtype.py --model /tmp/small-lm --sections b      # quality on a trained checkpoint
     python bench/kv_dtype.py --quick --out /tmp/kvq                  # tiny shapes on the CPU (interpret)
+    python bench/kv_dtype.py --sections bc --model /tmp/small-lm-cpu --corpus-mb 6 --lengths 512,1024,2048 \
+        --name kv_dtype_quality_cpu.md                               # quality on the CPU (jnp references)
 
 a. Kernels (32 q / 8 kv heads, d=128, page 16): paged decode at B in {1, 32, 128} x context {4k, 16k}
    and the ragged kernel on a 2048-token chunk over 16k, with bf16 pages and with int8 / float8
@@ -157,13 +159,12 @@ def quality(args):
 
     cfg, params = model_for(args)
     n_out = 16 if args.quick else 128
-    Ls = [128, 256] if args.quick else [1024, 4096, 8192]
+    Ls = [int(x) for x in args.lengths.split(",")] if args.lengths else [128, 256] if args.quick else [1024, 4096, 8192]
     sp = SamplingParams(max_tokens=n_out, temperature=0.0, ignore_eos=True, logprobs=20)
     rng = np.random.default_rng(0)
     rows = []
     for L in Ls:
-        seg = rng.integers(0, cfg.vocab_size, L).tolist()
-        q = rng.integers(0, cfg.vocab_size, 32).tolist()
+        seg, q = text_tokens(args, cfg, rng, L), text_tokens(args, cfg, rng, 32)
         outs = {}
         for name in (None,) + KV_DTYPES:
             e = Engine(params, cfg, None, EngineConfig(dtype="bfloat16", page_size=16, kv_dtype=name,
@@ -192,8 +193,8 @@ def modes_quality(args):
     L = 64 if args.quick else 1024
     sp = SamplingParams(max_tokens=n_out, temperature=0.0, ignore_eos=True, logprobs=20)
     rng = np.random.default_rng(3)
-    segs = [rng.integers(0, cfg.vocab_size, L).tolist() for _ in range(3)]
-    q = rng.integers(0, cfg.vocab_size, 32).tolist()
+    segs = [text_tokens(args, cfg, rng, L) for _ in range(3)]
+    q = text_tokens(args, cfg, rng, 32)
     rows, ref = [], None
     for kv in (None,) + KV_DTYPES:
         e = Engine(params, cfg, None, EngineConfig(dtype="bfloat16", page_size=16, kv_dtype=kv,
@@ -211,6 +212,28 @@ def modes_quality(args):
         del e
     table(f"c. Injection modes vs exact with bf16 KV: 3 segments of {L} + a 32-token question, {n_out} greedy tokens",
           ["kv dtype", "mode", "greedy agreement", "mean KL (top-20)"], rows)
+
+
+_TEXT: list = []
+
+
+def text_tokens(args, cfg, rng, n: int) -> list[int]:
+    """``n`` tokens of content: with ``--model``, a random window of English text (the documentation
+    ``bench/train_small_lm.py`` trains on, tokenized by the model's tokenizer: real context for a
+    trained model), from the documents it held out (``--corpus-mb`` as in its training); with random
+    weights, random token ids."""
+    if not args.model:
+        return rng.integers(0, cfg.vocab_size, n).tolist()
+    if not _TEXT:
+        from train_small_lm import corpus  # bench/train_small_lm.py
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(args.model)
+        docs = corpus(int(args.corpus_mb * 2**20))
+        np.random.default_rng(0).shuffle(docs)  # as train_small_lm.py does: its held-out documents
+        _TEXT.extend(tok("\n\n".join(docs[: max(1, len(docs) // 50)]))["input_ids"])
+    at = int(rng.integers(0, len(_TEXT) - n))
+    return list(_TEXT[at:at + n])
 
 
 def model_for(args):
@@ -233,7 +256,10 @@ def main():
     ap.add_argument("--out", default=os.path.join("bench", "results"))
     ap.add_argument("--quick", action="store_true", help="tiny shapes (CPU: interpret mode)")
     ap.add_argument("--sections", default="abc")
-    ap.add_argument("--model", default=None, help="section b: an HF checkpoint folder (default: random weights)")
+    ap.add_argument("--model", default=None, help="sections b, c: an HF checkpoint folder (default: random weights)")
+    ap.add_argument("--lengths", default=None, help="section b: segment lengths, e.g. 512,1024,2048")
+    ap.add_argument("--corpus-mb", type=float, default=24.0, help="--model: its training's --corpus-mb")
+    ap.add_argument("--name", default="kv_dtype.md", help="the report's file name in --out")
     args = ap.parse_args()
     t0 = time.time()
     if "a" in args.sections:
@@ -242,7 +268,7 @@ def main():
         quality(args)
     if "c" in args.sections:
         modes_quality(args)
-    finish(args.out, "kv_dtype.md", "Compressed KV benchmark", t0, ROOT)
+    finish(args.out, args.name, "Compressed KV benchmark", t0, ROOT)
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@ against the contract of docs/architecture.md ("HTTP API", "Tenancy and security"
 Usage (from the repository root, INFERSCALE_CACHE set)::
 
     python bench/soak.py                                  # 30 minutes, writes bench/results/soak.md
-    python bench/soak.py --minutes 2 --out /tmp/soak      # what tests/test_soak.py runs
+    python bench/soak.py --minutes 1 --out /tmp/soak      # what tests/test_soak.py runs
 
 Life of a run:
 

@@ -14,7 +14,7 @@ import pytest  # noqa: E402
 jax.config.update("jax_default_matmul_precision", "highest")
 
 
-# The long subprocess-driven files run last: the 2-minute soak and the 4-device tensor-parallel child.
+# The long subprocess-driven files run last: the soak and the 4-device tensor-parallel child.
 _LAST = ("test_soak.py", "test_tensor_parallel.py")
 
 

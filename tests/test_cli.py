@@ -115,7 +115,7 @@ def test_precompute_twice_then_serve_restores_relative_snapshot_dir(tmp_path, en
     assert server.proc.returncode == 0, log[-3000:]
     assert_quiet(log)
 
-    server = Serve(tmp_path, env, "--snapshot-dir", "./kv")
+    server = Serve(tmp_path, env, "--snapshot-dir", "./kv", "--no-warmup")  # (warm-up checked above)
     try:
         assert restored(server) == (3, 0)  # the final snapshot on SIGTERM holds 'faq'
         for sid in ("doc-a", "doc-b", "faq"):

@@ -1,8 +1,8 @@
-"""The soak test (``bench/soak.py``) for two minutes: the real ``inferscale serve`` under mixed
+"""The soak test (``bench/soak.py``) for one minute (the long runs are ``bench/soak.py`` itself): the real ``inferscale serve`` under mixed
 tenants, streaming with disconnects, segment churn racing completions, periodic snapshots and a
 ``kill -9`` + restart half-way.  Passes only when the soak's own checks pass (no 5xx, no greedy
 mismatch, no page leak, bounded RSS, acknowledged segments restored) and its figures show that
-the run exercised those paths.  About 3-4 minutes on a 2-core CPU (server start, compiles,
+the run exercised those paths.  About 3 minutes on a 2-core CPU (server start, compiles,
 warm-up and the restart included)."""
 
 import json
@@ -13,11 +13,11 @@ import sys
 from server_util import REPO, cache_dir
 
 
-def test_soak_two_minutes(tmp_path, tmp_path_factory):
+def test_soak_one_minute(tmp_path, tmp_path_factory):
     cache = os.environ.get("INFERSCALE_CACHE") or cache_dir(tmp_path_factory)
     out, work = tmp_path / "out", tmp_path / "work"
     env = dict(os.environ, INFERSCALE_CACHE=cache, JAX_PLATFORMS=os.environ.get("JAX_PLATFORMS", "cpu"))
-    proc = subprocess.run([sys.executable, os.path.join(REPO, "bench", "soak.py"), "--minutes", "2", "--seed", "0",
+    proc = subprocess.run([sys.executable, os.path.join(REPO, "bench", "soak.py"), "--minutes", "1", "--seed", "0",
                            "--kill-at", "0.4", "--out", str(out), "--workdir", str(work)],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     report = (out / "soak.md").read_text() if (out / "soak.md").exists() else "(no soak.md)"
@@ -28,7 +28,7 @@ def test_soak_two_minutes(tmp_path, tmp_path_factory):
     assert summary["5xx"] == 0 and summary["mismatches"] == 0 and not summary["leak"], tail
     assert summary["conn_errors_outside"] == 0, tail
     # the run did what it claims: timed minutes, many completions, answers compared, a restart
-    assert summary["minutes"] >= 1.9 and summary["requests_timed"] >= 50, tail
+    assert summary["minutes"] >= 0.95 and summary["requests_timed"] >= 50, tail
     assert summary["checks"]["compared"] >= 20 and summary["checks"]["restart_verified"] >= 9, tail
     assert summary["final"]["pages_used"] == 0 and summary["final"]["segments"] == 0, tail
     assert summary["rss"] and not any(row[-1] == "GROWS" for row in summary["rss"]), tail
