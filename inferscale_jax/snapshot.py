@@ -309,7 +309,8 @@ class Persistence:
         token_ids = np.concatenate(ids) if ids else np.zeros(0, np.int32)  # [T]
         ident = self.identity
         meta = dict(format=FORMAT, fingerprint=ident.fingerprint, model=ident.model, dtype=ident.dtype,
-                    page_size=ident.page_size, layout=list(e.tiers.layout), created=time.time(), segments=records)
+                    page_size=ident.page_size, layout=list(e.tiers.layout), created=time.time(), segments=records,
+                    processes=sp.count if sp is not None else 1)
         self._dirty = False
         self._last_save = time.monotonic()
         capture_s = time.perf_counter() - t0
@@ -445,6 +446,10 @@ class Persistence:
         except Exception as err:  # noqa: BLE001 - any failure to read is corruption
             raise self._corrupt(path, f"its meta cannot be read ({type(err).__name__}: {err})") from err
         why = self.identity.mismatch(other)
+        theirs, mine = int(meta.get("processes", 1)), self.spread.count if self.spread is not None else 1
+        if why is None and theirs != mine and min(theirs, mine) > 1:  # one process reads any; P reads P's
+            why = (f"it holds the shards of {theirs} processes and this engine runs in {mine} (restore it with "
+                   f"{theirs} processes, or with one, which reads every shard)")
         if why is not None:
             msg = f"snapshot {path} was written by another engine: {why}"
             if strict:
@@ -605,12 +610,24 @@ class Persistence:
             if tuple(arr.shape) != shape or arr.dtype != e.tiers.block_dtype:
                 raise self._corrupt(path, f"segment {rec['id']!r} has KV of shape {tuple(arr.shape)} {arr.dtype}, "
                                           f"expected {shape} {e.tiers.block_dtype}")
-            want_crc = rec["crc32"][self.spread.index] if isinstance(rec["crc32"], list) else rec["crc32"]
-            if sums[rec["key"]] != int(want_crc):
+            if not self._crc_ok(arr, sums[rec["key"]], rec["crc32"]):
                 raise self._corrupt(path, f"segment {rec['id']!r} fails its CRC-32 checksum")
             arrays[uid] = arr
             rank[uid] = int(rec["rank"])
         return arrays, rank
+
+    def _crc_ok(self, arr: np.ndarray, crc: int, want) -> bool:
+        """``want``: one CRC-32 of the block, or (written by several processes) one per process's
+        shards.  Across processes each checks its own; one process holds the whole block and checks
+        each process's part of it (its kv heads, or the whole block when every process held every head)."""
+        if not isinstance(want, list):
+            return crc == int(want)
+        if self.spread is not None:
+            return crc == int(want[self.spread.index])
+        if len(set(want)) == 1 and crc == int(want[0]):
+            return True
+        n = len(want)
+        return arr.shape[2] % n == 0 and crc32_many(np.split(arr, n, axis=2)) == [int(c) for c in want]
 
     # -- lifecycle ------------------------------------------------------------------------
     def close(self) -> None:

@@ -6,7 +6,7 @@ in both, which stay in step; a segment demoted under pool pressure to each proce
 memory and on to its own disk tier (its own shards) is promoted back alike; segment versions and a
 session turn run in lockstep too.  Snapshots: both processes write their shards into one checkpoint
 in a shared ``snapshot_dir``, and a new pair of processes restores every segment from it (none
-recomputed) with the one-process engine's tokens."""
+recomputed) with the one-process engine's tokens; so does one process alone."""
 
 import json
 import os
@@ -89,3 +89,9 @@ def test_two_processes_snapshot_and_restore_their_shards(tmp_path):
     ref.register_segment("c", token_ids=segment()[:11])
     assert got["a"] == ref.generate(prompt_token_ids=[9, 8, 7], segments=["a"], sampling=GREEDY).token_ids
     assert got["c"] == ref.generate(prompt_token_ids=[3, 2], segments=["c"], sampling=GREEDY).token_ids
+    # one process reads every process's shards (each part checked against its own CRC-32)
+    one = Engine(params, cfg, None, config(snapshot_dir=snap, snapshot_interval_s=None))
+    snap_stats = one.stats()["snapshot"]
+    assert (snap_stats["restored_step"], snap_stats["restored_hbm"], snap_stats["recomputed"]) == (2, 3, 0)
+    assert one.generate(prompt_token_ids=[9, 8, 7], segments=["a"], sampling=GREEDY).token_ids == got["a"]
+    one.close()
