@@ -19,7 +19,7 @@ _LAST = ("test_soak.py", "test_tensor_parallel.py")
 
 
 def pytest_collection_modifyitems(config, items):
-    items.sort(key=lambda item: os.path.basename(str(item.fspath)) in _LAST)
+    items.sort(key=lambda item: os.path.basename(str(item.path)) in _LAST)
 
 
 # Every compiled CPU executable stays mapped while anything references it (jit caches, engines),
@@ -30,7 +30,7 @@ def pytest_collection_modifyitems(config, items):
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_teardown(item, nextitem):
     yield  # the file's module-scoped fixtures are finalized in here
-    if nextitem is None or nextitem.fspath != item.fspath:
+    if nextitem is None or nextitem.path != item.path:
         import gc
 
         gc.collect()
