@@ -87,6 +87,3 @@ class Spread:
     def all_ok(self, ok: bool) -> bool:
         """True in every process when ``ok`` holds in every process."""
         return all(v[0] for v in self.gather([int(ok)]))
-
-    def barrier(self, name: str) -> None:
-        multihost_utils.sync_global_devices(name)

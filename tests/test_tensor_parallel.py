@@ -23,9 +23,7 @@ TOL = 1e-4
 @pytest.fixture(scope="module")
 def res(tmp_path_factory):
     work = str(tmp_path_factory.mktemp("tp"))
-    # its own compilation cache: executables of a 4-device process never land where 1-device processes read
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu",
-               INFERSCALE_CACHE=os.path.join(work, "cache"))
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
     p = subprocess.run([sys.executable, os.path.join(HERE, "tp_child.py"), work], capture_output=True, text=True,
                        env=env, timeout=900)
     line = next((x for x in p.stdout.splitlines() if x.startswith("TP_RESULT ")), None)
