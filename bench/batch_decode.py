@@ -146,7 +146,7 @@ def shared_decode_table(b: EngineBench, res, ps):
     s, cfg = b.s, b.cfg
     ctx, q, mt, Bs = s["e_ctx"], s["e_q"], s["e_max_tokens"], s["e_Bs"]
     bw, W = b.bandwidth(), b.step_read_bytes()
-    kvt = kv_token_bytes(cfg)
+    kvt = kv_token_bytes(cfg, b.base_config.get("kv_dtype"))
     kv_ctx = kvt * (ctx + q + mt // 2)  # one sequence's KV at the middle of decode
     rows = []
     for B in Bs:
@@ -163,8 +163,9 @@ def shared_decode_table(b: EngineBench, res, ps):
                      ratio(sh.get("tok_s"), pr.get("tok_s")), ratio(ca.get("tok_s"), pr.get("tok_s")),
                      f0(floor), ratio(max(sh.get("tok_s") or 0, ca.get("tok_s") or 0) or None, floor),
                      f0(floor_sh), f0(floor_pr), ms(sh.get("all_first")), f0(sh.get("sum_dec"))])
+    kvd = b.base_config.get("kv_dtype") or "bfloat16"
     table(f"e. Decode tokens/s at batch B, context {ctx} + {q}-token question, {mt} tokens each "
-          f"(greedy, ignore_eos; median of {s['e_reps']} runs)",
+          f"(greedy, ignore_eos; median of {s['e_reps']} runs; {kvd} KV pages)",
           ["B", "shared tok/s", "shared ms/step", "shared+cascade tok/s", "cascade ms/step", "cascade/shared",
            "private tok/s", "private ms/step", "shared/private", "cascade/private",
            "weight floor tok/s", "best/floor", "floor+KV shared", "floor+KV private",
@@ -194,7 +195,12 @@ def pool_pages(b: EngineBench) -> int | None:
     import jax
 
     s = b.s
-    per_page = kv_token_bytes(b.cfg) * 16
+    per_page = kv_token_bytes(b.cfg, b.base_config.get("kv_dtype")) * 16
+    if s.get("kv_budget_gb"):  # a fixed KV budget: the same bytes hold twice the pages when compressed
+        pages = 1 + int(s["kv_budget_gb"] * 1e9 // per_page)
+        log(f"pool: {pages - 1} pages ({(pages - 1) * per_page / 1e9:.1f} GB of "
+            f"{b.base_config.get('kv_dtype') or 'bfloat16'} KV, the --kv-budget-gb)")
+        return pages
     stats = jax.devices()[0].memory_stats() or {}
     if "bytes_limit" not in stats:
         return s["hbm_pages"]

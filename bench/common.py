@@ -163,9 +163,11 @@ def pct(xs, p):
     return float(np.percentile(xs, p)) if len(xs) else None
 
 
-def kv_token_bytes(cfg, bytes_per_value: int = 2) -> int:
-    """KV bytes of one token: K and V of every layer."""
-    return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * bytes_per_value
+def kv_token_bytes(cfg, kv_dtype: str | None = None) -> int:
+    """KV bytes of one token: K and V of every layer; a compressed ``kv_dtype`` (int8 / float8_e4m3fn)
+    stores one byte per value plus a float32 scale per (token, kv head) (pallas_kernels/quant.py)."""
+    row = cfg.head_dim * 2 if kv_dtype in (None, "bfloat16") else cfg.head_dim + 4
+    return 2 * cfg.num_layers * cfg.num_kv_heads * row
 
 
 def greedy(max_tokens: int):

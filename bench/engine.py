@@ -7,6 +7,8 @@ Usage (from the repository root)::
     python bench/engine.py --quick --out /tmp/eq            # tiny model on CPU, ~2 min
     python bench/engine.py --sections abcd                  # only some sections
     python bench/engine.py --sections ef --rates 10,50      # batch decode and arrivals only
+    python bench/engine.py --sections e --e-modes private --e-batches 32,64,128 --kv-budget-gb 40 \
+        --kv-dtype int8 --out /tmp/e-int8                   # private contexts in 40 GB of int8 KV
 
 Model: Llama-3-8B shape (32 layers, hidden 4096, 32 q / 8 kv heads, d=128, vocab 128256), random bf16
 weights generated on the device once (``common.EngineBench.weights``) and shared by every engine of
@@ -89,6 +91,7 @@ def settings(args):
                  g_ctx=2048, g_cold=3, g_reps=10)
     if args.e_batches:
         s["e_Bs"] = [int(x) for x in args.e_batches.split(",")]
+    s["kv_budget_gb"] = args.kv_budget_gb
     if args.rates:
         s["f_rates"] = [float(x) for x in args.rates.split(",")]
     if args.reps:
@@ -99,7 +102,8 @@ def settings(args):
 def base_config(args) -> dict:
     s = args.s
     return dict(dtype="bfloat16", page_size=16, hbm_pages=s["hbm_pages"], prefill_chunk=s["chunk"],
-                max_batch=s["max_batch"], min_table_pages=s["min_table"], overlap_decode=not args.no_overlap)
+                max_batch=s["max_batch"], min_table_pages=s["min_table"], overlap_decode=not args.no_overlap,
+                kv_dtype=args.kv_dtype)
 
 
 def targets(R, args):
@@ -294,6 +298,11 @@ def main():
     ap.add_argument("--e-batches", default=None, help="section e batch sizes, comma separated")
     ap.add_argument("--rates", default=None, help="section f arrival rates, req/s, comma separated")
     ap.add_argument("--reps", type=int, default=None, help="override the TTFT repetitions")
+    ap.add_argument("--kv-dtype", default=None, choices=["bfloat16", "int8", "float8_e4m3fn"],
+                    help="every engine's EngineConfig.kv_dtype (default: the model's dtype)")
+    ap.add_argument("--kv-budget-gb", type=float, default=None,
+                    help="section e: the pool holds this many GB of KV whatever the KV dtype (compare how "
+                         "many private contexts fit), instead of the device memory left")
     ap.add_argument("--no-hf-child", action="store_true", help="do not retry the HF peer in a child process")
     args = ap.parse_args()
     args.s = settings(args)

@@ -8,12 +8,14 @@ Usage (from the repository root)::
     python bench/kv_dtype.py --sections bc --model /tmp/small-lm-cpu --corpus-mb 6 --lengths 512,1024,2048 \
         --name kv_dtype_quality_cpu.md                               # quality on the CPU (jnp references)
 
-a. Kernels (32 q / 8 kv heads, d=128, page 16): paged decode at B in {1, 32, 128} x context {4k, 16k}
-   and the ragged kernel on a 2048-token chunk over 16k, with bf16 pages and with int8 / float8
+a. Kernels (32 q / 8 kv heads, d=128, page 16): paged decode at B in {32, 128} x context {4k, 16k},
+   B=32 over 32k and B=1 over 16k, two shapes also with the scales applied to the rows (the earlier
+   form; the kernels fold them into scores and probabilities, ``pallas_kernels/quant.py``), and the ragged kernel on a 2048-token chunk over 16k, with bf16 pages and with int8 / float8
    pages + scales: time, bytes read (a compressed row is D + 4 bytes: values and its float32 scale),
    GB/s and the fraction of the bandwidth ceiling (max of the read-only reduction and a copy,
    ``bench/common.py``), speed-up over bf16, and the error of each against the bf16 reference on the
-   same (unquantized) K/V with outlier channels (a few 20x larger, as a real K has).
+   same (unquantized) K/V with outlier channels (a few 20x larger, as a real K has), and the kernel's
+   own error against the reference on the same compressed pages (the first 8 rows of each batch).
 b. Quality, end to end: an engine per KV dtype over the same weights (``--model`` folder, default
    random Llama weights of a small shape); a segment of L tokens (L in 1k, 4k, 8k; shorter in
    ``--quick``) injected before a 32-token question, 128 greedy tokens.  Per KV dtype vs the model's
@@ -43,7 +45,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from common import copy_bandwidth, median, read_bandwidth  # noqa: E402  (bench/common.py)
-from report import MD, finish, log, section, table  # noqa: E402  (bench/report.py)
+from report import FAILURES, MD, finish, log, section, table  # noqa: E402  (bench/report.py)
 
 KV_DTYPES = ("int8", "float8_e4m3fn")
 R: dict = {}
@@ -83,33 +85,61 @@ def kernels(args):
     bw = ceiling(args.quick)
     R["bw"] = bw
     rows = []
-    shapes = [(1, 64), (4, 128)] if args.quick else [(1, 4096), (32, 4096), (128, 4096), (1, 16384), (32, 16384)]
+    shapes = [(1, 64), (4, 128)] if args.quick else [(1, 16384), (32, 4096), (128, 4096), (32, 16384),
+                                                    (128, 16384), (32, 32768)]
+    if args.shapes:
+        shapes = [tuple(int(x) for x in sh.split("x")) for sh in args.shapes.split(",")]
+    rows_variant = {(4, 128)} if args.quick else {(128, 4096), (32, 16384)}  # scales on the rows, as before
+    n_chk = 8  # the rows checked against the references (the first n_chk of the batch)
     for b, ctx in shapes:
+        t_shape = time.perf_counter()
         per = ctx // s
         p = b * per + 1
         k, v = pages(hkv, p, s, d, jax.random.PRNGKey(b + ctx))
         q = jax.random.normal(jax.random.PRNGKey(1), (b, hq, d)).astype(jnp.bfloat16)
         tbl = (1 + jnp.arange(b * per, dtype=jnp.int32)).reshape(b, per)
         lens = jnp.full((b,), ctx, jnp.int32)
-        ref = paged_decode_attention_ref(q, k, v, tbl, lens)
+        c = min(b, n_chk)
+        ref = paged_decode_attention_ref(q[:c], k, v, tbl[:c], lens[:c]).astype(jnp.float32)
         base = None
-        for name in ("bfloat16",) + KV_DTYPES:
+        variants = [("bfloat16", True, {})] + [(n, True, {}) for n in KV_DTYPES]
+        if (b, ctx) in rows_variant:  # the earlier form, and more warps / stages for the convert
+            variants += [(n, False, {}) for n in KV_DTYPES]
+            variants += [("int8", True, dict(num_warps=8)), ("int8", True, dict(num_stages=3))]
+        for name, fold, knobs in variants:
             if name == "bfloat16":
                 kw, kp, vp, row = {}, k, v, d * 2
             else:
                 (kp, ks), (vp, vs) = quantize_kv(k, jnp.dtype(name)), quantize_kv(v, jnp.dtype(name))
-                kw, row = dict(k_scale=ks, v_scale=vs), d + 4
-            fn = jax.jit(lambda q, kp=kp, vp=vp, kw=kw, tbl=tbl, lens=lens: paged_decode_attention(
-                q, kp, vp, tbl, lens, interpret=interp, **kw))
+                kw, row = dict(k_scale=ks, v_scale=vs, fold_scales=fold, **knobs), d + 4
+            arrays = {kk: vv for kk, vv in kw.items() if kk in ("k_scale", "v_scale")}
+            static = {kk: vv for kk, vv in kw.items() if kk not in arrays}
+            # the pages are arguments, never closed-over constants (XLA would embed GBs in the program)
+            f = jax.jit(lambda q, kp, vp, tbl, lens, arrays, static=static: paged_decode_attention(
+                q, kp, vp, tbl, lens, interpret=interp, **arrays, **static))
+            fn = lambda q, f=f, kp=kp, vp=vp, arrays=arrays, tbl=tbl, lens=lens: f(q, kp, vp, tbl, lens, arrays)  # noqa: E731
             t = timeit(lambda: fn(q), 3 if args.quick else 50)
-            out = fn(q)
-            err = float(jnp.max(jnp.abs(out.astype(jnp.float32) - ref.astype(jnp.float32))) /
-                        jnp.max(jnp.abs(ref.astype(jnp.float32))))
+            out = fn(q)[:c].astype(jnp.float32)
+            err = float(jnp.max(jnp.abs(out - ref)) / jnp.max(jnp.abs(ref)))
+            # the kernel itself: against the reference on the same (compressed) pages
+            same = {kk: vv for kk, vv in kw.items() if kk in ("k_scale", "v_scale")}
+            own = paged_decode_attention_ref(q[:c], kp, vp, tbl[:c], lens[:c], **same).astype(jnp.float32)
+            kerr = float(jnp.max(jnp.abs(out - own)) / jnp.max(jnp.abs(own)))
             nbytes = 2 * b * ctx * hkv * row
             base = base or t
-            rows.append([f"decode B={b} ctx={ctx}", name, f"{t * 1e6:.1f}", f"{nbytes / t / 1e9:.0f}",
-                         f"{nbytes / t / bw:.0%}", f"{base / t:.2f}", f"{err:.1e}"])
-            log(f"  decode B={b} ctx={ctx} {name}: {t * 1e6:.1f} us, err {err:.1e}")
+            label = (name if fold or name == "bfloat16" else f"{name}, scales on rows") + \
+                "".join(f", {kk} {vv}" for kk, vv in knobs.items())
+            rows.append([f"decode B={b} ctx={ctx}", label, f"{t * 1e6:.1f}", f"{nbytes / t / 1e9:.0f}",
+                         f"{nbytes / t / bw:.0%}", f"{base / t:.2f}", f"{kerr:.1e}", f"{err:.1e}"])
+            log(f"  decode B={b} ctx={ctx} {label}: {t * 1e6:.1f} us ({nbytes / t / bw:.0%} of ceiling), "
+                f"kernel err {kerr:.1e}, vs bf16 {err:.1e}")
+            del kp, vp, kw, fn
+        log(f"  (shape B={b} ctx={ctx}: {time.perf_counter() - t_shape:.0f} s)")
+        del k, v
+    if args.shapes:  # only the decode shapes asked for
+        table("a. Decode kernel on compressed pages", ["case", "pages", "us", "GB/s", "of ceiling",
+              "speed-up vs bf16", "kernel rel err vs its ref", "rel err vs bf16 ref"], rows)
+        return write_check(args, hkv, d, s, interp)
     # ragged: one chunk over a long context
     t_new, ctx = (16, 64) if args.quick else (2048, 16384)
     per = (ctx + t_new) // s
@@ -129,10 +159,42 @@ def kernels(args):
         base = base or t
         flops = 4 * t_new * (ctx + (t_new + 1) / 2) * d * hq
         rows.append([f"ragged {t_new} over {ctx}", name, f"{t * 1e6:.1f}", f"{flops / t / 1e12:.0f} TFLOP/s", "",
-                     f"{base / t:.2f}", ""])
+                     f"{base / t:.2f}", "", ""])
     table("a. Kernels on compressed pages (bytes: values + a float32 scale per row; error vs bf16 pages' ref)",
-          ["case", "pages", "us", "GB/s", "of ceiling", "speed-up vs bf16", "rel err vs bf16 ref"], rows)
+          ["case", "pages", "us", "GB/s", "of ceiling", "speed-up vs bf16", "kernel rel err vs its ref",
+           "rel err vs bf16 ref"], rows)
     MD.extend([f"Bandwidth ceiling {bw / 1e9:.0f} GB/s (the larger of a read-only reduction and a copy).", ""])
+    write_check(args, hkv, d, s, interp)
+
+
+def write_check(args, hkv, d, s, interp):
+    """The quantizing KV write: the Pallas kernel against the XLA scatter (bit for bit), and both timed."""
+    from pallas_kernels.kv_write import write_kv_quantized, write_kv_quantized_pallas
+
+    n, p = (24, 16) if args.quick else (2048, 4096)
+    rows = []
+    for name in KV_DTYPES:
+        kp, vp = jnp.zeros((hkv, p, s, d), name), jnp.zeros((hkv, p, s, d), name)
+        ks, vs = jnp.ones((hkv, p, s), jnp.float32), jnp.ones((hkv, p, s), jnp.float32)
+        kn = jax.random.normal(jax.random.PRNGKey(6), (n, hkv, d)) * jnp.where(jnp.arange(d) < 4, 20.0, 1.0)
+        vn = jax.random.normal(jax.random.PRNGKey(7), (n, hkv, d))
+        kn, vn = kn.astype(jnp.bfloat16), vn.astype(jnp.bfloat16)
+        slots = jax.random.permutation(jax.random.PRNGKey(8), p * s)[:n].astype(jnp.int32)
+        xla = jax.jit(write_kv_quantized)
+        pal = jax.jit(lambda *a: write_kv_quantized_pallas(*a, interpret=interp))
+        want, got = xla(kp, vp, ks, vs, kn, vn, slots), pal(kp, vp, ks, vs, kn, vn, slots)
+        same = all(bool(jnp.array_equal(jax.lax.bitcast_convert_type(a, jnp.uint8) if a.dtype.itemsize == 1 else a,
+                                        jax.lax.bitcast_convert_type(b, jnp.uint8) if b.dtype.itemsize == 1 else b))
+                   for a, b in zip(want, got))
+        reps = 3 if args.quick else 50
+        t_x = timeit(lambda: xla(kp, vp, ks, vs, kn, vn, slots), reps)
+        t_p = timeit(lambda: pal(kp, vp, ks, vs, kn, vn, slots), reps)
+        rows.append([name, n, f"{t_p * 1e6:.1f}", f"{t_x * 1e6:.1f}", f"{t_x / t_p:.2f}", "yes" if same else "NO"])
+        log(f"  write {n} tokens {name}: pallas {t_p * 1e6:.1f} us, xla {t_x * 1e6:.1f} us, bit-exact {same}")
+        if not same:
+            FAILURES.append(f"quantizing write kernel ({name}) differs from the XLA scatter")
+    table("w. Quantizing KV write (one layer's K and V, scattered slots)",
+          ["kv dtype", "tokens", "Pallas us", "XLA scatter us", "speed-up", "bit-exact"], rows)
 
 
 def kl_and_agreement(ref, out):
@@ -153,23 +215,42 @@ def kl_and_agreement(ref, out):
     return agree / n, float(np.mean(kls)) if kls else math.nan
 
 
+MODES_L = {True: 64, False: 1024}  # section c: each of the 3 segments
+
+
+def quality_lengths(args) -> list[int]:
+    return [int(x) for x in args.lengths.split(",")] if args.lengths else [128, 256] if args.quick else [1024, 4096, 8192]
+
+
+def quality_pages(args) -> int:
+    """One pool size for every engine of sections b and c (the longest case with room to spare), so
+    their step shapes - and compiled programs - are shared across lengths and KV dtypes."""
+    longest = max(max(quality_lengths(args)), 3 * MODES_L[args.quick]) + 256
+    return 1 + 2 * -(-longest // 16)
+
+
 @section
 def quality(args):
     from inferscale_jax import Engine, EngineConfig, SamplingParams
 
     cfg, params = model_for(args)
     n_out = 16 if args.quick else 128
-    Ls = [int(x) for x in args.lengths.split(",")] if args.lengths else [128, 256] if args.quick else [1024, 4096, 8192]
+    Ls = quality_lengths(args)
     sp = SamplingParams(max_tokens=n_out, temperature=0.0, ignore_eos=True, logprobs=20)
     rng = np.random.default_rng(0)
     rows = []
     for L in Ls:
+        room = cfg.max_position_embeddings - 32 - n_out  # the segment, the question and the output fit
+        if L > room:
+            log(f"  L={L} leaves no room for the question and {n_out} tokens within the model's "
+                f"{cfg.max_position_embeddings} positions: L={room} instead")
+            L = room
         seg, q = text_tokens(args, cfg, rng, L), text_tokens(args, cfg, rng, 32)
         outs = {}
         for name in (None,) + KV_DTYPES:
             e = Engine(params, cfg, None, EngineConfig(dtype="bfloat16", page_size=16, kv_dtype=name,
-                                                       hbm_pages=1 + (L + 256) // 16 * 2, prefill_chunk=512,
-                                                       max_batch=8))
+                                                       hbm_pages=quality_pages(args), prefill_chunk=512,
+                                                       max_batch=8, attention_impl=args.attention_impl))
             e.register_segment("s", token_ids=seg)
             outs[name] = e.generate(prompt_token_ids=q, segments=["s"], sampling=sp)
             del e
@@ -190,7 +271,7 @@ def modes_quality(args):
 
     cfg, params = model_for(args)
     n_out = 16 if args.quick else 128
-    L = 64 if args.quick else 1024
+    L = MODES_L[args.quick]
     sp = SamplingParams(max_tokens=n_out, temperature=0.0, ignore_eos=True, logprobs=20)
     rng = np.random.default_rng(3)
     segs = [text_tokens(args, cfg, rng, L) for _ in range(3)]
@@ -198,8 +279,8 @@ def modes_quality(args):
     rows, ref = [], None
     for kv in (None,) + KV_DTYPES:
         e = Engine(params, cfg, None, EngineConfig(dtype="bfloat16", page_size=16, kv_dtype=kv,
-                                                   hbm_pages=1 + (3 * L + 256) // 16 * 3, prefill_chunk=512,
-                                                   max_batch=8))
+                                                   hbm_pages=quality_pages(args), prefill_chunk=512,
+                                                   max_batch=8, attention_impl=args.attention_impl))
         for i, sg in enumerate(segs):
             e.register_segment(f"s{i}", token_ids=sg)
         for mode in ("exact", "compose", "blend"):
@@ -259,6 +340,11 @@ def main():
     ap.add_argument("--model", default=None, help="sections b, c: an HF checkpoint folder (default: random weights)")
     ap.add_argument("--lengths", default=None, help="section b: segment lengths, e.g. 512,1024,2048")
     ap.add_argument("--corpus-mb", type=float, default=24.0, help="--model: its training's --corpus-mb")
+    ap.add_argument("--shapes", default=None, help="section a: only these decode shapes, BxCTX comma separated "
+                                                    "(e.g. 32x16384,32x32768), and the write check")
+    ap.add_argument("--attention-impl", default="auto", choices=["auto", "pallas", "ref"],
+                    help="sections b, c: EngineConfig.attention_impl (ref: the jnp references, to tell the "
+                         "kernels' error from the quantization's)")
     ap.add_argument("--name", default="kv_dtype.md", help="the report's file name in --out")
     args = ap.parse_args()
     t0 = time.time()

@@ -88,7 +88,8 @@ def make_engine(args, snapshot_dir=None, pages=None):
     per_seg = -(-s["L"] // 16)
     pages = pages or 1 + per_seg * (s["n_snap"] + 3)  # the snapshot's segments + requests + headroom
     conf = EngineConfig(dtype=s["dtype"], page_size=16, hbm_pages=pages, prefill_chunk=s["chunk"],
-                        min_table_pages=2 * per_seg, snapshot_dir=snapshot_dir, max_batch=8)
+                        min_table_pages=2 * per_seg, snapshot_dir=snapshot_dir, max_batch=8,
+                        kv_dtype=s.get("kv_dtype"))
     return Engine(ST.params, ST.cfg, None, conf)
 
 
@@ -103,7 +104,8 @@ def setup(args):
     ST.engine = make_engine(args, pages=1 + 4 * -(-args.s["L"] // 16))
     ST.engine.register_segment("seg", token_ids=fresh(args.s["L"]))
     t = ST.engine.tiers
-    ST.seg_bytes = int(np.prod(t.shape(-(-args.s["L"] // 16)))) * ST.engine.dtype.itemsize
+    # what a tier moves for the segment: its pages' K and V (+ a scale per row when compressed)
+    ST.seg_bytes = t.page_nbytes * -(-args.s["L"] // 16)
     log(f"segment: {args.s['L']} tokens, {ST.seg_bytes / 2**20:.1f} MiB of KV; host tier memory kind: "
         f"{t.stats()['host']['memory_kind']}")
 
@@ -197,12 +199,12 @@ def promotion(args):
     rows = []
     for tier, r in res.items():
         frac = f"{r['gbps'] / ceiling:.0%}" if ceiling and r["gbps"] else "n/a"
-        rows.append([f"{tier} -> HBM", fmt(r["lat"] * 1e3), fmt(r["gbps"]), frac,
+        rows.append([f"{tier} -> HBM", fmt(r["lat"] * 1e3), fmt(args.s["L"] / r["lat"] / 1e6), fmt(r["gbps"]), frac,
                      fmt(r["engine"]) if tier == "host" else "-",
                      f"{fmt(r['demote'] * 1e3)} ms ({fmt(gbps(ST.seg_bytes, r['demote']))} GB/s)"])
-    table(f"b. Promotion of one {args.s['L']}-token segment ({ST.seg_bytes / 2**20:.0f} MiB); "
-          f"pinned ceiling {fmt(ceiling)} GB/s",
-          ["promotion", "median ms", "GB/s", "of pinned ceiling", "engine transfer-only GB/s",
+    table(f"b. Promotion of one {args.s['L']}-token segment ({ST.seg_bytes / 2**20:.0f} MiB of "
+          f"{args.s.get('kv_dtype') or args.s['dtype']} KV); pinned ceiling {fmt(ceiling)} GB/s",
+          ["promotion", "median ms", "M tokens/s", "GB/s", "of pinned ceiling", "engine transfer-only GB/s",
            "demotion to that tier"], rows)
 
 
@@ -346,11 +348,14 @@ def main():
     ap.add_argument("--quick", action="store_true", help="small model, runs on CPU")
     ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"),
                     help="KV and weight dtype (CPU: XLA's bf16 scatter is emulated and slow; float32 is not)")
+    ap.add_argument("--kv-dtype", default=None, choices=("int8", "float8_e4m3fn"),
+                    help="compressed KV pages (EngineConfig.kv_dtype): the tiers move values + scales")
     ap.add_argument("--sections", default="abcd", help="subset of a (ceilings), b (promotion), c (restore), "
                                                       "d (TTFT per tier)")
     args = ap.parse_args()
     args.s = settings(args.quick)
     args.s["dtype"] = args.dtype
+    args.s["kv_dtype"] = args.kv_dtype
     log(f"devices: {jax.devices()}  jax {jax.__version__}  settings {args.s}")
     t0 = time.time()
     setup(args)

@@ -69,7 +69,7 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels import common
 from pallas_kernels.decode_attention import check_decode_inputs, paged_decode_attention
-from pallas_kernels.quant import dequantize_pages, dequantize_rows
+from pallas_kernels.quant import dequantize_pages, fold_probs, fold_scores
 
 _LOG2E = math.log2(math.e)
 _LN2 = math.log(2.0)
@@ -155,12 +155,16 @@ def _shared_kernel(
         o, m, l, slot = carry  # [R, D], [R], [R] fp32; [BK] slots of tile i
         k = k_ref[slot]  # [BK, D]
         v = v_ref[slot]
-        if scale_refs:  # compressed pages: dequantized in registers with each row's scale
-            k = dequantize_rows(k, scale_refs[0][slot], q.dtype)
-            v = dequantize_rows(v, scale_refs[1][slot], q.dtype)
+        if scale_refs:  # compressed pages: exact convert; the scales fold into scores and probs (quant.py)
+            ks, vs = scale_refs[0][slot], scale_refs[1][slot]
+            k, v = k.astype(q.dtype), v.astype(q.dtype)
         next_slot = slots_of(i + 1)  # off the critical path of the next iteration
         logits = lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=_PREC,
-                                 preferred_element_type=jnp.float32) * scale_log2  # [R, BK]
+                                 preferred_element_type=jnp.float32)  # [R, BK]
+        if scale_refs:
+            logits = fold_scores(logits, ks)
+        logits = logits * scale_log2
+        valid = None
         if masked:
             valid = tok_start + i * block_kv + offs < length  # [BK]
             logits = jnp.where(valid[None, :], logits, -jnp.inf)
@@ -169,7 +173,8 @@ def _shared_kernel(
         p = jnp.exp2(logits - m_new[:, None])
         corr = jnp.exp2(m - m_new)
         l_new = l * corr + jnp.sum(p, axis=1)
-        pv = lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())), precision=_PREC,
+        w = fold_probs(p, vs, valid) if scale_refs else p
+        pv = lax.dot_general(w.astype(v.dtype), v, (((1,), (0,)), ((), ())), precision=_PREC,
                              preferred_element_type=jnp.float32)  # [R, D]
         return o * corr[:, None] + pv, m_new, l_new, next_slot
 
@@ -306,7 +311,8 @@ def shared_prefix_decode_attention(
     v_scale: jax.Array | None = None,
 ) -> jax.Array:  # [B, Hq, D], dtype of q
     """Decode attention over a shared prefix + per-row suffixes (see the module docstring).
-    Compressed pages: ``k_scale`` / ``v_scale [Hkv, P, S]`` float32, rows dequantized in registers.
+    Compressed pages: ``k_scale`` / ``v_scale [Hkv, P, S]`` float32, tiles converted to q's dtype,
+    the scales folded into scores and probabilities (quant.py).
 
     Knobs of the shared part: ``block_rows`` query rows per program (power of two >= 16;
     default 128, 64 for fp32), ``block_kv`` tokens per tile (power of two >= 16, default 64),
@@ -358,13 +364,13 @@ def shared_prefix_decode_attention_ref(
     **unused_knobs,
 ) -> jax.Array:  # [B, Hq, D]
     """Pure-jnp reference: per row, gather shared + suffix tokens, mask, fp32 softmax (compressed
-    pages dequantized to q's dtype first, as the kernel does).
+    pages dequantized to float32 first; the kernel folds the scales instead, equal up to rounding).
 
     The kernel's tuning arguments are accepted and ignored (one call site for both)."""
     del unused_knobs
     b, hq, hkv, g, p, s, d, ps, mp = check_shared_prefix_inputs(
         q, k_pages, v_pages, shared_pages, shared_len, suffix_table, suffix_lens, shared_rows, k_scale, v_scale)
-    k_pages, v_pages = dequantize_pages(k_pages, v_pages, k_scale, v_scale, q.dtype)
+    k_pages, v_pages = dequantize_pages(k_pages, v_pages, k_scale, v_scale, jnp.float32)
     sm_scale = 1.0 / math.sqrt(d) if sm_scale is None else float(sm_scale)
     hi = lax.Precision.HIGHEST
     shared_ok = jnp.broadcast_to(jnp.arange(ps * s) < jnp.asarray(shared_len), (b, ps * s))

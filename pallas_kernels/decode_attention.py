@@ -53,7 +53,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from pallas_kernels import common
-from pallas_kernels.quant import dequantize_pages, dequantize_rows
+from pallas_kernels.quant import dequantize_pages, dequantize_rows, fold_probs, fold_scores
 
 _LOG2E = math.log2(math.e)
 _LN2 = math.log(2.0)  # return_lse: base-2 log-sum-exp * ln 2 = natural log
@@ -98,6 +98,7 @@ def _decode_kernel(
     *refs,  # (ks_ref, vs_ref [P*S] fp32 when quantized), o_ref [Gp, D] (final out) or [Gp, D] fp32
     #         partial, then () or (lse2_ref [Gp],) with the final out, or (m_ref [Gp], l_ref [Gp]) fp32
     quantized: bool,
+    fold_scales: bool,
     group: int,
     page_size: int,
     block_tokens: int,
@@ -141,20 +142,27 @@ def _decode_kernel(
         valid = tok_start + i * block_tokens + offs < length  # [BK]
         k = k_ref[slot]  # [BK, D] gathered from up to pages_per_block pages
         v = v_ref[slot]  # [BK, D]
-        if quantized:  # compressed pages: dequantized in registers with each row's scale
+        folded = quantized and fold_scales
+        if folded:  # compressed pages: exact convert; the scales multiply scores and probs (quant.py)
+            ks, vs = ks_ref[slot], vs_ref[slot]
+            k, v = k.astype(q.dtype), v.astype(q.dtype)
+        elif quantized:  # scales applied to the rows in registers (the earlier form, for comparison)
             k, v = dequantize_rows(k, ks_ref[slot], q.dtype), dequantize_rows(v, vs_ref[slot], q.dtype)
         # Prefetch: the next block's page ids load alongside this block's K/V, so the
         # page-table read is off the critical path (no dependent load inside an iteration).
         next_slot = slots_of(i + 1)
         logits = lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=prec,
                                  preferred_element_type=jnp.float32)  # [Gp, BK]
+        if folded:
+            logits = fold_scores(logits, ks)
         logits = jnp.where(valid[None, :], logits * scale_log2, -jnp.inf)
         m_new = jnp.maximum(m, jnp.max(logits, axis=1))  # [Gp]
         p = jnp.exp2(logits - m_new[:, None])  # [Gp, BK]
         corr = jnp.exp2(m - m_new)  # [Gp]
         l_new = l * corr + jnp.sum(p, axis=1)
         v = jnp.where(valid[:, None], v, jnp.zeros_like(v))  # stale/NaN slots must not leak
-        pv = lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())), precision=prec,
+        w = fold_probs(p, vs, valid) if folded else p
+        pv = lax.dot_general(w.astype(v.dtype), v, (((1,), (0,)), ((), ())), precision=prec,
                              preferred_element_type=jnp.float32)  # [Gp, D]
         return o * corr[:, None] + pv, m_new, l_new, next_slot
 
@@ -180,7 +188,7 @@ def _decode_kernel(
 @functools.partial(
     jax.jit,
     static_argnames=("sm_scale", "num_splits", "pages_per_block", "num_warps",
-                     "num_stages", "interpret", "return_lse"))
+                     "num_stages", "interpret", "return_lse", "fold_scales"))
 def paged_decode_attention(
     q: jax.Array,  # [B, Hq, D]
     k_pages: jax.Array,  # [Hkv, P, S, D]
@@ -197,13 +205,16 @@ def paged_decode_attention(
     return_lse: bool = False,
     k_scale: jax.Array | None = None,
     v_scale: jax.Array | None = None,
+    fold_scales: bool = True,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:  # [B, Hq, D], dtype of q (+ lse [B, Hq] fp32)
     """Attention of one query token per sequence over its paged KV cache (see module doc).
 
     ``return_lse=True`` returns ``(out, lse)``, ``lse [B, Hq] float32`` the natural-log
     log-sum-exp of the scaled logits (``-inf`` where ``lengths[b] == 0``; see item 6).
     Compressed pages (int8 / float8_e4m3fn, ``pallas_kernels/quant.py``): ``k_scale`` / ``v_scale``
-    ``[Hkv, P, S]`` float32; each gathered row is dequantized in registers to q's dtype.
+    ``[Hkv, P, S]`` float32; a gathered tile is converted to q's dtype and the scales multiply the
+    scores and probabilities (``fold_scales``, quant.py); ``fold_scales=False`` multiplies the rows
+    instead (kept to compare the two on the GPU: ``bench/kv_dtype.py``).
     """
     b, hq, hkv, g, p, s, d, max_pages = check_decode_inputs(q, k_pages, v_pages, page_table,
                                                             lengths, k_scale, v_scale)
@@ -234,7 +245,7 @@ def paged_decode_attention(
     page_table = page_table.astype(jnp.int32)
 
     kernel = functools.partial(
-        _decode_kernel, quantized=quantized, group=g, page_size=s, block_tokens=block_tokens,
+        _decode_kernel, quantized=quantized, fold_scales=fold_scales, group=g, page_size=s, block_tokens=block_tokens,
         num_splits=num_splits, max_pages=max_pages, scale_log2=float(sm_scale) * _LOG2E)
     in_specs = [
         pl.BlockSpec((b,), lambda i, j, k: (0,)),  # lengths: whole
@@ -305,11 +316,11 @@ def paged_decode_attention_ref(
     k_scale: jax.Array | None = None,
     v_scale: jax.Array | None = None,
 ) -> jax.Array:  # [B, Hq, D]
-    """Plain-jnp reference: gather the pages (compressed ones dequantized to q's dtype, as the kernel
-    does), mask by length, softmax in fp32."""
+    """Plain-jnp reference: gather the pages (compressed ones dequantized to float32; the kernel
+    folds the scales instead, equal up to rounding), mask by length, softmax in fp32."""
     b, hq, hkv, g, p, s, d, max_pages = check_decode_inputs(q, k_pages, v_pages, page_table,
                                                             lengths, k_scale, v_scale)
-    k_pages, v_pages = dequantize_pages(k_pages, v_pages, k_scale, v_scale, q.dtype)
+    k_pages, v_pages = dequantize_pages(k_pages, v_pages, k_scale, v_scale, jnp.float32)
     if sm_scale is None:
         sm_scale = 1.0 / math.sqrt(d)
     hi = lax.Precision.HIGHEST

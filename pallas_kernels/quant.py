@@ -8,6 +8,15 @@ would have to grow - and the page be requantized - whenever a later token had a 
 a real K's outlier channels then cost precision in their own token only.  The scales add 4 bytes to
 a head's D values (3% at D = 128).
 
+Inside the attention kernels the scales are *folded* rather than applied to the rows: a gathered
+tile of one-byte values is converted to q's dtype (exact: int8 and e4m3 values are all bf16 values)
+and goes straight to the tensor cores, and the scales multiply what the dots produce, since
+``q . (s_j k_j) = s_j (q . k_j)`` and ``sum_j p_j (s_j v_j) = sum_j (p_j s_j) v_j``.  The multiply then
+touches the ``[rows, BK]`` scores and probabilities instead of the ``[BK, D]`` K and V tiles, and the
+convert-then-dot is the mixed-precision pattern Triton pipelines (the H200 run with scales applied to
+the rows reached 28-48% of the bandwidth ceiling, bench/NOTES.md).  ``fold_scores`` / ``fold_probs``
+are those two multiplies; ``dequantize_rows`` (scales on the rows) is kept for comparison.
+
 ``pack_block`` / ``unpack_block`` carry a block of quantized pages and its scales as one uint8
 array (the scale's 4 bytes appended to each row of D), the form the tiers and snapshots move.
 """
@@ -48,6 +57,19 @@ def dequantize_kv(q: jax.Array, scale: jax.Array, dtype) -> jax.Array:
 def dequantize_rows(rows: jax.Array, scales: jax.Array, dtype) -> jax.Array:
     """Gathered rows [R, D] and their scales [R] -> [R, D] of ``dtype`` (inside a kernel: in registers)."""
     return (rows.astype(jnp.float32) * scales[:, None]).astype(dtype)
+
+
+def fold_scores(scores: jax.Array, k_scales: jax.Array) -> jax.Array:
+    """Scores [M, BK] of q against unscaled K rows -> the scores against the dequantized rows."""
+    return scores * k_scales[None, :]
+
+
+def fold_probs(p: jax.Array, v_scales: jax.Array, valid: jax.Array | None = None) -> jax.Array:
+    """Probabilities [M, BK] -> weights for the unscaled V rows; ``valid [BK]`` zeroes the scales of
+    slots past a sequence (a stale slot's scale may be anything, even NaN, and 0 * NaN is NaN)."""
+    if valid is not None:
+        v_scales = jnp.where(valid, v_scales, 0.0)
+    return p * v_scales[None, :]
 
 
 def dequantize_pages(k_pages, v_pages, k_scale, v_scale, dtype):

@@ -80,7 +80,7 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels import common
 from pallas_kernels.prefill_attention import _LOG2E, _MASK, _PREC, _choose_blocks, _next_pow2
-from pallas_kernels.quant import dequantize_pages, dequantize_rows
+from pallas_kernels.quant import dequantize_pages, fold_probs, fold_scores
 
 _MIN_SPLIT_KEYS = 256  # kv_splits=None: at least this much KV capacity per split
 _SPLITS_PER_SM = 2  # kv_splits=None: aim for about this many programs per SM
@@ -220,20 +220,25 @@ def _attend(meta, page_table_ref, q_ref, k_ref, v_ref, o_ref, lse_refs, scale_re
             slots = slots_of(j, clamp=masked)
         k = k_ref[slots, :]  # [block_kv, D]
         v = v_ref[slots, :]
-        if scale_refs:  # compressed pages: dequantized in registers with each row's scale
-            k = dequantize_rows(k, scale_refs[0][slots], q.dtype)
-            v = dequantize_rows(v, scale_refs[1][slots], q.dtype)
+        if scale_refs:  # compressed pages: exact convert; the scales fold into scores and probs (quant.py)
+            ks, vs = scale_refs[0][slots], scale_refs[1][slots]
+            k, v = k.astype(q.dtype), v.astype(q.dtype)
         s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=_PREC,
                             preferred_element_type=jnp.float32)  # [M, block_kv] raw scores
+        if scale_refs:
+            s = fold_scores(s, ks)
+        in_kv = None
         if masked:
             kpos = j * block_kv + offs
+            in_kv = kpos < kv_len
             s = jnp.where(kpos[None, :] <= q_pos[:, None], s, _MASK)
-            v = jnp.where((kpos < kv_len)[:, None], v, jnp.zeros_like(v))  # 0 * NaN guard
+            v = jnp.where(in_kv[:, None], v, jnp.zeros_like(v))  # 0 * NaN guard
         m_next = jnp.maximum(m_prev, s.max(axis=1) * scale)  # [M], scale > 0
         alpha = jnp.exp2(m_prev - m_next)
         p = jnp.exp2(s * scale - m_next[:, None])  # one FMA per score
         l_next = l_prev * alpha + p.sum(axis=1)
-        pv = lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())), precision=_PREC,
+        w = fold_probs(p, vs, in_kv) if scale_refs else p
+        pv = lax.dot_general(w.astype(v.dtype), v, (((1,), (0,)), ((), ())), precision=_PREC,
                              preferred_element_type=jnp.float32)  # [M, D]
         return (acc * alpha[:, None] + pv, m_next, l_next) + ((nxt,) if prefetch else ())
 
@@ -346,7 +351,8 @@ def ragged_paged_attention(
 ) -> jax.Array:  # [N, Hq, D], q.dtype; padding tokens: zeros
     """Causal attention of a flat batch of decode rows and prefill chunks (see module doc).
     Compressed pages (int8 / float8_e4m3fn): ``k_scale`` / ``v_scale [Hkv, P, S]`` float32, each
-    gathered row dequantized in registers to q's dtype (``pallas_kernels/quant.py``).
+    gathered tile converted to q's dtype, the scales folded into scores and probabilities
+    (``pallas_kernels/quant.py``).
 
     Knobs are static and default from ``N``, ``G = Hq // Hkv`` and the dtype, as in
     :func:`paged_prefill_attention` with ``N`` as the chunk length (H200 sweep,
@@ -405,11 +411,12 @@ def ragged_paged_attention_ref(
     """Pure-jnp reference, token by token: each token finds its row and position, gathers
     its row's pages densely and runs a masked fp32 softmax (padding tokens: zeros).  Tokens
     go through ``lax.map`` in batches, so the gathered K/V stay within ``_REF_CHUNK_BYTES``.
-    Compressed pages are dequantized to q's dtype first, as the kernel does.
+    Compressed pages are dequantized to float32 first: the exact values the quantized pages hold
+    (the kernel folds the scales into scores and probabilities instead: equal up to rounding).
     """
     num_tokens, num_rows, _, _, _, _, head_dim = check_ragged_inputs(
         q, k_pages, v_pages, page_table, cu_q_lens, kv_lens, k_scale, v_scale)
-    k_pages, v_pages = dequantize_pages(k_pages, v_pages, k_scale, v_scale, q.dtype)
+    k_pages, v_pages = dequantize_pages(k_pages, v_pages, k_scale, v_scale, jnp.float32)
     if num_tokens == 0 or num_rows == 0:
         return jnp.zeros_like(q)
     sm_scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else float(sm_scale)

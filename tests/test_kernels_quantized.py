@@ -35,15 +35,16 @@ def close(out, ref, dtype):
 
 
 @pytest.mark.parametrize("kv", KV)
-@pytest.mark.parametrize("qdtype,hq,hkv,splits", [(jnp.bfloat16, 8, 2, 1), (jnp.float32, 4, 4, 3),
-                                                  (jnp.bfloat16, 7, 1, 2)])
-def test_decode_on_compressed_pages(kv, qdtype, hq, hkv, splits):
+@pytest.mark.parametrize("qdtype,hq,hkv,splits,fold", [(jnp.bfloat16, 8, 2, 1, True), (jnp.float32, 4, 4, 3, True),
+                                                       (jnp.bfloat16, 7, 1, 2, True), (jnp.float32, 8, 2, 2, False)])
+def test_decode_on_compressed_pages(kv, qdtype, hq, hkv, splits, fold):
     k, v = pages(hkv)
     (kq, ks), (vq, vs) = quantize_kv(k, kv), quantize_kv(v, kv)
     q = jax.random.normal(jax.random.PRNGKey(3), (3, hq, D)).astype(qdtype)
     table = jnp.array([[1, 2, 3, 4, 5], [6, 7, 0, 0, 0], [8, 9, 10, 11, 12]], jnp.int32)
     lens = jnp.array([33, 9, 40], jnp.int32)  # across page boundaries, a partial last page
-    out = paged_decode_attention(q, kq, vq, table, lens, k_scale=ks, v_scale=vs, num_splits=splits, interpret=True)
+    out = paged_decode_attention(q, kq, vq, table, lens, k_scale=ks, v_scale=vs, num_splits=splits,
+                                 fold_scales=fold, interpret=True)
     close(out, paged_decode_attention_ref(q, kq, vq, table, lens, k_scale=ks, v_scale=vs), qdtype)
 
 
@@ -126,3 +127,44 @@ def test_int8_quantization_rounds_half_away_from_zero_without_a_round_primitive(
     want = np.clip(np.sign(y) * np.floor(np.abs(y) + 0.5), -127, 127).astype(np.int8)
     assert np.array_equal(np.asarray(q[0]), want)
     assert "round" not in str(jax.make_jaxpr(lambda v: quantize_kv(v, jnp.int8))(x))
+
+
+def _stale_poisoned(kq, vq, ks, vs, table, lens):
+    """The pages with every slot no row may read (past a length, unreferenced pages) holding NaN
+    scales and, for float8 pages, NaN values: what a recycled page may hold."""
+    seen = np.zeros(ks.shape[1] * S, bool)
+    for row, n in zip(np.asarray(table), np.asarray(lens)):
+        for t in range(int(n)):
+            seen[int(row[t // S]) * S + t % S] = True
+    stale = jnp.asarray(~seen).reshape(1, -1, S)
+    nan = jnp.float32(jnp.nan)
+    ks, vs = jnp.where(stale, nan, ks), jnp.where(stale, nan, vs)
+    if kq.dtype == jnp.float8_e4m3fn:
+        kq = jnp.where(stale[..., None], nan, kq.astype(jnp.float32)).astype(kq.dtype)
+        vq = jnp.where(stale[..., None], nan, vq.astype(jnp.float32)).astype(vq.dtype)
+    return kq, vq, ks, vs
+
+
+@pytest.mark.parametrize("kv", KV)
+@pytest.mark.parametrize("fold", [True, False])
+def test_stale_slots_with_nan_scales_do_not_leak(kv, fold):
+    """Folding the scales into the probabilities multiplies p = 0 by a stale slot's scale: those
+    scales must be masked, not only the values (0 * NaN is NaN)."""
+    k, v = pages(2, key=8)
+    (kq, ks), (vq, vs) = quantize_kv(k, kv), quantize_kv(v, kv)
+    table = jnp.array([[1, 2, 3, 4, 5], [6, 7, 0, 0, 0], [8, 9, 10, 11, 12]], jnp.int32)
+    lens = jnp.array([33, 9, 37], jnp.int32)
+    want = paged_decode_attention_ref(jax.random.normal(jax.random.PRNGKey(9), (3, 8, D)), kq, vq, table, lens,
+                                      k_scale=ks, v_scale=vs)
+    kq, vq, ks, vs = _stale_poisoned(kq, vq, ks, vs, table, lens)
+    q = jax.random.normal(jax.random.PRNGKey(9), (3, 8, D))
+    for splits in (1, 2):
+        out = paged_decode_attention(q, kq, vq, table, lens, k_scale=ks, v_scale=vs, num_splits=splits,
+                                     fold_scales=fold, interpret=True)
+        close(out, want, jnp.float32)
+    cu, kvl = jnp.array([0, 4, 5, 9], jnp.int32), jnp.array([33, 9, 37], jnp.int32)
+    qr = jax.random.normal(jax.random.PRNGKey(10), (9, 8, D))
+    out = ragged_paged_attention(qr, kq, vq, table, cu, kvl, k_scale=ks, v_scale=vs, interpret=True)
+    kq0, ks0 = quantize_kv(k, kv)
+    vq0, vs0 = quantize_kv(v, kv)
+    close(out, ragged_paged_attention_ref(qr, kq0, vq0, table, cu, kvl, k_scale=ks0, v_scale=vs0), jnp.float32)
