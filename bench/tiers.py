@@ -137,7 +137,11 @@ def ceilings(args):
     e = ST.engine
     t = e.tiers
     shape = t.shape(-(-args.s["L"] // 16))
-    src = np.asarray(jax.random.normal(jax.random.PRNGKey(1), shape, jnp.float32).astype(e.dtype))
+    key = jax.random.PRNGKey(1)
+    if t.block_dtype == np.uint8:  # compressed pages: the tiers move packed bytes (values + scales)
+        src = np.asarray(jax.random.bits(key, shape, jnp.uint8))
+    else:
+        src = np.asarray(jax.random.normal(key, shape, jnp.float32).astype(e.dtype))
     rows = []
     if t.host_sharding is not None:
         pinned = jax.device_put(src, t.host_sharding)
