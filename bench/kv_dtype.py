@@ -105,10 +105,13 @@ def kernels(args):
         variants = [("bfloat16", True, {})] + [(n, True, {}) for n in KV_DTYPES]
         if (b, ctx) in rows_variant:  # the earlier form, and more warps / stages for the convert
             variants += [(n, False, {}) for n in KV_DTYPES]
-            variants += [("int8", True, dict(num_warps=8)), ("int8", True, dict(num_stages=3))]
+            variants += [("int8", True, dict(num_warps=8)), ("int8", True, dict(num_stages=3)),
+                         ("int8", True, dict(num_stages=4)), ("int8", True, dict(k_major=True)),
+                         ("int8", True, dict(k_major=True, num_stages=3)),
+                         ("float8_e4m3fn", True, dict(num_stages=3)), ("bfloat16", True, dict(k_major=True))]
         for name, fold, knobs in variants:
             if name == "bfloat16":
-                kw, kp, vp, row = {}, k, v, d * 2
+                kw, kp, vp, row = dict(knobs), k, v, d * 2
             else:
                 (kp, ks), (vp, vs) = quantize_kv(k, jnp.dtype(name)), quantize_kv(v, jnp.dtype(name))
                 kw, row = dict(k_scale=ks, v_scale=vs, fold_scales=fold, **knobs), d + 4

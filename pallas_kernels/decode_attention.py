@@ -99,6 +99,7 @@ def _decode_kernel(
     #         partial, then () or (lse2_ref [Gp],) with the final out, or (m_ref [Gp], l_ref [Gp]) fp32
     quantized: bool,
     fold_scales: bool,
+    k_major: bool,
     group: int,
     page_size: int,
     block_tokens: int,
@@ -151,8 +152,12 @@ def _decode_kernel(
         # Prefetch: the next block's page ids load alongside this block's K/V, so the
         # page-table read is off the critical path (no dependent load inside an iteration).
         next_slot = slots_of(i + 1)
-        logits = lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=prec,
-                                 preferred_element_type=jnp.float32)  # [Gp, BK]
+        if k_major:  # K as the dot's row operand (untransposed), the [BK, Gp] result transposed back
+            logits = lax.dot_general(k, q, (((1,), (1,)), ((), ())), precision=prec,
+                                     preferred_element_type=jnp.float32).T  # [Gp, BK]
+        else:
+            logits = lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=prec,
+                                     preferred_element_type=jnp.float32)  # [Gp, BK]
         if folded:
             logits = fold_scores(logits, ks)
         logits = jnp.where(valid[None, :], logits * scale_log2, -jnp.inf)
@@ -188,7 +193,7 @@ def _decode_kernel(
 @functools.partial(
     jax.jit,
     static_argnames=("sm_scale", "num_splits", "pages_per_block", "num_warps",
-                     "num_stages", "interpret", "return_lse", "fold_scales"))
+                     "num_stages", "interpret", "return_lse", "fold_scales", "k_major"))
 def paged_decode_attention(
     q: jax.Array,  # [B, Hq, D]
     k_pages: jax.Array,  # [Hkv, P, S, D]
@@ -206,6 +211,7 @@ def paged_decode_attention(
     k_scale: jax.Array | None = None,
     v_scale: jax.Array | None = None,
     fold_scales: bool = True,
+    k_major: bool = False,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:  # [B, Hq, D], dtype of q (+ lse [B, Hq] fp32)
     """Attention of one query token per sequence over its paged KV cache (see module doc).
 
@@ -214,7 +220,9 @@ def paged_decode_attention(
     Compressed pages (int8 / float8_e4m3fn, ``pallas_kernels/quant.py``): ``k_scale`` / ``v_scale``
     ``[Hkv, P, S]`` float32; a gathered tile is converted to q's dtype and the scales multiply the
     scores and probabilities (``fold_scales``, quant.py); ``fold_scales=False`` multiplies the rows
-    instead (kept to compare the two on the GPU: ``bench/kv_dtype.py``).
+    instead (kept to compare the two on the GPU: ``bench/kv_dtype.py``).  ``k_major=True`` computes the
+    scores as ``k @ q^T`` (K the untransposed row operand, as a 1-byte tile's conversion may prefer; a
+    knob to measure, bench/NOTES.md), the same values.
     """
     b, hq, hkv, g, p, s, d, max_pages = check_decode_inputs(q, k_pages, v_pages, page_table,
                                                             lengths, k_scale, v_scale)
@@ -245,7 +253,7 @@ def paged_decode_attention(
     page_table = page_table.astype(jnp.int32)
 
     kernel = functools.partial(
-        _decode_kernel, quantized=quantized, fold_scales=fold_scales, group=g, page_size=s, block_tokens=block_tokens,
+        _decode_kernel, quantized=quantized, fold_scales=fold_scales, k_major=k_major, group=g, page_size=s, block_tokens=block_tokens,
         num_splits=num_splits, max_pages=max_pages, scale_log2=float(sm_scale) * _LOG2E)
     in_specs = [
         pl.BlockSpec((b,), lambda i, j, k: (0,)),  # lengths: whole

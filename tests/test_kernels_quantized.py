@@ -35,16 +35,17 @@ def close(out, ref, dtype):
 
 
 @pytest.mark.parametrize("kv", KV)
-@pytest.mark.parametrize("qdtype,hq,hkv,splits,fold", [(jnp.bfloat16, 8, 2, 1, True), (jnp.float32, 4, 4, 3, True),
-                                                       (jnp.bfloat16, 7, 1, 2, True), (jnp.float32, 8, 2, 2, False)])
-def test_decode_on_compressed_pages(kv, qdtype, hq, hkv, splits, fold):
+@pytest.mark.parametrize("qdtype,hq,hkv,splits,fold,k_major", [
+    (jnp.bfloat16, 8, 2, 1, True, False), (jnp.float32, 4, 4, 3, True, False), (jnp.bfloat16, 7, 1, 2, True, False),
+    (jnp.float32, 8, 2, 2, False, False), (jnp.bfloat16, 8, 2, 2, True, True)])
+def test_decode_on_compressed_pages(kv, qdtype, hq, hkv, splits, fold, k_major):
     k, v = pages(hkv)
     (kq, ks), (vq, vs) = quantize_kv(k, kv), quantize_kv(v, kv)
     q = jax.random.normal(jax.random.PRNGKey(3), (3, hq, D)).astype(qdtype)
     table = jnp.array([[1, 2, 3, 4, 5], [6, 7, 0, 0, 0], [8, 9, 10, 11, 12]], jnp.int32)
     lens = jnp.array([33, 9, 40], jnp.int32)  # across page boundaries, a partial last page
     out = paged_decode_attention(q, kq, vq, table, lens, k_scale=ks, v_scale=vs, num_splits=splits,
-                                 fold_scales=fold, interpret=True)
+                                 fold_scales=fold, k_major=k_major, interpret=True)
     close(out, paged_decode_attention_ref(q, kq, vq, table, lens, k_scale=ks, v_scale=vs), qdtype)
 
 
