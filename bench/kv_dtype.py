@@ -26,6 +26,8 @@ b. Quality, end to end: an engine per KV dtype over the same weights (``--model`
 
 c. Injection modes: compose and blend against exact (exact with bf16 KV the reference) over 3
    segments of 1k + a 32-token question, for each KV dtype: greedy agreement and KL.
+s. The quantized splice's added error (keys dequantized, re-rotated, quantized again) against quantizing
+   the rotated key once, on random keys with outliers and, with ``--model``, a trained model's keys.
 
 Writes ``kv_dtype.md`` to ``--out``.
 """
@@ -298,6 +300,58 @@ def modes_quality(args):
           ["kv dtype", "mode", "greedy agreement", "mean KL (top-20)"], rows)
 
 
+@section
+def splice_error(args):
+    """s. The quantized splice's added error: a key spliced with a RoPE shift is dequantized, rotated and
+    quantized again (``pallas_kernels/splice_quantized.py``).  Against the exact rotated key, the relative
+    RMS error of (1) quantizing the rotated key once (what a segment computed at its final place holds)
+    and (2) the splice's second rounding; on random keys with outlier channels and, with ``--model``, the
+    real keys of every layer for a segment of held-out text."""
+    from pallas_kernels.quant import dequantize_kv, quantize_kv
+    from pallas_kernels.splice import rope_rotate_ref
+
+    sources = []
+    d = 16 if args.quick else 128
+    kr = jax.random.normal(jax.random.PRNGKey(5), (8, 512, d)) * jnp.where(jnp.arange(d) < 4, 20.0, 1.0)
+    sources.append(("random, 4 outlier channels x20", kr, 10000.0))
+    if args.model:
+        from inferscale_jax import Engine, EngineConfig
+
+        cfg, params = model_for(args)
+        e = Engine(params, cfg, None, EngineConfig(dtype="bfloat16", page_size=16, hbm_pages=1 + 1024 // 16 * 2,
+                                                   prefill_chunk=512, max_batch=8, attention_impl=args.attention_impl))
+        e.register_segment("s", token_ids=text_tokens(args, cfg, np.random.default_rng(7), 512))
+        pages = jnp.asarray(e.store.node([e.store.resolve("s", "default")]).pages, jnp.int32)
+        ks = [e.runner.cache.k[i][:, pages].reshape(cfg.num_kv_heads, -1, cfg.head_dim)
+              for i in range(cfg.num_layers)]
+        sources.append((f"{os.path.basename(args.model.rstrip('/'))}: K of {cfg.num_layers} layers, 512 tokens",
+                        jnp.concatenate(ks, axis=0).astype(jnp.float32), cfg.rope.theta))
+        e.close()
+    rows = []
+    for label, x, theta in sources:
+        dd = x.shape[-1]
+        inv = 1.0 / (theta ** (jnp.arange(0, dd, 2, dtype=jnp.float32) / dd))
+        ratio_max = 0.0
+        for shift in (1, 64, 1024):
+            sh = jnp.full((x.shape[-2],), shift, jnp.int32)
+            exact = rope_rotate_ref(x, sh, inv)
+            norm = float(jnp.sqrt(jnp.mean(exact ** 2)))
+            for name in KV_DTYPES:
+                dt = jnp.dtype(name)
+                once = dequantize_kv(*quantize_kv(exact, dt), jnp.float32)
+                q0 = dequantize_kv(*quantize_kv(x, dt), jnp.float32)
+                twice = dequantize_kv(*quantize_kv(rope_rotate_ref(q0, sh, inv), dt), jnp.float32)
+                e1 = float(jnp.sqrt(jnp.mean((once - exact) ** 2))) / norm
+                e2 = float(jnp.sqrt(jnp.mean((twice - exact) ** 2))) / norm
+                ratio_max = max(ratio_max, e2 / e1)
+                rows.append([label, shift, name, f"{e1:.2e}", f"{e2:.2e}", f"{e2 / e1:.2f}"])
+                log(f"  {label} shift {shift} {name}: once {e1:.2e}, spliced {e2:.2e} ({e2 / e1:.2f}x)")
+    table("s. The quantized splice's added error (relative RMS against the exact rotated key)",
+          ["keys", "shift", "kv dtype", "quantized once (at the final place)", "spliced (quantized, rotated, "
+           "quantized again)", "ratio"], rows)
+    MD.extend(["Two independent roundings of similar size would give a ratio near sqrt(2) = 1.41.", ""])
+
+
 _TEXT: list = []
 
 
@@ -357,6 +411,8 @@ def main():
         quality(args)
     if "c" in args.sections:
         modes_quality(args)
+    if "s" in args.sections:
+        splice_error(args)
     finish(args.out, args.name, "Compressed KV benchmark", t0, ROOT)
 
 

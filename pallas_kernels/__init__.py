@@ -14,6 +14,7 @@ from pallas_kernels.kv_write import write_kv, write_kv_pallas, write_kv_ref
 from pallas_kernels.prefill_attention import paged_prefill_attention, paged_prefill_attention_ref
 from pallas_kernels.ragged_attention import ragged_paged_attention, ragged_paged_attention_ref
 from pallas_kernels.splice import splice_kv, splice_kv_ref
+from pallas_kernels.splice_quantized import splice_kv_quantized, splice_kv_quantized_ref
 
 __all__ = [
     "paged_decode_attention",
@@ -25,6 +26,8 @@ __all__ = [
     "shared_prefix_decode_attention",
     "shared_prefix_decode_attention_ref",
     "splice_kv",
+    "splice_kv_quantized",
+    "splice_kv_quantized_ref",
     "splice_kv_ref",
     "write_kv",
     "write_kv_pallas",

@@ -38,16 +38,23 @@ def is_quantized(dtype) -> bool:
 
 def quantize_kv(x: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
     """x [..., D] -> (values [..., D] of ``dtype``, scale [...] float32)."""
-    name = jnp.dtype(dtype).name
     xf = x.astype(jnp.float32)
-    amax = jnp.max(jnp.abs(xf), axis=-1)
-    scale = jnp.where(amax > 0, amax / _QMAX[name], 1.0)
-    y = xf / scale[..., None]
-    if name == "int8":
-        # round half away from zero as add-then-truncate: the conversion truncates toward zero, and
-        # Pallas' Triton lowering has no `round` primitive (the H200 run found jnp.round unlowerable)
+    scale = scale_for(jnp.max(jnp.abs(xf), axis=-1), dtype)
+    return codes(xf / scale[..., None], dtype), scale
+
+
+def scale_for(amax: jax.Array, dtype) -> jax.Array:
+    """A row's scale from its largest magnitude (1 for an all-zero row)."""
+    return jnp.where(amax > 0, amax / _QMAX[jnp.dtype(dtype).name], 1.0)
+
+
+def codes(y: jax.Array, dtype) -> jax.Array:
+    """Values already divided by their scale -> ``dtype`` codes.  int8 rounds half away from zero as
+    add-then-truncate: the conversion truncates toward zero, and Pallas' Triton lowering has no
+    ``round`` primitive (the H200 run found jnp.round unlowerable)."""
+    if jnp.dtype(dtype).name == "int8":
         y = jnp.clip(y + jnp.where(y >= 0, 0.5, -0.5), -127.0, 127.0)
-    return y.astype(dtype), scale
+    return y.astype(dtype)
 
 
 def dequantize_kv(q: jax.Array, scale: jax.Array, dtype) -> jax.Array:

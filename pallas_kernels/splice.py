@@ -239,28 +239,3 @@ def splice_kv_ref(k_pages, v_pages, src_slots, dst_slots, shift, inv_freq):
     k = k.at[:, dst].set(rot, mode="drop")
     v = v.at[:, dst].set(v[:, src], mode="drop")
     return k.reshape(shape), v.reshape(shape)
-
-
-def splice_kv_quantized_ref(k_pages, v_pages, k_scale, v_scale, src_slots, dst_slots, shift, inv_freq):
-    """:func:`splice_kv_ref` on quantized pages (``pallas_kernels/quant.py``): a token whose K moves by
-    a nonzero shift is dequantized, re-rotated and quantized again (its added error is the second
-    rounding); a zero shift and every V copy the bytes and scales exactly."""
-    from pallas_kernels.quant import dequantize_kv, quantize_kv
-
-    hkv, p, s, d = k_pages.shape
-    k, v = k_pages.reshape(hkv, p * s, d), v_pages.reshape(hkv, p * s, d)
-    ks, vs = k_scale.reshape(hkv, p * s), v_scale.reshape(hkv, p * s)
-    active = dst_slots >= 0
-    src = jnp.where(active, src_slots, 0)
-    dst = jnp.where(active, dst_slots, p * s)  # out of bounds: dropped by the scatter
-    kq, kss = k[:, src], ks[:, src]  # [Hkv, N, D], [Hkv, N]
-    rq, rs = quantize_kv(rope_rotate_ref(dequantize_kv(kq, kss, jnp.float32), shift, inv_freq), k.dtype)
-    keep = (shift == 0)[None, :]
-    kq = jnp.where(keep[..., None], kq, rq)
-    kss = jnp.where(keep, kss, rs)
-    k = k.at[:, dst].set(kq, mode="drop")
-    ks = ks.at[:, dst].set(kss, mode="drop")
-    v = v.at[:, dst].set(v[:, src], mode="drop")
-    vs = vs.at[:, dst].set(vs[:, src], mode="drop")
-    return (k.reshape(k_pages.shape), v.reshape(v_pages.shape), ks.reshape(k_scale.shape),
-            vs.reshape(v_scale.shape))

@@ -169,3 +169,58 @@ def test_stale_slots_with_nan_scales_do_not_leak(kv, fold):
     kq0, ks0 = quantize_kv(k, kv)
     vq0, vs0 = quantize_kv(v, kv)
     close(out, ragged_paged_attention_ref(qr, kq0, vq0, table, cu, kvl, k_scale=ks0, v_scale=vs0), jnp.float32)
+
+
+@pytest.mark.parametrize("kv", KV)
+def test_quantized_splice_kernel_equals_its_reference(kv):
+    """The splice on compressed pages (dequantize, rotate, quantize again, in one kernel) against the
+    jnp form: keys with nonzero shifts get new codes and scales, zero shifts and every V row copy codes
+    and scales bit for bit; padding entries (dst < 0) write nothing; N not a multiple of the block."""
+    from pallas_kernels.splice import splice_kv_ref
+    from pallas_kernels.splice_quantized import splice_kv_quantized, splice_kv_quantized_ref
+
+    hkv = 2
+    k, v = pages(hkv, key=11)
+    (kq, ks), (vq, vs) = quantize_kv(k, kv), quantize_kv(v, kv)
+    src = jnp.array([8, 9, 10, 11, 12, 13, 14, 0, 15], jnp.int32)  # page 1 (+ a padding entry)
+    dst = jnp.array([40, 41, 42, 43, 44, 45, 46, -1, 47], jnp.int32)  # page 5
+    shift = jnp.array([7, 0, 300, -5, 1, 0, 4096, 3, 2], jnp.int32)
+    inv = 1.0 / (10000.0 ** (jnp.arange(0, D, 2, dtype=jnp.float32) / D))
+    got = splice_kv_quantized(kq, vq, ks, vs, src, dst, shift, inv, block_tokens=4, interpret=True)
+    want = splice_kv_quantized_ref(kq, vq, ks, vs, src, dst, shift, inv)
+    bits = lambda a: np.asarray(jax.lax.bitcast_convert_type(a, jnp.uint8) if a.dtype.itemsize == 1 else a)  # noqa: E731
+    assert np.array_equal(bits(got[1]), bits(want[1])) and np.array_equal(bits(got[3]), bits(want[3]))  # V
+    # K: the rotation's fp32 rounding may differ by an ulp between the two (FMA contraction), and a
+    # rotated row's largest value sets its scale: scales within float32 rounding, values within a code
+    k_got, k_want = (np.asarray(x[0].astype(jnp.float32) * x[2][..., None]) for x in (got, want))
+    assert np.allclose(np.asarray(got[2]), np.asarray(want[2]), rtol=1e-6, atol=0)
+    row_step = np.max(np.abs(k_want), axis=-1, keepdims=True) / (127.0 if kv == jnp.int8 else 8.0)
+    assert np.all(np.abs(k_got - k_want) <= row_step * 1.001)
+    k2, v2, ks2, vs2 = (np.asarray(x.astype(jnp.float32)) for x in got)
+    kf, ksf = np.asarray(kq.astype(jnp.float32)), np.asarray(ks)
+    flat = lambda x: x.reshape(hkv, P * S, *x.shape[3:])  # noqa: E731
+    for i, (s_, d_, sh) in enumerate(zip(src.tolist(), dst.tolist(), shift.tolist())):
+        if d_ < 0:
+            continue
+        assert np.array_equal(flat(v2)[:, d_], flat(np.asarray(vq.astype(jnp.float32)))[:, s_])
+        if sh == 0:
+            assert np.array_equal(flat(k2)[:, d_], flat(kf)[:, s_]) and np.array_equal(flat(ks2)[:, d_], flat(ksf)[:, s_])
+    # untouched slots stay as they were (the padding entry's source 0 included)
+    touched = np.zeros(P * S, bool)
+    touched[[d for d in dst.tolist() if d >= 0]] = True
+    assert np.array_equal(flat(k2)[:, ~touched], flat(kf)[:, ~touched])
+    # the rotation is the real one: the requantized keys dequantize to the rotated keys within one step
+    kr, _ = splice_kv_ref(kq.astype(jnp.float32) * ks[..., None], vq.astype(jnp.float32), src, dst, shift, inv)
+    deq = flat(k2 * ks2[..., None])[:, [d for d in dst.tolist() if d >= 0]]
+    ref = flat(np.asarray(kr))[:, [d for d in dst.tolist() if d >= 0]]
+    step = np.max(np.abs(ref), axis=-1, keepdims=True) / (127.0 if kv == jnp.int8 else 8.0)
+    assert np.all(np.abs(deq - ref) <= step)
+
+
+def test_quantized_splice_refuses_uncompressed_pages():
+    from pallas_kernels.splice_quantized import splice_kv_quantized
+
+    k, v = pages(2)
+    z = jnp.zeros((1,), jnp.int32)
+    with pytest.raises(ValueError, match="k_scale / v_scale|k_pages.dtype"):
+        splice_kv_quantized(k, v, None, None, z, z + 8, z, jnp.ones((D // 2,), jnp.float32), interpret=True)

@@ -106,14 +106,16 @@ def test_clear_errors():
 @pytest.mark.parametrize("kv", KV)
 def test_pallas_kernels_read_compressed_pages_in_the_engine(kv):
     """The Pallas kernels (interpret mode here) dequantize inside: the same tokens as the jnp path, with
-    segments injected, a chain, a decode batch and a cascade group (two requests share segment a)."""
+    segments injected, a chain, a decode batch, a cascade group (two requests share segment a) and a
+    composed request (the quantized splice kernel re-rotates segment a's keys to their new place)."""
     def run(impl):
         e = make_engine(kv_dtype=kv, attention_impl=impl, cascade_decode=True)
         e.register_segment("a", token_ids=SEG_A)
         e.register_segment("b", token_ids=SEG_B)
         outs = e.generate_batch([dict(prompt_token_ids=Q, segments=["a", "b"], sampling=SP),
                                  dict(prompt_token_ids=Q[:3], segments=["a"], sampling=SP),
-                                 dict(prompt_token_ids=Q[2:], segments=["a"], sampling=SP)])
+                                 dict(prompt_token_ids=Q[2:], segments=["a"], sampling=SP),
+                                 dict(prompt_token_ids=Q, segments=["b", "a"], sampling=SP, mode="compose")])
         return [o.token_ids for o in outs], [chosen(o)[1] for o in outs]
     (tok_p, lp_p), (tok_r, lp_r) = run("pallas"), run("ref")
     assert tok_p == tok_r
