@@ -99,6 +99,25 @@ def auto_blocking(n: int, num_layers: int, hkv: int) -> tuple[int, int]:
     return t, hpp
 
 
+def entry_block(src_ref, dst_ref, shift_ref, inv_freq_ref, num_slots: int, *, n: int, block: int):
+    """Program ``pl.program_id(0)``'s ``T = block`` entries: ``(src, dst, active, shift)`` ``[T]`` and
+    the rotation's ``cos``, ``sin`` ``[T, D/2]`` fp32.  Sources are clamped into the pages (never read
+    out of bounds); entries past ``n`` or with a bad destination are inactive (traced bad slots are
+    skipped), and point their destination at their own source: inactive lanes are masked on the GPU,
+    but in interpret mode a masked lane rewrites the old value of its address, so it must never be a
+    destination."""
+    rows = pl.program_id(0) * block + jnp.arange(block, dtype=jnp.int32)  # [T]
+    r = jnp.minimum(rows, n - 1)
+    src = src_ref[r]
+    src = jnp.where((src >= 0) & (src < num_slots), src, 0)
+    dst = dst_ref[r]
+    active = (rows < n) & (dst >= 0) & (dst < num_slots)
+    dst = jnp.where(active, dst, src)
+    shift = shift_ref[r]
+    angle = shift.astype(jnp.float32)[:, None] * inv_freq_ref[...][None, :]  # [T, D/2]
+    return src, dst, active, shift, jnp.cos(angle), jnp.sin(angle)
+
+
 def _splice_kernel(
     src_ref,  # [N] int32 (whole)
     dst_ref,  # [N] int32
@@ -113,23 +132,11 @@ def _splice_kernel(
     block: int,
     heads_per_program: int,
 ):
-    i, hg = pl.program_id(0), pl.program_id(2)
-    d2 = inv_freq_ref.shape[0]
-    rows = i * block + jnp.arange(block, dtype=jnp.int32)  # [T]
-    in_range = rows < n
-    r = jnp.minimum(rows, n - 1)
-    num_slots = k_in_ref.shape[1]
-    src = src_ref[r]  # [T]
-    src = jnp.where((src >= 0) & (src < num_slots), src, 0)  # never read out of bounds
-    dst = dst_ref[r]
-    active = in_range & (dst >= 0) & (dst < num_slots)  # traced bad slots: skipped
-    # Inactive lanes are masked on the GPU; in interpret mode a masked lane rewrites the old
-    # value of its address, so point it at its own source (never a destination).
-    dst = jnp.where(active, dst, src)
-    shift = shift_ref[r]  # [T]
+    hg = pl.program_id(2)
+    src, dst, active, shift, cos, sin = entry_block(src_ref, dst_ref, shift_ref, inv_freq_ref,
+                                                    k_in_ref.shape[1], n=n, block=block)
     keep = (shift == 0)[:, None]  # [T, 1] bit-exact copy
-    angle = shift.astype(jnp.float32)[:, None] * inv_freq_ref[...][None, :]  # [T, D/2]
-    cos, sin = jnp.cos(angle), jnp.sin(angle)
+    d2 = inv_freq_ref.shape[0]
     lo = jnp.arange(d2, dtype=jnp.int32)[None, :]  # [1, D/2]
     hi = lo + d2
     full = jnp.arange(2 * d2, dtype=jnp.int32)[None, :]  # [1, D]

@@ -28,7 +28,7 @@ from jax.experimental.pallas import triton as plt
 
 from pallas_kernels import common
 from pallas_kernels.quant import codes, dequantize_kv, quantize_kv, scale_for
-from pallas_kernels.splice import auto_blocking, check_splice_inputs, rope_rotate_ref
+from pallas_kernels.splice import auto_blocking, check_splice_inputs, entry_block, rope_rotate_ref
 
 
 def _check_scales(k_pages, k_scale, v_scale):
@@ -49,21 +49,11 @@ def _splice_quantized_kernel(
     block: int,
     heads_per_program: int,
 ):
-    i, hg = pl.program_id(0), pl.program_id(2)
-    d2 = inv_freq_ref.shape[0]
-    rows = i * block + jnp.arange(block, dtype=jnp.int32)  # [T]
-    in_range = rows < n
-    r = jnp.minimum(rows, n - 1)
-    num_slots = k_in_ref.shape[1]
-    src = src_ref[r]
-    src = jnp.where((src >= 0) & (src < num_slots), src, 0)  # never read out of bounds
-    dst = dst_ref[r]
-    active = in_range & (dst >= 0) & (dst < num_slots)
-    dst = jnp.where(active, dst, src)  # interpret mode rewrites masked lanes: point them at a source
-    shift = shift_ref[r]
+    hg = pl.program_id(2)
+    src, dst, active, shift, cos, sin = entry_block(src_ref, dst_ref, shift_ref, inv_freq_ref,
+                                                    k_in_ref.shape[1], n=n, block=block)
     keep = shift == 0  # [T] bit-exact copy
-    angle = shift.astype(jnp.float32)[:, None] * inv_freq_ref[...][None, :]  # [T, D/2]
-    cos, sin = jnp.cos(angle), jnp.sin(angle)
+    d2 = inv_freq_ref.shape[0]
     lo = jnp.arange(d2, dtype=jnp.int32)[None, :]
     hi = lo + d2
     full = jnp.arange(2 * d2, dtype=jnp.int32)[None, :]
