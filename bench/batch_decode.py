@@ -196,7 +196,7 @@ def pool_pages(b: EngineBench) -> int | None:
 
     s = b.s
     per_page = kv_token_bytes(b.cfg, b.base_config.get("kv_dtype")) * 16
-    if s.get("kv_budget_gb"):  # a fixed KV budget: the same bytes hold twice the pages when compressed
+    if s.get("kv_budget_gb"):  # a fixed KV budget: the same bytes hold 2D / (D + 4) as many pages when compressed
         pages = 1 + int(s["kv_budget_gb"] * 1e9 // per_page)
         log(f"pool: {pages - 1} pages ({(pages - 1) * per_page / 1e9:.1f} GB of "
             f"{b.base_config.get('kv_dtype') or 'bfloat16'} KV, the --kv-budget-gb)")

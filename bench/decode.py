@@ -97,7 +97,7 @@ def decode(b: EngineBench):
     bw, W = b.bandwidth(), b.step_read_bytes()
     floor = W / bw if bw else None
     b.R["floor"] = floor
-    kv_tok = kv_token_bytes(b.cfg)
+    kv_tok = kv_token_bytes(b.cfg, b.base_config.get("kv_dtype"))
     rows = []
     for name, d in res.items():
         tight = ((W + kv_tok * d["ctx"]) / bw) if bw else None

@@ -69,7 +69,7 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels import common
 from pallas_kernels.decode_attention import check_decode_inputs, paged_decode_attention
-from pallas_kernels.quant import dequantize_pages, fold_probs, fold_scores
+from pallas_kernels.quant import fold_probs, fold_scores, gather_pages, pv_dtype
 
 _LOG2E = math.log2(math.e)
 _LN2 = math.log(2.0)
@@ -157,7 +157,7 @@ def _shared_kernel(
         v = v_ref[slot]
         if scale_refs:  # compressed pages: exact convert; the scales fold into scores and probs (quant.py)
             ks, vs = scale_refs[0][slot], scale_refs[1][slot]
-            k, v = k.astype(q.dtype), v.astype(q.dtype)
+            k, v = k.astype(q.dtype), v.astype(pv_dtype(q.dtype))
         next_slot = slots_of(i + 1)  # off the critical path of the next iteration
         logits = lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=_PREC,
                                  preferred_element_type=jnp.float32)  # [R, BK]
@@ -370,7 +370,6 @@ def shared_prefix_decode_attention_ref(
     del unused_knobs
     b, hq, hkv, g, p, s, d, ps, mp = check_shared_prefix_inputs(
         q, k_pages, v_pages, shared_pages, shared_len, suffix_table, suffix_lens, shared_rows, k_scale, v_scale)
-    k_pages, v_pages = dequantize_pages(k_pages, v_pages, k_scale, v_scale, jnp.float32)
     sm_scale = 1.0 / math.sqrt(d) if sm_scale is None else float(sm_scale)
     hi = lax.Precision.HIGHEST
     shared_ok = jnp.broadcast_to(jnp.arange(ps * s) < jnp.asarray(shared_len), (b, ps * s))
@@ -379,13 +378,13 @@ def shared_prefix_decode_attention_ref(
     suffix_ok = jnp.arange(mp * s)[None, :] < suffix_lens[:, None]  # [B, MP*S]
     valid = jnp.concatenate([shared_ok, suffix_ok], axis=1)
 
-    def gather(pages):  # [Hkv, P, S, D] -> [B, Hkv, Ps*S + MP*S, D] fp32, invalid rows 0
-        sh = pages[:, shared_pages].reshape(hkv, 1, ps * s, d)
-        sf = pages[:, suffix_table].reshape(hkv, b, mp * s, d)
+    def gather(pages, scale):  # [Hkv, P, S, D] -> [B, Hkv, Ps*S + MP*S, D] fp32, invalid rows 0
+        sh = gather_pages(pages, scale, shared_pages).reshape(hkv, 1, ps * s, d)
+        sf = gather_pages(pages, scale, suffix_table).reshape(hkv, b, mp * s, d)
         x = jnp.concatenate([jnp.broadcast_to(sh, (hkv, b, ps * s, d)), sf], axis=2)
-        x = jnp.swapaxes(x, 0, 1).astype(jnp.float32)
+        x = jnp.swapaxes(x, 0, 1)
         return jnp.where(valid[:, None, :, None], x, 0.0)  # unused slots may hold NaN
-    k, v = gather(k_pages), gather(v_pages)
+    k, v = gather(k_pages, k_scale), gather(v_pages, v_scale)
     qf = q.reshape(b, hkv, g, d).astype(jnp.float32)
     logits = jnp.einsum("bhgd,bhtd->bhgt", qf, k, precision=hi) * sm_scale
     logits = jnp.where(valid[:, None, None, :], logits, -jnp.inf)

@@ -53,7 +53,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from pallas_kernels import common
-from pallas_kernels.quant import dequantize_pages, dequantize_rows, fold_probs, fold_scores
+from pallas_kernels.quant import dequantize_rows, fold_probs, fold_scores, gather_pages, pv_dtype
 
 _LOG2E = math.log2(math.e)
 _LN2 = math.log(2.0)  # return_lse: base-2 log-sum-exp * ln 2 = natural log
@@ -146,7 +146,7 @@ def _decode_kernel(
         folded = quantized and fold_scales
         if folded:  # compressed pages: exact convert; the scales multiply scores and probs (quant.py)
             ks, vs = ks_ref[slot], vs_ref[slot]
-            k, v = k.astype(q.dtype), v.astype(q.dtype)
+            k, v = k.astype(q.dtype), v.astype(pv_dtype(q.dtype))
         elif quantized:  # scales applied to the rows in registers (the earlier form, for comparison)
             k, v = dequantize_rows(k, ks_ref[slot], q.dtype), dequantize_rows(v, vs_ref[slot], q.dtype)
         # Prefetch: the next block's page ids load alongside this block's K/V, so the
@@ -328,12 +328,11 @@ def paged_decode_attention_ref(
     folds the scales instead, equal up to rounding), mask by length, softmax in fp32."""
     b, hq, hkv, g, p, s, d, max_pages = check_decode_inputs(q, k_pages, v_pages, page_table,
                                                             lengths, k_scale, v_scale)
-    k_pages, v_pages = dequantize_pages(k_pages, v_pages, k_scale, v_scale, jnp.float32)
     if sm_scale is None:
         sm_scale = 1.0 / math.sqrt(d)
     hi = lax.Precision.HIGHEST
-    k = k_pages[:, page_table].reshape(hkv, b, max_pages * s, d).astype(jnp.float32)  # [Hkv,B,T,D]
-    v = v_pages[:, page_table].reshape(hkv, b, max_pages * s, d).astype(jnp.float32)
+    k = gather_pages(k_pages, k_scale, page_table).reshape(hkv, b, max_pages * s, d)  # [Hkv,B,T,D] fp32
+    v = gather_pages(v_pages, v_scale, page_table).reshape(hkv, b, max_pages * s, d)
     qf = q.reshape(b, hkv, g, d).astype(jnp.float32)
     logits = jnp.einsum("bhgd,hbtd->bhgt", qf, k, precision=hi) * sm_scale  # [B, Hkv, G, T]
     valid = jnp.arange(max_pages * s)[None, :] < lengths[:, None]  # [B, T]

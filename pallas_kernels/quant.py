@@ -15,7 +15,8 @@ and goes straight to the tensor cores, and the scales multiply what the dots pro
 touches the ``[rows, BK]`` scores and probabilities instead of the ``[BK, D]`` K and V tiles, and the
 convert-then-dot is the mixed-precision pattern Triton pipelines.  Measured on an H200 (bench/NOTES.md):
 int8 decode at batch 32 over 16k went from 1026 us (scales on the rows) to 684 us, level with bf16
-pages; over all shapes the kernel still reaches only 28-67% of the bandwidth ceiling on 1-byte pages.  ``fold_scores`` / ``fold_probs``
+pages; at batch 32-128 the kernel still reaches only 28-67% of the bandwidth ceiling on 1-byte pages
+(bf16 pages: 55-98%).  ``fold_scores`` / ``fold_probs``
 are those two multiplies; ``dequantize_rows`` (scales on the rows) is kept for comparison.
 
 ``pack_block`` / ``unpack_block`` carry a block of quantized pages and its scales as one uint8
@@ -67,6 +68,13 @@ def dequantize_rows(rows: jax.Array, scales: jax.Array, dtype) -> jax.Array:
     return (rows.astype(jnp.float32) * scales[:, None]).astype(dtype)
 
 
+def pv_dtype(q_dtype):
+    """The dtype of the PV dot's operands on compressed pages: q's, except float16, whose narrow range
+    would flush small ``p * v_scale`` weights to subnormals or zero - bfloat16 there (the 1-byte codes
+    are exact in it)."""
+    return jnp.bfloat16 if jnp.dtype(q_dtype) == jnp.float16 else q_dtype
+
+
 def fold_scores(scores: jax.Array, k_scales: jax.Array) -> jax.Array:
     """Scores [M, BK] of q against unscaled K rows -> the scores against the dequantized rows."""
     return scores * k_scales[None, :]
@@ -78,6 +86,14 @@ def fold_probs(p: jax.Array, v_scales: jax.Array, valid: jax.Array | None = None
     if valid is not None:
         v_scales = jnp.where(valid, v_scales, 0.0)
     return p * v_scales[None, :]
+
+
+def gather_pages(pages: jax.Array, scale: jax.Array | None, idx: jax.Array) -> jax.Array:
+    """The references' gather: ``pages[:, idx]`` ([Hkv, *idx.shape, S, D]) as float32, compressed pages
+    dequantized after the gather (only the gathered pages, never the whole pool, in float32)."""
+    if scale is None:
+        return pages[:, idx].astype(jnp.float32)
+    return dequantize_kv(pages[:, idx], scale[:, idx], jnp.float32)
 
 
 def dequantize_pages(k_pages, v_pages, k_scale, v_scale, dtype):

@@ -80,7 +80,7 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels import common
 from pallas_kernels.prefill_attention import _LOG2E, _MASK, _PREC, _choose_blocks, _next_pow2
-from pallas_kernels.quant import dequantize_pages, fold_probs, fold_scores
+from pallas_kernels.quant import fold_probs, fold_scores, gather_pages, pv_dtype
 
 _MIN_SPLIT_KEYS = 256  # kv_splits=None: at least this much KV capacity per split
 _SPLITS_PER_SM = 2  # kv_splits=None: aim for about this many programs per SM
@@ -222,7 +222,7 @@ def _attend(meta, page_table_ref, q_ref, k_ref, v_ref, o_ref, lse_refs, scale_re
         v = v_ref[slots, :]
         if scale_refs:  # compressed pages: exact convert; the scales fold into scores and probs (quant.py)
             ks, vs = scale_refs[0][slots], scale_refs[1][slots]
-            k, v = k.astype(q.dtype), v.astype(q.dtype)
+            k, v = k.astype(q.dtype), v.astype(pv_dtype(q.dtype))
         s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=_PREC,
                             preferred_element_type=jnp.float32)  # [M, block_kv] raw scores
         if scale_refs:
@@ -411,20 +411,19 @@ def ragged_paged_attention_ref(
     """Pure-jnp reference, token by token: each token finds its row and position, gathers
     its row's pages densely and runs a masked fp32 softmax (padding tokens: zeros).  Tokens
     go through ``lax.map`` in batches, so the gathered K/V stay within ``_REF_CHUNK_BYTES``.
-    Compressed pages are dequantized to float32 first: the exact values the quantized pages hold
+    Compressed pages are dequantized to float32 as gathered: the exact values the quantized pages hold
     (the kernel folds the scales into scores and probabilities instead: equal up to rounding).
     """
     num_tokens, num_rows, _, _, _, _, head_dim = check_ragged_inputs(
         q, k_pages, v_pages, page_table, cu_q_lens, kv_lens, k_scale, v_scale)
-    k_pages, v_pages = dequantize_pages(k_pages, v_pages, k_scale, v_scale, jnp.float32)
     if num_tokens == 0 or num_rows == 0:
         return jnp.zeros_like(q)
     sm_scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else float(sm_scale)
-    return _ref(q, k_pages, v_pages, page_table, cu_q_lens, kv_lens, sm_scale=sm_scale)
+    return _ref(q, k_pages, v_pages, page_table, cu_q_lens, kv_lens, k_scale, v_scale, sm_scale=sm_scale)
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale",))
-def _ref(q, k_pages, v_pages, page_table, cu_q_lens, kv_lens, *, sm_scale):
+def _ref(q, k_pages, v_pages, page_table, cu_q_lens, kv_lens, k_scale, v_scale, *, sm_scale):
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads, _, page_size, _ = k_pages.shape
     num_rows, max_pages = page_table.shape
@@ -443,10 +442,10 @@ def _ref(q, k_pages, v_pages, page_table, cu_q_lens, kv_lens, *, sm_scale):
     def one_token(args):  # q [Hq, D], its row, position, kv_len, realness
         qt, r, p, n, ok = args
         vis = (kpos <= p) & (kpos < n) & ok  # [L]
-        def gather(pages):  # [Hkv, P, S, D] -> [Hkv, L, D], invisible slots zeroed
-            x = pages[:, page_table[r]].reshape(num_kv_heads, capacity, head_dim)
-            return jnp.where(vis[None, :, None], x.astype(jnp.float32), 0.0)
-        k, v = gather(k_pages), gather(v_pages)
+        def gather(pages, scale):  # [Hkv, P, S, D] -> [Hkv, L, D] fp32, invisible slots zeroed
+            x = gather_pages(pages, scale, page_table[r]).reshape(num_kv_heads, capacity, head_dim)
+            return jnp.where(vis[None, :, None], x, 0.0)
+        k, v = gather(k_pages, k_scale), gather(v_pages, v_scale)
         qf = qt.astype(jnp.float32).reshape(num_kv_heads, group, head_dim)
         s = jnp.einsum("hgd,hld->hgl", qf, k, precision=hi) * sm_scale
         s = jnp.where(vis, s, -jnp.inf)

@@ -224,3 +224,25 @@ def test_quantized_splice_refuses_uncompressed_pages():
     z = jnp.zeros((1,), jnp.int32)
     with pytest.raises(ValueError, match="k_scale / v_scale|k_pages.dtype"):
         splice_kv_quantized(k, v, None, None, z, z + 8, z, jnp.ones((D // 2,), jnp.float32), interpret=True)
+
+
+@pytest.mark.parametrize("kv", KV)
+def test_float16_queries_keep_small_values_on_compressed_pages(kv):
+    """float16 models: the PV weights p * v_scale of small V values would underflow float16; the kernels
+    run that dot in bfloat16 (the codes are exact in it)."""
+    k, v = pages(2, key=13)
+    v = v * 1e-4
+    (kq, ks), (vq, vs) = quantize_kv(k, kv), quantize_kv(v, kv)
+    q = jax.random.normal(jax.random.PRNGKey(14), (3, 8, D)).astype(jnp.float16)
+    table = jnp.array([[1, 2, 3, 4, 5], [6, 7, 0, 0, 0], [8, 9, 10, 11, 12]], jnp.int32)
+    lens = jnp.array([33, 9, 40], jnp.int32)
+
+    def rel(out, ref):
+        out, ref = np.asarray(out, np.float32), np.asarray(ref, np.float32)
+        return float(np.max(np.abs(out - ref)) / np.max(np.abs(ref)))
+    out = paged_decode_attention(q, kq, vq, table, lens, k_scale=ks, v_scale=vs, interpret=True)
+    assert rel(out, paged_decode_attention_ref(q, kq, vq, table, lens, k_scale=ks, v_scale=vs)) < 5e-3
+    cu, kvl = jnp.array([0, 4, 5, 9], jnp.int32), jnp.array([33, 9, 37], jnp.int32)
+    qr = jax.random.normal(jax.random.PRNGKey(15), (9, 8, D)).astype(jnp.float16)
+    out = ragged_paged_attention(qr, kq, vq, table, cu, kvl, k_scale=ks, v_scale=vs, interpret=True)
+    assert rel(out, ragged_paged_attention_ref(qr, kq, vq, table, cu, kvl, k_scale=ks, v_scale=vs)) < 5e-3
