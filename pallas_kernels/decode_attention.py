@@ -253,8 +253,8 @@ def paged_decode_attention(
     page_table = page_table.astype(jnp.int32)
 
     kernel = functools.partial(
-        _decode_kernel, quantized=quantized, fold_scales=fold_scales, k_major=k_major, group=g, page_size=s, block_tokens=block_tokens,
-        num_splits=num_splits, max_pages=max_pages, scale_log2=float(sm_scale) * _LOG2E)
+        _decode_kernel, quantized=quantized, fold_scales=fold_scales, k_major=k_major, group=g, page_size=s,
+        block_tokens=block_tokens, num_splits=num_splits, max_pages=max_pages, scale_log2=float(sm_scale) * _LOG2E)
     in_specs = [
         pl.BlockSpec((b,), lambda i, j, k: (0,)),  # lengths: whole
         pl.BlockSpec((None, max_pages), lambda i, j, k: (i, 0)),  # page-table row

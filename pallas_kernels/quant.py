@@ -16,8 +16,8 @@ touches the ``[rows, BK]`` scores and probabilities instead of the ``[BK, D]`` K
 convert-then-dot is the mixed-precision pattern Triton pipelines.  Measured on an H200 (bench/NOTES.md):
 int8 decode at batch 32 over 16k went from 1026 us (scales on the rows) to 684 us, level with bf16
 pages; at batch 32-128 the kernel still reaches only 28-67% of the bandwidth ceiling on 1-byte pages
-(bf16 pages: 55-98%).  ``fold_scores`` / ``fold_probs``
-are those two multiplies; ``dequantize_rows`` (scales on the rows) is kept for comparison.
+(bf16 pages: 55-98%).  ``fold_scores`` / ``fold_probs`` are those two multiplies; ``dequantize_rows``
+(scales on the rows) is kept for comparison.
 
 ``pack_block`` / ``unpack_block`` carry a block of quantized pages and its scales as one uint8
 array (the scale's 4 bytes appended to each row of D), the form the tiers and snapshots move.

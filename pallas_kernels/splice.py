@@ -32,6 +32,7 @@ jit that donates the pages the update is in place and only ``N`` rows per head m
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -99,10 +100,35 @@ def auto_blocking(n: int, num_layers: int, hkv: int) -> tuple[int, int]:
     return t, hpp
 
 
-def entry_block(src_ref, dst_ref, shift_ref, inv_freq_ref, num_slots: int, *, n: int, block: int):
-    """Program ``pl.program_id(0)``'s ``T = block`` entries: ``(src, dst, active, shift)`` ``[T]`` and
-    the rotation's ``cos``, ``sin`` ``[T, D/2]`` fp32.  Sources are clamped into the pages (never read
-    out of bounds); entries past ``n`` or with a bad destination are inactive (traced bad slots are
+def launch_knobs(n: int, num_layers: int, hkv: int, d: int, block_tokens, heads_per_program, interpret):
+    """(block_tokens, heads_per_program, interpret) of a splice call: the defaults filled in
+    (``auto_blocking``, the backend's interpret mode) and the values checked."""
+    common.check_power_of_two("head_dim // 2", d // 2)
+    t, hpp = auto_blocking(n, num_layers, hkv)
+    block_tokens = block_tokens or t
+    heads_per_program = heads_per_program or hpp
+    common.check_power_of_two("block_tokens", block_tokens)
+    if hkv % heads_per_program:
+        common._fail("heads_per_program", heads_per_program, f"a divisor of Hkv={hkv}")
+    return block_tokens, heads_per_program, common.default_interpret() if interpret is None else interpret
+
+
+class Entries(NamedTuple):
+    """One program's ``T`` splice entries, as both splice kernels index the pages with them."""
+    src: jax.Array  # [T] source slots, clamped into the pages
+    dst: jax.Array  # [T] destination slots (an inactive entry's own source)
+    active: jax.Array  # [T] bool
+    keep: jax.Array  # [T] bool: shift == 0, a bit-exact copy
+    cos: jax.Array  # [T, D/2] fp32
+    sin: jax.Array  # [T, D/2] fp32
+    lo: jax.Array  # [1, D/2] columns of the first half
+    hi: jax.Array  # [1, D/2] columns of the second half
+    full: jax.Array  # [1, D] every column
+
+
+def entry_block(src_ref, dst_ref, shift_ref, inv_freq_ref, num_slots: int, *, n: int, block: int) -> Entries:
+    """Program ``pl.program_id(0)``'s ``T = block`` entries.  Sources are clamped into the pages (never
+    read out of bounds); entries past ``n`` or with a bad destination are inactive (traced bad slots are
     skipped), and point their destination at their own source: inactive lanes are masked on the GPU,
     but in interpret mode a masked lane rewrites the old value of its address, so it must never be a
     destination."""
@@ -115,7 +141,10 @@ def entry_block(src_ref, dst_ref, shift_ref, inv_freq_ref, num_slots: int, *, n:
     dst = jnp.where(active, dst, src)
     shift = shift_ref[r]
     angle = shift.astype(jnp.float32)[:, None] * inv_freq_ref[...][None, :]  # [T, D/2]
-    return src, dst, active, shift, jnp.cos(angle), jnp.sin(angle)
+    d2 = inv_freq_ref.shape[0]
+    lo = jnp.arange(d2, dtype=jnp.int32)[None, :]
+    return Entries(src, dst, active, shift == 0, jnp.cos(angle), jnp.sin(angle), lo, lo + d2,
+                   jnp.arange(2 * d2, dtype=jnp.int32)[None, :])
 
 
 def _splice_kernel(
@@ -133,26 +162,20 @@ def _splice_kernel(
     heads_per_program: int,
 ):
     hg = pl.program_id(2)
-    src, dst, active, shift, cos, sin = entry_block(src_ref, dst_ref, shift_ref, inv_freq_ref,
-                                                    k_in_ref.shape[1], n=n, block=block)
-    keep = (shift == 0)[:, None]  # [T, 1] bit-exact copy
-    d2 = inv_freq_ref.shape[0]
-    lo = jnp.arange(d2, dtype=jnp.int32)[None, :]  # [1, D/2]
-    hi = lo + d2
-    full = jnp.arange(2 * d2, dtype=jnp.int32)[None, :]  # [1, D]
-    s_, d_ = src[:, None], dst[:, None]  # [T, 1]
-    mask = active[:, None]
+    e = entry_block(src_ref, dst_ref, shift_ref, inv_freq_ref, k_in_ref.shape[1], n=n, block=block)
+    keep = e.keep[:, None]  # [T, 1] bit-exact copy
+    s_, d_, mask = e.src[:, None], e.dst[:, None], e.active[:, None]  # [T, 1]
 
     def head(j, carry):
         h = hg * heads_per_program + j
-        x1 = k_in_ref[h, s_, lo]  # [T, D/2] page dtype
-        x2 = k_in_ref[h, s_, hi]
+        x1 = k_in_ref[h, s_, e.lo]  # [T, D/2] page dtype
+        x2 = k_in_ref[h, s_, e.hi]
         f1, f2 = x1.astype(jnp.float32), x2.astype(jnp.float32)
-        y1 = jnp.where(keep, x1, (f1 * cos - f2 * sin).astype(x1.dtype))
-        y2 = jnp.where(keep, x2, (f2 * cos + f1 * sin).astype(x2.dtype))
-        plt.store(k_out_ref.at[h, d_, lo], y1, mask=mask)
-        plt.store(k_out_ref.at[h, d_, hi], y2, mask=mask)
-        plt.store(v_out_ref.at[h, d_, full], v_in_ref[h, s_, full], mask=mask)
+        y1 = jnp.where(keep, x1, (f1 * e.cos - f2 * e.sin).astype(x1.dtype))
+        y2 = jnp.where(keep, x2, (f2 * e.cos + f1 * e.sin).astype(x2.dtype))
+        plt.store(k_out_ref.at[h, d_, e.lo], y1, mask=mask)
+        plt.store(k_out_ref.at[h, d_, e.hi], y2, mask=mask)
+        plt.store(v_out_ref.at[h, d_, e.full], v_in_ref[h, s_, e.full], mask=mask)
         return carry
 
     lax.fori_loop(0, heads_per_program, head, 0)
@@ -206,15 +229,8 @@ def splice_kv(
                                                       shift, inv_freq)
     if n == 0:
         return k_pages, v_pages
-    common.check_power_of_two("head_dim // 2", d // 2)
-    t, hpp = auto_blocking(n, num_layers, hkv)
-    block_tokens = block_tokens or t
-    heads_per_program = heads_per_program or hpp
-    common.check_power_of_two("block_tokens", block_tokens)
-    if hkv % heads_per_program:
-        common._fail("heads_per_program", heads_per_program, f"a divisor of Hkv={hkv}")
-    if interpret is None:
-        interpret = common.default_interpret()
+    block_tokens, heads_per_program, interpret = launch_knobs(n, num_layers, hkv, d, block_tokens,
+                                                              heads_per_program, interpret)
     return _splice_call(k_pages, v_pages, src_slots, dst_slots, shift, inv_freq,
                         block=block_tokens, heads_per_program=heads_per_program,
                         num_warps=num_warps, num_stages=num_stages, interpret=interpret)

@@ -28,7 +28,7 @@ from jax.experimental.pallas import triton as plt
 
 from pallas_kernels import common
 from pallas_kernels.quant import codes, dequantize_kv, quantize_kv, scale_for
-from pallas_kernels.splice import auto_blocking, check_splice_inputs, entry_block, rope_rotate_ref
+from pallas_kernels.splice import check_splice_inputs, entry_block, launch_knobs, rope_rotate_ref
 
 
 def _check_scales(k_pages, k_scale, v_scale):
@@ -50,31 +50,25 @@ def _splice_quantized_kernel(
     heads_per_program: int,
 ):
     hg = pl.program_id(2)
-    src, dst, active, shift, cos, sin = entry_block(src_ref, dst_ref, shift_ref, inv_freq_ref,
-                                                    k_in_ref.shape[1], n=n, block=block)
-    keep = shift == 0  # [T] bit-exact copy
-    d2 = inv_freq_ref.shape[0]
-    lo = jnp.arange(d2, dtype=jnp.int32)[None, :]
-    hi = lo + d2
-    full = jnp.arange(2 * d2, dtype=jnp.int32)[None, :]
-    s_, d_ = src[:, None], dst[:, None]
-    mask = active[:, None]
+    e = entry_block(src_ref, dst_ref, shift_ref, inv_freq_ref, k_in_ref.shape[1], n=n, block=block)
+    s_, d_, mask = e.src[:, None], e.dst[:, None], e.active[:, None]  # [T, 1]
 
     def head(j, carry):
         h = hg * heads_per_program + j
-        x1, x2 = k_in_ref[h, s_, lo], k_in_ref[h, s_, hi]  # [T, D/2] codes
-        sc = ks_in_ref[h, src]  # [T]
+        x1, x2 = k_in_ref[h, s_, e.lo], k_in_ref[h, s_, e.hi]  # [T, D/2] codes
+        sc = ks_in_ref[h, e.src]  # [T]
         f1 = x1.astype(jnp.float32) * sc[:, None]
         f2 = x2.astype(jnp.float32) * sc[:, None]
-        y1, y2 = f1 * cos - f2 * sin, f2 * cos + f1 * sin  # rotated, fp32
+        y1, y2 = f1 * e.cos - f2 * e.sin, f2 * e.cos + f1 * e.sin  # rotated, fp32
         amax = jnp.maximum(jnp.max(jnp.abs(y1), axis=1), jnp.max(jnp.abs(y2), axis=1))  # [T]
         new = scale_for(amax, x1.dtype)
         q1, q2 = codes(y1 / new[:, None], x1.dtype), codes(y2 / new[:, None], x1.dtype)
-        plt.store(k_out_ref.at[h, d_, lo], jnp.where(keep[:, None], x1, q1), mask=mask)
-        plt.store(k_out_ref.at[h, d_, hi], jnp.where(keep[:, None], x2, q2), mask=mask)
-        plt.store(ks_out_ref.at[h, dst], jnp.where(keep, sc, new), mask=active)
-        plt.store(v_out_ref.at[h, d_, full], v_in_ref[h, s_, full], mask=mask)
-        plt.store(vs_out_ref.at[h, dst], vs_in_ref[h, src], mask=active)
+        keep = e.keep[:, None]
+        plt.store(k_out_ref.at[h, d_, e.lo], jnp.where(keep, x1, q1), mask=mask)
+        plt.store(k_out_ref.at[h, d_, e.hi], jnp.where(keep, x2, q2), mask=mask)
+        plt.store(ks_out_ref.at[h, e.dst], jnp.where(e.keep, sc, new), mask=e.active)
+        plt.store(v_out_ref.at[h, d_, e.full], v_in_ref[h, s_, e.full], mask=mask)
+        plt.store(vs_out_ref.at[h, e.dst], vs_in_ref[h, e.src], mask=e.active)
         return carry
 
     lax.fori_loop(0, heads_per_program, head, 0)
@@ -133,15 +127,8 @@ def splice_kv_quantized(
     _check_scales(k_pages, k_scale, v_scale)
     if n == 0:
         return k_pages, v_pages, k_scale, v_scale
-    common.check_power_of_two("head_dim // 2", d // 2)
-    t, hpp = auto_blocking(n, 1, hkv)
-    block_tokens = block_tokens or t
-    heads_per_program = heads_per_program or hpp
-    common.check_power_of_two("block_tokens", block_tokens)
-    if hkv % heads_per_program:
-        common._fail("heads_per_program", heads_per_program, f"a divisor of Hkv={hkv}")
-    if interpret is None:
-        interpret = common.default_interpret()
+    block_tokens, heads_per_program, interpret = launch_knobs(n, 1, hkv, d, block_tokens, heads_per_program,
+                                                              interpret)
     return _call(k_pages, v_pages, k_scale, v_scale, src_slots, dst_slots, shift, inv_freq,
                  block=block_tokens, heads_per_program=heads_per_program, num_warps=num_warps,
                  num_stages=num_stages, interpret=interpret)
