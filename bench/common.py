@@ -164,10 +164,11 @@ def pct(xs, p):
 
 
 def kv_token_bytes(cfg, kv_dtype: str | None = None) -> int:
-    """KV bytes of one token: K and V of every layer; a compressed ``kv_dtype`` (int8 / float8_e4m3fn)
-    stores one byte per value plus a float32 scale per (token, kv head) (pallas_kernels/quant.py)."""
-    row = cfg.head_dim * 2 if kv_dtype in (None, "bfloat16") else cfg.head_dim + 4
-    return 2 * cfg.num_layers * cfg.num_kv_heads * row
+    """KV bytes of one token, K and V of every layer, as the engine stores them (``kv_cache.page_bytes``:
+    a compressed ``kv_dtype`` holds one byte per value plus a float32 scale per row); None: bf16."""
+    from inferscale_jax.kv_cache import page_bytes
+
+    return page_bytes(cfg, 1, kv_dtype or "bfloat16")
 
 
 def greedy(max_tokens: int):
