@@ -26,6 +26,8 @@ b. Quality, end to end: an engine per KV dtype over the same weights (``--model`
 
 c. Injection modes: compose and blend against exact (exact with bf16 KV the reference) over 3
    segments of 1k + a 32-token question, for each KV dtype: greedy agreement and KL.
+v. A layout experiment: V pages stored token-contiguous ([Hkv, P, D, S], one page per block) vs the
+   usual [S, D], bf16 / int8 / fp8 at pages of 64 and 128 tokens (``v_transposed`` of the decode kernel).
 s. The quantized splice's added error (keys dequantized, re-rotated, quantized again) against quantizing
    the rotated key once, on random keys with outliers and, with ``--model``, a trained model's keys.
 
@@ -242,6 +244,60 @@ def splice_check(args, hkv, d, s, interp):
            "K max diff (rel)"], rows)
 
 
+@section
+def v_layout(args):
+    """Section v: V pages token-contiguous ([Hkv, P, D, S], one page per block) against the usual layout at
+    the same page size: does a 1-byte V operand contiguous along the PV dot's contraction close the gap?"""
+    from pallas_kernels.decode_attention import paged_decode_attention, paged_decode_attention_ref
+    from pallas_kernels.quant import quantize_kv
+
+    interp = jax.default_backend() != "gpu"
+    hq, hkv, d = (8, 2, 16) if args.quick else (32, 8, 128)
+    bw = R.get("bw") or ceiling(args.quick)
+    shapes = [(4, 128)] if args.quick else [(32, 16384), (128, 4096)]
+    page_sizes = (16, 32) if args.quick else (64, 128)
+    rows = []
+    for b, ctx in shapes:
+        for s in page_sizes:
+            per = ctx // s
+            k, v = pages(hkv, b * per + 1, s, d, jax.random.PRNGKey(b + ctx + s))
+            q = jax.random.normal(jax.random.PRNGKey(1), (b, hq, d)).astype(jnp.bfloat16)
+            tbl = (1 + jnp.arange(b * per, dtype=jnp.int32)).reshape(b, per)
+            lens = jnp.full((b,), ctx, jnp.int32)
+            c = min(b, 8)
+            base = None
+            for name in ("bfloat16",) + KV_DTYPES:
+                if name == "bfloat16":
+                    kp, vp, arrays, row = k, v, {}, d * 2
+                else:
+                    (kp, ks), (vp, vs) = quantize_kv(k, jnp.dtype(name)), quantize_kv(v, jnp.dtype(name))
+                    arrays, row = dict(k_scale=ks, v_scale=vs), d + 4
+                own = paged_decode_attention_ref(q[:c], kp, vp, tbl[:c], lens[:c], **arrays).astype(jnp.float32)
+                for vt, knobs in ((False, {}), (True, {}), (True, dict(num_stages=3))):
+                    vin = jnp.swapaxes(vp, -1, -2) if vt else vp
+                    static = dict(pages_per_block=1, v_transposed=vt, **knobs)
+                    f = jax.jit(lambda q, kp, vp, tbl, lens, arrays, static=static: paged_decode_attention(
+                        q, kp, vp, tbl, lens, interpret=interp, **arrays, **static))
+                    try:
+                        t = timeit(lambda: f(q, kp, vin, tbl, lens, arrays), 3 if args.quick else 50)
+                        out = f(q, kp, vin, tbl, lens, arrays)[:c].astype(jnp.float32)
+                    except Exception as exc:  # a lowering gap on the GPU: report it, keep the others
+                        log(f"  v layout B={b} ctx={ctx} S={s} {name} vt={vt}: FAILED {type(exc).__name__}: {exc}"[:600])
+                        FAILURES.append(f"section v: {name} S={s} v_transposed={vt} failed")
+                        continue
+                    kerr = float(jnp.max(jnp.abs(out - own)) / jnp.max(jnp.abs(own)))
+                    nbytes = 2 * b * ctx * hkv * row
+                    base = base or t
+                    label = f"{name}, V {'[D, S]' if vt else '[S, D]'}" + "".join(f", {kk} {vv}" for kk, vv in knobs.items())
+                    rows.append([f"B={b} ctx={ctx} page {s}", label, f"{t * 1e6:.1f}", f"{nbytes / t / 1e9:.0f}",
+                                 f"{nbytes / t / bw:.0%}", f"{base / t:.2f}", f"{kerr:.1e}"])
+                    log(f"  v layout B={b} ctx={ctx} S={s} {label}: {t * 1e6:.1f} us ({nbytes / t / bw:.0%}), err {kerr:.1e}")
+            del k, v
+    table("v. V layout on compressed pages: token-contiguous V pages ([D, S] per page) vs the usual [S, D], one "
+          "page per block (decode kernel, 32 q / 8 kv heads, d=128)",
+          ["shape", "pages", "us", "GB/s", "of ceiling", "speed-up vs bf16 [S, D]", "kernel rel err vs its ref"], rows)
+
+
 def kl_and_agreement(ref, out):
     """(greedy agreement fraction, mean KL over the shared prefix) from two outputs' top-k logprobs."""
     n = len(ref.token_ids)
@@ -453,6 +509,8 @@ def main():
         modes_quality(args)
     if "s" in args.sections:
         splice_error(args)
+    if "v" in args.sections:
+        v_layout(args)
     finish(args.out, args.name, "Compressed KV benchmark", t0, ROOT)
 
 

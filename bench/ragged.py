@@ -305,17 +305,24 @@ def mixed(args):
 
 # ---------------------------------------------------------------- tune
 
+TUNE_SHAPES = {  # name -> step: (new tokens, kv length) per sequence
+    "prefill": [(2048, 16384)],
+    "decode": [(1, 4095)] * 256,
+    "mixed": [(1, 4095)] * 63 + [(512, 4096)],
+    "q64": [(64, 16384)],  # a question over an injected 16k segment (the engine's TTFT case)
+    "q256": [(256, 16384)],
+}
+
+
 @section
 def tune(args):
-    """Knob sweep on three shapes: best 4 (warps, stages, block_kv, tile rows) per shape."""
+    """Knob sweep on ``--tune-shapes`` (TUNE_SHAPES): best 4 (warps, stages, block_kv, tile rows) per shape."""
     hq, hkv = (4, 2) if args.quick else (HQ, HKV)
     g = hq // hkv
     if args.quick:
         shapes = [("mixed 3+16", [(1, 63)] * 3 + [(16, 64)])]
     else:
-        shapes = [("prefill 2048/16k", [(2048, 16384)]),
-                  ("decode 256/4k", [(1, 4095)] * 256),
-                  ("mixed 63+512/4k", [(1, 4095)] * 63 + [(512, 4096)])]
+        shapes = [(n, TUNE_SHAPES[n]) for n in args.tune_shapes.split(",")]
     knobs = [(w, st, bkv, rws) for w in (4, 8) for st in (2, 3) for bkv in (32, 64)
              for rws in (64, 128)]
     if args.quick:
@@ -384,6 +391,8 @@ def main():
     ap.add_argument("--quick", action="store_true", help="tiny shapes (works on CPU)")
     ap.add_argument("--tune", action="store_true", help="also sweep the knobs")
     ap.add_argument("--sections", default="0123", help="subset of 0,1,2,3 to run")
+    ap.add_argument("--tune-shapes", default="prefill,decode,mixed",
+                    help=f"--tune: the shapes swept, comma separated, of {','.join(TUNE_SHAPES)}")
     ap.add_argument("--reps", type=int, default=None)
     argv = sys.argv[1:]
     args = ap.parse_args()

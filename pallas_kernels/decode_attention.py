@@ -94,12 +94,13 @@ def _decode_kernel(
     page_table_ref,  # [max_pages] int32 (row b)
     q_ref,  # [Gp, D] (rows >= G are out of bounds: masked)
     k_ref,  # [P*S, D] (head h, all pages)
-    v_ref,  # [P*S, D]
+    v_ref,  # [P*S, D], or [P, D, S] with v_transposed (one page per block)
     *refs,  # (ks_ref, vs_ref [P*S] fp32 when quantized), o_ref [Gp, D] (final out) or [Gp, D] fp32
     #         partial, then () or (lse2_ref [Gp],) with the final out, or (m_ref [Gp], l_ref [Gp]) fp32
     quantized: bool,
     fold_scales: bool,
     k_major: bool,
+    v_transposed: bool,
     group: int,
     page_size: int,
     block_tokens: int,
@@ -138,11 +139,15 @@ def _decode_kernel(
         page = jnp.clip(page_table_ref[page_idx], 0, num_pages - 1)  # a bad id cannot fault
         return lax.shift_left(page, log2_s) + (tok & (page_size - 1))
 
+    def page_of(i):  # v_transposed: the one page of block i (a scalar)
+        idx = jnp.minimum(lax.shift_right_logical(tok_start, log2_s) + i, max_pages - 1)
+        return jnp.clip(page_table_ref[idx], 0, num_pages - 1)
+
     def body(i, carry):
-        o, m, l, slot = carry  # [Gp, D], [Gp], [Gp] fp32; [BK] int32 slots of block i
+        o, m, l, slot, page = carry  # [Gp, D], [Gp], [Gp] fp32; block i's [BK] slots and (v_transposed) page
         valid = tok_start + i * block_tokens + offs < length  # [BK]
         k = k_ref[slot]  # [BK, D] gathered from up to pages_per_block pages
-        v = v_ref[slot]  # [BK, D]
+        v = v_ref[page, :, :] if v_transposed else v_ref[slot]  # [D, BK] / [BK, D]
         folded = quantized and fold_scales
         if folded:  # compressed pages: exact convert; the scales multiply scores and probs (quant.py)
             ks, vs = ks_ref[slot], vs_ref[slot]
@@ -152,6 +157,7 @@ def _decode_kernel(
         # Prefetch: the next block's page ids load alongside this block's K/V, so the
         # page-table read is off the critical path (no dependent load inside an iteration).
         next_slot = slots_of(i + 1)
+        next_page = page_of(i + 1) if v_transposed else page
         if k_major:  # K as the dot's row operand (untransposed), the [BK, Gp] result transposed back
             logits = lax.dot_general(k, q, (((1,), (1,)), ((), ())), precision=prec,
                                      preferred_element_type=jnp.float32).T  # [Gp, BK]
@@ -165,17 +171,19 @@ def _decode_kernel(
         p = jnp.exp2(logits - m_new[:, None])  # [Gp, BK]
         corr = jnp.exp2(m - m_new)  # [Gp]
         l_new = l * corr + jnp.sum(p, axis=1)
-        v = jnp.where(valid[:, None], v, jnp.zeros_like(v))  # stale/NaN slots must not leak
+        # stale/NaN slots must not leak
+        v = jnp.where(valid[None, :] if v_transposed else valid[:, None], v, jnp.zeros_like(v))
         w = fold_probs(p, vs, valid) if folded else p
-        pv = lax.dot_general(w.astype(v.dtype), v, (((1,), (0,)), ((), ())), precision=prec,
-                             preferred_element_type=jnp.float32)  # [Gp, D]
-        return o * corr[:, None] + pv, m_new, l_new, next_slot
+        pv = lax.dot_general(w.astype(v.dtype), v, (((1,), (1 if v_transposed else 0,)), ((), ())),
+                             precision=prec, preferred_element_type=jnp.float32)  # [Gp, D]
+        return o * corr[:, None] + pv, m_new, l_new, next_slot, next_page
 
     init = (jnp.zeros((gp, d), jnp.float32),
             jnp.full((gp,), _M_INIT, jnp.float32),
             jnp.zeros((gp,), jnp.float32),
-            slots_of(0))
-    o, m, l, _ = lax.fori_loop(0, num_iters, body, init)
+            slots_of(0),
+            page_of(0) if v_transposed else jnp.int32(0))
+    o, m, l, _, _ = lax.fori_loop(0, num_iters, body, init)
 
     if len(stat_refs) == 2:  # partial result of one split
         m_ref, l_ref = stat_refs
@@ -193,7 +201,8 @@ def _decode_kernel(
 @functools.partial(
     jax.jit,
     static_argnames=("sm_scale", "num_splits", "pages_per_block", "num_warps",
-                     "num_stages", "interpret", "return_lse", "fold_scales", "k_major"))
+                     "num_stages", "interpret", "return_lse", "fold_scales", "k_major",
+                     "v_transposed"))
 def paged_decode_attention(
     q: jax.Array,  # [B, Hq, D]
     k_pages: jax.Array,  # [Hkv, P, S, D]
@@ -212,6 +221,7 @@ def paged_decode_attention(
     v_scale: jax.Array | None = None,
     fold_scales: bool = True,
     k_major: bool = False,
+    v_transposed: bool = False,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:  # [B, Hq, D], dtype of q (+ lse [B, Hq] fp32)
     """Attention of one query token per sequence over its paged KV cache (see module doc).
 
@@ -222,16 +232,29 @@ def paged_decode_attention(
     scores and probabilities (``fold_scales``, quant.py); ``fold_scales=False`` multiplies the rows
     instead (kept to compare the two on the GPU: ``bench/kv_dtype.py``).  ``k_major=True`` computes the
     scores as ``k @ q^T`` (K the untransposed row operand, as a 1-byte tile's conversion may prefer; a
-    knob to measure, bench/NOTES.md), the same values.
+    knob to measure, bench/NOTES.md), the same values.  ``v_transposed=True`` takes ``v_pages`` as
+    ``[Hkv, P, D, S]`` (each page's V stored token-contiguous, so the PV dot's operand is contiguous along
+    its contraction, as K's is) and needs one page per block: a layout experiment for 1-byte pages
+    (``bench/kv_dtype.py`` section v), not the engine's layout.
     """
-    b, hq, hkv, g, p, s, d, max_pages = check_decode_inputs(q, k_pages, v_pages, page_table,
+    v_rows = v_pages
+    if v_transposed:  # validate as the usual layout; the kernel reads the transposed one
+        if v_pages.ndim != 4 or v_pages.shape != k_pages.shape[:2] + k_pages.shape[:1:-1]:
+            common._fail("v_pages.shape", v_pages.shape, f"[Hkv, P, D, S] = {k_pages.shape[:2] + k_pages.shape[:1:-1]} "
+                         "with v_transposed")
+        v_rows = jax.ShapeDtypeStruct(k_pages.shape, v_pages.dtype)
+    b, hq, hkv, g, p, s, d, max_pages = check_decode_inputs(q, k_pages, v_rows, page_table,
                                                             lengths, k_scale, v_scale)
     quantized = k_scale is not None
     common.check_power_of_two("page_size", s)
     common.check_power_of_two("head_dim", d, common.MIN_DOT_DIM)
     gp = max(common.MIN_DOT_DIM, 1 << (g - 1).bit_length())  # q rows as a power-of-two tile
     if pages_per_block is None:
-        pages_per_block = auto_pages_per_block(s)
+        pages_per_block = 1 if v_transposed else auto_pages_per_block(s)
+    if v_transposed and pages_per_block != 1:
+        common._fail("pages_per_block", pages_per_block, "1 with v_transposed (a block is one page)")
+    if v_transposed and quantized and not fold_scales:
+        common._fail("fold_scales", fold_scales, "True with v_transposed (the rows form scales [BK, D] rows)")
     block_tokens = pages_per_block * s
     common.check_power_of_two("pages_per_block * page_size", block_tokens, common.MIN_DOT_DIM)
     max_blocks = pl.cdiv(max_pages * s, block_tokens)
@@ -248,19 +271,21 @@ def paged_decode_attention(
 
     q4 = q.reshape(b, hkv, g, d)  # [B, Hkv, G, D]
     k2 = k_pages.reshape(hkv, p * s, d)  # [Hkv, P*S, D]
-    v2 = v_pages.reshape(hkv, p * s, d)
+    v2 = v_pages if v_transposed else v_pages.reshape(hkv, p * s, d)
     lengths = lengths.astype(jnp.int32)
     page_table = page_table.astype(jnp.int32)
 
     kernel = functools.partial(
-        _decode_kernel, quantized=quantized, fold_scales=fold_scales, k_major=k_major, group=g, page_size=s,
+        _decode_kernel, quantized=quantized, fold_scales=fold_scales, k_major=k_major, v_transposed=v_transposed,
+        group=g, page_size=s,
         block_tokens=block_tokens, num_splits=num_splits, max_pages=max_pages, scale_log2=float(sm_scale) * _LOG2E)
     in_specs = [
         pl.BlockSpec((b,), lambda i, j, k: (0,)),  # lengths: whole
         pl.BlockSpec((None, max_pages), lambda i, j, k: (i, 0)),  # page-table row
         pl.BlockSpec((None, None, gp, d), lambda i, j, k: (i, j, 0, 0)),  # q group
         pl.BlockSpec((None, p * s, d), lambda i, j, k: (j, 0, 0)),  # all pages of head j
-        pl.BlockSpec((None, p * s, d), lambda i, j, k: (j, 0, 0)),
+        pl.BlockSpec((None, p, d, s), lambda i, j, k: (j, 0, 0, 0)) if v_transposed
+        else pl.BlockSpec((None, p * s, d), lambda i, j, k: (j, 0, 0)),
     ]
     scales = ()
     if quantized:  # each head's [P*S] scales, whole

@@ -246,3 +246,31 @@ def test_float16_queries_keep_small_values_on_compressed_pages(kv):
     qr = jax.random.normal(jax.random.PRNGKey(15), (9, 8, D)).astype(jnp.float16)
     out = ragged_paged_attention(qr, kq, vq, table, cu, kvl, k_scale=ks, v_scale=vs, interpret=True)
     assert rel(out, ragged_paged_attention_ref(qr, kq, vq, table, cu, kvl, k_scale=ks, v_scale=vs)) < 5e-3
+
+
+@pytest.mark.parametrize("kv", KV + [None])
+@pytest.mark.parametrize("splits", [1, 2])
+def test_decode_with_token_contiguous_v_pages(kv, splits):
+    """The layout experiment: V pages stored [Hkv, P, D, S] (one page per block) give the reference's
+    output on the usual layout, over ragged lengths, a partial last page and NaN in unused slots."""
+    s, hkv = 32, 2  # S != D, so a page of the wrong layout is told apart by its shape
+    k1, k2 = jax.random.split(jax.random.PRNGKey(11))
+    k = jax.random.normal(k1, (hkv, 12, s, D)) * jnp.where(jnp.arange(D) < 2, 20.0, 1.0)
+    v = jax.random.normal(k2, (hkv, 12, s, D))
+    table = jnp.array([[1, 2, 3, 4], [5, 6, 0, 0], [7, 8, 9, 10]], jnp.int32)
+    lens = jnp.array([100, 33, 128], jnp.int32)
+    v = v.at[:, 6, 1:].set(jnp.nan)  # row 1 ends one token into its second page: the rest is stale
+    if kv is None:
+        kq, vq, scales = k.astype(jnp.bfloat16), v.astype(jnp.bfloat16), {}
+    else:
+        (kq, ks), (vq, vs) = quantize_kv(k, kv), quantize_kv(v, kv)
+        scales = dict(k_scale=ks, v_scale=vs)
+    q = jax.random.normal(jax.random.PRNGKey(12), (3, 8, D)).astype(jnp.bfloat16)
+    out = paged_decode_attention(q, kq, jnp.swapaxes(vq, -1, -2), table, lens, num_splits=splits,
+                                 v_transposed=True, interpret=True, **scales)
+    close(out, paged_decode_attention_ref(q, kq, jnp.nan_to_num(vq), table, lens, **scales), jnp.bfloat16)
+    with pytest.raises(ValueError, match="pages_per_block"):
+        paged_decode_attention(q, kq, jnp.swapaxes(vq, -1, -2), table, lens, pages_per_block=2,
+                               v_transposed=True, interpret=True, **scales)
+    with pytest.raises(ValueError, match="v_pages.shape"):
+        paged_decode_attention(q, kq, vq, table, lens, v_transposed=True, interpret=True, **scales)
