@@ -50,7 +50,7 @@ from pallas_kernels.kv_write import write_kv, write_kv_pallas, write_kv_quantize
 from pallas_kernels.quant import SCALE_BYTES, dequantize_pages, is_quantized
 from pallas_kernels.ragged_attention import ragged_paged_attention, ragged_paged_attention_ref
 from pallas_kernels.splice import splice_kv, splice_kv_ref
-from pallas_kernels.splice_quantized import splice_kv_quantized_ref
+from pallas_kernels.splice_quantized import splice_kv_quantized, splice_kv_quantized_ref
 from pallas_kernels.tpu import ragged_paged_attention_tpu, splice_kv_tpu, tiling_problem, write_kv_tpu
 
 log = logging.getLogger("inferscale.kv_cache")
@@ -82,12 +82,11 @@ def resolve_impl(requested: str, head_dim: int, page_size: int, dtype, kv_dtype=
 
 
 def splice_fn(impl: str, quantized: bool):
-    """The splice (K/V between slots, K re-rotated) of a cache: compressed pages dequantize, rotate and
-    quantize again (the jnp form: ``splice_kv_quantized``, its one-kernel form, is checked in interpret
-    mode only and joins this path once it has compiled and run on a GPU - bench/NOTES.md), else the
-    impl's kernel or the reference."""
+    """The splice (K/V between slots, K re-rotated) of a cache: the impl's kernel or the reference.
+    Compressed pages dequantize, rotate and quantize again: in one Pallas kernel for "pallas" (on the
+    H200 bit-identical to the jnp form and 1.3x faster, bench/results/kv_dtype.md), else the jnp form."""
     if quantized:
-        return splice_kv_quantized_ref
+        return splice_kv_quantized if impl == "pallas" else splice_kv_quantized_ref
     return {"pallas": splice_kv, "pallas_tpu": splice_kv_tpu}.get(impl, splice_kv_ref)
 
 
