@@ -107,7 +107,9 @@ def kernels(args):
         ref = paged_decode_attention_ref(q[:c], k, v, tbl[:c], lens[:c]).astype(jnp.float32)
         base = None
         variants = [("bfloat16", True, {})] + [(n, True, {}) for n in KV_DTYPES]
-        if (b, ctx) in rows_variant:  # the earlier form, and more warps / stages for the convert
+        if args.knobs:  # only these knob sets, on every page dtype
+            variants += [(n, True, kn) for kn in parse_knobs(args.knobs) for n in ("bfloat16",) + KV_DTYPES]
+        elif (b, ctx) in rows_variant:  # the earlier form, and more warps / stages for the convert
             variants += [(n, False, {}) for n in KV_DTYPES]
             variants += [("int8", True, dict(num_warps=8)), ("int8", True, dict(num_stages=3)),
                          ("int8", True, dict(num_stages=4)), ("int8", True, dict(k_major=True)),
@@ -125,8 +127,15 @@ def kernels(args):
             f = jax.jit(lambda q, kp, vp, tbl, lens, arrays, static=static: paged_decode_attention(
                 q, kp, vp, tbl, lens, interpret=interp, **arrays, **static))
             fn = lambda q, f=f, kp=kp, vp=vp, arrays=arrays, tbl=tbl, lens=lens: f(q, kp, vp, tbl, lens, arrays)  # noqa: E731
-            t = timeit(lambda: fn(q), 3 if args.quick else 50)
-            out = fn(q)[:c].astype(jnp.float32)
+            label = (name if fold or name == "bfloat16" else f"{name}, scales on rows") + \
+                "".join(f", {kk} {vv}" for kk, vv in knobs.items())
+            try:
+                t = timeit(lambda: fn(q), 3 if args.quick else 50)
+                out = fn(q)[:c].astype(jnp.float32)
+            except Exception as exc:  # e.g. a tile past shared memory: report it, time the rest
+                log(f"  decode B={b} ctx={ctx} {label}: FAILED {type(exc).__name__}: {str(exc)[:300]}")
+                rows.append([f"decode B={b} ctx={ctx}", label, "failed", "", "", "", "", ""])
+                continue
             err = float(jnp.max(jnp.abs(out - ref)) / jnp.max(jnp.abs(ref)))
             # the kernel itself: against the reference on the same (compressed) pages
             same = {kk: vv for kk, vv in kw.items() if kk in ("k_scale", "v_scale")}
@@ -134,8 +143,6 @@ def kernels(args):
             kerr = float(jnp.max(jnp.abs(out - own)) / jnp.max(jnp.abs(own)))
             nbytes = 2 * b * ctx * hkv * row
             base = base or t
-            label = (name if fold or name == "bfloat16" else f"{name}, scales on rows") + \
-                "".join(f", {kk} {vv}" for kk, vv in knobs.items())
             rows.append([f"decode B={b} ctx={ctx}", label, f"{t * 1e6:.1f}", f"{nbytes / t / 1e9:.0f}",
                          f"{nbytes / t / bw:.0%}", f"{base / t:.2f}", f"{kerr:.1e}", f"{err:.1e}"])
             log(f"  decode B={b} ctx={ctx} {label}: {t * 1e6:.1f} us ({nbytes / t / bw:.0%} of ceiling), "
@@ -172,6 +179,11 @@ def kernels(args):
            "rel err vs bf16 ref"], rows)
     MD.extend([f"Bandwidth ceiling {bw / 1e9:.0f} GB/s (the larger of a read-only reduction and a copy).", ""])
     write_check(args, hkv, d, s, interp)
+
+
+def parse_knobs(text: str) -> list[dict]:
+    """``--knobs "pages_per_block=16;pages_per_block=16,num_stages=3"`` -> one dict of ints per set."""
+    return [{k: int(v) for k, v in (kv.split("=") for kv in one.split(","))} for one in text.split(";") if one]
 
 
 def write_check(args, hkv, d, s, interp):
@@ -495,6 +507,8 @@ def main():
     ap.add_argument("--corpus-mb", type=float, default=24.0, help="--model: its training's --corpus-mb")
     ap.add_argument("--shapes", default=None, help="section a: only these decode shapes, BxCTX comma separated "
                                                     "(e.g. 32x16384,32x32768), and the write check")
+    ap.add_argument("--knobs", default=None, help="section a: decode kernel knob sets to time on every page dtype "
+                                                   "instead of the built-in variants, e.g. 'pages_per_block=16;num_stages=3'")
     ap.add_argument("--attention-impl", default="auto", choices=["auto", "pallas", "ref"],
                     help="sections b, c: EngineConfig.attention_impl (ref: the jnp references, to tell the "
                          "kernels' error from the quantization's)")
