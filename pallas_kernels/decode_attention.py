@@ -144,10 +144,11 @@ def _decode_kernel(
         return jnp.clip(page_table_ref[idx], 0, num_pages - 1)
 
     def body(i, carry):
-        o, m, l, slot, page = carry  # [Gp, D], [Gp], [Gp] fp32; block i's [BK] slots and (v_transposed) page
+        # [Gp, D], [Gp], [Gp] fp32; block i's [BK] slots; with v_transposed also its page (a scalar)
+        o, m, l, slot, *page = carry
         valid = tok_start + i * block_tokens + offs < length  # [BK]
         k = k_ref[slot]  # [BK, D] gathered from up to pages_per_block pages
-        v = v_ref[page, :, :] if v_transposed else v_ref[slot]  # [D, BK] / [BK, D]
+        v = v_ref[page[0], :, :] if v_transposed else v_ref[slot]  # [D, BK] / [BK, D]
         folded = quantized and fold_scales
         if folded:  # compressed pages: exact convert; the scales multiply scores and probs (quant.py)
             ks, vs = ks_ref[slot], vs_ref[slot]
@@ -157,7 +158,7 @@ def _decode_kernel(
         # Prefetch: the next block's page ids load alongside this block's K/V, so the
         # page-table read is off the critical path (no dependent load inside an iteration).
         next_slot = slots_of(i + 1)
-        next_page = page_of(i + 1) if v_transposed else page
+        next_page = (page_of(i + 1),) if v_transposed else ()
         if k_major:  # K as the dot's row operand (untransposed), the [BK, Gp] result transposed back
             logits = lax.dot_general(k, q, (((1,), (1,)), ((), ())), precision=prec,
                                      preferred_element_type=jnp.float32).T  # [Gp, BK]
@@ -176,14 +177,14 @@ def _decode_kernel(
         w = fold_probs(p, vs, valid) if folded else p
         pv = lax.dot_general(w.astype(v.dtype), v, (((1,), (1 if v_transposed else 0,)), ((), ())),
                              precision=prec, preferred_element_type=jnp.float32)  # [Gp, D]
-        return o * corr[:, None] + pv, m_new, l_new, next_slot, next_page
+        return (o * corr[:, None] + pv, m_new, l_new, next_slot, *next_page)
 
     init = (jnp.zeros((gp, d), jnp.float32),
             jnp.full((gp,), _M_INIT, jnp.float32),
             jnp.zeros((gp,), jnp.float32),
             slots_of(0),
-            page_of(0) if v_transposed else jnp.int32(0))
-    o, m, l, _, _ = lax.fori_loop(0, num_iters, body, init)
+            *((page_of(0),) if v_transposed else ()))
+    o, m, l = lax.fori_loop(0, num_iters, body, init)[:3]
 
     if len(stat_refs) == 2:  # partial result of one split
         m_ref, l_ref = stat_refs
