@@ -48,7 +48,7 @@ sys.path.insert(0, ROOT)
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from common import copy_bandwidth, median, read_bandwidth  # noqa: E402  (bench/common.py)
+from common import back_to_back, copy_bandwidth, read_bandwidth  # noqa: E402  (bench/common.py)
 from report import FAILURES, MD, finish, log, section, table  # noqa: E402  (bench/report.py)
 
 KV_DTYPES = ("int8", "float8_e4m3fn")
@@ -56,14 +56,9 @@ R: dict = {}
 
 
 def timeit(fn, reps):
-    fn()
+    """Seconds per call, calls issued back to back (``common.back_to_back``): reps / 10 samples of 10."""
     jax.block_until_ready(fn())
-    ts = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn())
-        ts.append(time.perf_counter() - t0)
-    return median(ts)
+    return back_to_back(fn, max(3, reps // 10), inner=10)
 
 
 def ceiling(quick):
