@@ -80,7 +80,7 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels import common
 from pallas_kernels.prefill_attention import _LOG2E, _MASK, _PREC, _choose_blocks, _next_pow2
-from pallas_kernels.quant import fold_probs, fold_scores, gather_pages, pv_dtype
+from pallas_kernels.quant import dequantize_rows, fold_probs, fold_scores, gather_pages, pv_dtype
 
 _MIN_SPLIT_KEYS = 256  # kv_splits=None: at least this much KV capacity per split
 _SPLITS_PER_SM = 2  # kv_splits=None: aim for about this many programs per SM
@@ -182,7 +182,7 @@ def _block_meta(cu_q_lens, kv_lens, *, num_tokens, num_blocks, block_q, max_page
 
 
 def _attend(meta, page_table_ref, q_ref, k_ref, v_ref, o_ref, lse_refs, scale_refs, tile, *, group,
-            num_q_heads, page_size, max_pages, num_splits, sm_scale):
+            num_q_heads, page_size, max_pages, num_splits, sm_scale, v_rows):
     """One program's attention with one static tile: (rows, block_q, block_kv, prefetch)."""
     rows, block_q, block_kv, prefetch = tile
     tok0, cnt, pos0, kv_len, pt_off, split, head = meta
@@ -222,7 +222,10 @@ def _attend(meta, page_table_ref, q_ref, k_ref, v_ref, o_ref, lse_refs, scale_re
         v = v_ref[slots, :]
         if scale_refs:  # compressed pages: exact convert; the scales fold into scores and probs (quant.py)
             ks, vs = scale_refs[0][slots], scale_refs[1][slots]
-            k, v = k.astype(q.dtype), v.astype(pv_dtype(q.dtype))
+            k = k.astype(q.dtype)
+            # v_rows: V dequantized in registers (the tile reaches the PV dot as 16-bit rows);
+            # else converted exactly, its scales folded into the probabilities below
+            v = dequantize_rows(v, vs, q.dtype) if v_rows else v.astype(pv_dtype(q.dtype))
         s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=_PREC,
                             preferred_element_type=jnp.float32)  # [M, block_kv] raw scores
         if scale_refs:
@@ -237,7 +240,7 @@ def _attend(meta, page_table_ref, q_ref, k_ref, v_ref, o_ref, lse_refs, scale_re
         alpha = jnp.exp2(m_prev - m_next)
         p = jnp.exp2(s * scale - m_next[:, None])  # one FMA per score
         l_next = l_prev * alpha + p.sum(axis=1)
-        w = fold_probs(p, vs, in_kv) if scale_refs else p
+        w = fold_probs(p, vs, in_kv) if scale_refs and not v_rows else p
         pv = lax.dot_general(w.astype(v.dtype), v, (((1,), (0,)), ((), ())), precision=_PREC,
                              preferred_element_type=jnp.float32)  # [M, D]
         return (acc * alpha[:, None] + pv, m_next, l_next) + ((nxt,) if prefetch else ())
@@ -278,9 +281,9 @@ def _ragged_kernel(meta_ref, page_table_ref, q_ref, k_ref, v_ref, *refs, quantiz
 
 
 @functools.partial(jax.jit, static_argnames=(
-    "sm_scale", "block_q", "tiles", "num_warps", "num_stages", "kv_splits", "interpret"))
+    "sm_scale", "block_q", "tiles", "num_warps", "num_stages", "kv_splits", "interpret", "v_rows"))
 def _ragged(q, k_pages, v_pages, page_table, cu_q_lens, kv_lens, k_scale, v_scale, *, sm_scale, block_q, tiles,
-            num_warps, num_stages, kv_splits, interpret):
+            num_warps, num_stages, kv_splits, interpret, v_rows=False):
     num_tokens, num_q_heads, head_dim = q.shape  # [N, Hq, D]
     num_kv_heads, num_pages, page_size, _ = k_pages.shape  # [Hkv, P, S, D]
     num_rows, max_pages = page_table.shape  # [R, max_pages]
@@ -312,7 +315,7 @@ def _ragged(q, k_pages, v_pages, page_table, cu_q_lens, kv_lens, k_scale, v_scal
     kernel = functools.partial(
         _ragged_kernel, quantized=quantized, num_blocks=num_blocks, tiles=tiles, group=group,
         num_q_heads=num_q_heads, page_size=page_size, max_pages=max_pages,
-        num_splits=kv_splits, sm_scale=sm_scale)
+        num_splits=kv_splits, sm_scale=sm_scale, v_rows=v_rows and quantized)
     outs = pl.pallas_call(
         kernel,
         grid=(kv_splits, num_blocks, num_kv_heads),  # dim 0 varies fastest on launch
@@ -348,11 +351,14 @@ def ragged_paged_attention(
     interpret: bool | None = None,
     k_scale: jax.Array | None = None,
     v_scale: jax.Array | None = None,
+    v_rows: bool = False,
 ) -> jax.Array:  # [N, Hq, D], q.dtype; padding tokens: zeros
     """Causal attention of a flat batch of decode rows and prefill chunks (see module doc).
     Compressed pages (int8 / float8_e4m3fn): ``k_scale`` / ``v_scale [Hkv, P, S]`` float32, each
     gathered tile converted to q's dtype, the scales folded into scores and probabilities
-    (``pallas_kernels/quant.py``).
+    (``pallas_kernels/quant.py``).  ``v_rows=True`` dequantizes the V tile in registers instead (its
+    scales on the rows; a prefill tile serves many query rows, so the multiply is cheap there, and the PV
+    dot then reads a 16-bit operand, not a transposed 1-byte one: a knob to measure, bench/kv_dtype.py).
 
     Knobs are static and default from ``N``, ``G = Hq // Hkv`` and the dtype, as in
     :func:`paged_prefill_attention` with ``N`` as the chunk length (H200 sweep,
@@ -393,7 +399,7 @@ def ragged_paged_attention(
     sm_scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else float(sm_scale)
     return _ragged(q, k_pages, v_pages, page_table, cu_q_lens, kv_lens, k_scale, v_scale, sm_scale=sm_scale,
                    block_q=block_q, tiles=tiles, num_warps=num_warps, num_stages=num_stages,
-                   kv_splits=int(kv_splits), interpret=interpret)
+                   kv_splits=int(kv_splits), interpret=interpret, v_rows=v_rows)
 
 
 def ragged_paged_attention_ref(

@@ -50,8 +50,9 @@ def test_decode_on_compressed_pages(kv, qdtype, hq, hkv, splits, fold, k_major):
 
 
 @pytest.mark.parametrize("kv", KV)
-@pytest.mark.parametrize("qdtype,splits", [(jnp.bfloat16, 1), (jnp.float32, 2)])
-def test_ragged_on_compressed_pages(kv, qdtype, splits):
+@pytest.mark.parametrize("qdtype,splits,v_rows", [(jnp.bfloat16, 1, False), (jnp.float32, 2, False),
+                                                  (jnp.bfloat16, 2, True)])
+def test_ragged_on_compressed_pages(kv, qdtype, splits, v_rows):
     hq, hkv = 8, 2
     k, v = pages(hkv, key=1)
     (kq, ks), (vq, vs) = quantize_kv(k, kv), quantize_kv(v, kv)
@@ -60,7 +61,8 @@ def test_ragged_on_compressed_pages(kv, qdtype, splits):
     kvl = jnp.array([24, 31, 4], jnp.int32)
     table = jnp.array([[1, 2, 3, 0], [4, 5, 6, 7], [8, 0, 0, 0]], jnp.int32)
     q = jax.random.normal(jax.random.PRNGKey(4), (16, hq, D)).astype(qdtype)
-    out = ragged_paged_attention(q, kq, vq, table, cu, kvl, k_scale=ks, v_scale=vs, kv_splits=splits, interpret=True)
+    out = ragged_paged_attention(q, kq, vq, table, cu, kvl, k_scale=ks, v_scale=vs, kv_splits=splits, v_rows=v_rows,
+                                 interpret=True)
     ref = ragged_paged_attention_ref(q, kq, vq, table, cu, kvl, k_scale=ks, v_scale=vs)
     close(out[:14], ref[:14], qdtype)
 
@@ -165,7 +167,7 @@ def test_stale_slots_with_nan_scales_do_not_leak(kv, fold):
         close(out, want, jnp.float32)
     cu, kvl = jnp.array([0, 4, 5, 9], jnp.int32), jnp.array([33, 9, 37], jnp.int32)
     qr = jax.random.normal(jax.random.PRNGKey(10), (9, 8, D))
-    out = ragged_paged_attention(qr, kq, vq, table, cu, kvl, k_scale=ks, v_scale=vs, interpret=True)
+    out = ragged_paged_attention(qr, kq, vq, table, cu, kvl, k_scale=ks, v_scale=vs, v_rows=not fold, interpret=True)
     kq0, ks0 = quantize_kv(k, kv)
     vq0, vs0 = quantize_kv(v, kv)
     close(out, ragged_paged_attention_ref(qr, kq0, vq0, table, cu, kvl, k_scale=ks0, v_scale=vs0), jnp.float32)
