@@ -14,10 +14,11 @@ and goes straight to the tensor cores, and the scales multiply what the dots pro
 ``q . (s_j k_j) = s_j (q . k_j)`` and ``sum_j p_j (s_j v_j) = sum_j (p_j s_j) v_j``.  The multiply then
 touches the ``[rows, BK]`` scores and probabilities instead of the ``[BK, D]`` K and V tiles, and the
 convert-then-dot is the mixed-precision pattern Triton pipelines.  Measured on an H200 (bench/NOTES.md):
-int8 decode at batch 32 over 16k went from 1026 us (scales on the rows) to 684 us, level with bf16
-pages; at batch 32-128 the kernel still reaches only 28-67% of the bandwidth ceiling on 1-byte pages
-(bf16 pages: 55-98%).  ``fold_scores`` / ``fold_probs`` are those two multiplies; ``dequantize_rows``
-(scales on the rows) is kept for comparison.
+int8 decode at batch 32 over 16k went from 1026 us (scales on the rows) to 684 us (both timed one call at
+a time), level with bf16 pages; timed back to back, int8 is 1.00-1.14x of bf16 at batch 32-128: it reads
+half the bytes at about half the bandwidth.  ``fold_scores`` / ``fold_probs`` are those two multiplies;
+``dequantize_rows`` (scales on the rows) is kept for comparison, and the ragged kernel's ``v_rows`` uses
+it for V (a prefill tile serves many query rows).
 
 ``pack_block`` / ``unpack_block`` carry a block of quantized pages and its scales as one uint8
 array (the scale's 4 bytes appended to each row of D), the form the tiers and snapshots move.
