@@ -56,9 +56,10 @@ R: dict = {}
 
 
 def timeit(fn, reps):
-    """Seconds per call, calls issued back to back (``common.back_to_back``): reps / 10 samples of 10."""
+    """Seconds per call, calls issued back to back (``common.back_to_back``): max(3, reps // 10) samples of 10
+    calls (of 2 with ``reps`` < 10, the CPU's interpret mode)."""
     jax.block_until_ready(fn())
-    return back_to_back(fn, max(3, reps // 10), inner=10)
+    return back_to_back(fn, max(3, reps // 10), inner=10 if reps >= 10 else 2)
 
 
 def ceiling(quick):

@@ -188,6 +188,8 @@ def main():
                 continue
             runs.append((dt, sum(len(o.token_ids) for o in outs),
                          float(np.median([o.metrics.ttft_s for o in outs]))))
+        if not runs:  # every timed burst compiled: nothing to report honestly
+            raise RuntimeError("throughput: every timed burst compiled (see the log); no figure recorded")
         dt, toks, ttft = sorted(runs)[len(runs) // 2]  # the median burst
         res["throughput"] = dict(requests=n, output_tokens=toks, seconds=round(dt, 3), bursts=len(runs),
                                  tokens_per_s=round(toks / dt, 1), ttft_p50_ms=round(1e3 * ttft, 1),

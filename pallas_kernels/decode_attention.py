@@ -236,7 +236,8 @@ def paged_decode_attention(
     knob to measure, bench/NOTES.md), the same values.  ``v_transposed=True`` takes ``v_pages`` as
     ``[Hkv, P, D, S]`` (each page's V stored token-contiguous, so the PV dot's operand is contiguous along
     its contraction, as K's is) and needs one page per block: a layout experiment for 1-byte pages
-    (``bench/kv_dtype.py`` section v), not the engine's layout.
+    (``bench/kv_dtype.py`` section v), not the engine's layout.  Where ``S == D`` the two layouts have one
+    shape, so the check cannot tell them apart: the caller says which it passes.
     """
     v_rows = v_pages
     if v_transposed:  # validate as the usual layout; the kernel reads the transposed one
