@@ -10,8 +10,8 @@ Usage on the GPU machine (Nsight Compute reads hardware counters on the Firecrac
 
 ``python bench/profile_decode.py --quick`` runs the harness on the CPU (interpret mode).  Each page dtype is
 launched ``--launches`` times (the first compiles), bf16 first, then int8, at one shape (B=32 over 16k by
-default; ``--batch`` / ``--ctx``): with ``--launch-skip 1 --launch-count 4`` ncu captures bf16 launches 2-3 and int8 1-2
-launches.  What to read (bench/NOTES.md): warp stall reasons (long scoreboard = memory, short scoreboard /
+default; ``--batch`` / ``--ctx``): with ``--launch-skip 1 --launch-count 4`` ncu captures bf16's launches 2-3
+and int8's 1-2.  What to read (bench/NOTES.md): warp stall reasons (long scoreboard = memory, short scoreboard /
 MIO = shared memory, math pipe throttle = the convert), achieved occupancy, and in the SASS the count of
 byte-wide shared loads (``LDS.U8``) against ``LDSM`` in the PV dot.
 """
