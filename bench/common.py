@@ -74,6 +74,21 @@ def back_to_back(fn, reps: int = 10, inner: int = 10) -> float:
     return float(np.median(times))
 
 
+def paged_decode_inputs(batch: int, ctx: int, hq: int, hkv: int, d: int, s: int):
+    """(q, k_pages, v_pages, page_table, lengths) of a decode step: ``batch`` sequences of ``ctx`` tokens
+    each on their own consecutive pages (page 0 left as the null page), random bf16 values."""
+    import jax
+    import jax.numpy as jnp
+
+    per = ctx // s
+    k1, k2 = jax.random.split(jax.random.PRNGKey(batch))
+    k = jax.random.normal(k1, (hkv, batch * per + 1, s, d)).astype(jnp.bfloat16)
+    v = jax.random.normal(k2, (hkv, batch * per + 1, s, d)).astype(jnp.bfloat16)
+    q = jax.random.normal(jax.random.PRNGKey(1), (batch, hq, d)).astype(jnp.bfloat16)
+    table = (1 + jnp.arange(batch * per, dtype=jnp.int32)).reshape(batch, per)
+    return q, k, v, table, jnp.full((batch,), ctx, jnp.int32)
+
+
 def read_bandwidth(num_bytes: int = 2 << 30, reps: int = 10) -> float:
     """Bytes/s of reading ``num_bytes`` of bf16 once: the fastest of three float32-accumulating
     reductions (the whole array to a scalar, rows of 4096 to one value each, and the columns of

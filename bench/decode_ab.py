@@ -23,7 +23,7 @@ sys.path.insert(0, ROOT)
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-from common import back_to_back  # noqa: E402  (bench/common.py)
+from common import back_to_back, paged_decode_inputs  # noqa: E402  (bench/common.py)
 
 from pallas_kernels.decode_attention import paged_decode_attention  # noqa: E402
 from pallas_kernels.quant import quantize_kv  # noqa: E402
@@ -43,13 +43,7 @@ def main():
     shapes = [(2, 64)] if args.quick else [(32, 16384), (128, 4096), (32, 32768)]
     interp = jax.default_backend() != "gpu"
     for b, ctx in shapes:
-        per = ctx // s
-        k1, k2 = jax.random.split(jax.random.PRNGKey(b))
-        k = jax.random.normal(k1, (hkv, b * per + 1, s, d)).astype(jnp.bfloat16)
-        v = jax.random.normal(k2, (hkv, b * per + 1, s, d)).astype(jnp.bfloat16)
-        q = jax.random.normal(jax.random.PRNGKey(1), (b, hq, d)).astype(jnp.bfloat16)
-        tbl = (1 + jnp.arange(b * per, dtype=jnp.int32)).reshape(b, per)
-        lens = jnp.full((b,), ctx, jnp.int32)
+        q, k, v, tbl, lens = paged_decode_inputs(b, ctx, hq, hkv, d, s)
         for name in ("bfloat16", "int8"):
             if name == "int8":
                 (kp, ks), (vp, vs) = quantize_kv(k, jnp.int8), quantize_kv(v, jnp.int8)

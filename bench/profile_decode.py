@@ -28,6 +28,8 @@ sys.path.insert(0, ROOT)
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
+from common import paged_decode_inputs  # noqa: E402  (bench/common.py)
+
 from pallas_kernels.decode_attention import paged_decode_attention  # noqa: E402
 from pallas_kernels.quant import quantize_kv  # noqa: E402
 
@@ -41,13 +43,7 @@ def main():
     args = ap.parse_args()
     hq, hkv, d, s = (8, 2, 16, 8) if args.quick else (32, 8, 128, 16)
     b, ctx = (2, 64) if args.quick else (args.batch, args.ctx)
-    per = ctx // s
-    k1, k2 = jax.random.split(jax.random.PRNGKey(0))
-    k = jax.random.normal(k1, (hkv, b * per + 1, s, d)).astype(jnp.bfloat16)
-    v = jax.random.normal(k2, (hkv, b * per + 1, s, d)).astype(jnp.bfloat16)
-    q = jax.random.normal(jax.random.PRNGKey(1), (b, hq, d)).astype(jnp.bfloat16)
-    tbl = (1 + jnp.arange(b * per, dtype=jnp.int32)).reshape(b, per)
-    lens = jnp.full((b,), ctx, jnp.int32)
+    q, k, v, tbl, lens = paged_decode_inputs(b, ctx, hq, hkv, d, s)
     interp = jax.default_backend() != "gpu"
     f = jax.jit(lambda q, kp, vp, sc: paged_decode_attention(q, kp, vp, tbl, lens, interpret=interp, **sc))
     (kq, ks), (vq, vs) = quantize_kv(k, jnp.int8), quantize_kv(v, jnp.int8)

@@ -43,7 +43,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from common import model_config, shape  # noqa: E402  (bench/common.py)
+from common import model_config, shape, timed_reps  # noqa: E402  (bench/common.py)
 from common import read_bandwidth as common_read_bandwidth  # noqa: E402
 from inferscale_jax import Engine, EngineConfig, SamplingParams  # noqa: E402
 from models import init_params  # noqa: E402
@@ -174,22 +174,16 @@ def main():
     if "throughput" in sections:
         n = min(256, e.max_batch)
         sp = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
-        burst = lambda: e.generate_batch([dict(prompt_token_ids=q(), segments=["kb"], sampling=sp)  # noqa: E731
-                                          for _ in range(n)])
-        burst()  # untimed: compiles what the warm-up section (if skipped) did not
-        runs = []
-        for _ in range(1 if args.quick else 3):
-            c0 = e.stats()["compiles"]
+        reqs = lambda: [dict(prompt_token_ids=q(), segments=["kb"], sampling=sp) for _ in range(n)]  # noqa: E731
+        e.generate_batch(reqs())  # untimed: compiles what the warm-up section (if skipped) did not
+
+        def burst():  # (seconds, output tokens, median TTFT) of one burst, its requests built beforehand
+            batch = reqs()
             t = time.perf_counter()
-            outs = burst()
-            dt = time.perf_counter() - t
-            if e.stats()["compiles"] != c0:  # a timed burst must not compile: drop it
-                log("throughput: a burst compiled; dropped")
-                continue
-            runs.append((dt, sum(len(o.token_ids) for o in outs),
-                         float(np.median([o.metrics.ttft_s for o in outs]))))
-        if not runs:  # every timed burst compiled: nothing to report honestly
-            raise RuntimeError("throughput: every timed burst compiled (see the log); no figure recorded")
+            outs = e.generate_batch(batch)
+            return (time.perf_counter() - t, sum(len(o.token_ids) for o in outs),
+                    float(np.median([o.metrics.ttft_s for o in outs])))
+        runs = timed_reps(e, burst, 1 if args.quick else 3, "throughput", log)  # compiling bursts dropped
         dt, toks, ttft = sorted(runs)[len(runs) // 2]  # the median burst
         res["throughput"] = dict(requests=n, output_tokens=toks, seconds=round(dt, 3), bursts=len(runs),
                                  tokens_per_s=round(toks / dt, 1), ttft_p50_ms=round(1e3 * ttft, 1),

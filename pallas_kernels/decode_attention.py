@@ -239,13 +239,13 @@ def paged_decode_attention(
     (``bench/kv_dtype.py`` section v), not the engine's layout.  Where ``S == D`` the two layouts have one
     shape, so the check cannot tell them apart: the caller says which it passes.
     """
-    v_rows = v_pages
+    v_usual = v_pages  # what the checks see: V in the usual layout
     if v_transposed:  # validate as the usual layout; the kernel reads the transposed one
         if v_pages.ndim != 4 or v_pages.shape != k_pages.shape[:2] + k_pages.shape[:1:-1]:
             common._fail("v_pages.shape", v_pages.shape, f"[Hkv, P, D, S] = {k_pages.shape[:2] + k_pages.shape[:1:-1]} "
                          "with v_transposed")
-        v_rows = jax.ShapeDtypeStruct(k_pages.shape, v_pages.dtype)
-    b, hq, hkv, g, p, s, d, max_pages = check_decode_inputs(q, k_pages, v_rows, page_table,
+        v_usual = jax.ShapeDtypeStruct(k_pages.shape, v_pages.dtype)
+    b, hq, hkv, g, p, s, d, max_pages = check_decode_inputs(q, k_pages, v_usual, page_table,
                                                             lengths, k_scale, v_scale)
     quantized = k_scale is not None
     common.check_power_of_two("page_size", s)

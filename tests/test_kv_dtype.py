@@ -107,7 +107,7 @@ def test_clear_errors():
 def test_pallas_kernels_read_compressed_pages_in_the_engine(kv):
     """The Pallas kernels (interpret mode here) dequantize inside: the same tokens as the jnp path, with
     segments injected, a chain, a decode batch, a cascade group (two requests share segment a) and a
-    composed request (segment a's keys re-rotated and requantized at their new place)."""
+    composed request (the quantized splice kernel re-rotates and requantizes segment a's keys at their new place)."""
     def run(impl):
         e = make_engine(kv_dtype=kv, attention_impl=impl, cascade_decode=True)
         e.register_segment("a", token_ids=SEG_A)
