@@ -74,9 +74,45 @@ def pages(hkv, p, s, d, key):
         jax.random.normal(k2, (hkv, p, s, d)).astype(jnp.bfloat16)
 
 
+def decode_case(b, ctx, hq, hkv, s, d, seed):
+    """(q, k, v, page_table, lengths): ``b`` sequences of ``ctx`` tokens on their own pages (page 0 left
+    null), K with outlier channels (``pages``)."""
+    per = ctx // s
+    k, v = pages(hkv, b * per + 1, s, d, jax.random.PRNGKey(seed))
+    q = jax.random.normal(jax.random.PRNGKey(1), (b, hq, d)).astype(jnp.bfloat16)
+    tbl = (1 + jnp.arange(b * per, dtype=jnp.int32)).reshape(b, per)
+    return q, k, v, tbl, jnp.full((b,), ctx, jnp.int32)
+
+
+def pages_as(name, k, v):
+    """(k pages, v pages, scale arrays, bytes of one head-row) of bf16 K/V stored as ``name``."""
+    from pallas_kernels.quant import quantize_kv
+
+    if name == "bfloat16":
+        return k, v, {}, k.shape[-1] * 2
+    (kp, ks), (vp, vs) = quantize_kv(k, jnp.dtype(name)), quantize_kv(v, jnp.dtype(name))
+    return kp, vp, dict(k_scale=ks, v_scale=vs), k.shape[-1] + 4
+
+
+def time_decode(args, q, kp, vp, tbl, lens, arrays, static):
+    """(seconds per call, output) of the decode kernel; the pages are arguments of the jit, never
+    closed-over constants (XLA would embed gigabytes in the program)."""
+    from pallas_kernels.decode_attention import paged_decode_attention
+
+    interp = jax.default_backend() != "gpu"
+    f = jax.jit(lambda q, kp, vp, tbl, lens, arrays: paged_decode_attention(
+        q, kp, vp, tbl, lens, interpret=interp, **arrays, **static))
+    t = timeit(lambda: f(q, kp, vp, tbl, lens, arrays), 3 if args.quick else 50)
+    return t, f(q, kp, vp, tbl, lens, arrays)
+
+
+def rel_err(out, ref) -> float:
+    return float(jnp.max(jnp.abs(out - ref)) / jnp.max(jnp.abs(ref)))
+
+
 @section
 def kernels(args):
-    from pallas_kernels.decode_attention import paged_decode_attention, paged_decode_attention_ref
+    from pallas_kernels.decode_attention import paged_decode_attention_ref
     from pallas_kernels.quant import quantize_kv
     from pallas_kernels.ragged_attention import ragged_paged_attention
 
@@ -93,12 +129,7 @@ def kernels(args):
     n_chk = 8  # the rows checked against the references (the first n_chk of the batch)
     for b, ctx in shapes:
         t_shape = time.perf_counter()
-        per = ctx // s
-        p = b * per + 1
-        k, v = pages(hkv, p, s, d, jax.random.PRNGKey(b + ctx))
-        q = jax.random.normal(jax.random.PRNGKey(1), (b, hq, d)).astype(jnp.bfloat16)
-        tbl = (1 + jnp.arange(b * per, dtype=jnp.int32)).reshape(b, per)
-        lens = jnp.full((b,), ctx, jnp.int32)
+        q, k, v, tbl, lens = decode_case(b, ctx, hq, hkv, s, d, seed=b + ctx)
         c = min(b, n_chk)
         ref = paged_decode_attention_ref(q[:c], k, v, tbl[:c], lens[:c]).astype(jnp.float32)
         base = None
@@ -112,38 +143,27 @@ def kernels(args):
                          ("int8", True, dict(k_major=True, num_stages=3)),
                          ("float8_e4m3fn", True, dict(num_stages=3)), ("bfloat16", True, dict(k_major=True))]
         for name, fold, knobs in variants:
-            if name == "bfloat16":
-                kw, kp, vp, row = dict(knobs), k, v, d * 2
-            else:
-                (kp, ks), (vp, vs) = quantize_kv(k, jnp.dtype(name)), quantize_kv(v, jnp.dtype(name))
-                kw, row = dict(k_scale=ks, v_scale=vs, fold_scales=fold, **knobs), d + 4
-            arrays = {kk: vv for kk, vv in kw.items() if kk in ("k_scale", "v_scale")}
-            static = {kk: vv for kk, vv in kw.items() if kk not in arrays}
-            # the pages are arguments, never closed-over constants (XLA would embed GBs in the program)
-            f = jax.jit(lambda q, kp, vp, tbl, lens, arrays, static=static: paged_decode_attention(
-                q, kp, vp, tbl, lens, interpret=interp, **arrays, **static))
-            fn = lambda q, f=f, kp=kp, vp=vp, arrays=arrays, tbl=tbl, lens=lens: f(q, kp, vp, tbl, lens, arrays)  # noqa: E731
+            kp, vp, arrays, row = pages_as(name, k, v)
+            static = dict(knobs, **({"fold_scales": fold} if arrays else {}))
             label = (name if fold or name == "bfloat16" else f"{name}, scales on rows") + \
                 "".join(f", {kk} {vv}" for kk, vv in knobs.items())
             try:
-                t = timeit(lambda: fn(q), 3 if args.quick else 50)
-                out = fn(q)[:c].astype(jnp.float32)
+                t, out = time_decode(args, q, kp, vp, tbl, lens, arrays, static)
             except Exception as exc:  # e.g. a tile past shared memory: report it, time the rest
                 log(f"  decode B={b} ctx={ctx} {label}: FAILED {type(exc).__name__}: {str(exc)[:300]}")
                 rows.append([f"decode B={b} ctx={ctx}", label, "failed", "", "", "", "", ""])
                 continue
-            err = float(jnp.max(jnp.abs(out - ref)) / jnp.max(jnp.abs(ref)))
+            out = out[:c].astype(jnp.float32)
+            err = rel_err(out, ref)
             # the kernel itself: against the reference on the same (compressed) pages
-            same = {kk: vv for kk, vv in kw.items() if kk in ("k_scale", "v_scale")}
-            own = paged_decode_attention_ref(q[:c], kp, vp, tbl[:c], lens[:c], **same).astype(jnp.float32)
-            kerr = float(jnp.max(jnp.abs(out - own)) / jnp.max(jnp.abs(own)))
+            kerr = rel_err(out, paged_decode_attention_ref(q[:c], kp, vp, tbl[:c], lens[:c], **arrays).astype(jnp.float32))
             nbytes = 2 * b * ctx * hkv * row
             base = base or t
             rows.append([f"decode B={b} ctx={ctx}", label, f"{t * 1e6:.1f}", f"{nbytes / t / 1e9:.0f}",
                          f"{nbytes / t / bw:.0%}", f"{base / t:.2f}", f"{kerr:.1e}", f"{err:.1e}"])
             log(f"  decode B={b} ctx={ctx} {label}: {t * 1e6:.1f} us ({nbytes / t / bw:.0%} of ceiling), "
                 f"kernel err {kerr:.1e}, vs bf16 {err:.1e}")
-            del kp, vp, kw, fn
+            del kp, vp, arrays
         log(f"  (shape B={b} ctx={ctx}: {time.perf_counter() - t_shape:.0f} s)")
         del k, v
     if args.shapes:  # only the decode shapes asked for
@@ -258,10 +278,8 @@ def splice_check(args, hkv, d, s, interp):
 def v_layout(args):
     """Section v: V pages token-contiguous ([Hkv, P, D, S], one page per block) against the usual layout at
     the same page size: does a 1-byte V operand contiguous along the PV dot's contraction close the gap?"""
-    from pallas_kernels.decode_attention import paged_decode_attention, paged_decode_attention_ref
-    from pallas_kernels.quant import quantize_kv
+    from pallas_kernels.decode_attention import paged_decode_attention_ref
 
-    interp = jax.default_backend() != "gpu"
     hq, hkv, d = (8, 2, 16) if args.quick else (32, 8, 128)
     bw = R.get("bw") or ceiling(args.quick)
     shapes = [(4, 128)] if args.quick else [(32, 16384), (128, 4096)]
@@ -269,33 +287,23 @@ def v_layout(args):
     rows = []
     for b, ctx in shapes:
         for s in page_sizes:
-            per = ctx // s
-            k, v = pages(hkv, b * per + 1, s, d, jax.random.PRNGKey(b + ctx + s))
-            q = jax.random.normal(jax.random.PRNGKey(1), (b, hq, d)).astype(jnp.bfloat16)
-            tbl = (1 + jnp.arange(b * per, dtype=jnp.int32)).reshape(b, per)
-            lens = jnp.full((b,), ctx, jnp.int32)
+            q, k, v, tbl, lens = decode_case(b, ctx, hq, hkv, s, d, seed=b + ctx + s)
             c = min(b, 8)
             base = None
             for name in ("bfloat16",) + KV_DTYPES:
-                if name == "bfloat16":
-                    kp, vp, arrays, row = k, v, {}, d * 2
-                else:
-                    (kp, ks), (vp, vs) = quantize_kv(k, jnp.dtype(name)), quantize_kv(v, jnp.dtype(name))
-                    arrays, row = dict(k_scale=ks, v_scale=vs), d + 4
+                kp, vp, arrays, row = pages_as(name, k, v)
                 own = paged_decode_attention_ref(q[:c], kp, vp, tbl[:c], lens[:c], **arrays).astype(jnp.float32)
                 for vt, knobs in ((False, {}), (True, {}), (True, dict(num_stages=3))):
                     vin = jnp.swapaxes(vp, -1, -2) if vt else vp
                     static = dict(pages_per_block=1, v_transposed=vt, **knobs)
-                    f = jax.jit(lambda q, kp, vp, tbl, lens, arrays, static=static: paged_decode_attention(
-                        q, kp, vp, tbl, lens, interpret=interp, **arrays, **static))
                     try:
-                        t = timeit(lambda: f(q, kp, vin, tbl, lens, arrays), 3 if args.quick else 50)
-                        out = f(q, kp, vin, tbl, lens, arrays)[:c].astype(jnp.float32)
+                        t, out = time_decode(args, q, kp, vin, tbl, lens, arrays, static)
+                        out = out[:c].astype(jnp.float32)
                     except Exception as exc:  # a lowering gap on the GPU: report it, keep the others
                         log(f"  v layout B={b} ctx={ctx} S={s} {name} vt={vt}: FAILED {type(exc).__name__}: {exc}"[:600])
                         FAILURES.append(f"section v: {name} S={s} v_transposed={vt} failed")
                         continue
-                    kerr = float(jnp.max(jnp.abs(out - own)) / jnp.max(jnp.abs(own)))
+                    kerr = rel_err(out, own)
                     nbytes = 2 * b * ctx * hkv * row
                     base = base or t
                     label = f"{name}, V {'[D, S]' if vt else '[S, D]'}" + "".join(f", {kk} {vv}" for kk, vv in knobs.items())
