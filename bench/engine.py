@@ -64,7 +64,7 @@ from common import EngineBench, ms, ratio  # noqa: E402  (bench/common.py)
 from decode import decode  # noqa: E402  (bench/decode.py)
 from hf_peer import hf_peer, hf_reuse  # noqa: E402  (bench/hf_peer.py)
 from modes import modes  # noqa: E402  (bench/modes.py)
-from report import FAILURES, MD, log, pyplot, table, write_md  # noqa: E402  (bench/report.py)
+from report import FAILURES, MD, code_version, log, pyplot, table, write_md  # noqa: E402  (bench/report.py)
 from ttft import Q, ttft  # noqa: E402  (bench/ttft.py)
 
 
@@ -216,7 +216,7 @@ def write_report(R, args, total_s):
     head = [f"# Engine benchmark ({'quick, tiny model' if args.quick else 'Llama-3-8B shape, random bf16'})",
             "", f"- date: {datetime.datetime.now().isoformat(timespec='seconds')}",
             f"- device: {dev.device_kind} ({dev.platform}), jax {jax.__version__}",
-            f"- command: `python {cmd}`",
+            f"- command: `python {cmd}`", f"- code: {code_version()}",
             f"- engines built: {args.bench.engines_built}, compiles over all of them: {args.bench.compiles_total}, "
             f"timed repetitions dropped because they compiled: {args.bench.dropped_reps}",
             f"- total time: {total_s:.0f} s"]

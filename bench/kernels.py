@@ -69,6 +69,7 @@ import argparse
 import functools
 import math
 import os
+import shlex
 import statistics
 import sys
 import time
@@ -76,7 +77,7 @@ import time
 import jax
 import jax.numpy as jnp
 from common import H200_BF16_PEAK, matmul_ceiling, read_bandwidth  # noqa: E402  (bench/common.py)
-from report import FAILURES, MD, log, pyplot, section, table, write_md  # noqa: E402  (bench/report.py)
+from report import FAILURES, MD, code_version, log, pyplot, section, table, write_md  # noqa: E402  (bench/report.py)
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -266,6 +267,8 @@ def decode_inputs(key, b, ctx, num_vars, min_pool_bytes):
 def decode(args):
     batches, ctxs = ([1, 2], [64, 256]) if args.quick else ([1, 8, 32, 128],
                                                             [1024, 4096, 16384, 32768])
+    shapes = ([tuple(map(int, s.split("x"))) for s in args.decode_shapes.split(",")] if args.decode_shapes
+              else [(b, c) for b in batches for c in ctxs])
     interp = args.interpret
     jpa = tok = None
     try:
@@ -280,45 +283,44 @@ def decode(args):
         log(f"  tokamax not importable ({e!r}): column skipped")
     ours = functools.partial(paged_decode_attention, interpret=interp)
     rows = []
-    for b in batches:
-        for ctx in ctxs:
-            kv_bytes = 2 * b * ctx * HKV * D * 2
-            if not fits(kv_bytes + 2**28):
-                rows.append([b, ctx, "skip: does not fit"] + [""] * 8)
-                continue
-            nv = 2 if args.quick else int(np.clip(2e-3 * 3e12 / max(kv_bytes, 1), 4, 16))
-            kp, vp, variants, lens = decode_inputs(jax.random.PRNGKey(b + ctx), b, ctx, nv,
-                                                   0 if args.quick else 512 * 2**20)
-            q0, t0 = variants[0]
-            call = lambda k, v, l, q, t: ours(q, k, v, t, l)  # noqa: E731
-            t_ours, outs = time_calls(call, (kp, vp, lens), variants, args.reps)
-            nbytes = kv_bytes + 2 * b * HQ * D * 2
-            bw = nbytes / t_ours
-            t_jax = jax_out = t_tok = jax_cfg = None
-            if jpa is not None:  # its best configuration (the sweep ours had), on the same function
-                t_jax, jax_cfg, jax_out = jax_paged_best(jpa, (kp, vp, lens), variants, ctx // S, args.reps)
-                if t_jax is None:
-                    log(f"  jax paged_attention B={b} ctx={ctx}: no configuration ran")
-            r = b if b * ctx <= 32 * 4096 else max(1, 32 * 4096 // ctx)  # rows the ref can afford
-            ref = paged_decode_attention_ref(q0[:r], kp, vp, t0[:r], lens[:r])
-            err = check(f"decode B={b} ctx={ctx} vs ref ({r} of {b} rows)", outs[0][:r], ref)
-            if jax_out is not None:  # the peer must compute the same function to be a peer
-                check(f"jax paged_attention {jax_cfg} B={b} ctx={ctx} vs ref", jax_out[:r], ref)
-            if tok is not None and not args.quick:
-                t_tok = _time_tokamax(tok, b, ctx, args.reps)
-            splits = auto_num_splits(b, HKV, math.ceil(ctx / (auto_pages_per_block(S) * S)))
-            frac = bw / args.ceiling_bw if args.ceiling_bw else float("nan")
-            frac_copy = bw / args.copy_bw if args.copy_bw else float("nan")
-            rows.append([b, ctx, f"{t_ours * 1e6:.1f}", f"{bw / 1e9:.0f}", f"{frac:.0%}",
-                         f"{frac_copy:.0%}", splits, f"{err:.1e}",
-                         f"{t_jax * 1e6:.1f} ({jax_cfg})" if t_jax else "n/a",
-                         f"{t_jax / t_ours:.2f}x" if t_jax else "n/a",
-                         f"{t_tok * 1e6:.1f}" if t_tok else "n/a"])
-            PLOT.setdefault("decode", []).append((b, ctx, frac, (nbytes / t_jax / args.ceiling_bw)
-                                                  if t_jax and args.ceiling_bw else None))
-            log(f"  B={b} ctx={ctx}: {t_ours * 1e6:.1f} us, {bw / 1e9:.0f} GB/s ({frac:.0%} of the ceiling)"
-                + (f", jax {t_jax * 1e6:.1f} us" if t_jax else ""))
-            del kp, vp, variants
+    for b, ctx in shapes:
+        kv_bytes = 2 * b * ctx * HKV * D * 2
+        if not fits(kv_bytes + 2**28):
+            rows.append([b, ctx, "skip: does not fit"] + [""] * 8)
+            continue
+        nv = 2 if args.quick else int(np.clip(2e-3 * 3e12 / max(kv_bytes, 1), 4, 16))
+        kp, vp, variants, lens = decode_inputs(jax.random.PRNGKey(b + ctx), b, ctx, nv,
+                                               0 if args.quick else 512 * 2**20)
+        q0, t0 = variants[0]
+        call = lambda k, v, l, q, t: ours(q, k, v, t, l)  # noqa: E731
+        t_ours, outs = time_calls(call, (kp, vp, lens), variants, args.reps)
+        nbytes = kv_bytes + 2 * b * HQ * D * 2
+        bw = nbytes / t_ours
+        t_jax = jax_out = t_tok = jax_cfg = None
+        if jpa is not None:  # its best configuration (the sweep ours had), on the same function
+            t_jax, jax_cfg, jax_out = jax_paged_best(jpa, (kp, vp, lens), variants, ctx // S, args.reps)
+            if t_jax is None:
+                log(f"  jax paged_attention B={b} ctx={ctx}: no configuration ran")
+        r = b if b * ctx <= 32 * 4096 else max(1, 32 * 4096 // ctx)  # rows the ref can afford
+        ref = paged_decode_attention_ref(q0[:r], kp, vp, t0[:r], lens[:r])
+        err = check(f"decode B={b} ctx={ctx} vs ref ({r} of {b} rows)", outs[0][:r], ref)
+        if jax_out is not None:  # the peer must compute the same function to be a peer
+            check(f"jax paged_attention {jax_cfg} B={b} ctx={ctx} vs ref", jax_out[:r], ref)
+        if tok is not None and not args.quick:
+            t_tok = _time_tokamax(tok, b, ctx, args.reps)
+        splits = auto_num_splits(b, HKV, math.ceil(ctx / (auto_pages_per_block(S) * S)))
+        frac = bw / args.ceiling_bw if args.ceiling_bw else float("nan")
+        frac_copy = bw / args.copy_bw if args.copy_bw else float("nan")
+        rows.append([b, ctx, f"{t_ours * 1e6:.1f}", f"{bw / 1e9:.0f}", f"{frac:.0%}",
+                     f"{frac_copy:.0%}", splits, f"{err:.1e}",
+                     f"{t_jax * 1e6:.1f} ({jax_cfg})" if t_jax else "n/a",
+                     f"{t_jax / t_ours:.2f}x" if t_jax else "n/a",
+                     f"{t_tok * 1e6:.1f}" if t_tok else "n/a"])
+        PLOT.setdefault("decode", []).append((b, ctx, frac, (nbytes / t_jax / args.ceiling_bw)
+                                              if t_jax and args.ceiling_bw else None))
+        log(f"  B={b} ctx={ctx}: {t_ours * 1e6:.1f} us, {bw / 1e9:.0f} GB/s ({frac:.0%} of the ceiling)"
+            + (f", jax {t_jax * 1e6:.1f} us" if t_jax else ""))
+        del kp, vp, variants
     table("b. Decode attention (32 q / 8 kv heads, d=128, page 16, bf16)",
           ["B", "ctx", "ours us", "GB/s", "of ceiling", "of copy", "splits", "rel err", "jax-pallas us",
            "speedup", "tokamax dense us"], rows)
@@ -803,7 +805,9 @@ def write_report(args):
     dev = jax.devices()[0]
     head = [f"# Kernel benchmark ({'quick' if args.quick else 'full'})", "",
             f"device: {dev.device_kind} ({dev.platform}), jax {jax.__version__}, "
-            f"interpret={args.interpret}", ""]
+            f"interpret={args.interpret}", "",
+            f"command: `python bench/kernels.py {' '.join(shlex.quote(a) for a in sys.argv[1:])}`", "",
+            f"code: {code_version()}", ""]
     if FAILURES:
         head += ["**FAILURES:**", ""] + [f"- {f}" for f in FAILURES] + [""]
     write_md(args.out, "kernels.md", head + MD)
@@ -840,6 +844,8 @@ def main():
                     help="subset of a,b,c,d,e,f,t to run (default abcde; at on a TPU; f, cascade "
                          "decode, and t, the TPU kernels, elsewhere only when named)")
     ap.add_argument("--reps", type=int, default=None)
+    ap.add_argument("--decode-shapes", default=None,
+                    help="section b: BxCTX pairs, comma separated (default: B 1/8/32/128 x ctx 1k-32k)")
     ap.add_argument("--profile", action="store_true",
                     help="section f: also the device time of each kernel (jax profiler trace)")
     args = ap.parse_args()

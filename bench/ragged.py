@@ -47,7 +47,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench/ (report, kernels)
 from kernels import check, fits, time_calls  # noqa: E402
-from report import FAILURES, MD, log, pyplot, section, table, write_md  # noqa: E402
+from report import FAILURES, MD, code_version, log, pyplot, section, table, write_md  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from pallas_kernels.decode_attention import paged_decode_attention  # noqa: E402
@@ -356,7 +356,7 @@ def write_report(args, argv):
             f"- command: `python bench/ragged.py {' '.join(argv)}`",
             f"- device: {dev.device_kind} ({dev.platform}), jax {jax.__version__}, "
             f"interpret={args.interpret}",
-            f"- date: {datetime.date.today().isoformat()}", "",
+            f"- date: {datetime.date.today().isoformat()}", f"- code: {code_version()}", "",
             "Speed ratios are the other kernel's time / the ragged kernel's time (> 1: ragged "
             "is faster).", ""]
     if FAILURES:

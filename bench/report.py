@@ -21,6 +21,25 @@ def log(msg=""):
     print(msg, flush=True)
 
 
+def code_version() -> str:
+    """The commit a run measured: ``$INFERSCALE_COMMIT`` (set it where the tree travels without .git, as
+    on the device machine), else ``git describe`` of the checkout, marked ``+changes`` when files outside
+    ``bench/results/`` differ from it; ``unknown`` without either."""
+    env = os.environ.get("INFERSCALE_COMMIT")
+    if env:
+        return env
+    import subprocess
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    try:
+        head = subprocess.run(["git", "-C", root, "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, check=True, timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "-C", root, "status", "--porcelain", "--", ".", ":!bench/results"],
+                               capture_output=True, text=True, check=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return head + (" +changes" if dirty else "")
+
+
 def write_md(out_dir, name, lines):
     """Write the report ``lines`` to ``out_dir/name``; return the path."""
     os.makedirs(out_dir, exist_ok=True)
@@ -71,7 +90,8 @@ def finish(out_dir: str, name: str, title: str, t0: float, root: str, extra: lis
     cmd = " ".join(shlex.quote(a) for a in [os.path.relpath(sys.argv[0], root)] + sys.argv[1:])
     head = [f"# {title}", "", f"- date: {datetime.datetime.now().isoformat(timespec='seconds')}",
             f"- devices: {jax.device_count()} x {dev.device_kind} ({dev.platform}), jax {jax.__version__}",
-            f"- command: `python {cmd}`", f"- total time: {time.time() - t0:.0f} s", *extra, ""]
+            f"- command: `python {cmd}`", f"- code: {code_version()}",
+            f"- total time: {time.time() - t0:.0f} s", *extra, ""]
     if FAILURES:
         head += ["**FAILURES:**", ""] + [f"- {f}" for f in FAILURES] + [""]
     write_md(out_dir, name, head + MD)

@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# Rerun the README's benchmark figures on one H200 at the current code, in parts that each fit one
+# 10-minute call of a lent GPU machine (each step has its own time limit, so one slow step cannot
+# take the others' results with it):
+#
+#     INFERSCALE_COMMIT=$(git rev-parse --short HEAD) bench/rerun_h200.sh PART RESULTS_DIR [TARBALL]
+#
+#   1  kernels: ceilings, paged decode vs jax's paged_attention (B=32 over 4k / 32k, B=128 over 4k),
+#      prefill vs cuDNN's causal path, splice, KV write, cascade (bench/kernels.py abcdef); the ragged
+#      kernel (bench/ragged.py); compressed-KV kernels (bench/kv_dtype.py a); int8 tier promotion
+#   2  engine (bench/engine.py abcdeg): TTFT injected / full / question alone, the HF peer (StaticCache +
+#      torch.compile), decode at batch 1, injection modes, decode over one shared 4k segment
+#   3  engine arrivals (engine.py f), serving steps (steps.py: warm-up, decode steps, shared burst),
+#      tiers with bf16 pages (promotion, snapshot restore, TTFT by tier)
+#
+# Each step writes its tables under RESULTS_DIR/<step>/ and its console log to RESULTS_DIR/<step>.log;
+# after each step RESULTS_DIR is packed into TARBALL when given (what a cut call still returns).
+set -uo pipefail
+part=${1:?part 1, 2 or 3}
+res=${2:?results folder}
+tarball=${3:-}
+mkdir -p "$res"
+export PYTHONUNBUFFERED=1
+export INFERSCALE_CACHE=${INFERSCALE_CACHE:-/tmp/inferscale-cache}
+
+step() {  # step NAME SECONDS SCRIPT ARGS...  (the script's --out is RESULTS_DIR/NAME)
+    local name=$1 limit=$2 script=$3
+    shift 3
+    echo "=== $name: python $script $* ($(date +%T), limit ${limit} s)"
+    timeout "$limit" python3 "$script" "$@" --out "$res/$name" > "$res/$name.log" 2>&1
+    local rc=$?
+    tail -n 25 "$res/$name.log"
+    echo "=== $name rc=$rc ($(date +%T))"
+    [ -n "$tarball" ] && tar czf "$tarball" -C "$res" .
+    return 0
+}
+
+nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,memory.used --format=csv || true
+case "$part" in
+1)
+    step kernels 220 bench/kernels.py --sections abcdef --decode-shapes 32x4096,32x32768,128x4096
+    step ragged 110 bench/ragged.py
+    step kv_dtype 110 bench/kv_dtype.py --sections a
+    step tiers_int8 50 bench/tiers.py --kv-dtype int8 --sections ab
+    ;;
+2)
+    step engine 520 bench/engine.py --sections abcdeg --e-modes plain,cascade --e-batches 8,32,128
+    ;;
+3)
+    step arrivals 200 bench/engine.py --sections f
+    step steps 220 bench/steps.py --sections warmup,decode,throughput
+    step tiers 80 bench/tiers.py
+    ;;
+*)
+    echo "unknown part $part" >&2
+    exit 2
+    ;;
+esac
