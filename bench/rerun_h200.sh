@@ -12,6 +12,8 @@
 #      torch.compile), decode at batch 1, injection modes, decode over one shared 4k segment
 #   3  engine arrivals (engine.py f), serving steps (steps.py: warm-up, decode steps, shared burst),
 #      tiers with bf16 pages (promotion, snapshot restore, TTFT by tier)
+#   4  compilation cache cold vs warm, float32 precision vs HF, private 4k contexts in 40 GB of KV
+#      (bf16 then int8 pages)
 #
 # Each step writes its tables under RESULTS_DIR/<step>/ and its console log to RESULTS_DIR/<step>.log;
 # after each step RESULTS_DIR is packed into TARBALL when given (what a cut call still returns).
@@ -50,6 +52,14 @@ case "$part" in
     step arrivals 200 bench/engine.py --sections f
     step steps 220 bench/steps.py --sections warmup,decode,throughput
     step tiers 80 bench/tiers.py
+    ;;
+4)
+    step compile_cache 130 bench/compile_cache.py
+    step precision 90 bench/precision.py
+    XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 step private_bf16 100 bench/engine.py --sections e --e-modes private \
+        --e-batches 32,64 --kv-budget-gb 40 --kv-dtype bfloat16
+    XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 step private_int8 120 bench/engine.py --sections e --e-modes private \
+        --e-batches 32,64,128 --kv-budget-gb 40 --kv-dtype int8
     ;;
 *)
     echo "unknown part $part" >&2
