@@ -180,9 +180,10 @@ def shared_decode_table(b: EngineBench, res, ps):
         f"least: shared = the shared context once plus each request's own tokens; private = every "
         f"request's whole context ({kvt / 1024:g} KB/token).  'shared: sum of per-request tok/s' sums "
         f"`metrics.decode_tokens_per_s` (a cross-check).",
-        f"Private contexts: each request holds its own {ctx}-token context ({res.get('per_req_pages')} "
-        f"pages with its own tokens); the pool ({res.get('pool_pages')} pages of {ps} tokens) holds at most "
-        f"B = {res.get('cap')} of them, so larger B are not run privately.", ""])
+        (f"Private contexts: each request holds its own {ctx}-token context ({res.get('per_req_pages')} "
+         f"pages with its own tokens); the pool ({res.get('pool_pages')} pages of {ps} tokens) holds at most "
+         f"B = {res.get('cap')} of them, so larger B are not run privately." if res.get("cap") is not None
+         else "Private contexts: not run (`--e-modes` left them out)."), ""])
 
 
 # ---------------------------------------------------------------- (f) TTFT under arrivals
