@@ -51,6 +51,8 @@ import numpy as np  # noqa: E402
 from common import back_to_back, copy_bandwidth, read_bandwidth  # noqa: E402  (bench/common.py)
 from report import FAILURES, MD, finish, log, section, table  # noqa: E402  (bench/report.py)
 
+from pallas_kernels.quant import scales_on_rows  # noqa: E402
+
 KV_DTYPES = ("int8", "float8_e4m3fn")
 R: dict = {}
 
@@ -106,6 +108,16 @@ def time_decode(args, q, kp, vp, tbl, lens, arrays, static):
     return t, f(q, kp, vp, tbl, lens, arrays)
 
 
+def form_label(name, rows, what="") -> str:
+    """A table row's pages: the dtype and its scale form (``rows`` None: the kernel's default, named as such)."""
+    if name == "bfloat16":
+        return name
+
+    def form(r):
+        return f"{what + ' ' if what else ''}scales {'on rows' if r else 'folded'}"
+    return f"{name} (default: {form(scales_on_rows(name))})" if rows is None else f"{name}, {form(rows)}"
+
+
 def rel_err(out, ref) -> float:
     return float(jnp.max(jnp.abs(out - ref)) / jnp.max(jnp.abs(ref)))
 
@@ -133,19 +145,20 @@ def kernels(args):
         c = min(b, n_chk)
         ref = paged_decode_attention_ref(q[:c], k, v, tbl[:c], lens[:c]).astype(jnp.float32)
         base = None
-        variants = [("bfloat16", True, {})] + [(n, True, {}) for n in KV_DTYPES]
+        # fold None: the kernel's default form for the page dtype (quant.scales_on_rows)
+        variants = [("bfloat16", None, {})] + [(n, None, {}) for n in KV_DTYPES]
         if args.knobs:  # only these knob sets, on every page dtype
-            variants += [(n, True, kn) for kn in parse_knobs(args.knobs) for n in ("bfloat16",) + KV_DTYPES]
-        elif (b, ctx) in rows_variant:  # the earlier form, and more warps / stages for the convert
-            variants += [(n, False, {}) for n in KV_DTYPES]
-            variants += [("int8", True, dict(num_warps=8)), ("int8", True, dict(num_stages=3)),
-                         ("int8", True, dict(num_stages=4)), ("int8", True, dict(k_major=True)),
-                         ("int8", True, dict(k_major=True, num_stages=3)),
-                         ("float8_e4m3fn", True, dict(num_stages=3)), ("bfloat16", True, dict(k_major=True))]
+            variants += [(n, None, kn) for kn in parse_knobs(args.knobs) for n in ("bfloat16",) + KV_DTYPES]
+        elif (b, ctx) in rows_variant:  # the other scale form, and more warps / stages for the convert
+            variants += [(n, scales_on_rows(n), {}) for n in KV_DTYPES]
+            variants += [("int8", None, dict(num_warps=8)), ("int8", None, dict(num_stages=3)),
+                         ("int8", None, dict(num_stages=4)), ("int8", None, dict(k_major=True)),
+                         ("int8", None, dict(k_major=True, num_stages=3)),
+                         ("float8_e4m3fn", None, dict(num_stages=3)), ("bfloat16", None, dict(k_major=True))]
         for name, fold, knobs in variants:
             kp, vp, arrays, row = pages_as(name, k, v)
-            static = dict(knobs, **({"fold_scales": fold} if arrays else {}))
-            label = (name if fold or name == "bfloat16" else f"{name}, scales on rows") + \
+            static = dict(knobs, **({"fold_scales": fold} if arrays and fold is not None else {}))
+            label = form_label(name, None if fold is None else not fold) + \
                 "".join(f", {kk} {vv}" for kk, vv in knobs.items())
             try:
                 t, out = time_decode(args, q, kp, vp, tbl, lens, arrays, static)
@@ -178,8 +191,9 @@ def kernels(args):
     tbl = (1 + jnp.arange(per, dtype=jnp.int32))[None]
     cu, kvl = jnp.array([0, t_new], jnp.int32), jnp.array([ctx + t_new], jnp.int32)
     base = None
-    # v_rows: V dequantized in registers (16-bit rows into the PV dot) instead of the scales folded
-    for name, v_rows in [("bfloat16", False)] + [(n, vr) for n in KV_DTYPES for vr in (False, True)]:
+    # v_rows: V dequantized in registers (16-bit rows into the PV dot) instead of the scales folded;
+    # None: the kernel's default for the page dtype, then the other form
+    for name, v_rows in [("bfloat16", None)] + [(n, vr) for n in KV_DTYPES for vr in (None, not scales_on_rows(n))]:
         kw, kp, vp = {}, k, v
         if name != "bfloat16":
             (kp, ks), (vp, vs) = quantize_kv(k, jnp.dtype(name)), quantize_kv(v, jnp.dtype(name))
@@ -190,12 +204,15 @@ def kernels(args):
         t = timeit(lambda: fn(q), 2 if args.quick else 20)
         base = base or t
         flops = 4 * t_new * (ctx + (t_new + 1) / 2) * d * hq
-        rows.append([f"ragged {t_new} over {ctx}", name + (", V rows dequantized" if v_rows else ""),
+        rows.append([f"ragged {t_new} over {ctx}", form_label(name, v_rows, "V"),
                      f"{t * 1e6:.1f}", f"{flops / t / 1e12:.0f} TFLOP/s", "", f"{base / t:.2f}", "", ""])
     table("a. Kernels on compressed pages (bytes: values + a float32 scale per row; error vs bf16 pages' ref)",
           ["case", "pages", "us", "GB/s", "of ceiling", "speed-up vs bf16", "kernel rel err vs its ref",
            "rel err vs bf16 ref"], rows)
-    MD.extend([f"Bandwidth ceiling {bw / 1e9:.0f} GB/s (the larger of a read-only reduction and a copy).", ""])
+    MD.extend([f"Bandwidth ceiling {bw / 1e9:.0f} GB/s (the larger of a read-only reduction and a copy).  "
+               "A compressed row without a named form runs the kernels' default for its dtype "
+               "(`pallas_kernels/quant.py` `scales_on_rows`: float8_e4m3fn with its scales on the rows, int8 "
+               "folded into scores and probabilities).", ""])
     write_check(args, hkv, d, s, interp)
 
 

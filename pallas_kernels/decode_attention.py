@@ -53,7 +53,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from pallas_kernels import common
-from pallas_kernels.quant import dequantize_rows, fold_probs, fold_scores, gather_pages, pv_dtype
+from pallas_kernels.quant import dequantize_rows, fold_probs, fold_scores, gather_pages, pv_dtype, scales_on_rows
 
 _LOG2E = math.log2(math.e)
 _LN2 = math.log(2.0)  # return_lse: base-2 log-sum-exp * ln 2 = natural log
@@ -220,7 +220,7 @@ def paged_decode_attention(
     return_lse: bool = False,
     k_scale: jax.Array | None = None,
     v_scale: jax.Array | None = None,
-    fold_scales: bool = True,
+    fold_scales: bool | None = None,
     k_major: bool = False,
     v_transposed: bool = False,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:  # [B, Hq, D], dtype of q (+ lse [B, Hq] fp32)
@@ -230,8 +230,9 @@ def paged_decode_attention(
     log-sum-exp of the scaled logits (``-inf`` where ``lengths[b] == 0``; see item 6).
     Compressed pages (int8 / float8_e4m3fn, ``pallas_kernels/quant.py``): ``k_scale`` / ``v_scale``
     ``[Hkv, P, S]`` float32; a gathered tile is converted to q's dtype and the scales multiply the
-    scores and probabilities (``fold_scales``, quant.py); ``fold_scales=False`` multiplies the rows
-    instead (kept to compare the two on the GPU: ``bench/kv_dtype.py``).  ``k_major=True`` computes the
+    scores and probabilities (``fold_scales=True``, quant.py) or multiply the rows (``False``);
+    ``None`` picks per page dtype (``quant.scales_on_rows``: rows for float8_e4m3fn, folded for int8;
+    folded with ``v_transposed``), as measured on the H200 (``bench/kv_dtype.py``).  ``k_major=True`` computes the
     scores as ``k @ q^T`` (K the untransposed row operand, as a 1-byte tile's conversion may prefer; a
     knob to measure, bench/NOTES.md), the same values.  ``v_transposed=True`` takes ``v_pages`` as
     ``[Hkv, P, D, S]`` (each page's V stored token-contiguous, so the PV dot's operand is contiguous along
@@ -248,6 +249,8 @@ def paged_decode_attention(
     b, hq, hkv, g, p, s, d, max_pages = check_decode_inputs(q, k_pages, v_usual, page_table,
                                                             lengths, k_scale, v_scale)
     quantized = k_scale is not None
+    if fold_scales is None:
+        fold_scales = v_transposed or not scales_on_rows(k_pages.dtype)
     common.check_power_of_two("page_size", s)
     common.check_power_of_two("head_dim", d, common.MIN_DOT_DIM)
     gp = max(common.MIN_DOT_DIM, 1 << (g - 1).bit_length())  # q rows as a power-of-two tile

@@ -17,8 +17,15 @@ convert-then-dot is the mixed-precision pattern Triton pipelines.  Measured on a
 int8 decode at batch 32 over 16k went from 1026 us (scales on the rows) to 684 us (both timed one call at
 a time), level with bf16 pages; timed back to back, int8 is 1.00-1.14x of bf16 at batch 32-128: it reads
 half the bytes at about half the bandwidth.  ``fold_scores`` / ``fold_probs`` are those two multiplies;
-``dequantize_rows`` (scales on the rows) is kept for comparison, and the ragged kernel's ``v_rows`` uses
-it for V (a prefill tile serves many query rows).
+``dequantize_rows`` (scales on the rows) is the other form, and ``scales_on_rows`` picks per page dtype:
+float8_e4m3fn pages take the rows form (the decode kernel's K and V, the ragged kernel's V), int8 pages
+the folded form.  On the H200 the e4m3 tile is the one the fold does not help: fp8 decode was 1.12x /
+1.17x / 1.26x faster with its scales on the rows in three runs (sessions 9, 10 and the back-to-back run
+of 2026-12-02, ``bench/results/kv_dtype.md``), and the ragged kernel on a 2048-token chunk over 16k 1.18x
+faster with fp8 V on the rows; int8 gains nothing from the rows form (0.82-0.97x in decode, 0.99x in
+the ragged kernel), so it keeps the fold.  The rows form rounds each dequantized value to q's dtype: the
+decode kernel's own error against its reference on the same fp8 pages was 8.6e-3 / 1.1e-2 on the rows vs
+4.9e-3 / 5.4e-3 folded, twenty times below what quantizing to e4m3 costs against bf16 pages (1.2e-1 / 2.3e-1).
 
 ``pack_block`` / ``unpack_block`` carry a block of quantized pages and its scales as one uint8
 array (the scale's 4 bytes appended to each row of D), the form the tiers and snapshots move.
@@ -36,6 +43,11 @@ _QMAX = {"int8": 127.0, "float8_e4m3fn": 448.0}
 
 def is_quantized(dtype) -> bool:
     return jnp.dtype(dtype) in (jnp.dtype(jnp.int8), jnp.dtype(jnp.float8_e4m3fn))
+
+
+def scales_on_rows(dtype) -> bool:
+    """Whether the kernels' default for pages of ``dtype`` is the rows form (float8_e4m3fn; module doc)."""
+    return jnp.dtype(dtype) == jnp.dtype(jnp.float8_e4m3fn)
 
 
 def quantize_kv(x: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:

@@ -80,7 +80,7 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels import common
 from pallas_kernels.prefill_attention import _LOG2E, _MASK, _PREC, _choose_blocks, _next_pow2
-from pallas_kernels.quant import dequantize_rows, fold_probs, fold_scores, gather_pages, pv_dtype
+from pallas_kernels.quant import dequantize_rows, fold_probs, fold_scores, gather_pages, pv_dtype, scales_on_rows
 
 _MIN_SPLIT_KEYS = 256  # kv_splits=None: at least this much KV capacity per split
 _SPLITS_PER_SM = 2  # kv_splits=None: aim for about this many programs per SM
@@ -351,14 +351,16 @@ def ragged_paged_attention(
     interpret: bool | None = None,
     k_scale: jax.Array | None = None,
     v_scale: jax.Array | None = None,
-    v_rows: bool = False,
+    v_rows: bool | None = None,
 ) -> jax.Array:  # [N, Hq, D], q.dtype; padding tokens: zeros
     """Causal attention of a flat batch of decode rows and prefill chunks (see module doc).
     Compressed pages (int8 / float8_e4m3fn): ``k_scale`` / ``v_scale [Hkv, P, S]`` float32, each
     gathered tile converted to q's dtype, the scales folded into scores and probabilities
     (``pallas_kernels/quant.py``).  ``v_rows=True`` dequantizes the V tile in registers instead (its
     scales on the rows; a prefill tile serves many query rows, so the multiply is cheap there, and the PV
-    dot then reads a 16-bit operand, not a transposed 1-byte one: a knob to measure, bench/kv_dtype.py).
+    dot then reads a 16-bit operand, not a transposed 1-byte one); ``None`` picks per page dtype
+    (``quant.scales_on_rows``: on for float8_e4m3fn pages, 1.18x faster on the H200; off for int8, where it
+    gained nothing: bench/kv_dtype.py).
 
     Knobs are static and default from ``N``, ``G = Hq // Hkv`` and the dtype, as in
     :func:`paged_prefill_attention` with ``N`` as the chunk length (H200 sweep,
@@ -374,6 +376,8 @@ def ragged_paged_attention(
     num_tokens, num_rows, num_q_heads, num_kv_heads, _, page_size, head_dim = (
         check_ragged_inputs(q, k_pages, v_pages, page_table, cu_q_lens, kv_lens, k_scale, v_scale))
     interpret = common.default_interpret() if interpret is None else interpret
+    if v_rows is None:
+        v_rows = scales_on_rows(k_pages.dtype)
     group = num_q_heads // num_kv_heads
     small_rows, small_q = _small_tile(group)
     if num_tokens <= num_rows * small_q:  # decode-shaped step: as the decode kernel,

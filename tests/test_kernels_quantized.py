@@ -11,7 +11,7 @@ import pytest
 from pallas_kernels.cascade_attention import shared_prefix_decode_attention, shared_prefix_decode_attention_ref
 from pallas_kernels.decode_attention import paged_decode_attention, paged_decode_attention_ref
 from pallas_kernels.kv_write import write_kv_quantized, write_kv_quantized_pallas
-from pallas_kernels.quant import quantize_kv
+from pallas_kernels.quant import quantize_kv, scales_on_rows
 from pallas_kernels.ragged_attention import ragged_paged_attention, ragged_paged_attention_ref
 
 KV = [jnp.int8, jnp.float8_e4m3fn]
@@ -65,6 +65,33 @@ def test_ragged_on_compressed_pages(kv, qdtype, splits, v_rows):
                                  interpret=True)
     ref = ragged_paged_attention_ref(q, kq, vq, table, cu, kvl, k_scale=ks, v_scale=vs)
     close(out[:14], ref[:14], qdtype)
+
+
+@pytest.mark.parametrize("kv", KV)
+def test_default_scale_form_follows_the_page_dtype(kv):
+    """The kernels' default form is ``quant.scales_on_rows``: rows for float8_e4m3fn (decode K and V, ragged
+    V), folded for int8 - bit-identical to the explicit knob; float16 queries through it stay close to the
+    reference (the rows form dequantizes into q's dtype)."""
+    rows = scales_on_rows(jnp.dtype(kv))
+    assert rows == (jnp.dtype(kv) == jnp.dtype(jnp.float8_e4m3fn))
+    k, v = pages(2, key=11)
+    (kq, ks), (vq, vs) = quantize_kv(k, kv), quantize_kv(v, kv)
+    table = jnp.array([[1, 2, 3, 4, 5], [6, 7, 0, 0, 0], [8, 9, 10, 11, 12]], jnp.int32)
+    lens = jnp.array([33, 9, 40], jnp.int32)
+    cu, kvl = jnp.array([0, 4, 5, 9], jnp.int32), jnp.array([33, 9, 40], jnp.int32)
+    for qdtype in (jnp.bfloat16, jnp.float16):
+        q = jax.random.normal(jax.random.PRNGKey(12), (3, 8, D)).astype(qdtype)
+        out = paged_decode_attention(q, kq, vq, table, lens, k_scale=ks, v_scale=vs, interpret=True)
+        explicit = paged_decode_attention(q, kq, vq, table, lens, k_scale=ks, v_scale=vs, fold_scales=not rows,
+                                          interpret=True)
+        np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(explicit, np.float32))
+        close(out, paged_decode_attention_ref(q, kq, vq, table, lens, k_scale=ks, v_scale=vs), jnp.bfloat16)
+        qr = jax.random.normal(jax.random.PRNGKey(13), (9, 8, D)).astype(qdtype)
+        out = ragged_paged_attention(qr, kq, vq, table, cu, kvl, k_scale=ks, v_scale=vs, interpret=True)
+        explicit = ragged_paged_attention(qr, kq, vq, table, cu, kvl, k_scale=ks, v_scale=vs, v_rows=rows,
+                                          interpret=True)
+        np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(explicit, np.float32))
+        close(out, ragged_paged_attention_ref(qr, kq, vq, table, cu, kvl, k_scale=ks, v_scale=vs), jnp.bfloat16)
 
 
 @pytest.mark.parametrize("kv", KV)
@@ -122,7 +149,7 @@ def test_int8_quantization_rounds_half_away_from_zero_without_a_round_primitive(
     import jax.numpy as jnp
     import numpy as np
 
-    from pallas_kernels.quant import quantize_kv
+    from pallas_kernels.quant import quantize_kv, scales_on_rows
 
     x = jnp.asarray([[127.0, -127.0, 63.5, -63.5, 0.49, -0.51, 10.2, 0.0]], jnp.float32)
     q, scale = quantize_kv(x, jnp.int8)
