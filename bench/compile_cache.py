@@ -101,11 +101,13 @@ def main(argv=None) -> int:
         rows.append((name, r))
         print(name, r, flush=True)
     (_, cold), (_, warm) = rows
+    sys.path.insert(0, HERE)
+    from report import code_version  # bench/report.py
     lines = [f"# Persistent compilation cache: cold vs warm start ({datetime.date.today()})", "",
              f"`python bench/compile_cache.py{' --quick' if q else ''}` on {cold['device']} ({cold['backend']}); "
              f"{'tiny' if q else 'Llama-3-8B'} shape, {args.dtype}, random weights; workload: a {args.segment}-token "
              f"segment, {args.requests} requests naming it (16 new tokens, {args.max_tokens} generated) as one "
-             "batch, then one alone. Seconds from process start.", "",
+             f"batch, then one alone. Seconds from process start. Code {code_version()}.", "",
              "| start | weights ready s | engine built s | workload done s | step buckets | cache hits | cache misses |",
              "|---|---|---|---|---|---|---|"]
     for name, r in rows:

@@ -50,7 +50,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 import jax  # noqa: E402
-from report import FAILURES, MD, log, pyplot, section, table, write_md  # noqa: E402  (bench/report.py)
+from report import FAILURES, MD, code_version, log, pyplot, section, table, write_md  # noqa: E402  (bench/report.py)
 
 PRECISIONS = ("default", "highest")
 R: dict = {}
@@ -228,7 +228,7 @@ def main():
     MD.extend([f"# Matmul precision: float32 engine vs HF float32 ({datetime.date.today()})", "",
                f"`{shlex.join(['python', 'bench/precision.py', *sys.argv[1:]])}` on "
                f"{jax.devices()[0].device_kind} (jax {jax.__version__}, torch {torch.__version__}); "
-               f"model: Qwen2 shape {sh}, random float32 weights.", ""])
+               f"model: Qwen2 shape {sh}, random float32 weights; code {code_version()}.", ""])
     rng = np.random.default_rng(0)
     seg = rng.integers(3, sh["vocab_size"], sh["seg"]).tolist()
     question = rng.integers(3, sh["vocab_size"], sh["question"]).tolist()

@@ -14,11 +14,13 @@
 #      tiers with bf16 pages (promotion, snapshot restore, TTFT by tier)
 #   4  compilation cache cold vs warm, float32 precision vs HF, private 4k contexts in 40 GB of KV
 #      (bf16 then int8 pages)
+#   5  compressed-KV quality: train the small LM on 2048-token windows (bench/train_small_lm.py, stopped
+#      after 150 s of steps), then bench/kv_dtype.py sections b and c on it
 #
 # Each step writes its tables under RESULTS_DIR/<step>/ and its console log to RESULTS_DIR/<step>.log;
 # after each step RESULTS_DIR is packed into TARBALL when given (what a cut call still returns).
 set -uo pipefail
-part=${1:?part 1, 2 or 3}
+part=${1:?part 1-5}
 res=${2:?results folder}
 tarball=${3:-}
 mkdir -p "$res"
@@ -28,8 +30,14 @@ export INFERSCALE_CACHE=${INFERSCALE_CACHE:-/tmp/inferscale-cache}
 step() {  # step NAME SECONDS SCRIPT ARGS...  (the script's --out is RESULTS_DIR/NAME)
     local name=$1 limit=$2 script=$3
     shift 3
+    step_as "$name" "$limit" "$script" "$@" --out "$res/$name"
+}
+
+step_as() {  # step_as NAME SECONDS SCRIPT ARGS...  (ARGS name the output themselves)
+    local name=$1 limit=$2 script=$3
+    shift 3
     echo "=== $name: python $script $* ($(date +%T), limit ${limit} s)"
-    timeout "$limit" python3 "$script" "$@" --out "$res/$name" > "$res/$name.log" 2>&1
+    timeout "$limit" python3 "$script" "$@" > "$res/$name.log" 2>&1
     local rc=$?
     tail -n 25 "$res/$name.log"
     echo "=== $name rc=$rc ($(date +%T))"
@@ -60,6 +68,12 @@ case "$part" in
         --e-batches 32,64 --kv-budget-gb 40 --kv-dtype bfloat16
     XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 step private_int8 120 bench/engine.py --sections e --e-modes private \
         --e-batches 32,64,128 --kv-budget-gb 40 --kv-dtype int8
+    ;;
+5)
+    # the checkpoint stays out of RESULTS_DIR (tens of MB); its summary comes back
+    step_as small_lm 240 bench/train_small_lm.py /tmp/small-lm --seq 2048 --batch 16 --steps 900 --max-seconds 150
+    cp /tmp/small-lm/train.md "$res/small_lm_train.md" 2>/dev/null
+    step quality 150 bench/kv_dtype.py --sections bc --model /tmp/small-lm
     ;;
 *)
     echo "unknown part $part" >&2

@@ -44,6 +44,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from common import model_config, shape, timed_reps  # noqa: E402  (bench/common.py)
+from report import code_version  # noqa: E402  (bench/report.py)
 from common import read_bandwidth as common_read_bandwidth  # noqa: E402
 from inferscale_jax import Engine, EngineConfig, SamplingParams  # noqa: E402
 from models import init_params  # noqa: E402
@@ -111,7 +112,8 @@ def main():
     sections = args.sections.split(",")
     os.makedirs(args.out, exist_ok=True)
     res = dict(date=datetime.date.today().isoformat(), device=str(jax.devices()[0].device_kind),
-               jax=jax.__version__, command="python bench/steps.py " + " ".join(sys.argv[1:]))
+               jax=jax.__version__, command="python bench/steps.py " + " ".join(sys.argv[1:]),
+               code=code_version())
     t0 = time.perf_counter()
     bw = read_bandwidth(args.quick)  # before the page pool takes the device's memory
     cfg = model_config(shape(args.quick))
@@ -225,7 +227,7 @@ def main():
 def report(res, args):
     lines = [f"# Serving steps, {res['device']} (jax {res['jax']}), {res['date']}", "",
              f"`{res['command']}`; Llama-3-8B shape, bf16, random weights; max_batch {res['max_batch']}, "
-             f"token budget {res['budget']}, {res['pages']} pages of 16 tokens.", ""]
+             f"token budget {res['budget']}, {res['pages']} pages of 16 tokens; code {res.get('code', 'unknown')}.", ""]
     if "warmup" in res:
         w = res["warmup"]
         lines += ["## Warm-up", "", "| buckets | compiled or loaded | warm-up s | ready s (from start) | cache hits | "

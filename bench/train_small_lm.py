@@ -5,6 +5,8 @@ Usage (from the repository root)::
 
     python bench/train_small_lm.py /tmp/small-lm                  # H200: 8 layers, hidden 512, ~5 min
     python bench/train_small_lm.py /tmp/small-lm-q --quick        # CPU: a tiny model, a few steps
+    python bench/train_small_lm.py /tmp/small-lm --seq 2048 --batch 16 --steps 900 --max-seconds 150
+                                                                  # H200, 2048-token windows, inside a time limit
     python bench/kv_dtype.py --model /tmp/small-lm --sections b   # then: quality with a trained model
 
 Text: Python's own documentation that ships with the interpreter - ``pydoc_data.topics`` (the
@@ -92,6 +94,9 @@ def main():
     ap.add_argument("--steps", type=int, default=3000)
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--corpus-mb", type=float, default=24.0)
+    ap.add_argument("--max-seconds", type=float, default=None,
+                    help="stop training after this many seconds of steps, then evaluate and save (a time-limited "
+                         "device call keeps a model; the summary says how many steps ran)")
     args = ap.parse_args()
     if args.quick:
         args.layers, args.hidden, args.vocab, args.seq, args.batch, args.steps, args.corpus_mb = 2, 64, 512, 64, 8, 30, 1.0
@@ -156,10 +161,15 @@ def main():
         return jnp.asarray(np.stack([data[i:i + args.seq + 1] for i in starts]))
 
     t1 = time.time()
+    done = 0
     for i in range(args.steps):
         params, state, loss = step(params, state, batch(train, args.batch, rng))
+        done = i + 1
         if i % max(1, args.steps // 20) == 0 or i == args.steps - 1:
             print(f"step {i:5d}  loss {float(loss):.3f}  {time.time() - t1:.0f} s", flush=True)
+        if args.max_seconds is not None and time.time() - t1 > args.max_seconds:
+            print(f"stopped after step {i} of {args.steps}: --max-seconds {args.max_seconds:g}", flush=True)
+            break
     er = np.random.default_rng(1)
     held_loss = float(np.mean([float(eval_loss(params, batch(held, args.batch, er))) for _ in range(8)]))
     ppl = float(np.exp(held_loss))
@@ -169,7 +179,7 @@ def main():
         json.dump(hf, f, indent=2, sort_keys=True)
     n_params = sum(x.size for x in jax.tree_util.tree_leaves(params))
     summary = (f"# Small LM\n\n- {n_params / 1e6:.1f}M parameters ({args.layers} layers, hidden {args.hidden}, vocab "
-               f"{len(tok)}), {args.steps} steps of {args.batch} x {args.seq} tokens, {time.time() - t1:.0f} s on "
+               f"{len(tok)}), {done} steps of {args.batch} x {args.seq} tokens (of {args.steps} planned), {time.time() - t1:.0f} s on "
                f"{jax.devices()[0].device_kind}\n- held-out loss {held_loss:.3f}, perplexity {ppl:.1f}\n")
     with open(os.path.join(out, "train.md"), "w") as f:
         f.write(summary)
