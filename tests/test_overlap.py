@@ -1,7 +1,7 @@
 """Overlapped decode (EngineConfig.overlap_decode): the next decode step is dispatched before the
 previous one is read, its tokens fed on the device.  Outputs must equal the synchronous
-scheduler's (tokens and finish reasons exactly; logprobs within 1e-5, since an ignored row or a
-row finishing one step earlier can put a step in another batch bucket), including requests that end on a stop token (one extra row computed and
+scheduler's (tokens and finish reasons exactly; logprobs within float32 rounding, since an ignored row
+or a row finishing one step earlier can put a step in another batch bucket), including requests that end on a stop token (one extra row computed and
 ignored), preemption (which drains the in-flight step first) and aborts while a step is in flight."""
 
 import numpy as np
@@ -28,11 +28,17 @@ def run(reqs, overlap, pages=256, segments=True):
     return engine, outs, free0
 
 
+# Another batch bucket is another matmul shape, so XLA's CPU kernels sum in another order: on an AVX-512
+# host (jax 0.10.2) logprobs near -2.8 differed by 1.1e-5 (about 47 float32 ulps), past the 1e-5 this test had.
+# Stale KV or a wrong row moves them by 1e-2 and more, and changes tokens, which must match exactly.
+LOGPROB_TOL = 1e-4
+
+
 def assert_identical(a, b):
     assert a.token_ids == b.token_ids and a.finish_reason == b.finish_reason
     assert (a.logprobs is None) == (b.logprobs is None)
     for x, y in zip(a.logprobs or [], b.logprobs or []):
-        assert x.keys() == y.keys() and max(abs(x[k] - y[k]) for k in x) < 1e-5
+        assert x.keys() == y.keys() and max(abs(x[k] - y[k]) for k in x) < LOGPROB_TOL
 
 
 def test_overlap_equals_sync_on_mixed_and_stopping_requests():
