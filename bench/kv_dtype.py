@@ -9,10 +9,11 @@ Usage (from the repository root)::
         --name kv_dtype_quality_cpu.md                               # quality on the CPU (jnp references)
 
 a. Kernels (32 q / 8 kv heads, d=128, page 16): paged decode at B in {32, 128} x context {4k, 16k},
-   B=32 over 32k and B=1 over 16k, two shapes also with the scales applied to the rows (the earlier
-   form; the kernels fold them into scores and probabilities, ``pallas_kernels/quant.py``), and the ragged kernel on a 2048-token chunk over 16k, with bf16 pages and with int8 / float8
-   pages + scales: time, bytes read (a compressed row is D + 4 bytes: values and its float32 scale),
-   GB/s and the fraction of the bandwidth ceiling (max of the read-only reduction and a copy,
+   B=32 over 32k and B=1 over 16k, each compressed dtype in the kernels' default scale form
+   (``pallas_kernels/quant.py`` ``scales_on_rows``: int8 folded into scores and probabilities, float8 on
+   the rows) and at two shapes also in the other form and with other knobs; the ragged kernel on a
+   2048-token chunk over 16k in both forms of V; bf16 pages beside them.  Per row: time, bytes read (a
+   compressed row is D + 4 bytes: values and its float32 scale), GB/s and the fraction of the bandwidth ceiling (max of the read-only reduction and a copy,
    ``bench/common.py``), speed-up over bf16, and the error of each against the bf16 reference on the
    same (unquantized) K/V with outlier channels (a few 20x larger, as a real K has), and the kernel's
    own error against the reference on the same compressed pages (the first 8 rows of each batch).
