@@ -18,7 +18,8 @@ a. Ceilings.  Device copy bandwidth: ``x + c`` and a copy over a 1 GiB array, (b
    - the ceiling of kernels that only read (decode and cascade attention).  Matmul ceiling: the
    bf16 FLOP/s of a chain of 8192^3 matmuls (``common.matmul_ceiling``), the measured compute
    ceiling beside the datasheet's 989 TFLOP/s (``common.H200_BF16_PEAK``).
-b. Decode attention, B in {1, 8, 32, 128} x ctx in {1k, 4k, 16k, 32k}, 32 q / 8 kv heads,
+b. Decode attention, B in {1, 8, 32, 128} x ctx in {1k, 4k, 16k, 32k} (``--decode-shapes 32x4096,...``
+   picks others), 32 q / 8 kv heads,
    d=128, page 16, bf16: time, effective bandwidth (K+V read + q + out) and its fraction of
    the bandwidth ceiling, the larger of the read-only and copy figures (on the H200 an XLA reduction
    reads slower than a copy moves, and the decode kernel outran it), the copy's fraction beside it;

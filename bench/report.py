@@ -23,7 +23,7 @@ def log(msg=""):
 
 def code_version() -> str:
     """The commit a run measured: ``$INFERSCALE_COMMIT`` (set it where the tree travels without .git, as
-    on the device machine), else ``git describe`` of the checkout, marked ``+changes`` when files outside
+    on the device machine), else the checkout's short commit (``git rev-parse``), marked ``+changes`` when files outside
     ``bench/results/`` differ from it; ``unknown`` without either."""
     env = os.environ.get("INFERSCALE_COMMIT")
     if env:
