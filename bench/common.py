@@ -190,6 +190,11 @@ def pct(xs, p):
     return float(np.percentile(xs, p)) if len(xs) else None
 
 
+def parse_shapes(text: str) -> list[tuple[int, ...]]:
+    """``"32x4096,128x4096"`` -> ``[(32, 4096), (128, 4096)]`` (the kernel benchmarks' ``BxCTX`` lists)."""
+    return [tuple(int(x) for x in sh.split("x")) for sh in text.split(",")]
+
+
 def kv_token_bytes(cfg, kv_dtype: str | None = None) -> int:
     """KV bytes of one token, K and V of every layer, as the engine stores them (``kv_cache.page_bytes``:
     a compressed ``kv_dtype`` holds one byte per value plus a float32 scale per row); None: bf16."""

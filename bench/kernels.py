@@ -77,7 +77,7 @@ import time
 
 import jax
 import jax.numpy as jnp
-from common import H200_BF16_PEAK, matmul_ceiling, read_bandwidth  # noqa: E402  (bench/common.py)
+from common import H200_BF16_PEAK, matmul_ceiling, parse_shapes, read_bandwidth  # noqa: E402  (bench/common.py)
 from report import FAILURES, MD, code_version, log, pyplot, section, table, write_md  # noqa: E402  (bench/report.py)
 import numpy as np
 
@@ -268,8 +268,7 @@ def decode_inputs(key, b, ctx, num_vars, min_pool_bytes):
 def decode(args):
     batches, ctxs = ([1, 2], [64, 256]) if args.quick else ([1, 8, 32, 128],
                                                             [1024, 4096, 16384, 32768])
-    shapes = ([tuple(map(int, s.split("x"))) for s in args.decode_shapes.split(",")] if args.decode_shapes
-              else [(b, c) for b in batches for c in ctxs])
+    shapes = parse_shapes(args.decode_shapes) if args.decode_shapes else [(b, c) for b in batches for c in ctxs]
     interp = args.interpret
     jpa = tok = None
     try:

@@ -13,7 +13,8 @@ a. Kernels (32 q / 8 kv heads, d=128, page 16): paged decode at B in {32, 128} x
    (``pallas_kernels/quant.py`` ``scales_on_rows``: int8 folded into scores and probabilities, float8 on
    the rows) and at two shapes also in the other form and with other knobs; the ragged kernel on a
    2048-token chunk over 16k in both forms of V; bf16 pages beside them.  Per row: time, bytes read (a
-   compressed row is D + 4 bytes: values and its float32 scale), GB/s and the fraction of the bandwidth ceiling (max of the read-only reduction and a copy,
+   compressed row is D + 4 bytes: values and its float32 scale), GB/s and the fraction of the bandwidth
+   ceiling (max of the read-only reduction and a copy,
    ``bench/common.py``), speed-up over bf16, and the error of each against the bf16 reference on the
    same (unquantized) K/V with outlier channels (a few 20x larger, as a real K has), and the kernel's
    own error against the reference on the same compressed pages (the first 8 rows of each batch).
@@ -49,7 +50,7 @@ sys.path.insert(0, ROOT)
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from common import back_to_back, copy_bandwidth, read_bandwidth  # noqa: E402  (bench/common.py)
+from common import back_to_back, copy_bandwidth, parse_shapes, read_bandwidth  # noqa: E402  (bench/common.py)
 from report import FAILURES, MD, finish, log, section, table  # noqa: E402  (bench/report.py)
 
 from pallas_kernels.quant import scales_on_rows  # noqa: E402
@@ -137,7 +138,7 @@ def kernels(args):
     shapes = [(1, 64), (4, 128)] if args.quick else [(1, 16384), (32, 4096), (128, 4096), (32, 16384),
                                                     (128, 16384), (32, 32768)]
     if args.shapes:
-        shapes = [tuple(int(x) for x in sh.split("x")) for sh in args.shapes.split(",")]
+        shapes = parse_shapes(args.shapes)
     rows_variant = {(4, 128)} if args.quick else {(128, 4096), (32, 16384)}  # scales on the rows, as before
     n_chk = 8  # the rows checked against the references (the first n_chk of the batch)
     for b, ctx in shapes:
@@ -151,7 +152,7 @@ def kernels(args):
         if args.knobs:  # only these knob sets, on every page dtype
             variants += [(n, None, kn) for kn in parse_knobs(args.knobs) for n in ("bfloat16",) + KV_DTYPES]
         elif (b, ctx) in rows_variant:  # the other scale form, and more warps / stages for the convert
-            variants += [(n, scales_on_rows(n), {}) for n in KV_DTYPES]
+            variants += [(n, scales_on_rows(n), {}) for n in KV_DTYPES]  # fold = True where the default is rows
             variants += [("int8", None, dict(num_warps=8)), ("int8", None, dict(num_stages=3)),
                          ("int8", None, dict(num_stages=4)), ("int8", None, dict(k_major=True)),
                          ("int8", None, dict(k_major=True, num_stages=3)),

@@ -23,8 +23,8 @@ def log(msg=""):
 
 def code_version() -> str:
     """The commit a run measured: ``$INFERSCALE_COMMIT`` (set it where the tree travels without .git, as
-    on the device machine), else the checkout's short commit (``git rev-parse``), marked ``+changes`` when files outside
-    ``bench/results/`` differ from it; ``unknown`` without either."""
+    on the device machine), else the checkout's short commit (``git rev-parse``), marked ``+changes`` when
+    files outside ``bench/results/`` differ from it; ``unknown`` without either."""
     env = os.environ.get("INFERSCALE_COMMIT")
     if env:
         return env

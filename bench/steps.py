@@ -227,7 +227,7 @@ def main():
 def report(res, args):
     lines = [f"# Serving steps, {res['device']} (jax {res['jax']}), {res['date']}", "",
              f"`{res['command']}`; Llama-3-8B shape, bf16, random weights; max_batch {res['max_batch']}, "
-             f"token budget {res['budget']}, {res['pages']} pages of 16 tokens; code {res.get('code', 'unknown')}.", ""]
+             f"token budget {res['budget']}, {res['pages']} pages of 16 tokens; code {res['code']}.", ""]
     if "warmup" in res:
         w = res["warmup"]
         lines += ["## Warm-up", "", "| buckets | compiled or loaded | warm-up s | ready s (from start) | cache hits | "

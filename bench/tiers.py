@@ -299,7 +299,8 @@ def write_report(args, total_s):
     head = [f"# Tier benchmark ({'quick, small model' if args.quick else 'Llama-3-8B shape, random bf16'})", "",
             f"- date: {datetime.datetime.now().isoformat(timespec='seconds')}",
             f"- device: {dev.device_kind} ({dev.platform}), jax {jax.__version__}",
-            f"- command: `python {cmd}`", f"- code: {code_version()}", f"- dtype: {args.s['dtype']}", f"- total time: {total_s:.0f} s", ""]
+            f"- command: `python {cmd}`", f"- code: {code_version()}", f"- dtype: {args.s['dtype']}",
+            f"- total time: {total_s:.0f} s", ""]
     if dev.platform == "cpu":
         head += ["On the CPU, host and device memory are the same RAM and XLA's scatter of 2-byte types is "
                  "emulated (slow): these figures check the code path; the GPU run measures the tiers.", ""]

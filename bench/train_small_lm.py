@@ -179,7 +179,8 @@ def main():
         json.dump(hf, f, indent=2, sort_keys=True)
     n_params = sum(x.size for x in jax.tree_util.tree_leaves(params))
     summary = (f"# Small LM\n\n- {n_params / 1e6:.1f}M parameters ({args.layers} layers, hidden {args.hidden}, vocab "
-               f"{len(tok)}), {done} steps of {args.batch} x {args.seq} tokens (of {args.steps} planned), {time.time() - t1:.0f} s on "
+               f"{len(tok)}), {done} steps of {args.batch} x {args.seq} tokens (of {args.steps} planned), "
+               f"{time.time() - t1:.0f} s on "
                f"{jax.devices()[0].device_kind}\n- held-out loss {held_loss:.3f}, perplexity {ppl:.1f}\n")
     with open(os.path.join(out, "train.md"), "w") as f:
         f.write(summary)

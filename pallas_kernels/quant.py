@@ -23,9 +23,12 @@ the folded form.  On the H200 the e4m3 tile is the one the fold does not help: f
 1.17x / 1.26x faster with its scales on the rows in three runs (sessions 9, 10 and the back-to-back run
 of 2026-12-02, ``bench/results/kv_dtype.md``), and the ragged kernel on a 2048-token chunk over 16k 1.18x
 faster with fp8 V on the rows; int8 gains nothing from the rows form (0.83x / 0.85x of the fold in decode,
-0.99x in the ragged kernel), so it keeps the fold.  The rows form rounds each dequantized value to q's dtype: the
-decode kernel's own error against its reference on the same fp8 pages was 8.6e-3 / 1.1e-2 on the rows vs
-4.9e-3 / 5.4e-3 folded, 14-21 times below what quantizing to e4m3 costs against bf16 pages (1.2e-1 / 2.3e-1).
+0.99x in the ragged kernel), so it keeps the fold.  The rows form rounds each dequantized value to q's
+dtype: the decode kernel's own error against its reference on the same fp8 pages was 8.6e-3 / 1.1e-2 on
+the rows vs 4.9e-3 / 5.4e-3 folded, 14-21 times below what quantizing to e4m3 costs against bf16 pages
+(1.2e-1 / 2.3e-1).  The cascade kernel's shared-prefix part folds for both dtypes (its rows form was never
+measured); its suffix part is the decode kernel, so on fp8 pages the two parts take different forms -
+separate softmax partials merged by their log-sum-exp, each equal to the reference up to rounding.
 
 ``pack_block`` / ``unpack_block`` carry a block of quantized pages and its scales as one uint8
 array (the scale's 4 bytes appended to each row of D), the form the tiers and snapshots move.
