@@ -202,7 +202,7 @@ class AsyncEngine:
         q: asyncio.Queue = asyncio.Queue()
         request = await self._pretokenized(request, "prompt", "prompt_token_ids")
         sampling = request.get("sampling")
-        detok = IncrementalDetokenizer(self._detok_tokenizer, getattr(sampling, "stop", None) or ())
+        detok = IncrementalDetokenizer(self._detok_tokenizer, getattr(sampling, "stop", None) or (), sampling)
 
         def submit():
             rid = self.engine.submit(**request)

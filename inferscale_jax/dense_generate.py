@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from inferscale_jax.config import EngineConfig
-from inferscale_jax.sampling import SamplingParams, request_key, sample_tokens
+from inferscale_jax.sampling import SamplingParams, request_key, sample_tokens, step_bias
 from models import DenseKVCache, ModelConfig, forward
 
 
@@ -41,10 +41,20 @@ def _padded(ids: list[int]) -> np.ndarray:
     return out
 
 
+def _padded_values(values: list[float], width: int) -> np.ndarray:
+    """[1, width] float32: ``values`` padded with zeros (the bias of ``_padded`` ids)."""
+    out = np.zeros((1, width), np.float32)
+    out[0, :len(values)] = values
+    return out
+
+
 def generate_dense(params: dict, cfg: ModelConfig, prompt_ids: list[int], sampling: SamplingParams,
                    dtype=jnp.float32, matmul_precision: str | None = None) -> tuple[list[int], dict]:
     """Generate up to ``sampling.max_tokens`` ids after ``prompt_ids``; returns (ids, timings)."""
     sampling.validate(cfg.vocab_size)
+    if sampling.bad_words:
+        raise ValueError("SamplingParams.bad_words needs a tokenizer: use the engine (Engine.generate), "
+                         "or logit_bias with the words' token ids")
     precision = EngineConfig(dtype=jnp.dtype(dtype).name, matmul_precision=matmul_precision).resolved_matmul_precision
     n = len(prompt_ids)
     if n == 0:
@@ -64,9 +74,10 @@ def generate_dense(params: dict, cfg: ModelConfig, prompt_ids: list[int], sampli
     temp = jnp.array([sampling.temperature], jnp.float32)
     top_k = jnp.array([sampling.top_k], jnp.int32)
     top_p = jnp.array([sampling.top_p], jnp.float32)
-    pen_params = np.array([[sampling.presence_penalty, sampling.frequency_penalty, sampling.repetition_penalty]],
-                          np.float32)
+    pen_params = np.array([[sampling.presence_penalty, sampling.frequency_penalty, sampling.repetition_penalty,
+                            sampling.min_p]], np.float32)
     pen_prompt = _padded(prompt_ids if sampling.repetition_penalty != 1 else [])
+    processed = sampling.has_penalty or sampling.has_bias or sampling.min_p > 0
 
     t0 = time.perf_counter()
     logits, cache = _step(params, cfg, jnp.asarray(toks), jnp.asarray(pos), cache, jnp.array([n - 1]),
@@ -74,7 +85,12 @@ def generate_dense(params: dict, cfg: ModelConfig, prompt_ids: list[int], sampli
     out: list[int] = []
     ttft = None
     for i in range(sampling.max_tokens):
-        penalties = (_padded(out), pen_prompt, pen_params) if sampling.has_penalty else None
+        penalties = None
+        if processed:
+            bias = step_bias(sampling, i, out, sorted(stop), [])
+            bias_ids, bias_vals = bias if bias is not None else ([], [])
+            penalties = (_padded(out), pen_prompt, pen_params, _padded(bias_ids),
+                         _padded_values(bias_vals, _padded(bias_ids).shape[1]))
         tok, *_ = sample_tokens(logits, temp, top_k, top_p, key, jnp.array([i], jnp.int32), penalties=penalties)
         tid = int(tok[0])
         if ttft is None:

@@ -24,8 +24,9 @@ log = logging.getLogger("inferscale.detokenize")
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer, stop: list[str] | tuple[str, ...] = ()):
-        self.tokenizer, self.stop = tokenizer, list(stop)
+    def __init__(self, tokenizer, stop: list[str] | tuple[str, ...] = (), sampling=None):
+        """``sampling``: the request's ``SamplingParams`` (its special-token options), or None."""
+        self.tokenizer, self.stop, self.sampling = tokenizer, list(stop), sampling
         self.ids: list[int] = []
         self.prefix = 0  # ids[prefix:read] is the context window already turned into text
         self.read = 0
@@ -37,8 +38,8 @@ class IncrementalDetokenizer:
         if self.tokenizer is None or not new_ids:
             return ""
         self.ids += new_ids
-        before = decode_ids(self.tokenizer, self.ids[self.prefix:self.read])
-        after = decode_ids(self.tokenizer, self.ids[self.prefix:])
+        before = decode_ids(self.tokenizer, self.ids[self.prefix:self.read], self.sampling)
+        after = decode_ids(self.tokenizer, self.ids[self.prefix:], self.sampling)
         if len(after) > len(before) and not after.endswith("\ufffd"):
             self.text += after[len(before):]
             self.prefix, self.read = self.read, len(self.ids)

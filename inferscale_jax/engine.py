@@ -42,14 +42,14 @@ from collections import Counter
 import jax
 import jax.numpy as jnp
 
-from inferscale_jax import compile_cache, sharding
+from inferscale_jax import compile_cache, scoring, sharding
 from inferscale_jax.config import EngineConfig
 from inferscale_jax.errors import EngineFault, PoolExhausted, RequestTooLong
 from inferscale_jax.kv_cache import PagedKVCache, page_bytes
 from inferscale_jax.kv_manager import KVManager, Seq
 from inferscale_jax.outputs import GenerationOutput
 from inferscale_jax.runner import ModelRunner, StepRow, freeze_heap
-from inferscale_jax.sampling import SamplingParams, request_key
+from inferscale_jax.sampling import SamplingParams, request_key, tokenize_bad_words
 from inferscale_jax.scheduler import Request, RequestOutput, Scheduler
 from inferscale_jax import sessions
 from inferscale_jax.segment_updates import VersionResult, next_version
@@ -426,10 +426,14 @@ class Engine:
             raise ValueError("segments must be a list of segment ids, not a string")
         ids = (self._encode(prompt, "prompt") if prompt is not None
                else self._check_ids(prompt_token_ids or [], "prompt_token_ids"))
+        if sampling.truncate_prompt_tokens is not None and len(ids) > sampling.truncate_prompt_tokens:
+            ids = ids[-sampling.truncate_prompt_tokens:]  # the prompt's last k tokens (vLLM's rule)
         chain = [self._chain_element(item, tenant) for item in segments]
         if not ids and not chain:
             raise ValueError("prompt is empty and no segments are named: give at least one token")
         tokens = list(self.bos_prefix) + [t for seg in chain for t in seg.token_ids] + ids
+        bad_words = (tokenize_bad_words(sampling.bad_words, lambda t: self._encode(t, "bad_words"))
+                     if sampling.bad_words else [])
         if session is not None:
             hit = sessions.split(self, session, tenant, tokens[len(self.bos_prefix):])
             if hit is not None:  # [session] + the rest: the earlier turns' KV, exactly
@@ -443,8 +447,46 @@ class Engine:
         self._counters["requests"] += 1
         rid = request_id or f"req-{self._counters['requests']}"
         key = request_key(sampling.seed)  # no seed: OS entropy, so processes never repeat a stream
-        self.scheduler.add(Request(rid, tenant, tokens, chain, sampling, mode, key, arrival=t0))
+        req = Request(rid, tenant, tokens, chain, sampling, mode, key, arrival=t0, bad_words_ids=bad_words)
+        if sampling.prompt_logprobs is not None:
+            req.prompt_logprobs = self._score(tokens, len(ids), sampling.prompt_logprobs)
+            req.prompt_ids = ids
+        self.scheduler.add(req)
         return rid
+
+    def prompt_logprobs(self, prompt: str | None = None, *, prompt_token_ids=None, segments=(),
+                        tenant: str = "default", num_logprobs: int = 0,
+                        truncate_prompt_tokens: int | None = None) -> tuple[list[int], list, list]:
+        """(the prompt's ids, each one's ``{token_id: logprob}`` given everything before it -
+        segments included - with the top ``num_logprobs`` alternatives, each one's rank):
+        ``scoring.py``.  No generation; ``SamplingParams.prompt_logprobs`` gives the same
+        alongside a generation."""
+        if self.fault is not None:
+            raise self.fault
+        SamplingParams(prompt_logprobs=num_logprobs).validate(self.cfg.vocab_size)
+        check_tenant(tenant)
+        if prompt is not None and prompt_token_ids is not None:
+            raise ValueError("give prompt= or prompt_token_ids=, not both")
+        ids = (self._encode(prompt, "prompt") if prompt is not None
+               else self._check_ids(prompt_token_ids or [], "prompt_token_ids"))
+        if truncate_prompt_tokens is not None and len(ids) > truncate_prompt_tokens:
+            ids = ids[-truncate_prompt_tokens:]
+        if not ids:
+            raise ValueError("prompt is empty: prompt log-probs need at least one prompt token")
+        chain = [self._chain_element(item, tenant) for item in segments]
+        tokens = list(self.bos_prefix) + [t for seg in chain for t in seg.token_ids] + ids
+        self._check_fits(len(tokens), "request", detail=f" ({len(tokens)} prompt tokens)")
+        ranks: list = []
+        return ids, self._score(tokens, len(ids), num_logprobs, ranks), ranks
+
+    def _score(self, tokens: list[int], num_prompt: int, top_n: int, ranks: list | None = None) -> list:
+        if num_prompt == 0:
+            return []
+        if self.config.tensor_parallel > 1:
+            raise ValueError("prompt log-probs (prompt_logprobs, echo with logprobs) run on one device: this "
+                             "engine has tensor_parallel > 1; use an engine with tensor_parallel=1 for scoring")
+        return scoring.prompt_logprobs(self.params, self.cfg, tokens, num_prompt, top_n, self.dtype,
+                                       self.config.resolved_matmul_precision, ranks)
 
     def _chain_element(self, item, tenant: str) -> Segment:
         """A ``segments`` item: a segment id, or a list of token ids placed literally (a chat
@@ -545,32 +587,69 @@ class Engine:
     def compiles(self) -> int:
         return self.runner.compiles
 
-    def warmup(self, progress=None, *, serving: bool = True) -> dict:
-        """Compile every step bucket now (``buckets.py``: decode, cascade and mixed steps, with
-        and without log-probs), before any request pays for a compile; with the persistent
-        compilation cache a restart loads them instead.  Buckets compile several at a time
-        (``ModelRunner.warmup``).  ``progress(done, total)`` is called after each bucket.  From
-        here on every compile is counted in ``stats()["compiles_after_warmup"]`` and logged as a
-        warning with its shape.  ``serving=False``: only the buckets a batch job of segment
-        registrations runs (no log-probs, no cascade; ``precompute``).  Returns
-        ``{"buckets", "compiled", "seconds"}``.  Optional for the Python API; ``serve``,
-        ``demo`` and ``precompute`` call it."""
+    _warmup_stopped = False  # set by stop_warmup: a running or later warmup returns early
+
+    def warmup(self, progress=None, *, serving: bool = True, buckets: str = "auto",
+               progress_bar: bool = True) -> dict:
+        """Compile the step buckets of a warm-up set now (``buckets.py``: decode, cascade and
+        mixed steps, with and without log-probs), before any request pays for a compile; with the
+        persistent compilation cache a restart loads them instead.  ``buckets``: "all", "small"
+        (what a small server runs; the rest compile on first use) or "auto" ("small" on the CPU,
+        "all" on a GPU/TPU).  Buckets compile several at a time (``ModelRunner.warmup``).
+        ``progress(done, total)`` is called after each bucket, and a tqdm bar on stderr shows the
+        buckets done, how many came from the compilation cache, and the ETA (``progress_bar``).
+        From here on every compile is counted in ``stats()["compiles_after_warmup"]``; one of a
+        bucket of the set is logged as a warning with its shape (a bucket outside a "small" set, at
+        INFO).  ``serving=False``: only the buckets a batch job of segment registrations runs (no
+        log-probs, no cascade; ``precompute``).  ``stop_warmup()`` (another thread) ends it
+        early.  Returns ``{"buckets", "compiled", "seconds", "stopped"}``.  Optional for the Python
+        API; ``serve``, ``demo`` and ``precompute`` call it."""
+        import sys
+
+        from tqdm import tqdm
+
+        from inferscale_jax.buckets import WARMUP_SETS
+
         if self.fault is not None:
             raise self.fault
+        if buckets not in WARMUP_SETS:
+            raise ValueError(f"buckets={buckets!r} is invalid: must be one of {WARMUP_SETS}")
+        if buckets == "auto":
+            buckets = "small" if self.runner.device.platform == "cpu" else "all"
         t0 = time.perf_counter()
-        before = self.runner.compiles
-        keys = self.runner.buckets.all_keys(cascade=self.config.cascade_decode and serving)
-        if not serving:
-            keys = [k for k in keys if not k.num_logprobs]
-        done = self.runner.warmup(keys, progress)
-        self.runner.warm = True
+        before, hits0 = self.runner.compiles, compile_cache.counts()["hits"]
         b = self.runner.buckets
+        cascade = self.config.cascade_decode and serving
+        keys = b.warmup_keys(buckets, cascade=cascade, logprobs=serving)
+        self.runner.warm_skipped = frozenset(b.warmup_keys("all", cascade=cascade)) - frozenset(keys)
+        bar = tqdm(total=len(keys), desc=f"warm-up ({buckets} step buckets)", unit="bucket", file=sys.stderr,
+                   disable=not progress_bar, dynamic_ncols=True, leave=False)
+
+        def step(done: int, total: int) -> None:
+            bar.total = total
+            bar.update(done - bar.n)
+            bar.set_postfix_str(f"{compile_cache.counts()['hits'] - hits0} from the compile cache", refresh=True)
+            if progress is not None:
+                progress(done, total)
+
+        try:
+            done = self.runner.warmup(keys, step, stop=lambda: self._warmup_stopped)
+        finally:
+            bar.close()
+        self.runner.warm = True
         b.real_tokens = b.padded_tokens = b.real_rows = b.padded_rows = 0  # (warm-up steps are all padding)
         freeze_heap()
         took = time.perf_counter() - t0
-        log.info("warm-up: %d step buckets ready (%d compiled or loaded) in %.1f s", done,
-                 self.runner.compiles - before, took)
-        return {"buckets": done, "compiled": self.runner.compiles - before, "seconds": took}
+        compiled = self.runner.compiles - before
+        log.info("warm-up: %d %s step buckets ready (%d compiled or loaded, %d from the compile cache) in %.1f s%s",
+                 done, buckets, compiled, compile_cache.counts()["hits"] - hits0, took,
+                 " (stopped)" if self._warmup_stopped else "")
+        return {"buckets": done, "compiled": compiled, "seconds": took, "stopped": self._warmup_stopped}
+
+    def stop_warmup(self) -> None:
+        """End a running ``warmup`` (and skip any later one): it starts nothing more and returns
+        once the compiles in flight finish (``serve`` calls this at shutdown)."""
+        self._warmup_stopped = True
 
     def stats(self) -> dict:
         c = self._counters

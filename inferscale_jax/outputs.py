@@ -23,3 +23,7 @@ class GenerationOutput:
     metrics: RequestMetrics
     logprobs: list[dict[int, float]] | None = None  # per generated position: {token_id: logprob}
     request_id: str = ""
+    # SamplingParams.prompt_logprobs: per prompt token, {token_id: logprob} (None: the sequence's
+    # first token, which has nothing before it); scoring.py
+    prompt_logprobs: list[dict[int, float] | None] | None = None
+    prompt_token_ids: list[int] | None = None  # the prompt's ids, when prompt_logprobs is set

@@ -37,6 +37,17 @@ decode's discarded rows; the per-step arrays need none of that bookkeeping and c
 for requests without penalties, so they were chosen.  Under overlapped decode the host's
 generated ids lag one token behind for rows fed on the device; the runner adds that fed token
 to the row's ids on the device (``runner._model_step``).
+
+Logit bias (vLLM's extras; ``step_bias`` builds a row's, applied after the penalties as one
+sparse scatter-add of (token id, value) pairs in the same per-step arrays): ``logit_bias`` adds
+its values; a bad word (``tokenize_bad_words``: the word alone and after a space) gets ``-inf``
+on its last token when the generated ids end with the rest of it (always, for a one-token
+word); while fewer than ``min_tokens`` tokens are generated, EOS and ``stop_token_ids`` get
+``-inf``.  A multi-token bad word needs the row's last generated token on the host, so a step
+holding such a request settles the in-flight step first (no device feed for it;
+``scheduler.py``).  ``min_p`` keeps the tokens whose probability is at least ``min_p`` times the
+most likely one's (after temperature, with top-k / top-p), i.e. scaled logits >= max + log(min_p).
+Greedy rows take the argmax of the biased logits; log-probs stay the raw distribution's.
 """
 
 from __future__ import annotations
@@ -58,6 +69,9 @@ MAX_LOGPROBS = 20
 INT32_MAX = 2**31 - 1  # ids, counts and top-k travel to the device as int32
 MAX_TEMPERATURE = 100.0
 MAX_PENALTY = 2.0  # presence / frequency penalties lie in [-2, 2]; repetition in (0, 2]
+MAX_LOGIT_BIAS = 300  # entries of logit_bias (OpenAI's limit)
+MAX_LOGIT_BIAS_VALUE = 100.0
+MAX_BAD_WORDS = 64
 
 
 def _is_int(x) -> bool:
@@ -82,15 +96,34 @@ class SamplingParams:
     presence_penalty: float = 0.0  # [-2, 2], subtracted once from every generated token's logit
     frequency_penalty: float = 0.0  # [-2, 2], subtracted per occurrence among generated tokens
     repetition_penalty: float = 1.0  # (0, 2], prompt and generated tokens (1: off)
+    min_p: float = 0.0  # [0, 1]: drop tokens below min_p x the most likely token's probability (0: off)
+    min_tokens: int = 0  # EOS and stop_token_ids cannot end the output before this many tokens
+    logit_bias: dict[int, float] | None = None  # token id -> [-100, 100] added to its logit
+    bad_words: list[str] = dataclasses.field(default_factory=list)  # never completed (module docstring)
+    skip_special_tokens: bool = True  # text: special tokens left out of the decoded text
+    spaces_between_special_tokens: bool = True  # text: (slow tokenizers) spaces around special tokens
+    include_stop_str_in_output: bool = False  # text: keep the stop string that ended the output
+    truncate_prompt_tokens: int | None = None  # keep only the prompt's last k tokens (segments kept)
+    prompt_logprobs: int | None = None  # log-probs of the prompt's tokens + this many alternatives
 
     def __post_init__(self):
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        if isinstance(self.bad_words, str):
+            self.bad_words = [self.bad_words]
+        if _is_int(self.top_k) and self.top_k == -1:
+            self.top_k = 0  # vLLM's "off"
         self.validate()
 
     @property
     def has_penalty(self) -> bool:
         return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+
+    @property
+    def has_bias(self) -> bool:
+        """Whether the device step needs a per-row sparse logit bias (``logit_bias``,
+        ``bad_words``, ``min_tokens``)."""
+        return bool(self.logit_bias) or bool(self.bad_words) or self.min_tokens > 0
 
     def validate(self, vocab_size: int | None = None) -> None:
         """Raise ``ValueError`` naming the first invalid field, its value and the allowed range.
@@ -140,6 +173,70 @@ class SamplingParams:
         if not _is_finite_real(self.repetition_penalty) or not 0.0 < self.repetition_penalty <= MAX_PENALTY:
             bad("repetition_penalty", self.repetition_penalty,
                 f"must be a finite number in (0, {MAX_PENALTY:g}] (1 = off)")
+        if not _is_finite_real(self.min_p) or not 0.0 <= self.min_p <= 1.0:
+            bad("min_p", self.min_p, "must be a finite number in [0, 1] (0 = off)")
+        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
+            bad("min_tokens", self.min_tokens, f"must be an integer in [0, max_tokens={self.max_tokens}]")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict) or len(self.logit_bias) > MAX_LOGIT_BIAS:
+                bad("logit_bias", f"<{type(self.logit_bias).__name__}>",
+                    f"must be a dict of at most {MAX_LOGIT_BIAS} token id -> bias entries")
+            for t, v in self.logit_bias.items():
+                if not _is_int(t) or not 0 <= t <= id_max:
+                    bad("logit_bias", f"<key {t!r}>", f"every key must be a token id in [0, {id_max}]")
+                if not _is_finite_real(v) or not -MAX_LOGIT_BIAS_VALUE <= v <= MAX_LOGIT_BIAS_VALUE:
+                    bad("logit_bias", f"<value {v!r} for token {t}>",
+                        f"every bias is a finite number in [-{MAX_LOGIT_BIAS_VALUE:g}, {MAX_LOGIT_BIAS_VALUE:g}]")
+        if not isinstance(self.bad_words, list) or not all(isinstance(w, str) and w for w in self.bad_words):
+            bad("bad_words", self.bad_words, "must be a list of non-empty strings")
+        if len(self.bad_words) > MAX_BAD_WORDS:
+            bad("bad_words", f"<{len(self.bad_words)} words>", f"at most {MAX_BAD_WORDS} words")
+        for field in ("skip_special_tokens", "spaces_between_special_tokens", "include_stop_str_in_output"):
+            if not isinstance(getattr(self, field), (bool, np.bool_)):
+                bad(field, getattr(self, field), "must be a bool")
+        if self.truncate_prompt_tokens is not None and (not _is_int(self.truncate_prompt_tokens)
+                                                        or not 1 <= self.truncate_prompt_tokens <= INT32_MAX):
+            bad("truncate_prompt_tokens", self.truncate_prompt_tokens, "must be an integer >= 1 or None")
+        if self.prompt_logprobs is not None and (not _is_int(self.prompt_logprobs)
+                                                 or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS):
+            bad("prompt_logprobs", self.prompt_logprobs, f"must be an integer in [0, {MAX_LOGPROBS}] or None")
+
+
+def step_bias(sampling: SamplingParams, generated: int, out_ids: list[int] | None, stop_ids,
+              bad_words_ids: list[list[int]]) -> tuple[list[int], list[float]] | None:
+    """The sparse logit bias of one row's next token (module docstring, "Logit bias"), or None.
+
+    ``generated``: tokens the request has generated before this one; ``out_ids``: the generated
+    ids the host knows (None: not known this step, so multi-token bad words are not checked;
+    the scheduler never lets that happen for a request that has them); ``stop_ids``: EOS and
+    ``stop_token_ids`` (banned while ``generated < min_tokens``); ``bad_words_ids``: each bad
+    word's token ids (``tokenize_bad_words``)."""
+    ids: list[int] = []
+    vals: list[float] = []
+    if sampling.logit_bias:
+        ids += list(sampling.logit_bias)
+        vals += [float(v) for v in sampling.logit_bias.values()]
+    for word in bad_words_ids:
+        *head, last = word
+        if not head or (out_ids is not None and len(out_ids) >= len(head) and out_ids[-len(head):] == head):
+            ids.append(last)
+            vals.append(-math.inf)
+    if generated < sampling.min_tokens:
+        ids += list(stop_ids)
+        vals += [-math.inf] * len(stop_ids)
+    return (ids, vals) if ids else None
+
+
+def tokenize_bad_words(words: list[str], encode) -> list[list[int]]:
+    """Each bad word as token ids, alone and after a space (as vLLM does: a word inside text is
+    usually tokenized with its leading space); ``encode(text) -> ids`` adds no special tokens."""
+    out: list[list[int]] = []
+    for w in words:
+        for variant in (w, " " + w.lstrip()):
+            ids = list(encode(variant))
+            if ids and ids not in out:
+                out.append(ids)
+    return out
 
 
 def request_key(seed: int | None = None) -> np.ndarray:
@@ -158,10 +255,13 @@ def request_key(seed: int | None = None) -> np.ndarray:
 
 
 def apply_penalties(logits: jax.Array, gen_ids: jax.Array, prompt_ids: jax.Array,
-                    params: jax.Array) -> jax.Array:
+                    params: jax.Array, bias_ids: jax.Array | None = None,
+                    bias_vals: jax.Array | None = None) -> jax.Array:
     """Penalized logits (module docstring): logits [B, V] float32; gen_ids [B, Wg] and
-    prompt_ids [B, Wp] int32 token ids (entries outside [0, V) are padding); params [B, 3]
-    float32 (presence, frequency, repetition) -> [B, V] float32."""
+    prompt_ids [B, Wp] int32 token ids (entries outside [0, V) are padding); params [B, 4]
+    float32 (presence, frequency, repetition, min_p; min_p is read by the sampler); bias_ids /
+    bias_vals [B, Wb] int32 / float32: a sparse bias added to those tokens' logits (ids outside
+    [0, V) are padding) -> [B, V] float32."""
     b, v = logits.shape
     rows = jnp.arange(b)[:, None]
     drop = lambda ids: jnp.where((ids >= 0) & (ids < v), ids, v)  # noqa: E731 - padding -> out of range
@@ -170,7 +270,10 @@ def apply_penalties(logits: jax.Array, gen_ids: jax.Array, prompt_ids: jax.Array
     presence, frequency, repetition = params[:, 0:1], params[:, 1:2], params[:, 2:3]  # [B, 1] each
     repeated = jnp.where(logits > 0, logits / repetition, logits * repetition)
     logits = jnp.where(seen & (repetition != 1.0), repeated, logits)
-    return logits - frequency * counts.astype(jnp.float32) - presence * (counts > 0).astype(jnp.float32)
+    logits = logits - frequency * counts.astype(jnp.float32) - presence * (counts > 0).astype(jnp.float32)
+    if bias_ids is not None and bias_ids.shape[1]:
+        logits = logits.at[rows, drop(bias_ids)].add(bias_vals, mode="drop")
+    return logits
 
 
 @functools.partial(jax.jit, static_argnames=("num_logprobs",))
@@ -180,13 +283,17 @@ def sample_tokens(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, t
 
     logits [B, V] float32; temperature/top_p [B] float32; top_k [B] int32 (0 = off);
     keys [B, 2] uint32 request keys; steps [B] int32 (folded into the key); penalties: None
-    (no row has one) or ``apply_penalties``'s (gen_ids [B, Wg], prompt_ids [B, Wp], params [B, 3]).
+    (no row has a penalty, ``min_p`` or a logit bias) or ``apply_penalties``'s arguments (gen_ids
+    [B, Wg], prompt_ids [B, Wp], params [B, 3 or 4], and optionally bias_ids [B, Wb], bias_vals [B, Wb]).
     Returns (tokens [B] int32, chosen_logprob [B] float32, top_ids [B, n], top_logprobs [B, n]);
     the log-probs are the raw logits' (module docstring).
     """
     logprobs = jax.nn.log_softmax(logits, axis=-1)  # [B, V] the model's full distribution
+    min_p = None
     if penalties is not None:
         logits = apply_penalties(logits, *penalties)  # what is sampled from; logprobs stay raw
+        if penalties[2].shape[1] > 3:
+            min_p = penalties[2][:, 3]  # [B]
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
 
     def sample(_):
@@ -203,7 +310,10 @@ def sample_tokens(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, t
         keep_sorted = (cum - sorted_probs) < top_p[:, None]
         n_keep = jnp.maximum(jnp.sum(keep_sorted, axis=-1), 1)
         pth = jnp.take_along_axis(sorted_logits, (n_keep - 1)[:, None], axis=-1)
-        filtered = jnp.where(scaled >= jnp.maximum(kth, pth), scaled, -jnp.inf)
+        floor = jnp.maximum(kth, pth)
+        if min_p is not None:  # p >= min_p * p_max  <=>  scaled >= max(scaled) + log(min_p)
+            floor = jnp.maximum(floor, sorted_logits[:, :1] + jnp.log(min_p)[:, None])
+        filtered = jnp.where(scaled >= floor, scaled, -jnp.inf)
         row_keys = jax.vmap(jax.random.fold_in)(keys, steps)
         sampled = jax.vmap(jax.random.categorical)(row_keys, filtered).astype(jnp.int32)
         return jnp.where(temperature <= 0.0, greedy, sampled)

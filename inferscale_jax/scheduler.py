@@ -72,7 +72,7 @@ from inferscale_jax.config import EngineConfig
 from inferscale_jax.errors import EngineFault, PoolExhausted, RequestTooLong, SegmentNotFound
 from inferscale_jax.outputs import GenerationOutput, RequestMetrics
 from inferscale_jax.runner import PendingStep, StepPlan, StepRow
-from inferscale_jax.sampling import MAX_LOGPROBS, SamplingParams
+from inferscale_jax.sampling import MAX_LOGPROBS, SamplingParams, step_bias
 from inferscale_jax.segments import SESSION_PREFIX, ChainNode, Segment, SegmentStore
 from inferscale_jax.tracing import RequestTrace
 from models import ModelConfig
@@ -115,8 +115,21 @@ class Request:
     stop_ids: frozenset | None = None  # stop token ids + EOS unless ignore_eos (set at the first token)
     trace: RequestTrace | None = None  # spans and the JSON log line (tracing.py)
 
+    # bad words as token ids (``sampling.tokenize_bad_words``, set by ``Engine.submit``)
+    bad_words_ids: list[list[int]] = dataclasses.field(default_factory=list)
+    prompt_logprobs: list | None = None  # per prompt token (``Engine.submit`` with prompt_logprobs)
+    prompt_ids: list[int] | None = None  # the client's prompt ids (with prompt_logprobs)
+
     def __post_init__(self):
-        self.penalty = self.sampling.has_penalty  # (read per row per step)
+        sp = self.sampling
+        self.penalty = sp.has_penalty  # (read per row per step)
+        self.processed = sp.has_penalty or sp.has_bias or sp.min_p > 0
+
+    @property
+    def needs_host_tail(self) -> bool:
+        """Its next row's bias depends on its last generated token (a multi-token bad word), so
+        that token must be on the host before the row is built (no device feed)."""
+        return any(len(w) > 1 for w in self.bad_words_ids)
 
     @property
     def prefilling(self) -> bool:
@@ -126,13 +139,20 @@ class Request:
     def wants_logprobs(self) -> bool:
         return self.sampling.logprobs is not None
 
-    def row(self, tokens: list[int], start: int) -> StepRow:
+    def row(self, tokens: list[int], start: int, fed: bool = False) -> StepRow:
+        """Its step row; ``fed``: its token is the in-flight step's sample, read on the device
+        (so it samples its generated token ``len(out_ids) + 1``)."""
         sp = self.sampling
-        row = StepRow(tokens, start, self.seq.pages, sp.temperature, sp.top_k, sp.top_p, self.key, len(self.out_ids))
-        if self.penalty:  # the lists themselves: the runner copies them when it packs the step
+        step = len(self.out_ids) + fed
+        row = StepRow(tokens, start, self.seq.pages, sp.temperature, sp.top_k, sp.top_p, self.key, step)
+        if self.processed:  # the lists themselves: the runner copies them when it packs the step
             row.presence_penalty, row.frequency_penalty = float(sp.presence_penalty), float(sp.frequency_penalty)
             row.repetition_penalty = float(sp.repetition_penalty)
             row.output_ids, row.prompt_ids = self.out_ids, self.prompt_tokens
+            row.min_p = float(sp.min_p)
+            if sp.has_bias:
+                row.bias = step_bias(sp, step, None if fed else self.out_ids, self.stop_ids or (),
+                                     self.bad_words_ids)
         return row
 
 
@@ -165,7 +185,7 @@ class RequestOutput:
 
 class Scheduler:
     def __init__(self, kv: KVManager, runner: ModelRunner, *, config: EngineConfig, cfg: ModelConfig,
-                 max_batch: int, decode: Callable[[list[int]], str], counters: dict):
+                 max_batch: int, decode: Callable[[list[int], SamplingParams], str], counters: dict):
         """Collaborators: ``kv`` (admission, pages, node caching), ``runner`` (device steps);
         ``decode`` turns ids into text (stop strings, final text); ``counters`` (a plain dict
         the engine reports) gets each finished request's token counts."""
@@ -185,6 +205,8 @@ class Scheduler:
     # -- queue ----------------------------------------------------------------------------
     def add(self, req: Request) -> None:
         req.trace = RequestTrace(req.id, req.tenant, req.mode, req.chain, len(req.prompt_tokens))
+        sp = req.sampling
+        req.stop_ids = frozenset(sp.stop_token_ids) | frozenset(() if sp.ignore_eos else self.cfg.eos_token_ids)
         self.requests[req.id] = req
         self.waiting.append(req)
 
@@ -434,6 +456,15 @@ class Scheduler:
         pend = {id(o): j for j, (o, _, samples) in enumerate(prev[1]) if samples} if prev is not None else {}
         # ... unless that token is their last (max_tokens): they feed nothing more
         ending = {i for i, j in pend.items() if len(prev[1][j][0].out_ids) + 1 >= prev[1][j][0].sampling.max_tokens}
+        if any(prev[1][j][0].needs_host_tail for j in pend.values()):
+            # a row's bias needs its in-flight token on the host (multi-token bad words): settle first
+            self.inflight = None
+            try:
+                res = self.runner.collect(prev[0])
+            except Exception as err:  # noqa: BLE001 - its results are lost: recompute
+                return outs + self._lost(err, prev)
+            outs += self._apply_all(prev, res)
+            prev, pend, ending = None, {}, set()
         # requests whose fed token starts a new page (the position it feeds: its last token's, or
         # the in-flight one's), oldest first: an allocation may preempt the newest
         grow = [r for r in self.running if not r.prefilling and id(r) not in ending
@@ -477,9 +508,7 @@ class Scheduler:
                 pos = len(req.seq.tokens) - 1  # the last sampled token, not yet in the cache
                 rows.append(req.row([req.seq.tokens[pos]], pos))
             else:  # its in-flight token, read on the device
-                row = req.row([0], len(req.seq.tokens))
-                row.sample_step += 1
-                rows.append(row)
+                rows.append(req.row([0], len(req.seq.tokens), fed=True))
             owners.append(req)
             src.append(-1 if j is None else j)
         decode_rows = len(rows)
@@ -666,18 +695,20 @@ class Scheduler:
             req.logprobs.append(lp)
         if req.stop_ids is None:
             req.stop_ids = frozenset(sp.stop_token_ids) | frozenset(() if sp.ignore_eos else self.cfg.eos_token_ids)
-        if tok in req.stop_ids:
+        n = len(req.out_ids)
+        if tok in req.stop_ids and n > sp.min_tokens:  # (the device banned them before min_tokens)
             return self._finish(req, "stop", [tok])
-        if sp.stop:
+        if sp.stop and n >= sp.min_tokens:
             # only the tail can hold a stop string that this token completed: a string of L
             # characters spans at most 4 L byte-level tokens, so decoding is O(L) per token
             window = 4 * max(len(x) for x in sp.stop) + 8
-            tail = self.decode(req.out_ids[-window:])
+            tail = self.decode(req.out_ids[-window:], sp)
             if any(x in tail for x in sp.stop):
-                text = self.decode(req.out_ids)
-                hits = [text.find(x) for x in sp.stop if x in text]
+                text = self.decode(req.out_ids, sp)
+                hits = [(text.find(x), x) for x in sp.stop if x in text]
                 if hits:  # (a window cut inside a character can show a stop the full text lacks)
-                    req.text = text[:min(hits)]
+                    at, hit = min(hits)
+                    req.text = text[:at + len(hit)] if sp.include_stop_str_in_output else text[:at]
                     return self._finish(req, "stop", [tok])
         if len(req.out_ids) >= sp.max_tokens:
             return self._finish(req, "length", [tok])
@@ -725,7 +756,7 @@ class Scheduler:
         c["cached_tokens"] += metrics.cached_tokens
         c["generated_tokens"] += metrics.generated_tokens
         try:
-            text = req.text if req.text is not None else self.decode(req.out_ids)
+            text = req.text if req.text is not None else self.decode(req.out_ids, req.sampling)
         except Exception as err:  # noqa: BLE001 - e.g. ids the tokenizer cannot decode: this request fails
             log.error("request %s: its output could not be decoded", req.id, exc_info=err)
             text, reason, error = "", "error", error or err
@@ -734,7 +765,8 @@ class Scheduler:
             req.trace.finished(reason, metrics)
         out = GenerationOutput(
             text=text, token_ids=list(req.out_ids), finish_reason=reason, metrics=metrics,
-            logprobs=list(req.logprobs) if req.sampling.logprobs is not None else None, request_id=req.id)
+            logprobs=list(req.logprobs) if req.sampling.logprobs is not None else None, request_id=req.id,
+            prompt_logprobs=req.prompt_logprobs, prompt_token_ids=req.prompt_ids)
         new = list(new or [])
         lps = req.logprobs[len(req.logprobs) - len(new):] if new and req.sampling.logprobs is not None else None
         res = RequestOutput(req.id, new, True, out, error, logprobs=lps)

@@ -26,6 +26,13 @@ def encode_text(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
     return list(tokenizer.encode(text, add_special_tokens=False))
 
 
-def decode_ids(tokenizer: PreTrainedTokenizerBase | None, ids: list[int]) -> str:
-    """The text of generated ids (special tokens skipped); "" without a tokenizer."""
-    return "" if tokenizer is None else tokenizer.decode(ids, skip_special_tokens=True)
+def decode_ids(tokenizer: PreTrainedTokenizerBase | None, ids: list[int], sampling=None) -> str:
+    """The text of generated ids; "" without a tokenizer.  ``sampling`` (a ``SamplingParams``, or
+    None for the defaults) says whether special tokens are skipped (default) and, for slow
+    tokenizers, whether spaces go between them."""
+    if tokenizer is None:
+        return ""
+    if sampling is None or (sampling.skip_special_tokens and sampling.spaces_between_special_tokens):
+        return tokenizer.decode(ids, skip_special_tokens=True)
+    return tokenizer.decode(ids, skip_special_tokens=sampling.skip_special_tokens,
+                            spaces_between_special_tokens=sampling.spaces_between_special_tokens)

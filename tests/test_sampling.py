@@ -23,7 +23,7 @@ V = CFG.vocab_size  # 97
 
 # (field, bad value, vocab size given to validate or None)
 BAD = [
-    ("top_k", 2**31, None), ("top_k", V + 1, V), ("top_k", True, None), ("top_k", -1, None), ("top_k", 2.0, None),
+    ("top_k", 2**31, None), ("top_k", V + 1, V), ("top_k", True, None), ("top_k", -2, None), ("top_k", 2.0, None),
     ("max_tokens", 2**31, None), ("max_tokens", True, None), ("max_tokens", 0, None), ("max_tokens", 3.0, None),
     ("seed", -1, None), ("seed", 2**63, None), ("seed", True, None), ("seed", 1.5, None),
     ("temperature", math.nan, None), ("temperature", math.inf, None), ("temperature", -math.inf, None),
@@ -36,7 +36,7 @@ BAD = [
     ("presence_penalty", math.nan, None), ("presence_penalty", 2.5, None), ("presence_penalty", -2.01, None),
     ("frequency_penalty", math.inf, None), ("frequency_penalty", True, None),
     ("repetition_penalty", 0.0, None), ("repetition_penalty", 2.1, None), ("repetition_penalty", math.nan, None),
-    ("repetition_penalty", -1.0, None),
+    ("repetition_penalty", -1.0, None), ("min_p", -0.1, None), ("min_p", math.nan, None), ("min_tokens", -1, None),
 ]
 
 
