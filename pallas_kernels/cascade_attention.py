@@ -1,59 +1,78 @@
-"""Shared-prefix (cascade) decode attention: many decoding rows over one shared context.
+"""Cascade decode attention: many decoding rows over shared contexts, each read once per step.
 
-Problem.  When ``B`` decoding requests share one long context (a 4k-token segment), the paged
-decode kernel reads the shared pages once *per request*: ``B`` times per step.  Cascade
-attention splits each row's keys into the shared prefix and its own suffix, attends the
-prefix for the whole batch at once (each shared K/V tile read once per *row block*), attends
-the suffix with the ordinary decode kernel, and merges the two with their log-sum-exps.
+Problem.  When ``B`` decoding requests share long contexts (segments of a few thousand tokens),
+the paged decode kernel reads each shared page once *per request*.  Cascade attention splits
+each row's keys into its group's shared prefix and its own suffix, attends every group's prefix
+for that group's rows at once (each shared K/V tile read once per *row block of the group's
+members*), attends the suffixes with the ordinary decode kernel, and merges the two with their
+log-sum-exps.  One step may hold many groups (tenants, segments, prefix-cache hits): all of them
+run in the same launch.
 
 Inputs (one layer; page layout as in :mod:`pallas_kernels.common`):
 
 * ``q [B, Hq, D]``: one query token per request.
 * ``k_pages, v_pages [Hkv, P, S, D]``.
-* ``shared_pages [Ps] int32`` and ``shared_len`` (int32 scalar array, ``0 <= shared_len <=
-  Ps * S``): the shared prefix is positions ``0 .. shared_len - 1`` of the page list.
-  ``shared_len == 0`` (or ``Ps == 0``) is allowed: the result is plain paged decode.
+* The group table: ``group_pages [G, Ps] int32`` (group ``g``'s shared page list, padded with
+  anything) and ``group_lens [G] int32`` (``0 <= group_lens[g] <= Ps * S``: group ``g`` shares
+  positions ``0 .. group_lens[g] - 1`` of its list).  ``G == 0`` or ``Ps == 0`` is allowed: the
+  result is plain paged decode.  A group may have no members, or one.
+* ``row_group [B] int32``: request ``b``'s group, ``-1`` for none.  A row outside every group
+  attends to its suffix only (the engine gives it its whole page list), so one batch mixes the
+  members of many groups with any other requests.
 * ``suffix_table [B, MP] int32`` and ``suffix_lens [B] int32`` (``0 <= suffix_lens[b] <=
-  MP * S``, 0 allowed): request ``b``'s own tokens after the prefix.
-* ``shared_rows [B] bool`` (optional, default all): the rows that read the prefix.  A row
-  outside the group attends to its suffix only (the engine gives it its whole page list), so
-  one batch can mix the requests of one shared context with any others.
+  MP * S``, 0 allowed): request ``b``'s own tokens after its group's prefix.
 
-Semantics.  Row ``b`` attends over the concatenation (shared tokens ``0 .. shared_len - 1``)
-+ (its ``suffix_lens[b]`` suffix tokens).  The engine guarantees page alignment: the shared
-part is the *full* pages of a chain node, so ``shared_len`` is a multiple of ``S`` and any
-partial page belongs to the suffix.  Then the result equals ``paged_decode_attention`` over
-the page list ``shared_pages + suffix_table[b]`` with length ``shared_len + suffix_lens[b]``.
-(The kernel itself does not need the alignment: for an unaligned ``shared_len`` it still
-computes the concatenation above, which is what the reference checks.)  A row with no keys
-at all gives zeros.  Unused slots may hold anything, even NaN: masked keys get ``-inf``
-scores and zeroed V rows.
+Semantics.  Row ``b`` in group ``g`` attends over the concatenation (shared tokens ``0 ..
+group_lens[g] - 1`` of ``group_pages[g]``) + (its ``suffix_lens[b]`` suffix tokens).  The engine
+guarantees page alignment: a group's shared part is full pages (a chain node's, or prefix-cache
+hits), so ``group_lens[g]`` is a multiple of ``S`` and any partial page belongs to the suffix.
+Then the result equals ``paged_decode_attention`` over the page list ``group_pages[g] +
+suffix_table[b]`` with length ``group_lens[g] + suffix_lens[b]``.  (The kernel itself does not
+need the alignment: for an unaligned length it still computes the concatenation above, which is
+what the reference checks.)  A row with no keys at all gives zeros.  Unused slots may hold
+anything, even NaN: masked keys get ``-inf`` scores and zeroed V rows.
+
+The single-group form ``shared_prefix_decode_attention`` (``shared_pages [Ps]``, ``shared_len``,
+``shared_rows [B] bool``) is the case ``G = 1``.
 
 Algorithm.
 
-1. Shared part (Pallas, Triton style).  ``q`` is regrouped per KV head as
-   ``[Hkv, B * G, D]`` (``G = Hq // Hkv``; row ``r`` = request ``r // G``, head
-   ``h * G + r % G``) and padded to a multiple of ``block_rows`` rows (a power of two >= 16,
-   default 128; 64 for fp32).  Grid
-   ``(row_blocks, Hkv, num_splits)``, row blocks fastest (dim 0 varies fastest on launch), so
-   the programs that read the same K/V tile run side by side and share it through L2.
-   Program ``(r, h, s)`` loads its ``[block_rows, D]`` query tile once, walks its split of the
-   shared range in ``block_kv``-token tiles gathered through ``shared_pages`` (slots
-   ``page * S + offset``; the next tile's slots are computed during the current one), full
-   tiles unmasked, the one tile crossing ``shared_len`` masked; online softmax in fp32, base 2.
-   It writes the unnormalised partial ``o`` and its ``m``/``l`` (fp32).  Each shared K/V tile
-   is therefore read ``B * G / block_rows`` times per KV head instead of ``B`` times.
-2. A jnp step merges the splits into ``o_shared [B, Hq, D]`` (fp32, normalised) and
-   ``lse_shared [B, Hq]`` (natural log, ``-inf`` when ``shared_len == 0``).
-3. Suffix part: ``paged_decode_attention(..., return_lse=True)`` on ``suffix_table`` /
+1. Row layout (jnp, a few small ops).  ``q`` is regrouped per KV head as query rows (``Gq =
+   Hq // Hkv`` per request: row = (request, head ``h * Gq + j``)), and the members of each group
+   are packed contiguously into row blocks of ``block_rows`` rows (a power of two >= 16), every
+   block holding rows of one group only: group ``g`` with ``c_g`` members takes
+   ``cdiv(c_g * Gq, block_rows)`` blocks, in group order.  Rows outside every group take none.
+   The grid has a static ``NB = floor(B * Gq / block_rows) + min(G, B)`` blocks, enough for any
+   membership; the unused ones have length 0.  Each block's page list (``[NB, Ps]``, its group's
+   row of the table) and length (``[NB]``) are gathered from the group table.
+2. Shared part (Pallas, Triton style).  Grid ``(NB, Hkv, num_splits)``, row blocks fastest
+   (dim 0 varies fastest on launch), so the programs of one group that read the same K/V tile run
+   side by side and share it through L2.  Program ``(r, h, s)`` loads its ``[block_rows, D]``
+   query tile once, walks its split of block ``r``'s shared range in ``block_kv``-token tiles
+   gathered through the block's page list (slots ``page * S + offset``; the next tile's slots are
+   computed during the current one), full tiles unmasked, the one tile crossing the length masked;
+   online softmax in fp32, base 2.  A program past its block's length (an unused block, a split
+   beyond a short group) does no tile at all.  It writes the unnormalised partial ``o`` and its
+   ``m``/``l`` (fp32).  Each shared K/V tile of group ``g`` is therefore read
+   ``cdiv(c_g * Gq, block_rows)`` times per KV head instead of ``c_g`` times.
+3. A jnp step merges the splits and gathers each member's rows back: ``o_shared [B, Hq, D]``
+   (fp32, normalised) and ``lse_shared [B, Hq]`` (natural log; ``-inf`` outside every group or for
+   an empty prefix).
+4. Suffix part: ``paged_decode_attention(..., return_lse=True)`` on ``suffix_table`` /
    ``suffix_lens`` (natural-log lse, ``-inf`` and zeros for an empty suffix).
-4. Merge (jnp, fp32; rows outside ``shared_rows`` get ``lse_sh = -inf``):
-   ``out = (e^(lse_sh - M) o_sh + e^(lse_sf - M) o_sf) / (e^(lse_sh - M) + e^(lse_sf - M))`` with ``M = max(lse_sh, lse_sf)``; zeros where both are empty.  Output in
-   ``q``'s dtype.  (The suffix output arrives rounded to ``q``'s dtype: a bf16 rounding of
-   one merge term, well inside the bf16 tolerance.)
+5. Merge (jnp, fp32): ``out = (e^(lse_sh - M) o_sh + e^(lse_sf - M) o_sf) / (e^(lse_sh - M) +
+   e^(lse_sf - M))`` with ``M = max(lse_sh, lse_sf)``; zeros where both are empty.  Output in
+   ``q``'s dtype.  (The suffix output arrives rounded to ``q``'s dtype: a bf16 rounding of one
+   merge term, well inside the bf16 tolerance.)
 
-``shared_prefix_decode_attention_ref`` is the pure-jnp reference (per-row gather of the full
-token list, mask, fp32 softmax); both call :func:`check_shared_prefix_inputs`.
+``block_rows`` default: 128 (64 for fp32: a 128-row fp32 tile spills) with one group; with
+``G > 1``, ``next_pow2(cdiv(B * Gq, G))`` within ``[32, 128]`` (64 for fp32): many small groups
+get small blocks, so a block's padding rows cost no matmul work beyond what its members need.
+
+``grouped_cascade_decode_attention_ref`` (and ``shared_prefix_decode_attention_ref``) is the
+pure-jnp reference (per-row gather of the full token list, mask, fp32 softmax); kernel and
+reference call :func:`check_grouped_inputs` (the single-group pair also
+:func:`check_shared_prefix_inputs`).
 """
 
 from __future__ import annotations
@@ -79,14 +98,38 @@ PROGRAMS_PER_SM = 2  # shared-part programs are matmul tiles, heavier than decod
 MIN_BLOCKS_PER_SPLIT = 4
 
 
+def check_grouped_inputs(q, k_pages, v_pages, group_pages, group_lens, row_group, suffix_table,
+                         suffix_lens, k_scale=None, v_scale=None) -> tuple[int, ...]:
+    """Validate the multi-group functions' inputs; return (B, Hq, Hkv, Gq, P, S, D, G, Ps, MP).
+
+    Length and group *values* are checked too when concrete (eager calls), skipped under jit."""
+    b, hq, hkv, gq, p, s, d, mp = check_decode_inputs(q, k_pages, v_pages, suffix_table,
+                                                      suffix_lens, k_scale, v_scale)
+    if group_pages.ndim != 2 or not jnp.issubdtype(group_pages.dtype, jnp.integer):
+        common._fail("group_pages", f"{group_pages.dtype}{list(group_pages.shape)}",
+                     "a 2-D int32 group table [G, Ps]")
+    g, ps = (int(x) for x in group_pages.shape)
+    common.check_int_vector("group_lens", group_lens, g)
+    common.check_int_vector("row_group", row_group, b)
+    if common.is_concrete(group_lens, row_group, suffix_lens):
+        glens, rg, lens = np.asarray(group_lens), np.asarray(row_group), np.asarray(suffix_lens)
+        if ((glens < 0) | (glens > ps * s)).any():
+            common._fail("group_lens", glens.tolist(), f"values in [0, Ps * S = {ps} * {s}]")
+        if ((rg < -1) | (rg >= g)).any():
+            common._fail("row_group", rg.tolist(), f"values in [-1, G = {g}) (-1: no group)")
+        if ((lens < 0) | (lens > mp * s)).any():
+            common._fail("suffix_lens", lens.tolist(),
+                         f"values in [0, MP * S = {mp * s}] (widen suffix_table)")
+    return b, hq, hkv, gq, p, s, d, g, ps, mp
+
+
 def check_shared_prefix_inputs(q, k_pages, v_pages, shared_pages, shared_len, suffix_table,
                                suffix_lens, shared_rows=None, k_scale=None, v_scale=None) -> tuple[int, ...]:
-    """Validate both functions' inputs; return (B, Hq, Hkv, G, P, S, D, Ps, MP).
+    """Validate the single-group functions' inputs; return (B, Hq, Hkv, Gq, P, S, D, Ps, MP).
 
-    Length *values* are checked too when concrete (eager calls), skipped under jit.
-    """
-    b, hq, hkv, g, p, s, d, mp = check_decode_inputs(q, k_pages, v_pages, suffix_table,
-                                                     suffix_lens, k_scale, v_scale)
+    Length *values* are checked too when concrete (eager calls), skipped under jit."""
+    b, hq, hkv, gq, p, s, d, mp = check_decode_inputs(q, k_pages, v_pages, suffix_table,
+                                                      suffix_lens, k_scale, v_scale)
     if shared_pages.ndim != 1 or not jnp.issubdtype(shared_pages.dtype, jnp.integer):
         common._fail("shared_pages", f"{shared_pages.dtype}{list(shared_pages.shape)}",
                      "a 1-D int32 page list [Ps]")
@@ -99,14 +142,19 @@ def check_shared_prefix_inputs(q, k_pages, v_pages, shared_pages, shared_len, su
         common._fail("shared_rows", f"{shared_rows.dtype}{list(shared_rows.shape)}",
                      f"a bool (or 0/1 int) vector [B = {b}]")
     ps = int(shared_pages.shape[0])
-    if common.is_concrete(shared_len, suffix_lens):
-        n, lens = int(shared_len), np.asarray(suffix_lens)
+    if common.is_concrete(shared_len):
+        n = int(shared_len)
         if not 0 <= n <= ps * s:
             common._fail("shared_len", n, f"0 <= shared_len <= Ps * S = {ps} * {s}")
-        if ((lens < 0) | (lens > mp * s)).any():
-            common._fail("suffix_lens", lens.tolist(),
-                         f"values in [0, MP * S = {mp * s}] (widen suffix_table)")
-    return b, hq, hkv, g, p, s, d, ps, mp
+    return b, hq, hkv, gq, p, s, d, ps, mp
+
+
+def as_group_table(shared_pages, shared_len, shared_rows, b: int):
+    """The single-group inputs as a group table of ``G = 1``: (group_pages [1, Ps], group_lens [1],
+    row_group [B]) int32."""
+    rows = jnp.ones((b,), bool) if shared_rows is None else shared_rows.astype(bool)
+    return (jnp.asarray(shared_pages, jnp.int32)[None], jnp.reshape(jnp.asarray(shared_len, jnp.int32), (1,)),
+            jnp.where(rows, 0, -1).astype(jnp.int32))
 
 
 def auto_num_splits(programs: int, max_blocks: int) -> int:
@@ -115,6 +163,49 @@ def auto_num_splits(programs: int, max_blocks: int) -> int:
         return 1
     want = pl.cdiv(PROGRAMS_PER_SM * common.num_sms(), programs)
     return int(max(1, min(want, max_blocks // MIN_BLOCKS_PER_SPLIT)))
+
+
+def num_row_blocks(b: int, gq: int, g: int, block_rows: int) -> int:
+    """Static row blocks of the shared part: enough for any membership of ``b`` requests (``gq``
+    query rows each) in ``g`` groups, each group's rows in whole blocks of its own."""
+    return (b * gq) // block_rows + min(g, b)
+
+
+def default_block_rows(b: int, gq: int, g: int, dtype) -> int:
+    """Query rows per shared-part program (module docstring): the cap (128; 64 for fp32) for one
+    group, else the average rows of a group rounded up to a power of two, within [32, cap]."""
+    cap = 64 if jnp.dtype(dtype).itemsize >= 4 else 128  # fp32: a 128-row tile spills
+    if g <= 1:
+        return cap
+    per_group = pl.cdiv(b * gq, g)
+    return int(min(cap, max(32, 1 << max(0, per_group - 1).bit_length())))
+
+
+def row_layout(row_group, group_pages, group_lens, *, gq: int, block_rows: int):
+    """Where each request's query rows go in the shared part's packed row blocks (step 1).
+
+    Returns (dest [B] int32: the first packed row of request b, ``NB * block_rows`` outside every
+    group; block_pages [NB, Ps] int32; block_lens [NB] int32: 0 for unused blocks)."""
+    g, ps = group_pages.shape
+    b = row_group.shape[0]
+    nb = num_row_blocks(b, gq, g, block_rows)
+    rg = row_group.astype(jnp.int32)  # [B]
+    in_group = (rg >= 0) & (rg < g)  # [B]
+    member = (rg[:, None] == jnp.arange(g, dtype=jnp.int32)[None, :])  # [B, G] bool
+    rank = jnp.cumsum(member, axis=0, dtype=jnp.int32) - 1  # [B, G]: rank among the group's members
+    rg_c = jnp.clip(rg, 0, g - 1)
+    rank = jnp.take_along_axis(rank, rg_c[:, None], axis=1)[:, 0]  # [B]
+    blocks = pl.cdiv(jnp.sum(member, axis=0, dtype=jnp.int32) * gq, block_rows)  # [G] blocks of each group
+    ends = jnp.cumsum(blocks, dtype=jnp.int32)  # [G] end block (exclusive) of each group
+    first = ends - blocks  # [G]
+    dest = jnp.where(in_group, first[rg_c] * block_rows + rank * gq, nb * block_rows)  # [B]
+    blk = jnp.arange(nb, dtype=jnp.int32)
+    block_group = jnp.searchsorted(ends, blk, side="right").astype(jnp.int32)  # [NB], G past the last
+    used = block_group < g
+    bg = jnp.clip(block_group, 0, g - 1)
+    block_lens = jnp.where(used, group_lens.astype(jnp.int32)[bg], 0)  # [NB]
+    block_pages = group_pages.astype(jnp.int32)[bg]  # [NB, Ps]
+    return dest.astype(jnp.int32), block_pages, block_lens.astype(jnp.int32)
 
 
 def _shared_kernel(
@@ -187,22 +278,25 @@ def _shared_kernel(
     l_ref[...] = l
 
 
-def _shared_part(q, k_pages, v_pages, shared_pages, shared_len, k_scale, v_scale, *, sm_scale, block_rows,
-                 block_kv, num_splits, num_warps, num_stages, interpret):
-    """(o_shared [B, Hq, D] fp32 normalised, lse_shared [B, Hq] fp32 natural log)."""
+def _shared_part(q, k_pages, v_pages, group_pages, group_lens, row_group, k_scale, v_scale, *, sm_scale,
+                 block_rows, block_kv, num_splits, num_warps, num_stages, interpret):
+    """(o_shared [B, Hq, D] fp32 normalised, lse_shared [B, Hq] fp32 natural log, -inf outside
+    every group) of every group's shared prefix, in one launch."""
     b, hq, d = q.shape
     hkv, p, s, _ = k_pages.shape
-    g = hq // hkv
-    ps = shared_pages.shape[0]
-    n_rows = b * g
-    rows_p = pl.cdiv(n_rows, block_rows) * block_rows
-    qr = q.reshape(b, hkv, g, d).transpose(1, 0, 2, 3).reshape(hkv, n_rows, d)  # [Hkv, B*G, D]
-    if rows_p != n_rows:
-        qr = jnp.pad(qr, ((0, 0), (0, rows_p - n_rows), (0, 0)))  # [Hkv, Rp, D]
-    row_blocks = rows_p // block_rows
+    gq = hq // hkv
+    g, ps = group_pages.shape
+    nb = num_row_blocks(b, gq, g, block_rows)
+    rows_p = nb * block_rows
+    dest, block_pages, block_lens = row_layout(row_group, group_pages, group_lens, gq=gq,
+                                               block_rows=block_rows)
+    idx = (dest[:, None] + jnp.arange(gq, dtype=jnp.int32)[None, :]).reshape(b * gq)  # [B*Gq] packed rows
+    qr = q.reshape(b, hkv, gq, d).transpose(1, 0, 2, 3).reshape(hkv, b * gq, d)  # [Hkv, B*Gq, D]
+    qp = jnp.zeros((hkv, rows_p, d), q.dtype).at[:, idx].set(qr, mode="drop")  # [Hkv, Rp, D]
     max_blocks = pl.cdiv(ps * s, block_kv)
-    if num_splits is None:
-        num_splits = 1 if interpret else auto_num_splits(row_blocks * hkv, max_blocks)
+    if num_splits is None:  # programs that hold rows: ~ the rows' blocks, at least one per group
+        busy = max(pl.cdiv(b * gq, block_rows), min(g, b))
+        num_splits = 1 if interpret else auto_num_splits(busy * hkv, max_blocks)
     if num_splits < 1:
         common._fail("num_splits", num_splits, ">= 1 (or None for auto)")
     split_tokens = pl.cdiv(max_blocks, num_splits) * block_kv
@@ -218,10 +312,10 @@ def _shared_part(q, k_pages, v_pages, shared_pages, shared_len, k_scale, v_scale
         scale_specs = [pl.BlockSpec((None, p * s), lambda r, h, t: (h, 0))] * 2
     o, m, l = pl.pallas_call(
         kernel,
-        grid=(row_blocks, hkv, num_splits),  # row blocks fastest: K/V tiles shared in L2
+        grid=(nb, hkv, num_splits),  # row blocks fastest: a group's K/V tiles shared in L2
         in_specs=[
-            pl.BlockSpec((1,), lambda r, h, t: (0,)),  # shared_len
-            pl.BlockSpec((ps,), lambda r, h, t: (0,)),  # shared page list: whole
+            pl.BlockSpec((1,), lambda r, h, t: (r,)),  # the block's shared length
+            pl.BlockSpec((None, ps), lambda r, h, t: (r, 0)),  # the block's shared page list
             pl.BlockSpec((None, block_rows, d), lambda r, h, t: (h, r, 0)),  # query rows
             per_head, per_head, *scale_specs,
         ],
@@ -237,19 +331,20 @@ def _shared_part(q, k_pages, v_pages, shared_pages, shared_len, k_scale, v_scale
         ],
         compiler_params=common.compiler_params(num_warps, num_stages),
         interpret=interpret,
-        name=f"shared_prefix_decode_r{block_rows}_bk{block_kv}_sp{num_splits}",
-    )(jnp.reshape(shared_len, (1,)).astype(jnp.int32), shared_pages.astype(jnp.int32), qr,
-      k_pages.reshape(hkv, p * s, d), v_pages.reshape(hkv, p * s, d), *scales)
-    m_max = jnp.max(m, axis=1)  # [Hkv, Rp]
-    w = jnp.exp2(m - m_max[:, None])  # [Hkv, NS, Rp]
-    l_tot = jnp.sum(l * w, axis=1)  # [Hkv, Rp]
-    o_tot = jnp.sum(o * w[..., None], axis=1)  # [Hkv, Rp, D]
-    has = l_tot > 0
+        name=f"cascade_shared_g{g}_r{block_rows}_bk{block_kv}_sp{num_splits}",
+    )(block_lens, block_pages, qp, k_pages.reshape(hkv, p * s, d), v_pages.reshape(hkv, p * s, d), *scales)
+    at = jnp.minimum(idx, rows_p - 1)  # [B*Gq] (rows outside every group: masked below)
+    o, m, l = o[:, :, at], m[:, :, at], l[:, :, at]  # [Hkv, NS, B*Gq(, D)]: the requests' rows only
+    m_max = jnp.max(m, axis=1)  # [Hkv, B*Gq]
+    w = jnp.exp2(m - m_max[:, None])  # [Hkv, NS, B*Gq]
+    l_tot = jnp.sum(l * w, axis=1)  # [Hkv, B*Gq]
+    o_tot = jnp.sum(o * w[..., None], axis=1)  # [Hkv, B*Gq, D]
+    has = (l_tot > 0) & (idx < rows_p)[None, :]
     o_sh = o_tot / jnp.where(has, l_tot, 1.0)[..., None]
     lse = jnp.where(has, (m_max + jnp.log2(jnp.where(has, l_tot, 1.0))) * _LN2, -jnp.inf)
 
-    def per_row(x):  # [Hkv, Rp, ...] -> [B, Hq, ...]
-        x = x[:, :n_rows].reshape(hkv, b, g, *x.shape[2:])
+    def per_row(x):  # [Hkv, B*Gq, ...] -> [B, Hq, ...]
+        x = x.reshape(hkv, b, gq, *x.shape[2:])
         return jnp.swapaxes(x, 0, 1).reshape(b, hq, *x.shape[3:])
     return per_row(o_sh), per_row(lse)
 
@@ -271,33 +366,31 @@ def merge_lse(o_a, lse_a, o_b, lse_b):
 @functools.partial(jax.jit, static_argnames=(
     "sm_scale", "block_rows", "block_kv", "num_splits", "suffix_num_splits", "num_warps",
     "num_stages", "interpret"))
-def _cascade(q, k_pages, v_pages, shared_pages, shared_len, suffix_table, suffix_lens,
-             shared_rows, k_scale, v_scale, *, sm_scale, block_rows, block_kv, num_splits, suffix_num_splits,
+def _cascade(q, k_pages, v_pages, group_pages, group_lens, row_group, suffix_table, suffix_lens,
+             k_scale, v_scale, *, sm_scale, block_rows, block_kv, num_splits, suffix_num_splits,
              num_warps, num_stages, interpret):
     o_sf, lse_sf = paged_decode_attention(q, k_pages, v_pages, suffix_table, suffix_lens,
                                           sm_scale=sm_scale, num_splits=suffix_num_splits,
                                           interpret=interpret, return_lse=True, k_scale=k_scale, v_scale=v_scale)
-    if shared_pages.shape[0] == 0:  # no shared prefix at all: plain decode
+    if 0 in group_pages.shape:  # no group or no shared page at all: plain decode
         return o_sf
-    o_sh, lse_sh = _shared_part(q, k_pages, v_pages, shared_pages, shared_len, k_scale, v_scale,
+    o_sh, lse_sh = _shared_part(q, k_pages, v_pages, group_pages, group_lens, row_group, k_scale, v_scale,
                                 sm_scale=sm_scale, block_rows=block_rows, block_kv=block_kv,
                                 num_splits=num_splits, num_warps=num_warps,
                                 num_stages=num_stages, interpret=interpret)
-    if shared_rows is not None:  # rows outside the group: their suffix is their whole context
-        lse_sh = jnp.where(shared_rows.astype(bool)[:, None], lse_sh, -jnp.inf)
     out, _ = merge_lse(o_sh, lse_sh, o_sf, lse_sf)
     return out.astype(q.dtype)
 
 
-def shared_prefix_decode_attention(
+def grouped_cascade_decode_attention(
     q: jax.Array,  # [B, Hq, D]
     k_pages: jax.Array,  # [Hkv, P, S, D]
     v_pages: jax.Array,  # [Hkv, P, S, D]
-    shared_pages: jax.Array,  # [Ps] int32
-    shared_len: jax.Array,  # [] int32, 0 <= shared_len <= Ps * S (engine: a multiple of S)
+    group_pages: jax.Array,  # [G, Ps] int32: each group's shared page list
+    group_lens: jax.Array,  # [G] int32, 0 <= group_lens <= Ps * S (engine: multiples of S)
+    row_group: jax.Array,  # [B] int32: each row's group, -1 for none
     suffix_table: jax.Array,  # [B, MP] int32
     suffix_lens: jax.Array,  # [B] int32, 0 <= suffix_lens <= MP * S
-    shared_rows: jax.Array | None = None,  # [B] bool: rows that read the prefix (None: all)
     *,
     sm_scale: float | None = None,
     block_rows: int | None = None,
@@ -310,42 +403,110 @@ def shared_prefix_decode_attention(
     k_scale: jax.Array | None = None,
     v_scale: jax.Array | None = None,
 ) -> jax.Array:  # [B, Hq, D], dtype of q
-    """Decode attention over a shared prefix + per-row suffixes (see the module docstring).
+    """Decode attention over each row's group prefix + its own suffix (see the module docstring).
     Compressed pages: ``k_scale`` / ``v_scale [Hkv, P, S]`` float32, tiles converted to q's dtype,
     the scales folded into scores and probabilities (quant.py).
 
-    Knobs of the shared part: ``block_rows`` query rows per program (power of two >= 16;
-    default 128, 64 for fp32), ``block_kv`` tokens per tile (power of two >= 16, default 64),
+    Knobs of the shared part: ``block_rows`` query rows per program (power of two >= 16; default
+    :func:`default_block_rows`), ``block_kv`` tokens per tile (power of two >= 16, default 64),
     ``num_splits`` of the shared range (None: fill the GPU ~2 programs per SM; 1 in interpret
     mode), ``num_warps`` / ``num_stages`` (default 8 / 3 when one row block holds all
-    ``B * Hq/Hkv`` rows, else 4 / 2).  ``suffix_num_splits`` goes to the decode kernel (None: auto).
-    Eager calls also check the length values (one host sync); under jit only shapes are.
-    """
-    b, hq, hkv, g, p, s, d, ps, mp = check_shared_prefix_inputs(
-        q, k_pages, v_pages, shared_pages, shared_len, suffix_table, suffix_lens, shared_rows, k_scale, v_scale)
+    ``B * Hq/Hkv`` rows of a single group, else 4 / 2).  ``suffix_num_splits`` goes to the decode
+    kernel (None: auto).  Eager calls also check the length and group values (one host sync);
+    under jit only shapes are."""
+    b, hq, hkv, gq, p, s, d, g, ps, mp = check_grouped_inputs(
+        q, k_pages, v_pages, group_pages, group_lens, row_group, suffix_table, suffix_lens, k_scale, v_scale)
     common.check_power_of_two("page_size", s)
     common.check_power_of_two("head_dim", d, common.MIN_DOT_DIM)
-    # defaults from the H200 sweep (bench/NOTES.md, `bench/kernels.py --sections f --tune`):
-    # 128-row tiles won at B*G = 32, 128 and 512 (even 3/4 padding: the tile is matmul-bound
-    # only at large B*G); 8 warps / 3 stages while one row block covers the batch, else 4 / 2
+    # single-group defaults from the H200 sweep (bench/NOTES.md, `bench/kernels.py --sections f
+    # --tune`): 128-row tiles won at B*Gq = 32, 128 and 512 (even 3/4 padding: the tile is
+    # matmul-bound only at large B*Gq); 8 warps / 3 stages while one row block covers the batch
     if block_rows is None:
-        block_rows = 64 if q.dtype.itemsize >= 4 else 128  # fp32: a 128-row tile spills
+        block_rows = default_block_rows(b, gq, g, q.dtype)
     common.check_power_of_two("block_rows", block_rows, common.MIN_DOT_DIM)
     block_kv = 64 if block_kv is None else block_kv
     common.check_power_of_two("block_kv", block_kv, common.MIN_DOT_DIM)
-    one_block = b * g <= block_rows
+    one_block = g <= 1 and b * gq <= block_rows
     if num_warps is None:
         num_warps = 8 if one_block else 4
     if num_stages is None:
         num_stages = 3 if one_block else 2
     sm_scale = 1.0 / math.sqrt(d) if sm_scale is None else float(sm_scale)
     interpret = common.default_interpret() if interpret is None else interpret
-    return _cascade(q, k_pages, v_pages, shared_pages, jnp.asarray(shared_len, jnp.int32),
-                    suffix_table, suffix_lens, shared_rows, k_scale, v_scale, sm_scale=sm_scale,
-                    block_rows=block_rows,
-                    block_kv=block_kv, num_splits=num_splits,
-                    suffix_num_splits=suffix_num_splits, num_warps=num_warps,
+    return _cascade(q, k_pages, v_pages, group_pages, group_lens, row_group, suffix_table, suffix_lens,
+                    k_scale, v_scale, sm_scale=sm_scale, block_rows=block_rows, block_kv=block_kv,
+                    num_splits=num_splits, suffix_num_splits=suffix_num_splits, num_warps=num_warps,
                     num_stages=num_stages, interpret=interpret)
+
+
+def grouped_cascade_decode_attention_ref(
+    q: jax.Array,  # [B, Hq, D]
+    k_pages: jax.Array,  # [Hkv, P, S, D]
+    v_pages: jax.Array,  # [Hkv, P, S, D]
+    group_pages: jax.Array,  # [G, Ps] int32
+    group_lens: jax.Array,  # [G] int32
+    row_group: jax.Array,  # [B] int32, -1: no group
+    suffix_table: jax.Array,  # [B, MP] int32
+    suffix_lens: jax.Array,  # [B] int32
+    *,
+    sm_scale: float | None = None,
+    k_scale: jax.Array | None = None,
+    v_scale: jax.Array | None = None,
+    **unused_knobs,
+) -> jax.Array:  # [B, Hq, D]
+    """Pure-jnp reference: per row, gather its group's shared tokens + its suffix, mask, fp32
+    softmax (compressed pages dequantized to float32 first; the kernel folds the scales instead,
+    equal up to rounding).  The kernel's tuning arguments are accepted and ignored."""
+    del unused_knobs
+    b, hq, hkv, gq, p, s, d, g, ps, mp = check_grouped_inputs(
+        q, k_pages, v_pages, group_pages, group_lens, row_group, suffix_table, suffix_lens, k_scale, v_scale)
+    sm_scale = 1.0 / math.sqrt(d) if sm_scale is None else float(sm_scale)
+    hi = lax.Precision.HIGHEST
+    rg = row_group.astype(jnp.int32)
+    in_group = (rg >= 0) & (rg < g)  # [B]
+    if g == 0:  # (no table rows to gather from)
+        group_pages, group_lens = jnp.zeros((1, ps), jnp.int32), jnp.zeros((1,), jnp.int32)
+    rg_c = jnp.clip(rg, 0, max(g, 1) - 1)
+    row_pages = group_pages.astype(jnp.int32)[rg_c]  # [B, Ps]
+    row_shared = jnp.where(in_group, group_lens.astype(jnp.int32)[rg_c], 0)  # [B]
+    shared_ok = jnp.arange(ps * s)[None, :] < row_shared[:, None]  # [B, Ps*S]
+    suffix_ok = jnp.arange(mp * s)[None, :] < suffix_lens[:, None]  # [B, MP*S]
+    valid = jnp.concatenate([shared_ok, suffix_ok], axis=1)
+
+    def gather(pages, scale):  # [Hkv, P, S, D] -> [B, Hkv, Ps*S + MP*S, D] fp32, invalid rows 0
+        sh = gather_pages(pages, scale, row_pages).reshape(hkv, b, ps * s, d)
+        sf = gather_pages(pages, scale, suffix_table).reshape(hkv, b, mp * s, d)
+        x = jnp.swapaxes(jnp.concatenate([sh, sf], axis=2), 0, 1)
+        return jnp.where(valid[:, None, :, None], x, 0.0)  # unused slots may hold NaN
+    k, v = gather(k_pages, k_scale), gather(v_pages, v_scale)
+    qf = q.reshape(b, hkv, gq, d).astype(jnp.float32)
+    logits = jnp.einsum("bhgd,bhtd->bhgt", qf, k, precision=hi) * sm_scale
+    logits = jnp.where(valid[:, None, None, :], logits, -jnp.inf)
+    m = jnp.max(logits, axis=-1, keepdims=True)
+    e = jnp.exp(logits - jnp.where(jnp.isfinite(m), m, 0.0))
+    wsum = jnp.sum(e, axis=-1, keepdims=True)
+    out = jnp.einsum("bhgt,bhtd->bhgd", e / jnp.where(wsum > 0, wsum, 1.0), v, precision=hi)
+    return out.reshape(b, hq, d).astype(q.dtype)
+
+
+def shared_prefix_decode_attention(
+    q: jax.Array,  # [B, Hq, D]
+    k_pages: jax.Array,  # [Hkv, P, S, D]
+    v_pages: jax.Array,  # [Hkv, P, S, D]
+    shared_pages: jax.Array,  # [Ps] int32
+    shared_len: jax.Array,  # [] int32, 0 <= shared_len <= Ps * S (engine: a multiple of S)
+    suffix_table: jax.Array,  # [B, MP] int32
+    suffix_lens: jax.Array,  # [B] int32, 0 <= suffix_lens <= MP * S
+    shared_rows: jax.Array | None = None,  # [B] bool: rows that read the prefix (None: all)
+    **knobs,
+) -> jax.Array:  # [B, Hq, D], dtype of q
+    """One shared prefix: :func:`grouped_cascade_decode_attention` with ``G = 1`` (its knobs;
+    ``k_scale`` / ``v_scale`` for compressed pages)."""
+    b = check_shared_prefix_inputs(q, k_pages, v_pages, shared_pages, shared_len, suffix_table, suffix_lens,
+                                   shared_rows, knobs.get("k_scale"), knobs.get("v_scale"))[0]
+    return grouped_cascade_decode_attention(q, k_pages, v_pages,
+                                            *as_group_table(shared_pages, shared_len, shared_rows, b),
+                                            suffix_table, suffix_lens, **knobs)
 
 
 def shared_prefix_decode_attention_ref(
@@ -357,39 +518,11 @@ def shared_prefix_decode_attention_ref(
     suffix_table: jax.Array,  # [B, MP] int32
     suffix_lens: jax.Array,  # [B] int32
     shared_rows: jax.Array | None = None,  # [B] bool
-    *,
-    sm_scale: float | None = None,
-    k_scale: jax.Array | None = None,
-    v_scale: jax.Array | None = None,
-    **unused_knobs,
+    **knobs,
 ) -> jax.Array:  # [B, Hq, D]
-    """Pure-jnp reference: per row, gather shared + suffix tokens, mask, fp32 softmax (compressed
-    pages dequantized to float32 first; the kernel folds the scales instead, equal up to rounding).
-
-    The kernel's tuning arguments are accepted and ignored (one call site for both)."""
-    del unused_knobs
-    b, hq, hkv, g, p, s, d, ps, mp = check_shared_prefix_inputs(
-        q, k_pages, v_pages, shared_pages, shared_len, suffix_table, suffix_lens, shared_rows, k_scale, v_scale)
-    sm_scale = 1.0 / math.sqrt(d) if sm_scale is None else float(sm_scale)
-    hi = lax.Precision.HIGHEST
-    shared_ok = jnp.broadcast_to(jnp.arange(ps * s) < jnp.asarray(shared_len), (b, ps * s))
-    if shared_rows is not None:
-        shared_ok = shared_ok & shared_rows.astype(bool)[:, None]  # [B, Ps*S]
-    suffix_ok = jnp.arange(mp * s)[None, :] < suffix_lens[:, None]  # [B, MP*S]
-    valid = jnp.concatenate([shared_ok, suffix_ok], axis=1)
-
-    def gather(pages, scale):  # [Hkv, P, S, D] -> [B, Hkv, Ps*S + MP*S, D] fp32, invalid rows 0
-        sh = gather_pages(pages, scale, shared_pages).reshape(hkv, 1, ps * s, d)
-        sf = gather_pages(pages, scale, suffix_table).reshape(hkv, b, mp * s, d)
-        x = jnp.concatenate([jnp.broadcast_to(sh, (hkv, b, ps * s, d)), sf], axis=2)
-        x = jnp.swapaxes(x, 0, 1)
-        return jnp.where(valid[:, None, :, None], x, 0.0)  # unused slots may hold NaN
-    k, v = gather(k_pages, k_scale), gather(v_pages, v_scale)
-    qf = q.reshape(b, hkv, g, d).astype(jnp.float32)
-    logits = jnp.einsum("bhgd,bhtd->bhgt", qf, k, precision=hi) * sm_scale
-    logits = jnp.where(valid[:, None, None, :], logits, -jnp.inf)
-    m = jnp.max(logits, axis=-1, keepdims=True)
-    e = jnp.exp(logits - jnp.where(jnp.isfinite(m), m, 0.0))
-    wsum = jnp.sum(e, axis=-1, keepdims=True)
-    out = jnp.einsum("bhgt,bhtd->bhgd", e / jnp.where(wsum > 0, wsum, 1.0), v, precision=hi)
-    return out.reshape(b, hq, d).astype(q.dtype)
+    """The reference of :func:`shared_prefix_decode_attention`: the grouped reference, ``G = 1``."""
+    b = check_shared_prefix_inputs(q, k_pages, v_pages, shared_pages, shared_len, suffix_table, suffix_lens,
+                                   shared_rows, knobs.get("k_scale"), knobs.get("v_scale"))[0]
+    return grouped_cascade_decode_attention_ref(q, k_pages, v_pages,
+                                                *as_group_table(shared_pages, shared_len, shared_rows, b),
+                                                suffix_table, suffix_lens, **knobs)
