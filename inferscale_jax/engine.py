@@ -47,7 +47,7 @@ from inferscale_jax.config import EngineConfig
 from inferscale_jax.errors import EngineFault, PoolExhausted, RequestTooLong
 from inferscale_jax.kv_cache import PagedKVCache, page_bytes
 from inferscale_jax.kv_manager import KVManager, Seq
-from inferscale_jax.outputs import GenerationOutput
+from inferscale_jax.outputs import GenerationOutput, PromptScores
 from inferscale_jax.runner import ModelRunner, StepRow, freeze_heap
 from inferscale_jax.sampling import SamplingParams, request_key, tokenize_bad_words
 from inferscale_jax.scheduler import Request, RequestOutput, Scheduler
@@ -456,11 +456,11 @@ class Engine:
 
     def prompt_logprobs(self, prompt: str | None = None, *, prompt_token_ids=None, segments=(),
                         tenant: str = "default", num_logprobs: int = 0,
-                        truncate_prompt_tokens: int | None = None) -> tuple[list[int], list, list]:
-        """(the prompt's ids, each one's ``{token_id: logprob}`` given everything before it -
-        segments included - with the top ``num_logprobs`` alternatives, each one's rank):
-        ``scoring.py``.  No generation; ``SamplingParams.prompt_logprobs`` gives the same
-        alongside a generation."""
+                        truncate_prompt_tokens: int | None = None) -> PromptScores:
+        """The prompt's ids, each one's ``{token_id: logprob}`` given everything before it -
+        segments included - with the top ``num_logprobs`` alternatives, and each one's rank
+        (``scoring.py``, ``PromptScores``).  No generation; ``SamplingParams.prompt_logprobs``
+        gives the same alongside a generation."""
         if self.fault is not None:
             raise self.fault
         SamplingParams(prompt_logprobs=num_logprobs).validate(self.cfg.vocab_size)
@@ -477,7 +477,7 @@ class Engine:
         tokens = list(self.bos_prefix) + [t for seg in chain for t in seg.token_ids] + ids
         self._check_fits(len(tokens), "request", detail=f" ({len(tokens)} prompt tokens)")
         ranks: list = []
-        return ids, self._score(tokens, len(ids), num_logprobs, ranks), ranks
+        return PromptScores(ids, self._score(tokens, len(ids), num_logprobs, ranks), ranks, len(tokens))
 
     def _score(self, tokens: list[int], num_prompt: int, top_n: int, ranks: list | None = None) -> list:
         if num_prompt == 0:

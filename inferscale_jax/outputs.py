@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 
 @dataclasses.dataclass
@@ -27,3 +28,12 @@ class GenerationOutput:
     # first token, which has nothing before it); scoring.py
     prompt_logprobs: list[dict[int, float] | None] | None = None
     prompt_token_ids: list[int] | None = None  # the prompt's ids, when prompt_logprobs is set
+
+
+class PromptScores(NamedTuple):
+    """``Engine.prompt_logprobs``: per prompt token, its ``{token_id: logprob}`` (the token and
+    the top alternatives; None for the sequence's first token) and its rank (1: most likely)."""
+    token_ids: list[int]
+    logprobs: list[dict[int, float] | None]
+    ranks: list[int | None]
+    num_tokens: int  # the whole scored sequence: BOS + segments + prompt

@@ -181,6 +181,7 @@ class RequestOutput:
     error: Exception | None = None  # set when the request could not be served
     text: str = ""  # the text these ids add (``AsyncEngine.stream`` fills it; the engine leaves it "")
     logprobs: list[dict[int, float]] | None = None  # per new id, when the request asked for logprobs
+    prompt_tokens: int = 0  # the request's whole sequence (segments + prompt); usage before the end
 
 
 class Scheduler:
@@ -713,7 +714,8 @@ class Scheduler:
         if len(req.out_ids) >= sp.max_tokens:
             return self._finish(req, "length", [tok])
         req.seq.tokens.append(tok)  # fed to the next decode step
-        return RequestOutput(req.id, [tok], False, logprobs=req.logprobs[-1:] if sp.logprobs is not None else None)
+        return RequestOutput(req.id, [tok], False, logprobs=req.logprobs[-1:] if sp.logprobs is not None else None,
+                             prompt_tokens=len(req.prompt_tokens))
 
     def _release(self, req: Request) -> None:
         """Drop the request's pages and node readers; the last request leaving a node job

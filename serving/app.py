@@ -37,8 +37,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import copy
+import inspect
 import json
 import logging
+import math
 import time
 
 from fastapi import FastAPI, Request
@@ -49,6 +51,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from inferscale_jax.async_engine import AsyncEngine
 from serving.auth import LOCAL, Principal, load_api_keys
+from serving.chat import check_template
 from serving.errors import APIError, from_engine, internal_error, invalid_field, segment_not_found
 from serving.generation import chat_job, completion_job, run_job
 from serving.metrics import ServerMetrics
@@ -64,14 +67,24 @@ MAX_JSON_DEPTH = 64
 # timeout_graceful_shutdown: on SIGTERM, streams still open after 10 s are cut so shutdown (and
 #   the final snapshot) is not held up by a client that never leaves.
 # The request body itself is bounded by create_app's body_timeout_s (middleware.py).
-UVICORN_OPTIONS = dict(timeout_keep_alive=5, limit_concurrency=1024, timeout_graceful_shutdown=10)
+UVICORN_OPTIONS = dict(timeout_keep_alive=5, limit_concurrency=4096, timeout_graceful_shutdown=10)
+MIN_MAX_WAITING = 256
+TOKENS_PER_QUEUED_REQUEST = 256  # auto_max_waiting: a queued request's share of the pool
+DRAIN_RATE_WINDOW_S = 10.0  # ServerState.retry_after's moving average
 _TYPE_TAGS = {"str", "int", "float", "bool", "none", "dict", "list"}
 
 
 class ServerState:
-    """What handlers share: the engine handle, a private tokenizer copy, metrics, limits."""
+    """What handlers share: the engine handle, a private tokenizer copy, metrics, limits.
 
-    def __init__(self, async_engine, *, api_keys, max_waiting, model_name, default_max_tokens):
+    Admission (``admit``): a request waits in the engine's queue until its first token; beyond
+    ``max_waiting`` such requests a new one is answered 503 with ``Retry-After``.  ``max_waiting``
+    defaults to what the KV pool holds (``auto_max_waiting``); ``Retry-After`` is the queue's
+    length over its measured drain rate (requests reaching their first token per second, an
+    exponential moving average), 1-60 s."""
+
+    def __init__(self, async_engine, *, api_keys, max_waiting, model_names, default_max_tokens,
+                 chat_template=None):
         self.async_engine = async_engine
         self.engine = async_engine.engine
         tok = getattr(self.engine, "tokenizer", None)
@@ -80,29 +93,59 @@ class ServerState:
         except Exception:  # noqa: BLE001 - fall back to sharing (decode is read-only)
             self.tokenizer = tok
         self.api_keys = api_keys
-        self.max_waiting = max_waiting
-        self.model_name = model_name
+        self.max_waiting = max_waiting if max_waiting is not None else auto_max_waiting(self.engine)
+        self.model_names = list(model_names)
+        self.model_name = self.model_names[0]  # the name responses carry
         self.default_max_tokens = default_max_tokens
+        self.chat_template = chat_template
         self.metrics = ServerMetrics()
         self.pending = 0  # requests submitted but without a first token yet (generation.py, 2)
         self.started = int(time.time())
+        self._drain_rate = 0.0  # requests per second reaching their first token (EMA)
+        self._drain_t = time.monotonic()
 
     def decode(self, ids: list[int]) -> str:
         if self.tokenizer is None:
             return ""
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
-    def admit(self) -> None:
-        if self.pending >= self.max_waiting:
+    def admit(self, count: int = 1) -> None:
+        """Count ``count`` more queued requests, or answer 503 when the queue is full."""
+        if self.pending + count > max(self.max_waiting, count):
+            wait = self.retry_after()
             raise APIError(503, f"server overloaded: {self.pending} requests are queued (limit {self.max_waiting}, "
-                           "max_waiting); retry after the Retry-After seconds", "overloaded",
-                           headers={"Retry-After": "1"})
-        self.pending += 1
+                           f"--max-waiting); retry after {wait} s (Retry-After)", "overloaded",
+                           headers={"Retry-After": str(wait)})
+        self.pending += count
+
+    def note_started(self, count: int) -> None:
+        """``count`` requests reached their first token: update the drain rate."""
+        now = time.monotonic()
+        dt, self._drain_t = max(now - self._drain_t, 1e-3), now
+        w = min(1.0, dt / DRAIN_RATE_WINDOW_S)  # the EMA forgets over about one window
+        self._drain_rate = (1 - w) * self._drain_rate + w * (count / dt)
+
+    def retry_after(self) -> int:
+        """Seconds until the queue has drained at the measured rate (1-60)."""
+        if self._drain_rate <= 0:
+            return 1
+        return int(min(60, max(1, math.ceil(self.pending / self._drain_rate))))
 
     def principal(self, request: Request) -> Principal:
         p = LOCAL if self.api_keys is None else self.api_keys.authenticate(request.headers.get("authorization"))
         request.scope.get(LOG_KEY, {})["tenant"] = p.tenant
         return p
+
+
+def auto_max_waiting(engine) -> int:
+    """The default queue limit: as many requests as the KV pool holds at
+    ``TOKENS_PER_QUEUED_REQUEST`` tokens each, at least ``MIN_MAX_WAITING`` and 4 x max_batch."""
+    try:  # sizes fixed at construction (read here, not through the engine thread)
+        pool = (engine.pool.num_pages - 1) * engine.config.page_size
+        batch = int(engine.max_batch)
+    except AttributeError:  # a stub engine: the floor
+        return MIN_MAX_WAITING
+    return max(MIN_MAX_WAITING, 4 * batch, pool // TOKENS_PER_QUEUED_REQUEST)
 
 
 def _check_json(obj, depth: int = 0) -> None:
@@ -192,25 +235,35 @@ def session_not_found(session_id: str) -> APIError:
                     "GET /v1/sessions", "session_not_found", "session")
 
 
-def create_app(engine_or_async_engine, *, api_keys=None, max_body_bytes: int = 2 << 20, max_waiting: int = 256,
-               model_name: str = "inferscale", default_max_tokens: int = 256,
-               body_timeout_s: float = 30.0) -> FastAPI:
+def create_app(engine_or_async_engine, *, api_keys=None, max_body_bytes: int = 2 << 20,
+               max_waiting: int | None = None, model_names: list[str] | str | None = None,
+               model_name: str | None = None, default_max_tokens: int = 256, body_timeout_s: float = 30.0,
+               chat_template: str | None = None, log_requests: bool = False) -> FastAPI:
     """The app.  ``engine_or_async_engine``: an ``Engine`` (wrapped in an ``AsyncEngine`` the app
     owns and shuts down) or an ``AsyncEngine`` (the caller owns it).  ``api_keys``: ``None``
     (one local tenant), a path to a JSON/TOML key file, a mapping, or ``ApiKeys``.
-    ``max_waiting``: queued requests beyond which new ones get 503.  ``default_max_tokens``: chat
-    requests that give no ``max_tokens`` (completions default to 16, like OpenAI).
-    ``body_timeout_s``: a request body must arrive completely within this many seconds (else 408
-    and the connection is closed).  Run it with ``uvicorn.run(app, ..., **UVICORN_OPTIONS)``."""
-    if max_body_bytes < 1 or max_waiting < 1:
+    ``max_waiting``: queued requests beyond which new ones get 503 (None: ``auto_max_waiting``).
+    ``model_names``: the names clients may send as ``model`` (vLLM's ``--served-model-name``;
+    the first is the one responses carry; ``model_name`` is the one-name form; default
+    "inferscale").  ``default_max_tokens``: chat requests that give no ``max_tokens``
+    (completions default to 16, like OpenAI).  ``body_timeout_s``: a request body must arrive
+    completely within this many seconds (else 408 and the connection is closed).
+    ``chat_template``: a Jinja chat template replacing the tokenizer's (``--chat-template``);
+    a template that cannot render raises ``ValueError`` here, before serving.  ``log_requests``:
+    one JSON log line per request.  Run it with ``uvicorn.run(app, ..., **UVICORN_OPTIONS)``."""
+    if max_body_bytes < 1 or (max_waiting is not None and max_waiting < 1):
         raise ValueError(f"max_body_bytes={max_body_bytes} and max_waiting={max_waiting} must both be >= 1")
     if not body_timeout_s > 0:
         raise ValueError(f"body_timeout_s={body_timeout_s!r} is invalid: must be > 0 seconds")
+    names = [model_names] if isinstance(model_names, str) else list(model_names or [])
+    names = names or [model_name or "inferscale"]
     owned = not hasattr(engine_or_async_engine, "stream")
     ae = AsyncEngine(engine_or_async_engine) if owned else engine_or_async_engine
-    state = ServerState(ae, api_keys=load_api_keys(api_keys), max_waiting=max_waiting, model_name=model_name,
-                        default_max_tokens=default_max_tokens)
+    state = ServerState(ae, api_keys=load_api_keys(api_keys), max_waiting=max_waiting, model_names=names,
+                        default_max_tokens=default_max_tokens, chat_template=chat_template)
+    check_template(state.tokenizer, chat_template)
     engine = state.engine
+    model_name = state.model_name
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -222,8 +275,10 @@ def create_app(engine_or_async_engine, *, api_keys=None, max_body_bytes: int = 2
 
     app = FastAPI(title="InferScale-JAX", lifespan=lifespan)
     app.state.serving = state
-    app.add_middleware(ServingMiddleware, max_body_bytes=max_body_bytes, metrics=state.metrics,
-                       body_timeout_s=body_timeout_s)
+    middleware = dict(max_body_bytes=max_body_bytes, metrics=state.metrics, body_timeout_s=body_timeout_s)
+    if "log_requests" in inspect.signature(ServingMiddleware.__init__).parameters:
+        middleware["log_requests"] = log_requests
+    app.add_middleware(ServingMiddleware, **middleware)
 
     @app.exception_handler(APIError)
     async def _api_error(request, exc: APIError):
@@ -394,11 +449,22 @@ def create_app(engine_or_async_engine, *, api_keys=None, max_body_bytes: int = 2
         return {"id": session_id, "object": "session", "deleted": True}
 
     # -- models, stats, health, metrics -----------------------------------------------------
+    def _model_json(name: str) -> dict:
+        return {"id": name, "object": "model", "created": state.started, "owned_by": "inferscale",
+                "root": state.model_name, "max_model_len": engine.cfg.max_position_embeddings}
+
     @app.get("/v1/models")
     async def models(request: Request):
         state.principal(request)
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": state.started,
-                                            "owned_by": "inferscale"}]}
+        return {"object": "list", "data": [_model_json(n) for n in state.model_names]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str, request: Request):
+        state.principal(request)
+        if model_id not in state.model_names:
+            raise APIError(404, f"model {model_id!r} does not exist; this server serves "
+                           f"{' / '.join(map(repr, state.model_names))}", "model_not_found", "model")
+        return _model_json(model_id)
 
     @app.get("/v1/stats")
     async def stats(request: Request):

@@ -49,6 +49,7 @@ class ChatPrompt:
     messages: list[dict]  # the template messages with placeholders (for the session save)
     placed: list[str]  # segment ids, in placeholder order
     nonce: str
+    options: dict | None = None  # the request's chat_template_kwargs (the session save renders with them)
 
 
 def _messages(req, nonce: str) -> tuple[list[dict], list[str]]:
@@ -78,11 +79,41 @@ def _messages(req, nonce: str) -> tuple[list[dict], list[str]]:
     return out, placed
 
 
-def _render(tok, messages: list[dict], generation_prompt: bool) -> str:
+def _render(tok, messages: list[dict], generation_prompt: bool, template: str | None = None,
+            options: dict | None = None, continue_final: bool = False) -> str:
+    """The template's text for ``messages``; ``template``: the server's ``--chat-template`` (None:
+    the tokenizer's); ``options``: the request's ``chat_template_kwargs`` (template variables)."""
+    kwargs = dict(options or {})
+    if continue_final:
+        kwargs["continue_final_message"] = True
     try:
-        return tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+        return tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt,
+                                       chat_template=template, **kwargs)
+    except ImportError as e:  # a missing server library (jinja2) is the server's fault, not the client's
+        raise RuntimeError(f"chat templates cannot be rendered on this server: {e}") from e
     except Exception as e:  # noqa: BLE001 - template errors (e.g. roles must alternate) are the client's
         raise APIError(400, f"the chat template rejected the messages: {e}", "invalid_messages", "messages") from None
+
+
+def check_template(tok, template: str | None) -> None:
+    """At startup: raise ``ValueError`` naming the missing piece when a chat template exists (the
+    model's or ``template``) but cannot render a plain conversation (no jinja2, a broken
+    template).  A model with no template at all starts; its chat requests get a 400."""
+    if tok is None or (template is None and not getattr(tok, "chat_template", None)):
+        return
+    messages = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}]
+    try:
+        tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, chat_template=template)
+    except ImportError as e:
+        raise ValueError(f"chat templates cannot be rendered: {e} (pip install jinja2, a dependency of "
+                         "inferscale-jax: reinstall with pip install -e .)") from None
+    except Exception as e:  # noqa: BLE001 - a template that cannot render the simplest conversation
+        try:  # templates that refuse a system role: a user message alone
+            tok.apply_chat_template(messages[1:], tokenize=False, add_generation_prompt=True, chat_template=template)
+        except Exception:  # noqa: BLE001 - see above
+            what = "the --chat-template" if template is not None else "the model's chat template"
+            raise ValueError(f"{what} cannot render a conversation ({type(e).__name__}: {e}); fix it or give "
+                             "another with --chat-template FILE") from None
 
 
 async def _split(text: str, placed: list[str], nonce: str, tokenize, bos: list[int]) -> tuple[list, list[int]]:
@@ -112,22 +143,28 @@ async def _split(text: str, placed: list[str], nonce: str, tokenize, bos: list[i
     return items, ids[-1]
 
 
-def require_template(tok) -> None:
-    if tok is None or not getattr(tok, "chat_template", None):
+def require_template(tok, template: str | None = None) -> None:
+    if tok is None or (template is None and not getattr(tok, "chat_template", None)):
         raise APIError(400, "this model's tokenizer has no chat template, so chat messages cannot be formatted; "
-                       "use /v1/completions with your own prompt format", "no_chat_template")
+                       "start the server with --chat-template FILE, or use /v1/completions with your own prompt "
+                       "format", "no_chat_template")
 
 
-async def build(tok, req, tokenize, bos: list[int]) -> ChatPrompt:
-    """The engine's chain items and prompt ids of a chat request (module docstring)."""
-    require_template(tok)
+async def build(tok, req, tokenize, bos: list[int], template: str | None = None) -> ChatPrompt:
+    """The engine's chain items and prompt ids of a chat request (module docstring);
+    ``template``: the server's ``--chat-template`` (None: the tokenizer's)."""
+    require_template(tok, template)
     nonce = secrets.token_hex(4)
     messages, placed = _messages(req, nonce)
-    items, last = await _split(_render(tok, messages, True), placed, nonce, tokenize, bos)
-    return ChatPrompt(items, last, messages, placed, nonce)
+    text = _render(tok, messages, req.add_generation_prompt, template, req.chat_template_kwargs,
+                   req.continue_final_message)
+    items, last = await _split(text, placed, nonce, tokenize, bos)
+    return ChatPrompt(items, last, messages, placed, nonce, req.chat_template_kwargs)
 
 
-async def save_items(tok, prompt: ChatPrompt, reply: str, tokenize, bos: list[int]) -> tuple[list, list[int]]:
+async def save_items(tok, prompt: ChatPrompt, reply: str, tokenize, bos: list[int],
+                     template: str | None = None) -> tuple[list, list[int]]:
     """The session's content after this turn: the messages plus the reply, no generation prompt."""
     messages = [*prompt.messages, {"role": "assistant", "content": reply}]
-    return await _split(_render(tok, messages, False), prompt.placed, prompt.nonce, tokenize, bos)
+    text = _render(tok, messages, False, template, prompt.options)
+    return await _split(text, prompt.placed, prompt.nonce, tokenize, bos)

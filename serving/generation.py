@@ -65,19 +65,43 @@ COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 @dataclasses.dataclass
 class Job:
     kind: str  # "completion" | "chat"
-    id: str  # the response's id; sample i of n > 1 runs in the engine as "{id}-{i}"
-    submits: list[dict]  # Engine.submit keyword arguments, one per sample (n)
+    id: str  # the response's id; choice i of several runs in the engine as "{id}-{i}"
+    # Engine.submit keyword arguments, one per choice: prompt-major, choice = prompt x n + sample
+    submits: list[dict]
     stream: bool
     include_usage: bool
     logprobs: int | None  # alternatives per position (None: off)
     stop: list[str]
-    echo: str = ""  # completions with echo=true: the prompt text, put before each choice's text
+    n: int = 1  # samples per prompt
+    echo: list[str] = dataclasses.field(default_factory=list)  # per prompt (completions with echo=true)
     session: tuple | None = None  # chat with a session: (session id, tenant, chat.ChatPrompt)
+    continuous_usage: bool = False  # stream_options.continuous_usage_stats: usage in every chunk
+    # prompt log-probs: alternatives per prompt token (None: not asked); ``echo_logprobs``: the
+    # completions' echo + logprobs form (OpenAI's), else vLLM's ``prompt_logprobs`` form
+    score_top: int | None = None
+    echo_logprobs: bool = False
+    prompt_logprobs: int | None = None
+    scores: list | None = None  # per prompt: engine PromptScores (filled before generation)
+    score_only: bool = False  # max_tokens == 0: the prompt's scores, no generation
+    ignored: list[str] = dataclasses.field(default_factory=list)  # x-inferscale-ignored-fields
+
+    @property
+    def num_prompts(self) -> int:
+        return len(self.submits) // self.n
+
+    def echo_of(self, choice: int) -> str:
+        return self.echo[choice // self.n] if self.echo else ""
+
+    def headers(self) -> dict[str, str]:
+        h = {"X-Request-Id": self.id}
+        if self.ignored:
+            h["x-inferscale-ignored-fields"] = ",".join(self.ignored)
+        return h
 
 
 def _check_model(state, model: str | None) -> None:
-    if model is not None and model != state.model_name:
-        raise APIError(404, f"model {model!r} does not exist; this server serves {state.model_name!r} "
+    if model is not None and model not in state.model_names:
+        raise APIError(404, f"model {model!r} does not exist; this server serves {' / '.join(map(repr, state.model_names))} "
                        "(GET /v1/models)", "model_not_found", "model")
 
 
@@ -87,55 +111,76 @@ def _sampling(req, max_tokens: int, logprobs: int | None, seed: int | None) -> S
                               top_k=req.top_k, seed=seed, stop=list(req.stop or []),
                               stop_token_ids=list(req.stop_token_ids), logprobs=logprobs,
                               ignore_eos=req.ignore_eos, presence_penalty=req.presence_penalty,
-                              frequency_penalty=req.frequency_penalty, repetition_penalty=req.repetition_penalty)
+                              frequency_penalty=req.frequency_penalty, repetition_penalty=req.repetition_penalty,
+                              min_p=req.min_p, min_tokens=req.min_tokens, logit_bias=req.logit_bias_ids(),
+                              bad_words=list(req.bad_words), skip_special_tokens=req.skip_special_tokens,
+                              spaces_between_special_tokens=req.spaces_between_special_tokens,
+                              include_stop_str_in_output=req.include_stop_str_in_output,
+                              truncate_prompt_tokens=req.truncate_prompt_tokens)
     except ValueError as e:
         raise from_engine(e) from None
 
 
-def _job(state, kind: str, req, principal: Principal, prompt: dict, max_tokens: int, logprobs,
-         echo: str = "") -> Job:
+def _job(state, kind: str, req, principal: Principal, prompts: list[dict], max_tokens: int, logprobs,
+         echo: list[str] | None = None) -> Job:
+    """One submit per prompt and sample; ``max_tokens == 0`` (completions with echo or
+    prompt_logprobs) still builds them, as the scoring requests' arguments."""
     _check_model(state, req.model)
     if req.seed is not None and req.seed + req.n - 1 >= 2**63:
         raise invalid_field(f"seed={req.seed} is too large for n={req.n}: sample i uses seed + i, which must stay "
                             f"below 2**63; send a seed <= {2**63 - req.n}", "seed")
     rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
+    many = len(prompts) * req.n > 1
     submits = []
-    for i in range(req.n):
-        seed = None if req.seed is None else req.seed + i
-        submits.append(dict(prompt, segments=list(req.segments), tenant=principal.tenant, mode=req.mode,
-                            sampling=_sampling(req, max_tokens, logprobs, seed),
-                            request_id=rid if req.n == 1 else f"{rid}-{i}"))
-    return Job(kind, rid, submits, req.stream, req.include_usage, logprobs, list(req.stop or []), echo)
+    for p, prompt in enumerate(prompts):
+        for i in range(req.n):
+            seed = None if req.seed is None else req.seed + i
+            choice = p * req.n + i
+            submits.append(dict(prompt, segments=list(req.segments), tenant=principal.tenant, mode=req.mode,
+                                sampling=_sampling(req, max(max_tokens, 1), logprobs, seed),
+                                request_id=f"{rid}-{choice}" if many else rid))
+    job = Job(kind, rid, submits, req.stream, req.include_usage, logprobs, list(req.stop or []), n=req.n,
+              echo=echo or [], continuous_usage=req.continuous_usage, prompt_logprobs=req.prompt_logprobs,
+              score_only=max_tokens == 0, ignored=req.ignored_fields())
+    echo_lp = kind == "completion" and req.echo and logprobs is not None
+    if echo_lp or req.prompt_logprobs is not None:
+        job.echo_logprobs = echo_lp
+        job.score_top = max(logprobs if echo_lp else 0, req.prompt_logprobs or 0)
+    return job
 
 
-def _echo_ids(state, req: CompletionRequest) -> str:
+def _echo_ids(state, ids: list[int]) -> str:
     """The text of a token-id prompt to echo; ids outside the vocabulary are the client's 400
     (checked here: the tokenizer would raise on them before the engine could)."""
     vocab = state.engine.cfg.vocab_size
-    bad = next((t for t in req.prompt if not 0 <= t < vocab), None)
+    bad = next((t for t in ids if not 0 <= t < vocab), None)
     if bad is not None:
         raise APIError(400, f"prompt holds token id {bad} outside [0, {vocab}) (the model's vocab size)",
                        "invalid_field", "prompt")
-    return state.decode(req.prompt)
+    return state.decode(ids)
 
 
 def completion_job(state, req: CompletionRequest, principal: Principal) -> Job:
-    if isinstance(req.prompt, str):
-        prompt, echo = dict(prompt=req.prompt), req.prompt
-    else:
-        prompt, echo = dict(prompt_token_ids=req.prompt), _echo_ids(state, req) if req.echo else ""
-    max_tokens = req.max_tokens or COMPLETION_DEFAULT_MAX_TOKENS
-    return _job(state, "completion", req, principal, prompt, max_tokens, req.logprobs, echo if req.echo else "")
+    prompts, echo = [], []
+    for p in req.prompts:
+        if isinstance(p, str):
+            prompts.append(dict(prompt=p))
+            echo.append(p)
+        else:
+            prompts.append(dict(prompt_token_ids=p))
+            echo.append(_echo_ids(state, p) if req.echo else "")
+    max_tokens = COMPLETION_DEFAULT_MAX_TOKENS if req.max_tokens is None else req.max_tokens
+    return _job(state, "completion", req, principal, prompts, max_tokens, req.logprobs, echo if req.echo else None)
 
 
 async def chat_job(state, req: ChatCompletionRequest, principal: Principal) -> Job:
     """Segments placed inside the messages and the session (``chat.py``) become the submits' chain
     items, prompt ids and ``session``."""
-    chat.require_template(state.tokenizer)
-    prompt = await chat.build(state.tokenizer, req, _tokenizer(state), state.engine.bos_prefix)
+    chat.require_template(state.tokenizer, state.chat_template)
+    prompt = await chat.build(state.tokenizer, req, _tokenizer(state), state.engine.bos_prefix, state.chat_template)
     max_tokens = req.max_completion_tokens or req.max_tokens or state.default_max_tokens
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    job = _job(state, "chat", req, principal, dict(prompt_token_ids=prompt.prompt_token_ids, session=req.session),
+    job = _job(state, "chat", req, principal, [dict(prompt_token_ids=prompt.prompt_token_ids, session=req.session)],
                max_tokens, logprobs)
     for sub in job.submits:
         sub["segments"] = list(prompt.segments)
@@ -161,7 +206,7 @@ async def save_session(state, job: Job, outs: list) -> None:
     sid, tenant, prompt = job.session
     try:
         items, tail = await chat.save_items(state.tokenizer, prompt, outs[0].text, _tokenizer(state),
-                                            state.engine.bos_prefix)
+                                            state.engine.bos_prefix, state.chat_template)
         await state.async_engine.call(state.engine.save_session, sid, token_ids=tail, segments=items, tenant=tenant)
     except Exception as e:  # noqa: BLE001 - see the docstring
         log.warning("request %s: session %r was not saved: %s", job.id, sid, e)
@@ -209,24 +254,45 @@ _GONE = object()
 
 
 async def _start(state, job: Job, streams: list) -> list:
-    """Step 3: submit sample 0 and await its first delta, then the other samples and theirs.
-    ``streams`` receives each stream as it is opened, so the caller can close them all."""
-    streams.append(state.async_engine.stream(**job.submits[0]))
-    first = await _first(streams[0])
-    if first is _GONE or len(job.submits) == 1:
-        return [first]
-    rest = [state.async_engine.stream(**sub) for sub in job.submits[1:]]
-    streams.extend(rest)
+    """Step 3: submit each prompt's first sample and await their first deltas, then the other
+    samples and theirs.  ``streams`` (one slot per choice, None until opened) receives each stream
+    as it is opened, so the caller can close them all."""
+    leaders = list(range(0, len(job.submits), job.n))
+    for i in leaders:
+        streams[i] = state.async_engine.stream(**job.submits[i])
+    firsts: list = [None] * len(job.submits)
+    for i, f in zip(leaders, await _all(_first(streams[i]) for i in leaders)):
+        firsts[i] = f
+    if any(firsts[i] is _GONE for i in leaders) or job.n == 1:
+        return firsts
+    rest = [i for i in range(len(job.submits)) if i % job.n]
+    for i in rest:
+        streams[i] = state.async_engine.stream(**job.submits[i])
     state.pending += len(rest)
     try:
-        return [first, *await _all(_first(s) for s in rest)]
+        for i, f in zip(rest, await _all(_first(streams[i]) for i in rest)):
+            firsts[i] = f
     finally:
         state.pending -= len(rest)
+    return firsts
+
+
+async def _scores(state, job: Job) -> list:
+    """Each prompt's log-probs (``Engine.prompt_logprobs``, on the engine thread)."""
+    out = []
+    for p in range(job.num_prompts):
+        sub = job.submits[p * job.n]
+        prompt = {k: sub[k] for k in ("prompt", "prompt_token_ids") if k in sub}
+        out.append(await state.async_engine.call(
+            state.engine.prompt_logprobs, **prompt, segments=sub["segments"], tenant=sub["tenant"],
+            num_logprobs=job.score_top, truncate_prompt_tokens=sub["sampling"].truncate_prompt_tokens))
+    return out
 
 
 async def _close(streams: list) -> None:
     for s in streams:
-        await s.aclose()
+        if s is not None:
+            await s.aclose()
 
 
 async def run_job(state, request: Request, job: Job) -> Response:
@@ -236,30 +302,67 @@ async def run_job(state, request: Request, job: Job) -> Response:
                   mode=job.submits[0]["mode"], stream=job.stream)
     if len(job.submits) > 1:
         fields["n"] = len(job.submits)
-    state.admit()
-    streams: list = []
+    admitted = job.num_prompts
+    state.admit(admitted)
+    streams: list = [None] * len(job.submits)
     firsts = None
     try:
+        if job.score_top is not None:
+            job.scores = await _until_disconnect(request, _scores(state, job))
+            if job.scores is None:
+                return Response(status_code=499)  # the client left
+        if job.score_only:
+            return _scored_response(state, job, fields)
         firsts = await _until_disconnect(request, _start(state, job, streams))
     except Exception as e:
         raise _api_error(e, job) from None
     finally:
-        state.pending -= 1
-        if firsts is None or _GONE in firsts or len(firsts) < len(job.submits):
+        state.pending -= admitted
+        if firsts is None or _GONE in firsts:
             await _close(streams)
     if firsts is None:
         return Response(status_code=499)  # the client left; nobody reads this
     if _GONE in firsts:
         raise internal_error(job.id)
+    state.note_started(len(firsts))
     if not job.stream:
         outs = await _until_disconnect(request, _all(_collect(state, job, s, f) for s, f in zip(streams, firsts)))
         if outs is None:
             return Response(status_code=499)
         _record(state, fields, outs)
         await save_session(state, job, outs)
-        return JSONResponse(_full_response(state, job, outs), headers={"X-Request-Id": job.id})
+        return JSONResponse(_full_response(state, job, outs), headers=job.headers())
     return StreamingResponse(_sse(state, job, streams, firsts, fields), media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", "X-Request-Id": job.id})
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **job.headers()})
+
+
+def _scored_response(state, job: Job, fields: dict) -> Response:
+    """``max_tokens == 0``: every choice is its prompt's echo and log-probs, nothing generated."""
+    fields.update(prompt_tokens=sum(s.num_tokens for s in job.scores), generated_tokens=0)
+    usage = {"prompt_tokens": sum(s.num_tokens for s in job.scores), "completion_tokens": 0,
+             "total_tokens": sum(s.num_tokens for s in job.scores), "prompt_tokens_details": {"cached_tokens": 0}}
+    choices = []
+    for c in range(len(job.submits)):
+        choice = {"index": c, "text": job.echo_of(c), "logprobs": None, "finish_reason": "length"}
+        choice.update(_prompt_fields(state, job, c))
+        choices.append(choice)
+    created = int(time.time())
+    if not job.stream:
+        return JSONResponse({"id": job.id, "object": "text_completion", "created": created,
+                             "model": state.model_name, "choices": choices, "usage": usage}, headers=job.headers())
+
+    async def events():
+        for choice in choices:
+            body = {"id": job.id, "object": "text_completion", "created": created, "model": state.model_name,
+                    "choices": [choice]}
+            yield f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+        if job.include_usage:
+            body = {"id": job.id, "object": "text_completion", "created": created, "model": state.model_name,
+                    "choices": [], "usage": usage}
+            yield f"data: {json.dumps(body)}\n\n"
+        yield "data: [DONE]\n\n"
+    return StreamingResponse(events(), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **job.headers()})
 
 
 async def _first(stream):
@@ -302,31 +405,36 @@ def _record(state, fields: dict, outs: list) -> None:
                   finish_reason=outs[0].finish_reason if len(outs) == 1 else [o.finish_reason for o in outs])
 
 
-def _usage(outs: list) -> dict:
-    """The prompt once (sample 0's cached count: it computed the prompt), every sample's tokens."""
-    m = outs[0].metrics
+def _usage(job: Job, outs: list) -> dict:
+    """Each prompt once (its first sample's counts: that sample computed the prompt), every
+    sample's generated tokens."""
+    firsts = [outs[p * job.n].metrics for p in range(job.num_prompts)]
+    prompt = sum(m.prompt_tokens for m in firsts)
     completion = sum(o.metrics.generated_tokens for o in outs)
-    return {"prompt_tokens": m.prompt_tokens, "completion_tokens": completion,
-            "total_tokens": m.prompt_tokens + completion,
-            "prompt_tokens_details": {"cached_tokens": m.cached_tokens}}
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": sum(m.cached_tokens for m in firsts)}}
 
 
 def _token_str(state, tid: int) -> str:
     return state.decode([tid])
 
 
-def _logprobs(state, job: Job, token_ids: list[int], lps: list[dict[int, float]], offset: int = 0):
-    """OpenAI's log-probs object for these tokens; ``offset``: where their text starts (completions)."""
-    n = job.logprobs
+def _top(lp: dict[int, float], n: int) -> list[tuple[int, float]]:
+    return sorted(lp.items(), key=lambda kv: -kv[1])[:n]
+
+
+def _logprobs(state, job: Job, token_ids: list[int], lps: list, offset: int = 0):
+    """OpenAI's log-probs object for these tokens; ``offset``: where their text starts
+    (completions).  An entry of ``lps`` may be None (a prompt's first token): null there."""
+    n = job.logprobs or 0
     pairs = list(zip(token_ids, lps))
     if job.kind == "chat":
         content = []
         for tid, lp in pairs:
             s = _token_str(state, tid)
-            top = sorted(lp.items(), key=lambda kv: -kv[1])[:n]
             content.append({"token": s, "logprob": lp[tid], "bytes": list(s.encode()),
                             "top_logprobs": [{"token": (t := _token_str(state, i)), "logprob": v,
-                                              "bytes": list(t.encode())} for i, v in top]})
+                                              "bytes": list(t.encode())} for i, v in _top(lp, n)]})
         return {"content": content}
     tokens, offsets, pos = [], [], offset
     for tid, _ in pairs:
@@ -334,27 +442,77 @@ def _logprobs(state, job: Job, token_ids: list[int], lps: list[dict[int, float]]
         tokens.append(s)
         offsets.append(pos)
         pos += len(s)
-    return {"tokens": tokens, "token_logprobs": [lp[tid] for tid, lp in pairs],
-            "top_logprobs": [{_token_str(state, i): v for i, v in sorted(lp.items(), key=lambda kv: -kv[1])[:n]}
+    return {"tokens": tokens, "token_logprobs": [None if lp is None else lp[tid] for tid, lp in pairs],
+            "top_logprobs": [None if lp is None else {_token_str(state, i): v for i, v in _top(lp, n)}
                              for _, lp in pairs],
             "text_offset": offsets}
+
+
+def _echo_logprobs(state, job: Job, choice: int) -> dict:
+    """Completions with echo and logprobs: the prompt's tokens' log-probs (OpenAI's shape)."""
+    score = job.scores[choice // job.n]
+    return _logprobs(state, job, score.token_ids, score.logprobs)
+
+
+def _vllm_prompt_logprobs(state, job: Job, p: int) -> list:
+    """vLLM's ``prompt_logprobs``: per prompt token, null (the first) or ``{id: {logprob, rank,
+    decoded_token}}`` holding the token and the top ``prompt_logprobs`` alternatives."""
+    score = job.scores[p]
+    out = []
+    for tid, lp, rank in zip(score.token_ids, score.logprobs, score.ranks):
+        if lp is None:
+            out.append(None)
+            continue
+        entry = {str(tid): {"logprob": lp[tid], "rank": rank, "decoded_token": _token_str(state, tid)}}
+        for r, (i, v) in enumerate(_top(lp, job.prompt_logprobs), start=1):
+            entry.setdefault(str(i), {"logprob": v, "rank": r, "decoded_token": _token_str(state, i)})
+        out.append(entry)
+    return out
+
+
+def _prompt_fields(state, job: Job, choice: int) -> dict:
+    """The prompt log-prob parts of a completions choice (echo's log-probs, vLLM's prompt_logprobs)."""
+    out = {}
+    if job.scores is not None and job.echo_logprobs:
+        out["logprobs"] = _echo_logprobs(state, job, choice)
+    if job.scores is not None and job.prompt_logprobs is not None and job.kind == "completion":
+        out["prompt_logprobs"] = _vllm_prompt_logprobs(state, job, choice // job.n)
+    return out
+
+
+def _join_logprobs(head: dict | None, tail: dict | None) -> dict | None:
+    """Completions: the prompt's log-probs object followed by the generated tokens' (offsets go on)."""
+    if head is None or tail is None:
+        return head or tail
+    shift = sum(len(t) for t in head["tokens"])
+    return {"tokens": head["tokens"] + tail["tokens"],
+            "token_logprobs": head["token_logprobs"] + tail["token_logprobs"],
+            "top_logprobs": head["top_logprobs"] + tail["top_logprobs"],
+            "text_offset": head["text_offset"] + [o + shift for o in tail["text_offset"]]}
 
 
 def _full_response(state, job: Job, outs: list) -> dict:
     choices = []
     for i, out in enumerate(outs):
         lp = None
+        echo = job.echo_of(i)
         if job.logprobs is not None and out.logprobs is not None:
-            lp = _logprobs(state, job, out.token_ids, out.logprobs)
+            lp = _logprobs(state, job, out.token_ids, out.logprobs, 0 if job.echo_logprobs else len(echo))
         if job.kind == "chat":
             choices.append({"index": i, "message": {"role": "assistant", "content": out.text}, "logprobs": lp,
                             "finish_reason": out.finish_reason})
         else:
-            choices.append({"index": i, "text": job.echo + out.text, "logprobs": lp,
-                            "finish_reason": out.finish_reason})
+            extra = _prompt_fields(state, job, i)
+            if "logprobs" in extra:
+                extra["logprobs"] = _join_logprobs(extra["logprobs"], lp)
+            choices.append({"index": i, "text": echo + out.text, "logprobs": lp,
+                            "finish_reason": out.finish_reason, **extra})
     obj = "chat.completion" if job.kind == "chat" else "text_completion"
-    return {"id": job.id, "object": obj, "created": int(time.time()), "model": state.model_name,
-            "choices": choices, "usage": _usage(outs)}
+    body = {"id": job.id, "object": obj, "created": int(time.time()), "model": state.model_name,
+            "choices": choices, "usage": _usage(job, outs)}
+    if job.kind == "chat" and job.scores is not None and job.prompt_logprobs is not None:
+        body["prompt_logprobs"] = _vllm_prompt_logprobs(state, job, 0)
+    return body
 
 
 def _chunk_object(job: Job) -> str:
@@ -362,25 +520,51 @@ def _chunk_object(job: Job) -> str:
 
 
 def _chunk(state, job: Job, created: int, index: int, text: str | None, finish: str | None,
-           role: bool = False, logprobs: dict | None = None) -> str:
+           role: bool = False, logprobs: dict | None = None, usage: dict | None = None,
+           extra: dict | None = None) -> str:
     if job.kind == "chat":
         delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
         choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
     else:
         choice = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
+    choice.update(extra or {})
     body = {"id": job.id, "object": _chunk_object(job), "created": created, "model": state.model_name,
             "choices": [choice]}
+    if usage is not None:
+        body["usage"] = usage
     return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
 
 
 class _Choice:
-    """One sample's streaming state: its log-prob position and the chunks held for log-probs."""
+    """One choice's streaming state: its log-prob position, the chunks held for log-probs, and
+    its token counts (``stream_options.continuous_usage_stats``)."""
 
     def __init__(self, state, job: Job, index: int):
         self.state, self.job, self.index = state, job, index
         self.n_tokens = 0  # generated tokens seen so far
-        self.offset = len(job.echo)  # text_offset of the next token (completions' log-probs)
+        self.prompt_tokens = 0  # the request's sequence, from its first delta
+        self.offset = len(job.echo_of(index))  # text_offset of the next token (completions' log-probs)
+        if job.echo_logprobs and job.scores is not None:
+            self.offset = sum(len(t) for t in _echo_logprobs(state, job, index)["tokens"])
         self.held: list[tuple[str, list[int]]] = []  # chunks waiting for their log-probs
+
+    def usage(self) -> dict | None:
+        if not self.job.continuous_usage:
+            return None
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.n_tokens,
+                "total_tokens": self.prompt_tokens + self.n_tokens}
+
+    def opening(self, created: int) -> list[str]:
+        """The chunk before any token: chat's role; completions' echo (with its log-probs)."""
+        job = self.job
+        if job.kind == "chat":
+            return [_chunk(self.state, job, created, self.index, None, None, role=True)]
+        extra = _prompt_fields(self.state, job, self.index)
+        lp = extra.pop("logprobs", None)
+        if job.echo_of(self.index) or lp is not None or extra:
+            return [_chunk(self.state, job, created, self.index, job.echo_of(self.index), None, logprobs=lp,
+                           extra=extra)]
+        return []
 
     def _lp(self, ids: list[int], lps) -> dict | None:
         if self.job.logprobs is None or not ids:
@@ -392,13 +576,18 @@ class _Choice:
     def _content(self, created: int, piece: str, logprobs: dict | None) -> list[str]:
         if not piece and logprobs is None:
             return []
-        return [_chunk(self.state, self.job, created, self.index, piece, None, logprobs=logprobs)]
+        return [_chunk(self.state, self.job, created, self.index, piece, None, logprobs=logprobs,
+                       usage=self.usage())]
 
     def chunks(self, created: int, delta) -> list[str]:
         """The chunks for one delta: its text (``delta.text``, AsyncEngine's incremental
         detokenization) with its tokens' log-probs, and the finish chunk after the last one."""
         job, ids, piece = self.job, list(delta.new_token_ids), delta.text
         self.n_tokens += len(ids)
+        if getattr(delta, "prompt_tokens", 0):
+            self.prompt_tokens = delta.prompt_tokens
+        if delta.finished and delta.output is not None:
+            self.prompt_tokens = delta.output.metrics.prompt_tokens
         out: list[str] = []
         if job.logprobs is None:
             out += self._content(created, piece, None)
@@ -418,7 +607,7 @@ class _Choice:
                     pos += len(held_ids)
                     out += self._content(created, held_piece, lp)
                 self.held = []
-            out.append(_chunk(self.state, job, created, self.index, None, result.finish_reason))
+            out.append(_chunk(self.state, job, created, self.index, None, result.finish_reason, usage=self.usage()))
         return out
 
 
@@ -428,7 +617,7 @@ async def _sse(state, job: Job, streams: list, firsts: list, fields: dict):
     queue: asyncio.Queue = asyncio.Queue(maxsize=len(streams))
 
     async def pump(i: int) -> None:
-        """Sample i's deltas into the shared queue (an exception ends the whole stream)."""
+        """Choice i's deltas into the shared queue (an exception ends the whole stream)."""
         delta, last_t = firsts[i], time.perf_counter()
         try:
             while True:
@@ -449,10 +638,12 @@ async def _sse(state, job: Job, streams: list, firsts: list, fields: dict):
     outs: list = [None] * len(streams)
     try:
         for c in choices:
-            if job.kind == "chat":
-                yield _chunk(state, job, created, c.index, None, None, role=True)
-            elif job.echo:
-                yield _chunk(state, job, created, c.index, job.echo, None)
+            for chunk in c.opening(created):
+                yield chunk
+        if job.kind == "chat" and job.scores is not None and job.prompt_logprobs is not None:
+            body = {"id": job.id, "object": _chunk_object(job), "created": created, "model": state.model_name,
+                    "choices": [], "prompt_logprobs": _vllm_prompt_logprobs(state, job, 0)}
+            yield f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
         while any(o is None for o in outs):
             i, item = await queue.get()
             if isinstance(item, Exception):
@@ -465,7 +656,7 @@ async def _sse(state, job: Job, streams: list, firsts: list, fields: dict):
         await save_session(state, job, outs)
         if job.include_usage:
             usage = {"id": job.id, "object": _chunk_object(job), "created": created, "model": state.model_name,
-                     "choices": [], "usage": _usage(outs)}
+                     "choices": [], "usage": _usage(job, outs)}
             yield f"data: {json.dumps(usage)}\n\n"
     except asyncio.CancelledError:
         raise

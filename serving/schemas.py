@@ -65,7 +65,8 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, StringConstraints, ValidationInfo, field_validator,
+                      model_validator)
 
 from inferscale_jax.sampling import MAX_LOGPROBS, MAX_STOP_STRINGS
 from inferscale_jax.segments import SEGMENT_ID_ALPHABET, SEGMENT_ID_RE
@@ -74,6 +75,8 @@ SegmentId = Annotated[str, StringConstraints(min_length=1, max_length=256)]
 MAX_SEGMENTS_PER_REQUEST = 64
 MAX_N = 16  # samples per request
 MAX_MESSAGES = 4096
+MAX_PROMPTS = 256  # prompts of one completions request
+MAX_CHOICES = 1024  # prompts x n
 
 
 def _check_id(v: str, what: str = "a segment id") -> str:
@@ -94,6 +97,29 @@ def unsupported(field: str, fix: str) -> str:
 
 class StreamOptions(_Strict):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: usage in every chunk
+
+
+# Known OpenAI / vLLM fields that do not change the output: accepted, listed in the response
+# header x-inferscale-ignored-fields (docs/architecture.md, "Field policy").
+IGNORED_FIELDS = ("user", "store", "metadata", "service_tier", "prompt_cache_key", "safety_identifier",
+                  "parallel_tool_calls", "priority")
+# Known fields accepted only with their neutral value (then listed as ignored); any other value is
+# a 400 saying the effect is not built.  name -> (is this value neutral?, what to send instead)
+_NEUTRAL = {
+    "response_format": (lambda v: v is None or v == {"type": "text"}, 'omit it or send {"type": "text"}'),
+    "tools": (lambda v: not v, "omit it or send []: tool calling is not implemented"),
+    "tool_choice": (lambda v: v in (None, "none"), 'omit it or send "none": tool calling is not implemented'),
+    "functions": (lambda v: not v, "omit it or send []: function calling is not implemented"),
+    "function_call": (lambda v: v in (None, "none"), 'omit it or send "none"'),
+    "best_of": (lambda v: v in (None, 1), "omit it or send 1; n=... returns several samples"),
+    "suffix": (lambda v: v is None, "omit it (insertion is not implemented)"),
+    "use_beam_search": (lambda v: v in (None, False), "omit it or send false (beam search is not implemented)"),
+}
+# Known fields whose effect is not built: any value but null is a 400 saying so.
+UNSUPPORTED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs",
+                      "guided_decoding_backend", "chat_template", "documents", "mm_processor_kwargs", "audio",
+                      "modalities", "prediction", "reasoning_effort", "web_search_options")
 
 
 class _Generation(_Strict):
@@ -109,13 +135,76 @@ class _Generation(_Strict):
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     repetition_penalty: float = Field(1.0, gt=0.0, le=2.0)
-    logit_bias: dict[str, float] | None = None
-    # extensions
+    logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = Field(None, max_length=300)
+    # extensions (vLLM's names)
     segments: list[SegmentId] = Field(default_factory=list, max_length=MAX_SEGMENTS_PER_REQUEST)
     mode: Literal["exact", "compose", "blend"] = "exact"
-    top_k: int = Field(0, ge=0)
+    top_k: int = Field(0, ge=-1)
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    min_tokens: int = Field(0, ge=0)
     stop_token_ids: list[Annotated[int, Field(ge=0)]] = Field(default_factory=list, max_length=64)
     ignore_eos: bool = False
+    bad_words: list[Annotated[str, StringConstraints(min_length=1)]] = Field(default_factory=list, max_length=64)
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    truncate_prompt_tokens: int | None = Field(None, ge=1)
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    # accepted, no effect on the output (IGNORED_FIELDS)
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    service_tier: str | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
+    parallel_tool_calls: bool | None = None
+    priority: int | None = None
+    # accepted only when neutral (_NEUTRAL)
+    response_format: dict | None = None
+    tools: list | None = None
+    tool_choice: str | dict | None = None
+    functions: list | None = None
+    function_call: str | dict | None = None
+    use_beam_search: bool | None = None
+    # known, not built (UNSUPPORTED_FIELDS)
+    guided_json: object = None
+    guided_regex: object = None
+    guided_choice: object = None
+    guided_grammar: object = None
+    structured_outputs: object = None
+    guided_decoding_backend: object = None
+    chat_template: object = None
+    documents: object = None
+    mm_processor_kwargs: object = None
+    audio: object = None
+    modalities: object = None
+    prediction: object = None
+    reasoning_effort: object = None
+    web_search_options: object = None
+
+    @field_validator(*_NEUTRAL, check_fields=False)
+    @classmethod
+    def _neutral(cls, v, info: ValidationInfo):
+        neutral, fix = _NEUTRAL[info.field_name]
+        if not neutral(v):
+            raise ValueError(unsupported(info.field_name, fix))
+        return v
+
+    @field_validator(*UNSUPPORTED_FIELDS)
+    @classmethod
+    def _unsupported(cls, v, info: ValidationInfo):
+        if v is not None:
+            raise ValueError(f"unsupported field {info.field_name!r}: this server does not implement it "
+                             "(docs/architecture.md, 'Field policy'); omit it")
+        return v
+
+    def ignored_fields(self) -> list[str]:
+        """The fields the client set that change nothing (docs/architecture.md, "Field policy")."""
+        names = [f for f in IGNORED_FIELDS if f in self.model_fields_set]
+        names += [f for f in _NEUTRAL if f in self.model_fields_set and f in type(self).model_fields]
+        return sorted(names)
+
+    def logit_bias_ids(self) -> dict[int, float] | None:
+        return {int(k): v for k, v in self.logit_bias.items()} if self.logit_bias else None
 
     @field_validator("stop")
     @classmethod
@@ -130,18 +219,23 @@ class _Generation(_Strict):
     @field_validator("logit_bias")
     @classmethod
     def _logit_bias(cls, v):
-        if v:
-            raise ValueError(unsupported("logit_bias", "omit the field or send {}"))
+        for k in v or {}:
+            if not k.isdigit() or len(k) > 10:
+                raise ValueError(f"logit_bias keys are token ids as strings (\"50256\"), not {k!r}")
         return v
 
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
+    @property
+    def continuous_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.continuous_usage_stats)
+
 
 class CompletionRequest(_Generation):
     prompt: str | list[int] | list[str] | list[list[int]]
-    max_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=0)
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
     best_of: int | None = None
@@ -149,32 +243,28 @@ class CompletionRequest(_Generation):
 
     @field_validator("prompt")
     @classmethod
-    def _one_prompt(cls, v):
+    def _prompts(cls, v):
         if isinstance(v, list) and v and isinstance(v[0], (str, list)):
-            if len(v) != 1:
-                raise ValueError("batched prompts are not supported: send one prompt per request")
-            return v[0]
+            if len(v) > MAX_PROMPTS:
+                raise ValueError(f"at most {MAX_PROMPTS} prompts per request (got {len(v)}); split the batch")
+            if any(not p for p in v):
+                raise ValueError("every prompt of the list needs at least one character or token")
         return v
 
-    @field_validator("best_of")
-    @classmethod
-    def _best_of(cls, v):
-        if v not in (None, 1):
-            raise ValueError(unsupported("best_of", "omit it or send 1; n=... returns several samples"))
-        return v
-
-    @field_validator("suffix")
-    @classmethod
-    def _suffix(cls, v):
-        if v is not None:
-            raise ValueError(unsupported("suffix", "omit it (insertion is not implemented)"))
-        return v
+    @property
+    def prompts(self) -> list[str | list[int]]:
+        """Each prompt of the request (a list of strings or of token-id lists is several)."""
+        v = self.prompt
+        return list(v) if isinstance(v, list) and v and isinstance(v[0], (str, list)) else [v]
 
     @model_validator(mode="after")
-    def _echo(self):
-        if self.echo and self.logprobs is not None:
-            raise ValueError("echo=true with logprobs is not supported: prompt log-probs are not computed; "
-                             "drop one of them")
+    def _zero_tokens(self):
+        if self.max_tokens == 0 and not self.echo and self.prompt_logprobs is None:
+            raise ValueError("max_tokens=0 generates nothing: it needs echo=true (with logprobs to score the "
+                             "prompt) or prompt_logprobs; otherwise send max_tokens >= 1")
+        if len(self.prompts) * self.n > MAX_CHOICES:
+            raise ValueError(f"{len(self.prompts)} prompts x n={self.n} is more than {MAX_CHOICES} choices; "
+                             "split the batch")
         return self
 
 
@@ -209,6 +299,10 @@ class ChatCompletionRequest(_Generation):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    # vLLM's chat-template controls (serving/chat.py)
+    chat_template_kwargs: dict | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
 
     @model_validator(mode="after")
     def _tokens(self):
@@ -217,6 +311,11 @@ class ChatCompletionRequest(_Generation):
             raise ValueError("max_tokens and max_completion_tokens disagree: send one of them")
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs=true")
+        if self.continue_final_message and self.add_generation_prompt:
+            raise ValueError("continue_final_message=true needs add_generation_prompt=false (the reply continues "
+                             "the last message instead of starting a new one)")
+        if self.continue_final_message and self.messages[-1].role != "assistant":
+            raise ValueError("continue_final_message=true needs the last message to be the assistant's")
         return self
 
     # conversation memory (inferscale_jax/sessions.py): the tenant's session this turn reads and extends

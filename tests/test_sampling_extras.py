@@ -131,7 +131,8 @@ def test_prompt_logprobs_match_hf(hf_engine, chunk, monkeypatch):
         assert set(np.argsort(-ref[pos - 1])[:3]) <= set(entry)
         assert top[0][1] == pytest.approx(ref[pos - 1].max(), abs=1e-4)
     # no segment: the first token has nothing before it
-    ids, lps, ranks = engine.prompt_logprobs(prompt_token_ids=prompt, num_logprobs=0)
+    ids, lps, ranks, n_tokens = engine.prompt_logprobs(prompt_token_ids=prompt, num_logprobs=0)
+    assert n_tokens == len(prompt) + len(engine.bos_prefix)
     ref = _hf_logprobs(hf, prompt)
     assert ids == prompt and lps[0] is None
     assert [lp[prompt[i]] for i, lp in enumerate(lps) if i] == pytest.approx(

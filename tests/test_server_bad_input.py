@@ -38,11 +38,12 @@ CASES = [
     ("prompt is null", "POST", C, {"prompt": None}, 400, "invalid_field"),
     ("empty prompt", "POST", C, {"prompt": ""}, 400, "invalid_field"),
     ("empty token list", "POST", C, {"prompt": []}, 400, "invalid_field"),
-    ("batched prompts", "POST", C, {"prompt": ["a", "b"]}, 400, "invalid_field"),
+    ("a batched prompt is empty", "POST", C, {"prompt": ["a", ""]}, 400, "invalid_field"),
+    ("257 batched prompts", "POST", C, {"prompt": ["a"] * 257}, 400, "invalid_field"),
     ("max_tokens as string", "POST", C, {"prompt": "hi", "max_tokens": "16"}, 400, "invalid_field"),
     ("max_tokens as float", "POST", C, {"prompt": "hi", "max_tokens": 4.5}, 400, "invalid_field"),
     ("max_tokens negative", "POST", C, {"prompt": "hi", "max_tokens": -5}, 400, "invalid_field"),
-    ("max_tokens zero", "POST", C, {"prompt": "hi", "max_tokens": 0}, 400, "invalid_field"),
+    ("max_tokens zero without echo", "POST", C, {"prompt": "hi", "max_tokens": 0}, 400, "invalid_field"),
     ("max_tokens huge", "POST", C, {"prompt": "hi", "max_tokens": 10**9}, 400, "context_length_exceeded"),
     # beyond int32: SamplingParams' own range check names the field, before any context check
     ("max_tokens 10**30", "POST", C, {"prompt": "hi", "max_tokens": 10**30}, 400, "invalid_field"),
@@ -52,7 +53,13 @@ CASES = [
     ("temperature bool", "POST", C, {"prompt": "hi", "temperature": True}, 400, "invalid_field"),
     ("top_p zero", "POST", C, {"prompt": "hi", "top_p": 0}, 400, "invalid_field"),
     ("top_p > 1", "POST", C, {"prompt": "hi", "top_p": 1.5}, 400, "invalid_field"),
-    ("top_k negative", "POST", C, {"prompt": "hi", "top_k": -1}, 400, "invalid_field"),
+    ("top_k below -1", "POST", C, {"prompt": "hi", "top_k": -2}, 400, "invalid_field"),
+    ("min_p > 1", "POST", C, {"prompt": "hi", "min_p": 1.5}, 400, "invalid_field"),
+    ("min_tokens > max_tokens", "POST", C, {"prompt": "hi", "max_tokens": 2, "min_tokens": 5}, 400, "invalid_field"),
+    ("logit_bias out of range", "POST", C, {"prompt": "hi", "logit_bias": {"5": 150}}, 400, "invalid_field"),
+    ("logit_bias key not an id", "POST", C, {"prompt": "hi", "logit_bias": {"abc": 1}}, 400, "invalid_field"),
+    ("logit_bias id beyond vocab", "POST", C, {"prompt": "hi", "logit_bias": {"99999999": 1}}, 400, "invalid_field"),
+    ("prompt_logprobs too many", "POST", C, {"prompt": "hi", "prompt_logprobs": 21}, 400, "invalid_field"),
     ("seed negative", "POST", C, {"prompt": "hi", "seed": -1}, 400, "invalid_field"),
     ("seed 2**64", "POST", C, {"prompt": "hi", "seed": 2**64}, 400, "invalid_field"),
     ("stream as string", "POST", C, {"prompt": "hi", "stream": "yes"}, 400, "invalid_field"),
@@ -75,12 +82,11 @@ CASES = [
     ("repetition_penalty > 2", "POST", C, {"prompt": "hi", "repetition_penalty": 2.5}, 400, "invalid_field"),
     ("best_of 2", "POST", C, {"prompt": "hi", "best_of": 2}, 400, "invalid_field"),
     ("suffix", "POST", C, {"prompt": "hi", "suffix": "end"}, 400, "invalid_field"),
-    ("logit_bias", "POST", C, {"prompt": "hi", "logit_bias": {"5": 10}}, 400, "invalid_field"),
-    ("echo with logprobs", "POST", C, {"prompt": "hi", "echo": True, "logprobs": 1}, 400, "invalid_field"),
+    ("guided_json", "POST", C, {"prompt": "hi", "guided_json": {"type": "object"}}, 400, "invalid_field"),
     ("chat: response_format", "POST", CHAT, {"messages": OK_CHAT, "response_format": {"type": "json_object"}},
      400, "invalid_field"),
     ("chat: tool_choice", "POST", CHAT, {"messages": OK_CHAT, "tool_choice": "auto"}, 400, "invalid_field"),
-    ("chat: functions", "POST", CHAT, {"messages": OK_CHAT, "functions": []}, 400, "invalid_field"),
+    ("chat: functions", "POST", CHAT, {"messages": OK_CHAT, "functions": [{"name": "f"}]}, 400, "invalid_field"),
     ("chat: echo", "POST", CHAT, {"messages": OK_CHAT, "echo": True}, 400, "invalid_field"),
     ("unknown field", "POST", C, {"prompt": "hi", "foo": 1}, 400, "invalid_field"),
     ("typo max_token", "POST", C, {"prompt": "hi", "max_token": 4}, 400, "invalid_field"),
@@ -94,7 +100,10 @@ CASES = [
     ("chat: messages not a list", "POST", CHAT, {"messages": "hi"}, 400, "invalid_field"),
     ("chat: unknown role", "POST", CHAT, {"messages": [{"role": "robot", "content": "hi"}]}, 400, "invalid_field"),
     ("chat: content number", "POST", CHAT, {"messages": [{"role": "user", "content": 3}]}, 400, "invalid_field"),
-    ("chat: tools unsupported", "POST", CHAT, {"messages": OK_CHAT, "tools": []}, 400, "invalid_field"),
+    ("chat: tools unsupported", "POST", CHAT, {"messages": OK_CHAT, "tools": [{"type": "function"}]}, 400,
+     "invalid_field"),
+    ("chat: continue a user message", "POST", CHAT, {"messages": OK_CHAT, "continue_final_message": True,
+                                                     "add_generation_prompt": False}, 400, "invalid_field"),
     ("chat: temperature < 0", "POST", CHAT, {"messages": OK_CHAT, "temperature": -1}, 400, "invalid_field"),
     ("chat: unknown segment", "POST", CHAT, {"messages": OK_CHAT, "segments": ["nope"]}, 404, "segment_not_found"),
     ("segment: duplicate id", "POST", SEG, {"id": "dup", "text": "again"}, 409, "segment_exists"),
@@ -125,11 +134,11 @@ PARAMS = {"stream as string": "stream", "max_tokens negative": "max_tokens", "te
           "n = 17": "n", "max_tokens 10**30": "max_tokens", "seed + n overflows": "seed",
           "presence_penalty > 2": "presence_penalty",
           "repetition_penalty > 2": "repetition_penalty", "best_of 2": "best_of", "suffix": "suffix",
-          "logit_bias": "logit_bias", "chat: response_format": "response_format", "chat: echo": "echo",
+          "logit_bias out of range": "logit_bias.5", "chat: response_format": "response_format", "chat: echo": "echo",
           "segment: id with newline": "id", "segment: id with space": "id", "segment: id too long": "id"}
 # unsupported fields: rejected with a message that says so, naming the field
 UNSUPPORTED = {"unknown field": "foo", "typo max_token": "max_token", "chat: tools unsupported": "tools",
-               "best_of 2": "best_of", "suffix": "suffix", "logit_bias": "logit_bias",
+               "best_of 2": "best_of", "suffix": "suffix", "guided_json": "guided_json",
                "chat: response_format": "response_format", "chat: tool_choice": "tool_choice",
                "chat: functions": "functions", "chat: echo": "echo"}
 
@@ -212,7 +221,9 @@ def test_overload_503_with_retry_after(http, server):
     t2.start()
     wait_for(lambda: http.get("/v1/stats").json()["waiting"] == 1)
     r = http.post(C, json={"prompt": "one more", "max_tokens": 2})
-    assert r.status_code == 503 and r.headers["retry-after"] == "1"
+    # Retry-After: the queue over its measured drain rate, whole seconds in [1, 60], named in the message
+    assert r.status_code == 503 and 1 <= int(r.headers["retry-after"]) <= 60
+    assert f"retry after {r.headers['retry-after']} s" in r.json()["error"]["message"]
     assert r.json()["error"]["code"] == "overloaded" and r.json()["error"]["type"] == "overloaded_error"
     stop.set()  # both clients hang up: their requests are aborted and their pages freed
     t1.join(60)
