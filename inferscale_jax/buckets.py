@@ -20,8 +20,11 @@ compile all of it before serving and nothing compiles afterwards:
   kernels' work follows the real lengths; only a few more int32 per row travel); decode steps
   of fewer rows pick the narrowest that holds their longest row, because there the decode
   kernel splits each sequence across the GPU's cores by the table width.
-* **cascade** decode steps (a group of rows reads a shared prefix once): the shared page list
-  is padded to one of the table widths too.
+* **cascade** decode steps (groups of rows each read their shared prefix once): the group
+  table's page lists are padded to one of the table widths too (the longest group's), and the
+  group count to one of ``GROUP_BUCKETS`` (at most ``MAX_GROUPS`` groups a step); a row bucket
+  ``r`` takes the group buckets up to the first that holds ``r // 2`` groups (a group has at
+  least two rows).  Extra groups in a bucket cost only empty programs of the shared kernel.
 * **log-probs**: 0 or ``MAX_LOGPROBS`` columns.
 
 Penalty steps (a row with presence / frequency / repetition penalty) add id arrays whose width
@@ -37,6 +40,8 @@ import dataclasses
 
 
 NARROW_ROWS = 32  # decode row buckets below this pick a table width (see the module docstring)
+GROUP_BUCKETS = (1, 4, 16, 64)  # cascade: padded group counts of a step
+MAX_GROUPS = GROUP_BUCKETS[-1]  # cascade groups one step can hold
 
 
 def next_pow2(n: int, minimum: int = 1) -> int:
@@ -59,7 +64,8 @@ class StepKey:
     tokens: int
     width: int  # page-table width
     num_logprobs: int
-    shared: int = 0  # cascade: padded shared page count (0: no cascade)
+    shared: int = 0  # cascade: padded shared page count of the group table (0: no cascade)
+    groups: int = 0  # cascade: padded group count (one of GROUP_BUCKETS; 0: no cascade)
     ragged: bool = False  # a mixed step (ragged attention); else every row feeds one token
 
 
@@ -88,15 +94,27 @@ class StepBuckets:
     def wide(self, pages: int) -> int:
         return max(self.widths[-1], pages)
 
-    def key(self, n_rows: int, n_tokens: int, need_pages: int, num_logprobs: int, shared_pages: int = 0) -> StepKey:
+    @staticmethod
+    def groups_for(n: int) -> int:
+        assert 0 < n <= MAX_GROUPS, f"{n} cascade groups: at most {MAX_GROUPS} a step"
+        return next(g for g in GROUP_BUCKETS if g >= n)
+
+    @staticmethod
+    def group_buckets(rows: int) -> list[int]:
+        """The group buckets a step of ``rows`` rows can take (groups of >= 2 rows)."""
+        return [g for i, g in enumerate(GROUP_BUCKETS) if i == 0 or GROUP_BUCKETS[i - 1] < rows // 2]
+
+    def key(self, n_rows: int, n_tokens: int, need_pages: int, num_logprobs: int, shared_pages: int = 0,
+            groups: int = 0) -> StepKey:
         """The bucket of a step of ``n_rows`` rows and ``n_tokens`` new tokens whose longest row
-        needs ``need_pages`` table entries (cascade: ``shared_pages`` shared, decode only)."""
+        needs ``need_pages`` table entries (cascade, decode only: ``groups`` groups whose longest
+        shared page list is ``shared_pages``)."""
         assert 0 < n_rows <= self.max_rows and n_rows <= n_tokens <= self.max_tokens, (n_rows, n_tokens)
         nl = self.num_logprobs if num_logprobs else 0
         if n_tokens == n_rows:  # decode: one token per row
             r = self.rows_for(n_rows)
             if shared_pages:
-                return StepKey(r, r, self.widths[-1], nl, self.width_for(shared_pages))
+                return StepKey(r, r, self.widths[-1], nl, self.width_for(shared_pages), self.groups_for(groups))
             return StepKey(r, r, self.width_for(need_pages) if r < NARROW_ROWS else self.wide(need_pages), nl)
         assert not shared_pages, "cascade attention is a decode step"
         t = next(b for b in self.token_buckets if b >= n_tokens)
@@ -116,7 +134,8 @@ class StepBuckets:
             for r in self.row_buckets:
                 keys += [StepKey(r, r, w, nl) for w in (self.widths if r < NARROW_ROWS else self.widths[-1:])]
                 if cascade and r >= 2:
-                    keys += [StepKey(r, r, self.widths[-1], nl, w) for w in self.widths]
+                    keys += [StepKey(r, r, self.widths[-1], nl, w, g) for w in self.widths
+                             for g in self.group_buckets(r)]
             keys += [StepKey(min(t, self.max_rows), t, self.widths[-1], nl, ragged=True) for t in self.token_buckets]
         return list(dict.fromkeys(keys))
 

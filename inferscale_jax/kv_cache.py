@@ -11,16 +11,26 @@ attention over everything each sequence has in pages.  Engine steps hand it a fl
 ``q [1, N]``: a *mixed* step (``AttnMeta.ragged``: prefill chunks and decode rows together,
 row ``r`` owning tokens ``cu_q_lens[r] .. cu_q_lens[r + 1] - 1``) runs the ragged kernel
 (cached pages + causal over the row's own chunk); a *decode* step (one token per row, ``N``
-rows) runs the decode kernel, or the cascade kernel when a group of rows shares a prefix read
-once for the group.  Blend's recompute (``by_position``) keeps its own ``[B, T]`` layout.
+rows) runs the decode kernel, or the multi-group cascade kernel when rows share prefixes.
+Blend's recompute (``by_position``) keeps its own ``[B, T]`` layout.
+
+Cascade (``AttnMeta.group_pages`` set): the step's rows are grouped by shared prefix - a
+segment chain's node, or prefix-cache hits several rows share - into a *group table*:
+``group_pages [G, Ps]`` (each group's shared full pages, padded with the null page),
+``group_lens [G]`` (its shared tokens, a multiple of the page size; 0 for padding groups) and
+``row_group [R]`` (each row's group, -1 for none).  A group row's ``page_table`` / ``kv_lens``
+then describe its own suffix only; any other row's, its whole context.  One launch of
+``pallas_kernels/cascade_attention.py``'s grouped kernel reads every group's pages once per row
+block of that group's members, the suffixes go through the decode kernel, and the two merge by
+their log-sum-exps (``"ref"``: the kernel's jnp reference, same semantics).
 
 ``impl`` picks the kernels, here and nowhere else (:func:`resolve_impl`, at construction):
 ``"pallas"`` the GPU (Triton-style) kernels of ``pallas_kernels/``, ``"pallas_tpu"`` the Mosaic TPU
 kernels of ``pallas_kernels/tpu/`` (TPU interpret mode off a TPU), ``"ref"`` their pure-jnp
 references (fast on the CPU, where Pallas only interprets).  ``"auto"`` follows
 ``jax.default_backend()``: GPU kernels on a GPU, TPU kernels on a TPU, references elsewhere.  On
-``pallas_tpu`` a decode step and a cascade group run the ragged TPU kernel (a decode row is a row
-of one token; a cascade row's page list is its group's shared pages followed by its own), and
+``pallas_tpu`` a decode step and a cascade step run the ragged TPU kernel (a decode row is a row
+of one token; a group row's page list is its group's shared pages followed by its own), and
 pages the TPU kernels cannot take - compressed KV, or shapes that do not tile
 (``pallas_kernels/tpu/common.py``) - run the references, with the reason logged once.
 
@@ -43,8 +53,8 @@ from jax.sharding import Mesh, PartitionSpec
 
 from models.config import ModelConfig
 from models.dense_cache import dense_attention
-from pallas_kernels.cascade_attention import (shared_prefix_decode_attention,
-                                              shared_prefix_decode_attention_ref)
+from pallas_kernels.cascade_attention import (grouped_cascade_decode_attention,
+                                              grouped_cascade_decode_attention_ref)
 from pallas_kernels.decode_attention import paged_decode_attention, paged_decode_attention_ref
 from pallas_kernels.kv_write import write_kv, write_kv_pallas, write_kv_quantized, write_kv_quantized_pallas
 from pallas_kernels.quant import SCALE_BYTES, dequantize_pages, is_quantized
@@ -97,12 +107,13 @@ class AttnMeta:
     page_table: jax.Array  # [B, max_pages] int32
     q_lens: jax.Array  # [B] int32: new tokens of each sequence in this step
     kv_lens: jax.Array  # [B] int32: tokens in pages after this step (cached + new)
-    # cascade decode: the full pages the rows of one group share ([Ps] int32, padded with the null
-    # page), how many tokens they hold and which rows belong to the group ([B] bool); page_table /
-    # kv_lens then describe a group row's own suffix only, and any other row's whole context
-    shared_pages: jax.Array | None = None
-    shared_len: jax.Array | None = None  # [] int32
-    shared_rows: jax.Array | None = None  # [B] bool
+    # cascade decode (the group table, module docstring): each group's shared full pages ([G, Ps]
+    # int32, padded with the null page), how many tokens they hold ([G] int32) and each row's group
+    # ([B] int32, -1: none); page_table / kv_lens then describe a group row's own suffix only, and
+    # any other row's whole context
+    group_pages: jax.Array | None = None
+    group_lens: jax.Array | None = None  # [G] int32
+    row_group: jax.Array | None = None  # [B] int32
     # a mixed step: q is the flat [1, N] token batch, row r owning tokens cu_q_lens[r] ..
     # cu_q_lens[r + 1] - 1 ([R + 1] int32); else (engine steps) every row has one token, q [1, R]
     cu_q_lens: jax.Array | None = None
@@ -230,10 +241,10 @@ def _attend(q, kp, vp, positions, meta: AttnMeta, impl: str, scales=(None, None)
     elif meta.ragged:  # q [1, N]: the flat tokens of a mixed step
         fn = ragged_paged_attention if pallas else ragged_paged_attention_ref
         out = fn(q[0], kp, vp, meta.page_table, meta.cu_q_lens, meta.kv_lens, **sc)[None]  # [1, N, Hq, D]
-    elif meta.shared_pages is not None:  # q [1, R]: one token per row, a cascade group
-        fn = shared_prefix_decode_attention if pallas else shared_prefix_decode_attention_ref
-        out = fn(q[0], kp, vp, meta.shared_pages, meta.shared_len, meta.page_table,
-                 meta.kv_lens, meta.shared_rows, **sc)[None]
+    elif meta.group_pages is not None:  # q [1, R]: one token per row, cascade groups
+        fn = grouped_cascade_decode_attention if pallas else grouped_cascade_decode_attention_ref
+        out = fn(q[0], kp, vp, meta.group_pages, meta.group_lens, meta.row_group, meta.page_table,
+                 meta.kv_lens, **sc)[None]
     else:  # q [1, R]: one token per row
         fn = paged_decode_attention if pallas else paged_decode_attention_ref
         out = fn(q[0], kp, vp, meta.page_table, meta.kv_lens, **sc)[None]
@@ -242,21 +253,23 @@ def _attend(q, kp, vp, positions, meta: AttnMeta, impl: str, scales=(None, None)
 
 def _as_ragged(meta: AttnMeta, page_size: int) -> tuple[jax.Array, jax.Array, jax.Array]:
     """(page_table, cu_q_lens, kv_lens) of the ragged kernel for any non-blend step: a mixed step's
-    own; a decode step's rows are rows of one token; a cascade row's page list is its group's shared
-    pages (``shared_len``, full pages: the engine's guarantee) followed by its own suffix pages."""
+    own; a decode step's rows are rows of one token; a group row's page list is its group's shared
+    pages (``group_lens``, full pages: the engine's guarantee) followed by its own suffix pages."""
     table, kv_lens = meta.page_table, meta.kv_lens
     if meta.ragged:
         return table, meta.cu_q_lens, kv_lens
     rows, width = table.shape
     cu = jnp.arange(rows + 1, dtype=jnp.int32)
-    if meta.shared_pages is None or meta.shared_pages.shape[0] == 0:
+    if meta.group_pages is None or 0 in meta.group_pages.shape:
         return table, cu, kv_lens
-    num_shared = meta.shared_pages.shape[0]
-    group = jnp.ones((rows,), bool) if meta.shared_rows is None else meta.shared_rows.astype(bool)
-    n_sh = jnp.where(group, meta.shared_len // page_size, 0)[:, None]  # [R, 1] shared pages of each row
-    col = jnp.arange(num_shared + width, dtype=jnp.int32)[None, :]
-    own = jnp.take_along_axis(table, jnp.clip(col - n_sh, 0, width - 1), axis=1)
-    shared = meta.shared_pages[jnp.clip(col, 0, num_shared - 1)]
+    num_groups, num_shared = meta.group_pages.shape
+    rg = meta.row_group
+    in_group = (rg >= 0) & (rg < num_groups)  # [R]
+    rg = jnp.clip(rg, 0, num_groups - 1)
+    n_sh = jnp.where(in_group, meta.group_lens[rg] // page_size, 0)[:, None]  # [R, 1] shared pages of each row
+    col = jnp.arange(num_shared + width, dtype=jnp.int32)[None, :]  # [1, Ps + W]
+    own = jnp.take_along_axis(table, jnp.clip(col - n_sh, 0, width - 1), axis=1)  # [R, Ps + W]
+    shared = jnp.take_along_axis(meta.group_pages[rg], jnp.clip(col, 0, num_shared - 1), axis=1)  # [R, Ps + W]
     full = jnp.where(col < n_sh, shared, jnp.where(col - n_sh < width, own, 0))
     return full.astype(jnp.int32), cu, kv_lens + n_sh[:, 0] * page_size
 

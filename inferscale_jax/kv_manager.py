@@ -179,8 +179,8 @@ class KVManager:
         self.register_full_pages(seq)
         return seq
 
-    def step(self, rows: list[StepRow], num_logprobs: int, shared_pages: int = 0) -> StepResult:
-        result = self.runner.step(rows, num_logprobs, shared_pages)
+    def step(self, rows: list[StepRow], num_logprobs: int, groups: list[int] | None = None) -> StepResult:
+        result = self.runner.step(rows, num_logprobs, groups)
         if self.debug_checks:
             self.check_invariants()
         return result

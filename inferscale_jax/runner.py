@@ -84,7 +84,7 @@ class StepRow:
     top_p: float = 1.0
     key: np.ndarray | None = None  # [2] uint32 request key
     sample_step: int = 0  # index of the token being sampled (folded into the key)
-    cascade: bool = False  # decode: pages[:shared_pages] are the step's shared prefix (see step)
+    group: int = -1  # cascade: the row's group in StepPlan.groups (its first pages are shared); -1: none
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
@@ -99,6 +99,10 @@ class StepRow:
     bias: tuple[list[int], list[float]] | None = None
 
     @property
+    def cascade(self) -> bool:
+        return self.group >= 0
+
+    @property
     def has_penalty(self) -> bool:
         """Whether the row needs the step's logit processors (penalties, min_p, a bias)."""
         return (self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
@@ -109,15 +113,20 @@ class StepRow:
 class StepPlan:
     """One device step as plain data, what the scheduler hands the runner: the rows (each a
     sequence's new tokens, start position and page table), the log-prob width to return, the
-    cascade group's shared pages, and which rows feed a token the previous step sampled."""
+    cascade groups' shared pages, and which rows feed a token the previous step sampled."""
     rows: list[StepRow]
     num_logprobs: int = 0  # top log-probs per row to return (0: none)
-    # decode steps only: rows marked ``cascade`` share their first ``shared_pages`` pages, read
-    # once for the group (0: no cascade)
-    shared_pages: int = 0
+    # decode steps only, cascade: group i's rows (``StepRow.group == i``) all start with the same
+    # ``groups[i]`` full pages, read once per step for the group (empty: no cascade)
+    groups: list[int] = dataclasses.field(default_factory=list)
     # per row: the row of the previous step whose sampled id is this row's token, read on the
     # device (-1: the row's own host token); None: every token comes from the host
     src: list[int] | None = None
+
+    @property
+    def shared_pages(self) -> int:
+        """The longest group's shared pages (0: no cascade)."""
+        return max(self.groups, default=0)
 
 
 @dataclasses.dataclass
@@ -154,10 +163,10 @@ def _model_step(params, cache: PagedKVCache, ints, floats, shared=None, penaltie
     cu_q_lens = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(q_lens, dtype=jnp.int32)])
     meta = AttnMeta(slots=slots, page_table=table, q_lens=q_lens, kv_lens=kv_lens,
                     cu_q_lens=cu_q_lens if key.ragged else None, ragged=key.ragged)
-    if shared is not None:  # cascade decode: shared = [Ps + 1 + R] int32: pages, length, row mask
-        b = key.rows
-        meta = dataclasses.replace(meta, shared_pages=shared[:-1 - b], shared_len=shared[-1 - b],
-                                   shared_rows=shared[-b:] != 0)
+    if shared is not None:  # cascade: shared = [G * Ps | G | R] int32: group pages, lengths, row groups
+        g, ps = key.groups, key.shared
+        meta = dataclasses.replace(meta, group_pages=shared[:g * ps].reshape(g, ps),
+                                   group_lens=shared[g * ps:g * ps + g], row_group=shared[g * ps + g:])
     logits, cache = forward(params, cfg, tokens[None], positions[None], cache, meta, last[None],
                             precision=precision)
     logits = logits[0]  # [R, V]
@@ -336,9 +345,9 @@ class ModelRunner:
                                  "registry and snapshots)")
         raise self.fault from err
 
-    def step(self, rows: list[StepRow], num_logprobs: int = 0, shared_pages: int = 0) -> StepResult:
+    def step(self, rows: list[StepRow], num_logprobs: int = 0, groups: list[int] | None = None) -> StepResult:
         """Run one device step over ``rows`` and wait for its results (``dispatch`` + ``collect``)."""
-        return self.collect(self.dispatch(StepPlan(rows, num_logprobs, shared_pages)))
+        return self.collect(self.dispatch(StepPlan(rows, num_logprobs, groups or [])))
 
     def collect(self, pending: PendingStep) -> StepResult:
         """Read a dispatched step's results back (blocks until the device has computed them)."""
@@ -356,14 +365,14 @@ class ModelRunner:
         (``pallas_kernels/ragged_attention.py``); a step whose rows all feed one token is a
         *decode* bucket (decode kernel, cascade).
 
-        ``plan.shared_pages > 0`` (decode steps only): the rows marked ``cascade`` all start with
-        the same ``shared_pages`` full pages; attention reads them once for the group (cascade
-        kernel), and every other row reads its whole page list as usual.  ``plan.src`` with
+        ``plan.groups`` (decode steps only): the rows of group ``i`` all start with the same
+        ``groups[i]`` full pages; attention reads each group's pages once for the group (the
+        multi-group cascade kernel), and every other row reads its whole page list as usual.  ``plan.src`` with
         ``prev``: row ``i`` with ``src[i] = j >= 0`` (a one-token row) feeds the id that row
         ``j`` of the step ``prev`` sampled, read on the device (its host token is ignored)."""
-        rows, num_logprobs, shared_pages, src = plan.rows, plan.num_logprobs, plan.shared_pages, plan.src
+        rows, num_logprobs, groups, src = plan.rows, plan.num_logprobs, plan.groups, plan.src
         assert src is None or (prev is not None and len(src) == len(rows))
-        key, pen_key, host = self._pack(rows, num_logprobs, shared_pages, src)
+        key, pen_key, host = self._pack(rows, num_logprobs, groups, src)
         ints_d, floats_d, shared, penalties = self._to_device(host)
         if self.stable_inputs:
             fed = dict(prev_ids=prev.sampled_ids(), tokens=key.tokens, width=key.width,
@@ -414,16 +423,16 @@ class ModelRunner:
             exe = self.helpers[hk] = self._lower_helper(hk).compile()
         return exe
 
-    def _pack(self, rows: list[StepRow], num_logprobs: int, shared_pages: int, src: list[int] | None):
+    def _pack(self, rows: list[StepRow], num_logprobs: int, groups: list[int], src: list[int] | None):
         """The step's bucket, its penalty shape key and its host arrays (ints, floats, shared,
         penalties), laid out as ``_model_step`` reads them."""
         n = len(rows)
         s = self.page_size
         total = sum(len(r.tokens) for r in rows)
         assert max(len(r.tokens) for r in rows) <= self.prefill_chunk
-        k = shared_pages
-        need_pages = max(-(-(r.start + len(r.tokens)) // s) - (k if r.cascade else 0) for r in rows)
-        key = self.buckets.key(n, total, need_pages, num_logprobs, k)
+        need_pages = max(-(-(r.start + len(r.tokens)) // s) - (groups[r.group] if r.group >= 0 else 0)
+                         for r in rows)
+        key = self.buckets.key(n, total, need_pages, num_logprobs, max(groups, default=0), len(groups))
         self.buckets.count(key, n, total)
         b, t, w = key.rows, key.tokens, key.width
         penalties = self._pack_penalties(rows, b) if any(r.has_penalty for r in rows) else None
@@ -452,7 +461,7 @@ class ModelRunner:
         for i, r in enumerate(rows):
             m, start, pages = len(r.tokens), r.start, r.pages
             end = start + m
-            own = k if r.cascade else 0  # leading pages read through the shared prefix
+            own = groups[r.group] if r.group >= 0 else 0  # leading pages read through the group's prefix
             hi = -(-end // s)  # pages past this step's tokens are not read
             table[i, :hi - own] = pages[own:hi]
             if m == 1:  # one-token rows: gathered, written with one numpy copy each below
@@ -476,17 +485,31 @@ class ModelRunner:
         keys[:n] = key_l
         floats[:n] = float_l
         # padding tokens (flat index >= at) write into the null slot 0 at position 0
-        shared = None
-        if k:
-            group = [r for r in rows if r.cascade]
-            assert group and group[-1].pages[:k] == group[0].pages[:k], \
-                "cascade rows must share their first shared_pages pages"  # (scheduler-built groups)
-            kp = key.shared
-            shared = np.zeros((kp + 1 + b,), np.int32)  # padding pages: the null page, past shared_len
-            shared[:k] = group[0].pages[:k]
-            shared[kp] = k * s
-            shared[kp + 1:kp + 1 + n] = [r.cascade for r in rows]
+        shared = self._pack_groups(rows, groups, key) if groups else None
         return key, pen_key, (ints, floats, shared, penalties)
+
+    def _pack_groups(self, rows: list[StepRow], groups: list[int], key: StepKey) -> np.ndarray:
+        """The group table as ``_model_step`` reads it: ``[G * Ps | G | R]`` int32 = each group's
+        shared pages (padding: the null page, past its length), its shared tokens (padding groups:
+        0) and each row's group (padding rows: -1)."""
+        g, ps, b, s = key.groups, key.shared, key.rows, self.page_size
+        shared = np.zeros((g * ps + g + b,), np.int32)
+        table = shared[:g * ps].reshape(g, ps)  # [G, Ps] (views)
+        lens, row_group = shared[g * ps:g * ps + g], shared[g * ps + g:]
+        row_group[:] = -1
+        row_group[:len(rows)] = [r.group for r in rows]
+        first, last = {}, {}  # group -> its first and last member row
+        for r in rows:
+            if r.group >= 0:
+                first.setdefault(r.group, r)
+                last[r.group] = r
+        assert len(first) == len(groups), "every cascade group needs a row"  # (scheduler-built groups)
+        for i, k in enumerate(groups):
+            pages = first[i].pages[:k]
+            assert last[i].pages[:k] == pages, "a group's rows must share its first pages"
+            table[i, :k] = pages
+            lens[i] = k * s
+        return shared
 
     def _to_device(self, host: tuple) -> tuple:
         """The step's host arrays, committed to the runner's device (as the executables expect)."""
@@ -518,13 +541,19 @@ class ModelRunner:
         rows = [StepRow([0] * m, 0, [0] * -(-m // s)) for m in lens]
         if not key.ragged and not key.shared:  # the first row needs the whole table width
             rows[0].pages, rows[0].start = [0] * key.width, key.width * s - 1
-        if key.shared:  # a cascade group of the first two rows over `shared` null pages
-            for r in rows[:2]:
-                r.pages, r.start, r.cascade = [0] * (key.shared + 1), key.shared * s, True
-        need = max(-(-(r.start + len(r.tokens)) // s) - (key.shared if r.cascade else 0) for r in rows)
-        if self.buckets.key(len(rows), key.tokens, need, key.num_logprobs, key.shared) != key:
+        groups = self._padding_groups(key)
+        for i, r in enumerate(rows[:len(groups)]):  # cascade groups of one row each over `shared` null pages
+            r.pages, r.start, r.group = [0] * (key.shared + 1), key.shared * s, i
+        need = max(-(-(r.start + len(r.tokens)) // s) - (groups[r.group] if r.group >= 0 else 0) for r in rows)
+        if self.buckets.key(len(rows), key.tokens, need, key.num_logprobs, max(groups, default=0),
+                            len(groups)) != key:
             return None
         return rows
+
+    @staticmethod
+    def _padding_groups(key: StepKey) -> list[int]:
+        """The cascade groups of ``_padding_rows(key)``: enough for the bucket's group count."""
+        return [key.shared] * min(key.groups, key.rows) if key.shared else []
 
     # buckets a partial warm-up left out (Engine.warmup sets it): their first compile is expected
     warm_skipped: frozenset = frozenset()
@@ -550,7 +579,7 @@ class ModelRunner:
             for key, rows in todo:
                 if stop():
                     break
-                _, _, host = self._pack(rows, key.num_logprobs, key.shared, None)
+                _, _, host = self._pack(rows, key.num_logprobs, self._padding_groups(key), None)
                 futures[pool.submit(self._lower(key, self._to_device(host)).compile)] = key
             small = {pool.submit(self._lower_helper(hk).compile): hk for hk in helpers if not stop()}
             if stop():
@@ -574,7 +603,7 @@ class ModelRunner:
         for key, rows in plans:
             if stop():
                 break
-            jax.block_until_ready(self.dispatch(StepPlan(rows, key.num_logprobs, key.shared)).packed)
+            jax.block_until_ready(self.dispatch(StepPlan(rows, key.num_logprobs, self._padding_groups(key))).packed)
         return done
 
     @staticmethod

@@ -28,7 +28,7 @@
    chunks (at most ``prefill_chunk`` tokens each) until the step's token budget
    (``EngineConfig.max_num_batched_tokens``) is spent, oldest work first.  The step is plain
    data (``runner.StepPlan``: rows with their tokens, positions and page tables, the log-prob
-   width, the cascade group, the rows fed on the device) that ``runner.dispatch`` executes and
+   width, the cascade groups, the rows fed on the device) that ``runner.dispatch`` executes and
    ``runner.collect`` reads back; ``_apply_all`` applies the results.  All rows go through
    one ragged device step (a flat token batch, each row with its own query length), so a long
    prompt or chain node never stalls decodes: it advances one chunk per step beside them.  A
@@ -45,10 +45,11 @@
    a step whose results are lost is forgotten (``computed`` rolled back) and recomputed
    (``_lost``).
    *Cascade*: in a step of decode rows only, requests that start with the same read-only pages
-   (one segment chain's node, or the same prefix-cache hits) form a group; the largest group,
-   when it saves enough reads, has those pages read once per step for all its rows
-   (``_cascade_group``, the shared-prefix kernel), while the other rows in the same step read
-   their own pages.
+   (one segment chain's node, or the same prefix-cache hits) form a group; every group of two
+   rows or more (at most ``buckets.MAX_GROUPS``, those saving the most first), when together
+   they save enough reads, has its pages read once per step for all its rows
+   (``_cascade_groups``, the multi-group cascade kernel: every group in one launch), while the
+   other rows in the same step read their own pages.
 5. **Finish**: EOS, a stop token or string, ``max_tokens``, or ``abort``: the request's page
    references are dropped at once (its full pages stay in the prefix cache) and its chain
    nodes lose a reader; one waiting on a node job leaves it (the last one cancels it).
@@ -68,6 +69,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from inferscale_jax.buckets import MAX_GROUPS
 from inferscale_jax.config import EngineConfig
 from inferscale_jax.errors import EngineFault, PoolExhausted, RequestTooLong, SegmentNotFound
 from inferscale_jax.outputs import GenerationOutput, RequestMetrics
@@ -83,8 +85,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("inferscale.scheduler")
 LOOKAHEAD = 8  # waiting requests considered for resident-first admission
-# cascade decode pays off once the group saves this many token reads per layer (about (rows - 1)
-# x shared tokens, see _cascade_group): on the H200 a 4096-token prefix gains 1.16x at 8 rows
+# cascade decode pays off once the step's groups save this many token reads per layer (the sum of
+# (rows - 1) x shared tokens, see _cascade_groups): on the H200 a 4096-token prefix gains 1.16x at 8 rows
 CASCADE_MIN_SAVED_TOKENS = 16384
 
 
@@ -526,12 +528,13 @@ class Scheduler:
                    for o, row in zip(owners, rows)]
         if rows:
             nl = MAX_LOGPROBS if any(o.wants_logprobs for o in owners) else 0
-            k, group = self._cascade_group(owners) if decode_rows == len(rows) else (0, [])
-            for i in group:
-                rows[i].cascade = True
+            cascade = self._cascade_groups(owners) if decode_rows == len(rows) else []
+            for gi, (_, members) in enumerate(cascade):
+                for i in members:
+                    rows[i].group = gi
             feed = prev is not None and any(j >= 0 for j in src)
             try:
-                pending = self.runner.dispatch(StepPlan(rows, nl, k, src if feed else None),
+                pending = self.runner.dispatch(StepPlan(rows, nl, [k for k, _ in cascade], src if feed else None),
                                                prev[0] if feed else None)
             except Exception as err:  # noqa: BLE001 - settled below, request by request
                 failure = err
@@ -643,36 +646,35 @@ class Scheduler:
             req.t_first = time.perf_counter()
         return [self._token(req, res, i)]
 
-    def _cascade_group(self, decoding: list[Request]) -> tuple[int, list[int]]:
-        """(shared pages k, row indices) of the cascade group of this decode step, or (0, []).
+    def _cascade_groups(self, decoding: list[Request]) -> list[tuple[int, list[int]]]:
+        """The cascade groups of this decode step: (shared pages k, row indices) each, or [].
 
-        Rows whose sequences share the same leading read-only pages (``_Seq.shared_key``: a chain
-        node's full pages, or prefix-cache hits) can read them once for the whole group.  The
-        group saving the most reads is taken if it saves at least ``CASCADE_MIN_SAVED_TOKENS``
-        token reads per layer: ``(rows - 1) x shared tokens``, less one prefix walk for each
-        128-row block of the step beyond the first (the shared kernel runs over every row and
-        masks the others).  Below that the cascade's extra kernel and merge cost more than the
-        reads they save (H200, bench/NOTES.md)."""
+        Rows whose sequences share the same leading read-only pages (``Seq.shared_key``: a chain
+        node's full pages, or prefix-cache hits) can read them once for the whole group.  Every
+        group of >= 2 rows is taken (the ``MAX_GROUPS`` saving the most when there are more),
+        if together they save at least ``CASCADE_MIN_SAVED_TOKENS`` token reads per layer: the sum
+        of ``(rows - 1) x shared tokens``.  Below that the cascade's extra kernel and merge cost
+        more than the reads they save (H200, bench/NOTES.md).  The shared kernel packs each
+        group's rows into row blocks of their own, so a group costs nothing for the rows outside it."""
         if not self.config.cascade_decode or len(decoding) < 2:
-            return 0, []
-        groups: dict[int, list[int]] = {}
+            return []
+        by_hash: dict[int, list[int]] = {}
         for i, r in enumerate(decoding):
             if r.seq.shared_key:
-                groups.setdefault(r.seq.shared_hash, []).append(i)
-        # the shared kernel walks the prefix once per 128-row block of the *whole* step (rows
-        # outside the group are masked after it): each extra block costs about one read
-        cfg = self.cfg
-        extra_blocks = -(-len(decoding) * (cfg.num_heads // cfg.num_kv_heads) // 128) - 1
-        best, best_saved = [], 0
-        for members in groups.values():
-            key = decoding[members[0]].seq.shared_key
-            members = [i for i in members if decoding[i].seq.shared_key == key]  # hash collisions
-            saved = (len(members) - 1 - extra_blocks) * len(key)
-            if saved > best_saved:
-                best, best_saved = members, saved
-        if not best or best_saved * self.config.page_size < CASCADE_MIN_SAVED_TOKENS:
-            return 0, []
-        return len(decoding[best[0]].seq.shared_key), best
+                by_hash.setdefault(r.seq.shared_hash, []).append(i)
+        groups = []  # (saved pages, shared pages, members)
+        for same_hash in by_hash.values():
+            if len(same_hash) < 2:
+                continue
+            by_key: dict[tuple, list[int]] = {}  # (hash collisions: split by the pages themselves)
+            for i in same_hash:
+                by_key.setdefault(decoding[i].seq.shared_key, []).append(i)
+            groups += [((len(m) - 1) * len(key), len(key), m) for key, m in by_key.items() if len(m) >= 2]
+        groups.sort(key=lambda x: -x[0])
+        groups = groups[:MAX_GROUPS]
+        if sum(saved for saved, _, _ in groups) * self.config.page_size < max(1, CASCADE_MIN_SAVED_TOKENS):
+            return []
+        return [(k, members) for _, k, members in groups]
 
     # -- per token ------------------------------------------------------------------------
     def _token(self, req: Request, res, i: int) -> RequestOutput:

@@ -21,10 +21,12 @@ class FakeRunner(ModelRunner):
         self.steps: list[list[tuple[int, int, bool]]] = []  # per step: (start, tokens, cascade) per row
 
     def dispatch(self, plan, prev=None):
-        rows, num_logprobs, shared_pages = plan.rows, plan.num_logprobs, plan.shared_pages
+        rows, num_logprobs, groups = plan.rows, plan.num_logprobs, plan.groups
         total = sum(len(r.tokens) for r in rows)
-        need = max(-(-(r.start + len(r.tokens)) // self.page_size) - (shared_pages if r.cascade else 0) for r in rows)
-        self.buckets.key(len(rows), total, need, num_logprobs, shared_pages)  # asserts the step fits a bucket
+        need = max(-(-(r.start + len(r.tokens)) // self.page_size) - (groups[r.group] if r.group >= 0 else 0)
+                   for r in rows)
+        # asserts the step fits a bucket
+        self.buckets.key(len(rows), total, need, num_logprobs, max(groups, default=0), len(groups))
         self.steps.append([(r.start, len(r.tokens), r.cascade) for r in rows])
         vocab = self.cfg.vocab_size
         ids = np.array([token_at(r.start + len(r.tokens) - 1, vocab) for r in rows], np.int32)

@@ -176,12 +176,12 @@ def test_an_unexpected_step_error_fails_running_requests_then_serving_goes_on(mo
     e = make_engine()
     ids = [e.submit(prompt_token_ids=p, tenant="t", sampling=GREEDY) for p in (P1, P2)]
     e.step()  # both admitted and prefilled
-    real = e.scheduler._cascade_group
-    monkeypatch.setattr(e.scheduler, "_cascade_group", lambda reqs: 1 / 0)
+    real = e.scheduler._cascade_groups
+    monkeypatch.setattr(e.scheduler, "_cascade_groups", lambda reqs: 1 / 0)
     outs = e.step()
     assert {o.request_id for o in outs} == set(ids)
     assert all(isinstance(o.error, EngineFault) and "retry" in str(o.error) for o in outs)
-    monkeypatch.setattr(e.scheduler, "_cascade_group", real)
+    monkeypatch.setattr(e.scheduler, "_cascade_groups", real)
     e.check_page_accounting()
     r3 = e.submit(prompt_token_ids=P3, tenant="t", sampling=GREEDY)
     assert _run(e, [r3])[r3].token_ids == _solo(P3)

@@ -24,7 +24,7 @@ import pytest
 from inferscale_jax import Engine, EngineConfig, SamplingParams, kv_cache, scheduler
 from inferscale_jax.kv_cache import AttnMeta, resolve_impl
 from models import init_params
-from pallas_kernels.cascade_attention import shared_prefix_decode_attention_ref
+from pallas_kernels.cascade_attention import grouped_cascade_decode_attention_ref
 from pallas_kernels.ragged_attention import ragged_paged_attention_ref
 from pallas_kernels.tpu import common as tpu_common
 from pallas_kernels.tpu.kv_write import _write_call, write_kv_ref, write_kv_tpu
@@ -176,20 +176,23 @@ def test_dispatch_by_backend(monkeypatch, caplog):
 
 
 def test_cascade_rows_as_ragged_rows_give_the_cascade_result():
-    """On pallas_tpu a cascade group runs the ragged kernel over each row's full page list (shared
-    pages, then its own): the same attention as the cascade reference (refs on both sides)."""
+    """On pallas_tpu a cascade step runs the ragged kernel over each row's full page list (its
+    group's shared pages, then its own): the same attention as the cascade reference (refs on both
+    sides).  Two groups of different lengths, a padding group, a row in no group."""
     S, hkv, hq, d = 8, 2, 8, 64
-    kp, vp = random_pages(40, (hkv, 12, S, d), jnp.float32)
-    q = jax.random.normal(jax.random.PRNGKey(41), (3, hq, d), jnp.float32)
-    shared, shared_len = jnp.asarray([4, 7, 0], jnp.int32), jnp.asarray(2 * S, jnp.int32)  # 2 full pages + pad
-    table = jnp.asarray([[2, 3], [5, 0], [9, 10]], jnp.int32)
-    kv_lens = jnp.asarray([11, 3, 13], jnp.int32)  # suffixes (row 2, outside the group: its whole context)
-    group = jnp.asarray([True, True, False])
-    want = shared_prefix_decode_attention_ref(q, kp, vp, shared, shared_len, table, kv_lens, group)
-    meta = AttnMeta(slots=None, page_table=table, q_lens=None, kv_lens=kv_lens, shared_pages=shared,
-                    shared_len=shared_len, shared_rows=group)
+    kp, vp = random_pages(40, (hkv, 16, S, d), jnp.float32)
+    q = jax.random.normal(jax.random.PRNGKey(41), (4, hq, d), jnp.float32)
+    group_pages = jnp.asarray([[4, 7, 0], [11, 0, 0], [0, 0, 0]], jnp.int32)  # [G, Ps]: 2 full pages + pad, 1, none
+    group_lens = jnp.asarray([2 * S, S, 0], jnp.int32)
+    table = jnp.asarray([[2, 3], [5, 0], [9, 10], [12, 13]], jnp.int32)
+    kv_lens = jnp.asarray([11, 3, 13, 9], jnp.int32)  # suffixes (row 2, outside every group: its whole context)
+    row_group = jnp.asarray([0, 0, -1, 1], jnp.int32)
+    want = grouped_cascade_decode_attention_ref(q, kp, vp, group_pages, group_lens, row_group, table, kv_lens)
+    meta = AttnMeta(slots=None, page_table=table, q_lens=None, kv_lens=kv_lens, group_pages=group_pages,
+                    group_lens=group_lens, row_group=row_group)
     full, cu, lens = kv_cache._as_ragged(meta, S)
-    assert full.shape == (3, 5) and list(np.asarray(lens)) == [27, 19, 13]
+    assert full.shape == (4, 5) and list(np.asarray(lens)) == [27, 19, 13, 17]
+    assert np.asarray(full)[3, :3].tolist() == [11, 12, 13]
     np.testing.assert_allclose(ragged_paged_attention_ref(q, kp, vp, full, cu, lens), want, rtol=1e-5, atol=1e-5)
 
 
@@ -206,7 +209,7 @@ def test_engine_on_tpu_kernels_gives_the_ref_tokens(monkeypatch):
     sp = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     cascades = []
     as_ragged = kv_cache._as_ragged
-    monkeypatch.setattr(kv_cache, "_as_ragged", lambda meta, s: (cascades.append(meta.shared_pages is not None),
+    monkeypatch.setattr(kv_cache, "_as_ragged", lambda meta, s: (cascades.append(meta.group_pages is not None),
                                                                  as_ragged(meta, s))[1])
     tokens = {}
     for impl in ("ref", "pallas_tpu"):

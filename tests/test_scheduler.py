@@ -44,12 +44,14 @@ def assert_same(batched, alone, tol=1e-5):
 
 
 def spy_steps(engine):
-    """Record (shared_pages, cascade rows, rows) of every device step the runner launches."""
+    """Record (cascade groups as (shared pages, rows) each, cascade rows, rows) of every device
+    step the runner launches."""
     seen = []
     orig = engine.runner.dispatch
 
     def dispatch(plan, *a, **k):
-        seen.append((plan.shared_pages, sum(r.cascade for r in plan.rows), len(plan.rows)))
+        groups = tuple((k, sum(r.group == i for r in plan.rows)) for i, k in enumerate(plan.groups))
+        seen.append((groups, sum(r.cascade for r in plan.rows), len(plan.rows)))
         return orig(plan, *a, **k)
     engine.runner.dispatch = dispatch
     return seen
@@ -192,8 +194,9 @@ def greedy_lp(n=6):
 
 @pytest.mark.parametrize("impl", ["ref", "pallas"])
 def test_cascade_decode_equals_plain_decode(impl, monkeypatch):
-    """Rows of two segments and rows of none decode in one step: the larger group ("kb", 4 full
-    pages, 3 rows) reads its pages once, the others read their own; outputs as without cascade."""
+    """Rows of two segments and rows of none decode in one step: each group ("kb", 4 full pages,
+    3 rows; "faq", 2 full pages, 2 rows) reads its pages once, the row of no segment its own;
+    outputs as without cascade."""
     def setup(engine):
         engine.register_segment("kb", token_ids=list(range(1, 4 * S + 3)))  # 4 full pages + 2
         engine.register_segment("faq", token_ids=list(range(50, 50 + 2 * S)))  # 2 full pages
@@ -203,7 +206,7 @@ def test_cascade_decode_equals_plain_decode(impl, monkeypatch):
         return [dict(prompt_token_ids=[10 + i, 20 + i], segments=sg, sampling=greedy_lp())
                 for i, sg in enumerate(segs)]
     seen = cascade_runs(impl, reqs, setup, monkeypatch)
-    assert (4, 3, 6) in seen  # kb's 4 full pages once for its 3 rows, in a step of 6 rows
+    assert (((4, 3), (2, 2)), 5, 6) in seen  # kb's 4 full pages for its 3 rows, faq's 2 for its 2, of 6 rows
 
 
 def test_prefix_cache_hits_form_a_cascade_group(monkeypatch):
@@ -216,33 +219,65 @@ def test_prefix_cache_hits_form_a_cascade_group(monkeypatch):
     def reqs():
         return [dict(prompt_token_ids=system + [60 + i, 70 + i], sampling=greedy_lp(5)) for i in range(4)]
     seen = cascade_runs("ref", reqs, setup, monkeypatch)
-    assert (3, 4, 4) in seen
+    assert (((3, 4),), 4, 4) in seen
 
 
 def test_cascade_policy_skips_groups_that_save_little(monkeypatch):
-    """Below CASCADE_MIN_SAVED_TOKENS ((rows - 1) x shared tokens) the plain kernel is used."""
+    """Below CASCADE_MIN_SAVED_TOKENS (sum of (rows - 1) x shared tokens) the plain kernel is used."""
     def setup(engine):
         engine.register_segment("kb", token_ids=list(range(1, 4 * S + 1)))  # 32 tokens
 
     def reqs():
         return [dict(prompt_token_ids=[10 + i], segments=["kb"], sampling=greedy_lp(3)) for i in range(3)]
     assert not any(k for k, _, _ in cascade_runs("ref", reqs, setup, monkeypatch, threshold=2 * 32 + 1))
-    assert (4, 3, 3) in cascade_runs("ref", reqs, setup, monkeypatch, threshold=2 * 32)
+    assert (((4, 3),), 3, 3) in cascade_runs("ref", reqs, setup, monkeypatch, threshold=2 * 32)
 
 
-def test_cascade_policy_charges_the_row_blocks_of_the_whole_step():
-    """The shared kernel walks the prefix once per 128-row block of every row in the step: a
-    small group in a large batch is not worth it, the same group in a small batch is."""
+@pytest.mark.parametrize("impl", ["ref", "pallas"])
+def test_three_segment_groups_in_one_step_equal_cascade_off(impl, monkeypatch):
+    """Decode steps with rows over three shared segments (of 4, 3 and 2 full pages) and rows of
+    none: every group reads its pages once in one launch; tokens and log-probs as with cascade off."""
+    def setup(engine):
+        engine.register_segment("kb", token_ids=list(range(1, 4 * S + 5)))  # 4 full pages + 4
+        engine.register_segment("faq", token_ids=list(range(40, 40 + 3 * S)))  # exactly 3 pages
+        engine.register_segment("doc", token_ids=list(range(70, 70 + 2 * S + 1)))  # 2 full pages + 1
+
+    def reqs():
+        segs = [["kb"], ["faq"], ["doc"], ["kb"], [], ["faq"], ["doc"], ["kb"], ["doc"], []]
+        return [dict(prompt_token_ids=[10 + i, 20 + i, 30 + i][:1 + i % 3], segments=sg, sampling=greedy_lp(5))
+                for i, sg in enumerate(segs)]
+    seen = cascade_runs(impl, reqs, setup, monkeypatch)
+    three = [groups for groups, _, _ in seen if len(groups) == 3]
+    assert three, f"no step ran three groups: {seen}"
+    # the first 8 requests (max_batch), by pages saved: kb 2 x 4, faq 1 x 3, doc 1 x 2; one row alone
+    assert (((4, 3), (3, 2), (2, 2)), 7, 8) in seen
+
+
+def test_cascade_policy_takes_every_group_of_two_rows_or_more(monkeypatch):
+    """Every group of >= 2 rows with the same shared pages, the most saving first; singletons and
+    rows without shared pages read alone; hash collisions split; the threshold counts all groups
+    together; at most MAX_GROUPS groups."""
     from types import SimpleNamespace
-    engine = make_engine(pages=16)
-    g = engine.cfg.num_heads // engine.cfg.num_kv_heads  # 2 query rows per kv head
-    key = tuple(range(1, 2049))  # 2048 shared pages: (2 - 1) x 16384 tokens saved by a pair
 
-    def rows(n, group):
-        return [SimpleNamespace(seq=SimpleNamespace(shared_key=key if i < group else (),
-                                                    shared_hash=hash(key) if i < group else 0))
-                for i in range(n)]
-    sched = engine.scheduler
-    assert sched._cascade_group(rows(128 // g, 2)) == (2048, [0, 1])  # one row block: taken
-    assert sched._cascade_group(rows(3 * 128 // g, 2)) == (0, [])  # 3 blocks cost more than it saves
-    assert sched._cascade_group(rows(3 * 128 // g, 4)) == (2048, [0, 1, 2, 3])  # saves 3 - 2 walks
+    from inferscale_jax.buckets import MAX_GROUPS
+    sched = make_engine(pages=16).scheduler
+
+    def rows(keys, hashes=None):
+        return [SimpleNamespace(seq=SimpleNamespace(shared_key=k, shared_hash=hash(k) if hashes is None else h))
+                for k, h in zip(keys, hashes or keys)]
+    a, b, c = tuple(range(1, 9)), tuple(range(20, 24)), (99,)
+    monkeypatch.setattr(scheduler, "CASCADE_MIN_SAVED_TOKENS", 0)
+    got = sched._cascade_groups(rows([b, a, (), c, a, b, a, ()]))
+    assert got == [(8, [1, 4, 6]), (4, [0, 5])]  # a saves 2 x 8 pages, b 1 x 4; c alone, () none
+    assert sched._cascade_groups(rows([a, b, b, a], hashes=[1, 1, 1, 1])) == [(8, [0, 3]), (4, [1, 2])]
+    assert sched._cascade_groups(rows([a, b, c, ()])) == []
+    # threshold: (2 x 8 + 1 x 4) pages x S tokens saved by both groups together
+    saved = (2 * 8 + 4) * S
+    monkeypatch.setattr(scheduler, "CASCADE_MIN_SAVED_TOKENS", saved)
+    assert len(sched._cascade_groups(rows([b, a, a, b, a]))) == 2
+    monkeypatch.setattr(scheduler, "CASCADE_MIN_SAVED_TOKENS", saved + 1)
+    assert sched._cascade_groups(rows([b, a, a, b, a])) == []
+    monkeypatch.setattr(scheduler, "CASCADE_MIN_SAVED_TOKENS", 0)
+    keys = [tuple(range(1, 2 + i)) for i in range(MAX_GROUPS + 6)]  # pairs; group i saves i + 1 pages
+    got = sched._cascade_groups(rows([k for k in keys for _ in range(2)]))
+    assert len(got) == MAX_GROUPS and [k for k, _ in got] == [len(k) for k in keys[::-1][:MAX_GROUPS]]
