@@ -4,57 +4,68 @@ Validation is strict (pydantic strict mode): ``"16"`` is not an integer and ``tr
 number, as in OpenAI's API.  NaN and infinities are rejected.  Every validation error is a 400
 (``invalid_field``) whose ``param`` names the field, as OpenAI and vLLM answer.
 
-**Unknown fields are rejected (400, ``invalid_field``), not ignored.**  OpenAI itself rejects
-unrecognized arguments; silently dropping a field this server does not implement (``tools``,
-``response_format``, a typo like ``max_token``) would return an answer to a question the client
-did not ask.  The message says ``unknown or unsupported field 'NAME'``.  Fields OpenAI clients
-commonly send with neutral values are accepted when neutral and rejected otherwise.
+**Field policy** (docs/architecture.md, "Field policy").  A misspelled or unknown field is a 400
+(``unknown or unsupported field 'NAME'``): silently dropping a field this server does not
+implement would answer a question the client did not ask.  A known OpenAI or vLLM field that
+does not change the output (``IGNORED_FIELDS``, and the neutral values of ``_NEUTRAL``'s fields)
+is accepted and named in the response header ``x-inferscale-ignored-fields``.  A known field
+whose effect is not built (``UNSUPPORTED_FIELDS``, a non-neutral ``_NEUTRAL`` value) is a 400
+saying ``unsupported field``.
 
 Parameters (C: ``/v1/completions``, Ch: ``/v1/chat/completions``):
 
-=========================  =====  ==============================================================
- parameter                  where  support
-=========================  =====  ==============================================================
- ``model``                  C Ch   optional; must name the served model (else 404)
- ``prompt``                 C      a string or token ids; a list of one of them
- ``messages``               Ch     roles system/developer/user/assistant/tool; content a string
-                                   or parts: ``{"type": "text", "text"}`` and
-                                   ``{"type": "segment", "id"}`` (serving/chat.py)
- ``max_tokens``             C Ch   >= 1 (C default 16, Ch default: the server's);
-                                   ``max_completion_tokens`` (Ch) is the same
- ``temperature``            C Ch   [0, 2]; 0 is greedy
- ``top_p``                  C Ch   (0, 1]
- ``n``                      C Ch   1..16 samples of one prompt; they share the prompt's KV pages;
-                                   with ``seed``, sample i uses ``seed + i``
- ``seed``                   C Ch   [0, 2**63 - n]: reproducible sampling
- ``stop``                   C Ch   a string or up to 16 non-empty strings
- ``stream``                 C Ch   SSE; ``stream_options.include_usage`` adds a usage chunk
- ``logprobs``               C Ch   C: 0..20 alternatives; Ch: true (+ ``top_logprobs`` 0..20);
-                                   streamed too: each chunk carries its tokens' log-probs
- ``echo``                   C      the prompt text is put before the output text (the prompt
-                                   only, not the segments); not with ``logprobs`` (prompt
-                                   log-probs are not computed)
- ``presence_penalty``       C Ch   [-2, 2] (vLLM's range)
- ``frequency_penalty``      C Ch   [-2, 2]
- ``repetition_penalty``     C Ch   (0, 2]; 1 is off (vLLM's extension)
- ``user``                   C Ch   accepted, unused
- ``best_of``                C      unsupported: only null or 1
- ``suffix``                 C      unsupported: only null
- ``logit_bias``             C Ch   unsupported: only null or {}
- ``tools``, ``tool_choice``,
+=============================  =====  ==========================================================
+ parameter                      where  support
+=============================  =====  ==========================================================
+ ``model``                      C Ch   optional; one of the served names (else 404)
+ ``prompt``                     C      a string or token ids, or a list of up to 256 of either:
+                                       each prompt its own choices (``index`` = prompt x n + sample)
+ ``messages``                   Ch     roles system/developer/user/assistant/tool; content a string
+                                       or parts: ``{"type": "text", "text"}`` and
+                                       ``{"type": "segment", "id"}`` (serving/chat.py)
+ ``max_tokens``                 C Ch   C: >= 0, default 16 (0 only with ``echo`` or
+                                       ``prompt_logprobs``: the prompt scored, nothing generated);
+                                       Ch: >= 1, default the server's; ``max_completion_tokens``
+ ``temperature``, ``top_p``     C Ch   [0, 2] (0 is greedy), (0, 1]
+ ``n``                          C Ch   1..16 samples of each prompt, sharing its KV pages; with
+                                       ``seed``, sample i uses ``seed + i``
+ ``seed``                       C Ch   [0, 2**63 - n]: reproducible sampling
+ ``stop``                       C Ch   a string or up to 16 non-empty strings
+ ``stream``                     C Ch   SSE; ``stream_options``: ``include_usage`` (a final usage
+                                       chunk), ``continuous_usage_stats`` (usage in every chunk)
+ ``logprobs``                   C Ch   C: 0..20 alternatives; Ch: true (+ ``top_logprobs`` 0..20);
+                                       streamed too
+ ``echo``                       C      the prompt text before the output (the prompt only, not the
+                                       segments); with ``logprobs``, the prompt tokens' log-probs
+                                       first (the first is null), as lm-eval reads them
+ ``presence_penalty``,          C Ch   [-2, 2]
+ ``frequency_penalty``
+ ``logit_bias``                 C Ch   up to 300 ``"token id": bias`` in [-100, 100], on the device
+ ``user``, ``store``,           C Ch   accepted, no effect (``x-inferscale-ignored-fields``)
+ ``metadata``,
+ ``service_tier``,
+ ``prompt_cache_key``,
+ ``safety_identifier``,
+ ``parallel_tool_calls``,
+ ``priority``
+ ``response_format``,           C Ch   only neutral: ``{"type": "text"}``, ``[]``, ``"none"``,
+ ``tools``, ``tool_choice``,           ``best_of`` 1, ``suffix`` null (ignored); other values 400
  ``functions``,
  ``function_call``,
- ``response_format``,
- ``parallel_tool_calls``,
- any other field            C Ch   unsupported: 400 ``unknown or unsupported field 'NAME'``
-=========================  =====  ==============================================================
+ ``best_of``, ``suffix``
+=============================  =====  ==========================================================
 
-Extensions (vLLM names where vLLM has one): ``segments`` (ids to inject, in order; in chat they
-go inside the system message), ``mode`` (``exact`` | ``compose`` | ``blend``), ``session`` (chat:
-conversation memory, inferscale_jax/sessions.py), ``top_k``, ``stop_token_ids``, ``ignore_eos``,
-``repetition_penalty``.  ``PUT /v1/segments/{id}`` and ``POST /v1/segments/{id}/append`` take
-``{"text"}`` or ``{"token_ids"}`` (``SegmentContent``).  Inside chat ``messages``, extra keys that clients echo back from
-earlier responses (``refusal``, ``annotations``, ...) are ignored.
+Extensions (vLLM's names): ``segments`` (ids to inject, in order; in chat they go inside the
+system message), ``mode`` (``exact`` | ``compose`` | ``blend``), ``session`` (chat: conversation
+memory, inferscale_jax/sessions.py), ``top_k`` (-1 or 0: off), ``min_p`` [0, 1], ``min_tokens``,
+``stop_token_ids``, ``ignore_eos``, ``repetition_penalty`` ((0, 2]; 1 is off), ``bad_words``,
+``skip_special_tokens``, ``spaces_between_special_tokens``, ``include_stop_str_in_output``,
+``truncate_prompt_tokens`` (keep the prompt's last k tokens), ``prompt_logprobs`` (0..20; see
+docs/architecture.md, "Prompt log-probs"); chat: ``chat_template_kwargs`` (template variables),
+``add_generation_prompt``, ``continue_final_message``.  ``PUT /v1/segments/{id}`` and ``POST
+/v1/segments/{id}/append`` take ``{"text"}`` or ``{"token_ids"}`` (``SegmentContent``).  Inside
+chat ``messages``, extra keys that clients echo back from earlier responses (``refusal``,
+``annotations``, ...) are ignored.
 
 Segment ids (``POST /v1/segments``): 1-256 characters of ``A-Z a-z 0-9 . _ - : /``
 (docs/architecture.md, "Python API"); others are a 400 naming ``id``, since the
