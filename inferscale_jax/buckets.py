@@ -27,6 +27,13 @@ compile all of it before serving and nothing compiles afterwards:
   least two rows).  Extra groups in a bucket cost only empty programs of the shared kernel.
 * **log-probs**: 0 or ``MAX_LOGPROBS`` columns.
 
+**Warm-up sets** (``warmup_keys``): ``all`` is every bucket above; ``small`` keeps what a small
+server runs - decode steps of the smallest row bucket over the narrow table widths, and mixed
+steps of up to ``SMALL_TOKENS`` new tokens, without log-probs or cascade.  ``auto`` is ``small`` on
+the CPU, where each step compiles for seconds and a server with every bucket took minutes to
+start, and ``all`` on a GPU or TPU.  A bucket outside the set compiles when a step first needs
+it (logged at INFO, not as a warning: the set left it out on purpose).
+
 Penalty steps (a row with presence / frequency / repetition penalty) add id arrays whose width
 follows the requests' lengths (``runner.penalty_width``); they are not part of the warm-up set
 and compile on first use (counted and logged like any compile after warm-up).
@@ -42,6 +49,9 @@ import dataclasses
 NARROW_ROWS = 32  # decode row buckets below this pick a table width (see the module docstring)
 GROUP_BUCKETS = (1, 4, 16, 64)  # cascade: padded group counts of a step
 MAX_GROUPS = GROUP_BUCKETS[-1]  # cascade groups one step can hold
+SMALL_TOKENS = 128  # the ``small`` warm-up set: mixed steps of up to this many new tokens
+SMALL_WIDTHS = 2  # the ``small`` warm-up set: decode steps over the narrowest widths (<= 512 tokens at page 16)
+WARMUP_SETS = ("auto", "small", "all")
 
 
 def next_pow2(n: int, minimum: int = 1) -> int:
@@ -138,6 +148,20 @@ class StepBuckets:
                              for g in self.group_buckets(r)]
             keys += [StepKey(min(t, self.max_rows), t, self.widths[-1], nl, ragged=True) for t in self.token_buckets]
         return list(dict.fromkeys(keys))
+
+    def warmup_keys(self, which: str = "all", *, cascade: bool = True, logprobs: bool = True) -> list[StepKey]:
+        """The buckets of warm-up set ``which`` ("small" or "all"; module docstring), without the
+        cascade or log-prob buckets when those are off."""
+        if which not in ("small", "all"):
+            raise ValueError(f"warm-up set {which!r} is invalid: must be 'small' or 'all' ('auto' is resolved "
+                             "by Engine.warmup)")
+        keys = [k for k in self.all_keys(cascade) if logprobs or not k.num_logprobs]
+        if which == "small":
+            narrow = self.widths[:SMALL_WIDTHS]
+            keys = [k for k in keys if not k.num_logprobs and not k.shared and (
+                k.tokens <= max(SMALL_TOKENS, self.token_buckets[0]) if k.ragged
+                else k.rows == self.row_buckets[0] and k.width in narrow)]
+        return keys
 
     def padding_stats(self) -> dict:
         return {

@@ -574,6 +574,14 @@ class ModelRunner:
         helpers = list(dict.fromkeys(hk for key, _ in plans
                                      for hk in (self._feed_key(key), ("ids", key.rows, 2 + 2 * key.num_logprobs))
                                      if hk not in self.helpers))
+        def record(fut, key) -> None:
+            nonlocal done
+            self._note_bucket((key, (), self.matmul_precision))
+            self.executables[(key, (), self.matmul_precision)] = fut.result()
+            done += 1
+            if progress is not None:
+                progress(done, len(plans))
+
         with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="inferscale-compile") as pool:
             futures = {}
             for key, rows in todo:
@@ -582,22 +590,21 @@ class ModelRunner:
                 _, _, host = self._pack(rows, key.num_logprobs, self._padding_groups(key), None)
                 futures[pool.submit(self._lower(key, self._to_device(host)).compile)] = key
             small = {pool.submit(self._lower_helper(hk).compile): hk for hk in helpers if not stop()}
-            if stop():
-                pool.shutdown(wait=False, cancel_futures=True)
-            for fut in concurrent.futures.as_completed(futures):
-                if fut.cancelled():  # (stopped)
-                    continue
-                key = futures[fut]
-                self._note_bucket((key, (), self.matmul_precision))
-                self.executables[(key, (), self.matmul_precision)] = fut.result()
-                done += 1
-                if progress is not None:
-                    progress(done, len(plans))
-                if stop():
-                    pool.shutdown(wait=False, cancel_futures=True)
-            for fut in concurrent.futures.as_completed(small):
-                if not fut.cancelled():
-                    self.helpers[small[fut]] = fut.result()
+            pending = set(futures)
+            while pending and not stop():
+                finished, pending = concurrent.futures.wait(pending, timeout=0.25,
+                                                            return_when=concurrent.futures.FIRST_COMPLETED)
+                for fut in finished:
+                    record(fut, futures[fut])
+            if stop():  # cancel what has not started; the pool's exit waits for the running ones
+                for fut in (*pending, *small):
+                    fut.cancel()
+        for fut in pending:
+            if not fut.cancelled():
+                record(fut, futures[fut])
+        for fut, hk in small.items():
+            if not fut.cancelled():
+                self.helpers[hk] = fut.result()
         if stop():
             return done
         for key, rows in plans:
