@@ -63,6 +63,9 @@ def freeze_heap() -> None:
     gc.freeze()
 
 
+FILTERED = "top-k/top-p"  # in an executable's key: the sampler sorts the vocabulary (sampling.py)
+
+
 def penalty_width(n: int) -> int:
     """Width of a penalty step's id array: a power of 4 >= 16, so requests of every length
     share a few compiled variants (a power-of-two ladder let each new length band compile
@@ -142,9 +145,9 @@ class StepResult:
         return self.tokens.tolist()
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "key", "precision"), donate_argnames=("cache",))
+@functools.partial(jax.jit, static_argnames=("cfg", "key", "precision", "filtered"), donate_argnames=("cache",))
 def _model_step(params, cache: PagedKVCache, ints, floats, shared=None, penalties=None, *, cfg: ModelConfig,
-                key: StepKey, precision: str | None = None):
+                key: StepKey, precision: str | None = None, filtered: bool = False):
     """One step over a flat token batch.  ``ints`` (int32, one host->device copy) is
     ``[tokens N | positions N | slots N | rows R x (W + 8)]`` with each row
     ``[page table W | q_len, kv_len, top_k, sample step, key (2 x uint32 bits), source, last]``
@@ -153,7 +156,8 @@ def _model_step(params, cache: PagedKVCache, ints, floats, shared=None, penaltie
     [R, Wp] int32 (-1: padding), params [R, 4] float32 (presence, frequency, repetition, min_p),
     bias_ids [R, Wb] int32 (-1: padding), bias_vals [R, Wb] float32) when a row of the step has a
     penalty, ``min_p`` or a logit bias (``sampling.apply_penalties``).
-    precision: the model's matmul precision (None: JAX's default)."""
+    precision: the model's matmul precision (None: JAX's default).  filtered: some row has top-k
+    or top-p (the sampler's vocabulary sort is compiled in; ``sampling.sample_tokens``)."""
     n, w = key.tokens, key.width
     tokens, positions, slots = ints[:n], ints[n:2 * n], ints[2 * n:3 * n]
     rows = ints[3 * n:].reshape(key.rows, w + 8)
@@ -177,7 +181,7 @@ def _model_step(params, cache: PagedKVCache, ints, floats, shared=None, penaltie
         fed = jnp.where(src >= 0, tokens[last], -1)
         penalties = (jnp.concatenate([gen_ids, fed[:, None]], axis=1), prompt_ids, pen, bias_ids, bias_vals)
     tok, lp, top_ids, top_lp = sample_tokens(logits, floats[:, 0], top_k, floats[:, 1], row_keys, steps,
-                                             key.num_logprobs, penalties)
+                                             key.num_logprobs, penalties, filtered)
     as_f32 = lambda x: jax.lax.bitcast_convert_type(x, jnp.float32)  # noqa: E731
     # one [R, 2 + 2n] float32 result: a single device->host copy per step
     packed = jnp.concatenate([as_f32(tok)[:, None], lp[:, None], as_f32(top_ids), top_lp], axis=1)
@@ -438,6 +442,8 @@ class ModelRunner:
         penalties = self._pack_penalties(rows, b) if any(r.has_penalty for r in rows) else None
         pen_key = (("pen",) + penalties[0].shape[1:] + penalties[1].shape[1:] + penalties[3].shape[1:]
                    if penalties is not None else ())
+        if any(r.temperature > 0 and (r.top_k > 0 or r.top_p < 1.0) for r in rows):
+            pen_key = (FILTERED,) + pen_key  # the sampler sorts the vocabulary: a variant of its own
 
         ints = np.zeros((3 * t + b * (w + 8),), np.int32)
         tokens, positions, slots = ints[:t], ints[t:2 * t], ints[2 * t:3 * t]  # views
@@ -515,14 +521,14 @@ class ModelRunner:
         """The step's host arrays, committed to the runner's device (as the executables expect)."""
         return tuple(None if x is None else jax.device_put(x, self.input_sharding) for x in host)
 
-    def _lower(self, key: StepKey, args: tuple):
+    def _lower(self, key: StepKey, args: tuple, filtered: bool = False):
         return _model_step.lower(self.params, self.cache, *args, cfg=self.cfg, key=key,
-                                 precision=self.matmul_precision)
+                                 precision=self.matmul_precision, filtered=filtered)
 
     def _compile(self, key: StepKey, pen_key: tuple, args: tuple):
         """Compile (or load from the persistent cache) the step of one bucket, now."""
         self._note_bucket((key, pen_key, self.matmul_precision))
-        exe = self._lower(key, args).compile()
+        exe = self._lower(key, args, FILTERED in pen_key).compile()
         self.executables[(key, pen_key, self.matmul_precision)] = exe
         freeze_heap()
         return exe

@@ -276,10 +276,17 @@ def apply_penalties(logits: jax.Array, gen_ids: jax.Array, prompt_ids: jax.Array
     return logits
 
 
-@functools.partial(jax.jit, static_argnames=("num_logprobs",))
+@functools.partial(jax.jit, static_argnames=("num_logprobs", "filtered"))
 def sample_tokens(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array,
-                  keys: jax.Array, steps: jax.Array, num_logprobs: int = 0, penalties=None):
+                  keys: jax.Array, steps: jax.Array, num_logprobs: int = 0, penalties=None,
+                  filtered: bool = True):
     """Sample one token per row.
+
+    ``filtered`` (static): whether any row may have top-k or top-p set; False skips the
+    vocabulary sort (those rows' filters are then ignored: the caller must know none has one).
+    There is no data-dependent branch: greedy rows take the argmax, the others sample, in every
+    compiled variant (a traced ``lax.cond`` would make the device report its predicate to the
+    host before the step could finish, holding the host for the step's whole device time).
 
     logits [B, V] float32; temperature/top_p [B] float32; top_k [B] int32 (0 = off);
     keys [B, 2] uint32 request keys; steps [B] int32 (folded into the key); penalties: None
@@ -296,9 +303,10 @@ def sample_tokens(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, t
             min_p = penalties[2][:, 3]  # [B]
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
 
-    def sample(_):
-        t = jnp.maximum(temperature, 1e-6)[:, None]
-        scaled = logits / t
+    t = jnp.maximum(temperature, 1e-6)[:, None]
+    scaled = logits / t
+    floor = jnp.full((logits.shape[0], 1), -jnp.inf, scaled.dtype)
+    if filtered:
         vocab = logits.shape[-1]
         sorted_logits = jnp.sort(scaled, axis=-1)[:, ::-1]  # [B, V] descending
         k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)
@@ -311,15 +319,12 @@ def sample_tokens(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, t
         n_keep = jnp.maximum(jnp.sum(keep_sorted, axis=-1), 1)
         pth = jnp.take_along_axis(sorted_logits, (n_keep - 1)[:, None], axis=-1)
         floor = jnp.maximum(kth, pth)
-        if min_p is not None:  # p >= min_p * p_max  <=>  scaled >= max(scaled) + log(min_p)
-            floor = jnp.maximum(floor, sorted_logits[:, :1] + jnp.log(min_p)[:, None])
-        filtered = jnp.where(scaled >= floor, scaled, -jnp.inf)
-        row_keys = jax.vmap(jax.random.fold_in)(keys, steps)
-        sampled = jax.vmap(jax.random.categorical)(row_keys, filtered).astype(jnp.int32)
-        return jnp.where(temperature <= 0.0, greedy, sampled)
-
-    # all-greedy batches (the common serving case) skip the vocab sort entirely
-    tokens = jax.lax.cond(jnp.all(temperature <= 0.0), lambda _: greedy, sample, None)
+    if min_p is not None:  # p >= min_p * p_max  <=>  scaled >= max(scaled) + log(min_p)
+        floor = jnp.maximum(floor, jnp.max(scaled, axis=-1, keepdims=True) + jnp.log(min_p)[:, None])
+    kept = jnp.where(scaled >= floor, scaled, -jnp.inf)
+    row_keys = jax.vmap(jax.random.fold_in)(keys, steps)
+    sampled = jax.vmap(jax.random.categorical)(row_keys, kept).astype(jnp.int32)
+    tokens = jnp.where(temperature <= 0.0, greedy, sampled)
     chosen = jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
     if num_logprobs:
         top_lp, top_ids = jax.lax.top_k(logprobs, num_logprobs)
