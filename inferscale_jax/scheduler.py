@@ -126,12 +126,9 @@ class Request:
         sp = self.sampling
         self.penalty = sp.has_penalty  # (read per row per step)
         self.processed = sp.has_penalty or sp.has_bias or sp.min_p > 0
-
-    @property
-    def needs_host_tail(self) -> bool:
-        """Its next row's bias depends on its last generated token (a multi-token bad word), so
-        that token must be on the host before the row is built (no device feed)."""
-        return any(len(w) > 1 for w in self.bad_words_ids)
+        # its next row's bias depends on its last generated token (a multi-token bad word), so that
+        # token must be on the host before the row is built (no device feed)
+        self.needs_host_tail = any(len(w) > 1 for w in self.bad_words_ids)
 
     @property
     def prefilling(self) -> bool:
