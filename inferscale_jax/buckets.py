@@ -21,10 +21,11 @@ compile all of it before serving and nothing compiles afterwards:
   of fewer rows pick the narrowest that holds their longest row, because there the decode
   kernel splits each sequence across the GPU's cores by the table width.
 * **cascade** decode steps (groups of rows each read their shared prefix once): the group
-  table's page lists are padded to one of the table widths too (the longest group's), and the
-  group count to one of ``GROUP_BUCKETS`` (at most ``MAX_GROUPS`` groups a step); a row bucket
-  ``r`` takes the group buckets up to the first that holds ``r // 2`` groups (a group has at
-  least two rows).  Extra groups in a bucket cost only empty programs of the shared kernel.
+  table's page lists take the widest table width (the shared kernel's work follows each group's
+  real length, its splits included), and the group count one of ``GROUP_BUCKETS`` (at most
+  ``MAX_GROUPS`` groups a step); a row bucket ``r`` takes the group buckets up to the first that
+  holds ``r // 2`` groups (a group has at least two rows).  Extra groups in a bucket cost only
+  empty programs of the shared kernel.
 * **log-probs**: 0 or ``MAX_LOGPROBS`` columns.
 
 **Warm-up sets** (``warmup_keys``): ``all`` is every bucket above; ``small`` keeps what a small
@@ -124,7 +125,7 @@ class StepBuckets:
         if n_tokens == n_rows:  # decode: one token per row
             r = self.rows_for(n_rows)
             if shared_pages:
-                return StepKey(r, r, self.widths[-1], nl, self.width_for(shared_pages), self.groups_for(groups))
+                return StepKey(r, r, self.widths[-1], nl, self.wide(shared_pages), self.groups_for(max(groups, 1)))
             return StepKey(r, r, self.width_for(need_pages) if r < NARROW_ROWS else self.wide(need_pages), nl)
         assert not shared_pages, "cascade attention is a decode step"
         t = next(b for b in self.token_buckets if b >= n_tokens)
@@ -144,8 +145,7 @@ class StepBuckets:
             for r in self.row_buckets:
                 keys += [StepKey(r, r, w, nl) for w in (self.widths if r < NARROW_ROWS else self.widths[-1:])]
                 if cascade and r >= 2:
-                    keys += [StepKey(r, r, self.widths[-1], nl, w, g) for w in self.widths
-                             for g in self.group_buckets(r)]
+                    keys += [StepKey(r, r, self.widths[-1], nl, self.widths[-1], g) for g in self.group_buckets(r)]
             keys += [StepKey(min(t, self.max_rows), t, self.widths[-1], nl, ragged=True) for t in self.token_buckets]
         return list(dict.fromkeys(keys))
 

@@ -48,7 +48,9 @@ Algorithm.
 2. Shared part (Pallas, Triton style).  Grid ``(NB, Hkv, num_splits)``, row blocks fastest
    (dim 0 varies fastest on launch), so the programs of one group that read the same K/V tile run
    side by side and share it through L2.  Program ``(r, h, s)`` loads its ``[block_rows, D]``
-   query tile once, walks its split of block ``r``'s shared range in ``block_kv``-token tiles
+   query tile once, walks its split of block ``r``'s shared range (the block's own length cut into
+   ``num_splits`` equal runs of whole tiles, so a short group or a wide padded page list leaves no
+   split idle while another does all the work) in ``block_kv``-token tiles
    gathered through the block's page list (slots ``page * S + offset``; the next tile's slots are
    computed during the current one), full tiles unmasked, the one tile crossing the length masked;
    online softmax in fp32, base 2.  A program past its block's length (an unused block, a split
@@ -219,7 +221,7 @@ def _shared_kernel(
     quantized: bool,
     page_size: int,
     block_kv: int,
-    split_tokens: int,
+    num_splits: int,
     scale_log2: float,
 ):
     scale_refs, (o_ref, m_ref, l_ref) = (refs[:2], refs[2:]) if quantized else ((), refs)
@@ -229,6 +231,7 @@ def _shared_kernel(
     num_shared = pages_ref.shape[0]
     num_pages = k_ref.shape[0] // page_size
     length = jnp.minimum(shared_len_ref[0], num_shared * page_size)
+    split_tokens = pl.cdiv(pl.cdiv(length, block_kv), num_splits) * block_kv  # this block's own split size
     tok_start = split * split_tokens
     span = jnp.maximum(jnp.minimum(tok_start + split_tokens, length) - tok_start, 0)
     n_full = span // block_kv  # tiles entirely below shared_len
@@ -299,12 +302,11 @@ def _shared_part(q, k_pages, v_pages, group_pages, group_lens, row_group, k_scal
         num_splits = 1 if interpret else auto_num_splits(busy * hkv, max_blocks)
     if num_splits < 1:
         common._fail("num_splits", num_splits, ">= 1 (or None for auto)")
-    split_tokens = pl.cdiv(max_blocks, num_splits) * block_kv
-    num_splits = pl.cdiv(ps * s, split_tokens)  # drop splits that could never hold tokens
+    num_splits = min(num_splits, max_blocks)  # (a split holds at least one tile)
 
     quantized = k_scale is not None
     kernel = functools.partial(_shared_kernel, quantized=quantized, page_size=s, block_kv=block_kv,
-                               split_tokens=split_tokens, scale_log2=float(sm_scale) * _LOG2E)
+                               num_splits=num_splits, scale_log2=float(sm_scale) * _LOG2E)
     per_head = pl.BlockSpec((None, p * s, d), lambda r, h, t: (h, 0, 0))
     scales, scale_specs = (), []
     if quantized:  # each head's [P*S] scales, whole

@@ -281,3 +281,20 @@ def test_cascade_policy_takes_every_group_of_two_rows_or_more(monkeypatch):
     keys = [tuple(range(1, 2 + i)) for i in range(MAX_GROUPS + 6)]  # pairs; group i saves i + 1 pages
     got = sched._cascade_groups(rows([k for k in keys for _ in range(2)]))
     assert len(got) == MAX_GROUPS and [k for k, _ in got] == [len(k) for k in keys[::-1][:MAX_GROUPS]]
+
+
+def test_every_cascade_step_maps_into_the_warmup_set():
+    """Decode steps of any row count with up to rows // 2 groups (>= 2 rows each) and any shared
+    length take a warm-up bucket holding them."""
+    from inferscale_jax.buckets import MAX_GROUPS, StepBuckets
+    for max_rows in (48, 256):
+        b = StepBuckets(max_rows=max_rows, max_tokens=2048, max_pages_per_seq=512, num_logprobs=20)
+        keys = set(b.all_keys())
+        rng = np.random.default_rng(max_rows)
+        for _ in range(500):
+            rows = int(rng.integers(2, max_rows + 1))
+            groups = int(rng.integers(1, min(MAX_GROUPS, rows // 2) + 1))
+            shared, need = int(rng.integers(1, 513)), int(rng.integers(1, 513))
+            key = b.key(rows, rows, need, int(rng.integers(0, 2)), shared, groups)
+            assert key in keys, key
+            assert key.rows >= rows and key.groups >= groups and key.shared >= shared and key.width >= need
