@@ -12,6 +12,13 @@ tokenizer files); without it, the embedded default model is used (built locally 
 
 What ``main`` does at the boundary, for every command:
 
+- **Fast and light**: this module imports neither jax nor transformers (``-h`` and ``--version``
+  answer at once; ``python -X importtime -m inferscale_cli -h`` shows it); each command imports
+  what it needs when it runs.
+- **Check before loading** (``validate``): ``--port`` must be 1-65535 and counts positive (parse
+  time); then the paths: a ``--model`` that is no folder, a ``--snapshot-dir`` that is (or lies
+  below) a file, a missing ``--api-keys`` file or corpus are one ``error:`` line before any model
+  loads (and before ``precompute`` creates its snapshot folder).
 - **Quiet third parties** before anything imports them: transformers' advisories ("PyTorch was
   not found" on a machine without torch) and its info logs are off; absl/orbax INFO lines
   stay off whatever ``--log-level`` is (``serve``'s logging setup re-enables only ours).
@@ -38,19 +45,57 @@ What ``main`` does at the boundary, for every command:
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
-import signal
 import sys
-
-from inferscale_jax.config import resolve_dtype
-
-SHUTDOWN_WAIT_S = 300.0  # serve: how long the engine thread may take to finish its step at shutdown
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DTYPE_HELP = ("weights and KV dtype; auto = bfloat16 on a GPU/TPU, float32 on the CPU; precompute and serve "
               "must use the same one (default: %(default)s)")
 USAGE_EXIT, FAILURE_EXIT = 2, 1
+
+
+def resolve_dtype(name: str) -> str:
+    """``inferscale_jax.config.resolve_dtype`` (imported when a command runs, not with this module)."""
+    from inferscale_jax.config import resolve_dtype as resolve
+
+    return resolve(name)
+
+
+def package_version() -> str:
+    """``inferscale_jax.__version__``, read from ``inferscale_jax/_version.py`` alone: importing the
+    package would import jax."""
+    import importlib.util
+
+    folder = importlib.util.find_spec("inferscale_jax").submodule_search_locations[0]
+    spec = importlib.util.spec_from_file_location("inferscale_version", os.path.join(folder, "_version.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.__version__
+
+
+def port(text: str) -> int:
+    """argparse type: a TCP port, 1-65535."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number: give an integer 1-65535") from None
+    if not 1 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"{value} is out of range: a port is 1-65535")
+    return value
+
+
+def positive(kind=int):
+    """argparse type: a number > 0."""
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a{'n integer' if kind is int else ' number'}") from None
+        if not value > 0:
+            raise argparse.ArgumentTypeError(f"{text} must be > 0")
+        return value
+    parse.__name__ = kind.__name__  # argparse names the type in its messages
+    return parse
 
 
 def quiet_third_party() -> None:
@@ -59,20 +104,14 @@ def quiet_third_party() -> None:
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 
-def quiet_loggers() -> None:
-    """absl (orbax logs through it) and jax stay at WARNING, whatever level the root logger has."""
-    import logging
-
-    for name in ("absl", "jax", "orbax"):
-        logging.getLogger(name).setLevel(logging.WARNING)
-
-
 def absolute(path: str | None) -> str | None:
     return None if path is None else os.path.abspath(os.path.expanduser(path))
 
 
-def make_paths_absolute(args) -> None:
-    """Resolve every user path against the current folder; refuse a ``--model`` that is no folder."""
+def validate(args) -> None:
+    """Resolve every user path against the current folder and check it, before anything loads:
+    ``--model`` a folder, ``--snapshot-dir`` a folder or creatable as one, ``--api-keys`` a file,
+    the corpus a file or folder."""
     for field in ("model", "snapshot_dir", "api_keys", "corpus"):
         if getattr(args, field, None) is not None:
             setattr(args, field, absolute(getattr(args, field)))
@@ -81,15 +120,65 @@ def make_paths_absolute(args) -> None:
         what = "is not a folder" if os.path.exists(args.model) else "does not exist"
         raise kind(f"--model {args.model} {what}: give a local HF checkpoint folder (config.json, "
                    f"*.safetensors, tokenizer files), or leave --model out to use the embedded default model")
+    if getattr(args, "snapshot_dir", None) is not None:
+        check_folder(args.snapshot_dir, "--snapshot-dir")
+    if getattr(args, "api_keys", None) is not None and not os.path.isfile(args.api_keys):
+        what = "is a folder" if os.path.isdir(args.api_keys) else "does not exist"
+        raise FileNotFoundError(f"--api-keys {args.api_keys} {what}: give a JSON or TOML file mapping each key "
+                                'to its tenant, e.g. {"sk-acme-1": "acme"} (docs/architecture.md)')
+    if getattr(args, "corpus", None) is not None and not os.path.exists(args.corpus):
+        raise FileNotFoundError(f"corpus {args.corpus} does not exist: give a JSONL file (one "
+                                '{"id", "text"} object per line) or a folder of .txt/.md files')
+
+
+def check_folder(path: str, flag: str) -> None:
+    """``path`` is a folder, or can become one: its nearest existing ancestor is a folder."""
+    if os.path.isdir(path):
+        return
+    if os.path.exists(path):
+        raise NotADirectoryError(f"{flag} {path} is a file, not a folder: give a folder (created if missing), "
+                                 "e.g. ./kv")
+    parent = os.path.dirname(path)
+    while parent and not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if parent and not os.path.isdir(parent):
+        raise NotADirectoryError(f"{flag} {path} lies below {parent}, which is a file, not a folder: give a "
+                                 "folder path (created if missing)")
+
+
+def snapshot_fix(message: str) -> str | None:
+    """For a snapshot or registry of another engine (``registry.Identity.mismatch``'s words): the
+    flags of this command that match it, or None."""
+    import re
+
+    if m := re.search(r"dtype (\S+) differs from this engine's", message):
+        dtype, _, kv = m.group(1).partition("/kv=")
+        return f"--dtype {dtype}" + (f" --kv-dtype {kv}" if kv else "")
+    if m := re.search(r"page size (\d+) differs from this engine's", message):
+        return f"--page-size {m.group(1)}"
+    if "model fingerprint" in message:
+        return "--model <the checkpoint that wrote it>"
+    return None
+
+
+class SnapshotHint:
+    """A logging filter for ``inferscale.snapshot``: the warning about a snapshot of another
+    engine ends with the fix in this command's terms."""
+
+    def filter(self, record) -> bool:
+        message = record.getMessage()
+        if "another engine" in message and (flags := snapshot_fix(message)):
+            record.msg, record.args = (f"{message}.  Fix: run with {flags} (as the command that wrote it), or "
+                                       "give another --snapshot-dir"), ()
+        return True
 
 
 def describe_error(err: BaseException, args) -> tuple[int, str] | None:
     """(exit code, one-line message) for a known failure; ``None`` for anything else (a bug)."""
     import sqlite3
 
-    from inferscale_jax.errors import InferScaleError
-
-    if isinstance(err, InferScaleError):
+    errors = sys.modules.get("inferscale_jax.errors")  # (not imported yet: err cannot be one of them)
+    if errors is not None and isinstance(err, errors.InferScaleError):
         return FAILURE_EXIT, str(err)
     if isinstance(err, sqlite3.DatabaseError):
         where = getattr(args, "snapshot_dir", None)
@@ -151,112 +240,37 @@ def cmd_demo(args) -> int:
 
 
 def cmd_precompute(args) -> int:
+    """Load the engine (restoring the snapshot), count the new or changed documents, warm up only
+    if there are any, compute them, snapshot only if something was computed."""
     from inferscale_jax.config import EngineConfig
     from inferscale_jax.engine import Engine
-    from inferscale_jax.precompute import precompute
+    from inferscale_jax.precompute import pending, precompute
 
     config = EngineConfig(dtype=resolve_dtype(args.dtype), page_size=args.page_size,
                           snapshot_dir=args.snapshot_dir, max_batch=args.batch, tensor_parallel=args.tensor_parallel,
                           kv_dtype=args.kv_dtype)
     with Engine.from_pretrained(_model_dir(args), config) as engine:
-        w = engine.warmup(serving=False)  # the batch job's step buckets, several compiling at once
-        print(f"warm-up: {w['buckets']} step shapes ready in {w['seconds']:.1f} s", file=sys.stderr)
-        res = precompute(engine, args.corpus, tenant=args.tenant, public=args.public, batch=args.batch)
+        todo = pending(engine, args.corpus, tenant=args.tenant, public=args.public)
+        if todo:
+            w = engine.warmup(serving=False)  # the batch job's step buckets, several compiling at once
+            print(f"warm-up: {w['buckets']} step shapes ready in {w['seconds']:.1f} s", file=sys.stderr)
+        res = precompute(engine, args.corpus, tenant=args.tenant, public=args.public, batch=args.batch,
+                         progress=bool(todo))
     print(res.summary())
+    if not res.computed:
+        print(f"nothing to compute: every document is stored unchanged in {args.snapshot_dir} (no snapshot "
+              "written)", file=sys.stderr)
+    if args.tenant != "default" and not args.public:
+        print(f"note: these segments belong to tenant '{args.tenant}': a server reaches them only through an API "
+              f"key of that tenant: inferscale serve --snapshot-dir {args.snapshot_dir} --api-keys keys.json, "
+              f'keys.json holding {{"<a secret key>": "{args.tenant}"}}', file=sys.stderr)
     return 0
-
-
-@contextlib.contextmanager
-def _stop_signals_return():
-    """While uvicorn runs: SIGTERM / SIGINT handlers that do nothing.  uvicorn installs its own
-    during ``run`` (graceful shutdown) and, on the way out, restores these and re-raises the
-    signal it caught: with the default handlers that would kill the process (SIGTERM) or raise
-    KeyboardInterrupt (SIGINT) before the engine's final snapshot.  Restored afterwards."""
-    saved = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGTERM, signal.SIGINT)}
-    try:
-        yield
-    finally:
-        for sig, handler in saved.items():
-            signal.signal(sig, handler)
 
 
 def cmd_serve(args) -> int:
-    """The HTTP server (``serving/``) over one engine, with uvicorn; a final snapshot on shutdown."""
-    import logging
+    from inferscale_cli.serve import cmd_serve as serve
 
-    import uvicorn
-
-    from inferscale_jax.async_engine import AsyncEngine
-    from inferscale_jax.config import EngineConfig
-    from inferscale_jax.engine import Engine
-    from serving import UVICORN_OPTIONS, create_app, load_api_keys
-
-    logging.basicConfig(level=getattr(logging, args.log_level.upper()),
-                        format="%(asctime)s %(levelname)s %(name)s %(message)s", force=True)
-    quiet_loggers()
-    lockstep = None
-    if args.coordinator or args.num_processes or args.process_id is not None:
-        # several processes (hosts), one mesh: before any other JAX call (inferscale_jax/distributed.py)
-        from inferscale_jax import distributed as lockstep
-        lockstep.initialize(args.coordinator, args.num_processes, args.process_id)
-    from inferscale_jax import tracing
-    if tracing.configure_from_env():  # OTEL_* environment, 'inferscale-jax[tracing]' installed
-        print("tracing: exporting spans over OTLP", file=sys.stderr)
-    keys = load_api_keys(args.api_keys) if args.api_keys else None  # fail before loading the model
-    if keys is None and args.host not in ("127.0.0.1", "localhost", "::1"):
-        print(f"warning: serving on {args.host} without --api-keys: anyone who can reach it is tenant 'default'",
-              file=sys.stderr)
-    extra = {}
-    if args.snapshot_dir:
-        extra = dict(snapshot_dir=args.snapshot_dir, strict_restore=args.strict_restore,
-                     snapshot_interval_s=args.snapshot_interval)
-    config = EngineConfig(dtype=resolve_dtype(args.dtype), page_size=args.page_size, hbm_pages=args.hbm_pages,
-                          max_batch=args.max_batch, max_num_batched_tokens=args.max_num_batched_tokens,
-                          tensor_parallel=args.tensor_parallel, kv_dtype=args.kv_dtype,
-                          session_ttl_s=args.session_ttl, max_sessions_per_tenant=args.max_sessions_per_tenant,
-                          **extra)
-    if lockstep is not None:
-        config = lockstep.lockstep_config(config)
-        engine = lockstep.LockstepEngine.from_pretrained(args.model, config)
-        if not lockstep.is_leader():  # a follower: the leader's calls, until it closes the engine
-            print(f"process {args.process_id}: following process 0", file=sys.stderr, flush=True)
-            lockstep.follow(engine)
-            return 0
-    else:
-        engine = Engine.from_pretrained(args.model, config)
-    name = args.model_name or (os.path.basename(os.path.normpath(args.model)) if args.model else "inferscale-default")
-    server: uvicorn.Server | None = None
-
-    def on_fatal(fault) -> None:  # the engine lost its device: stop serving rather than half-serve
-        if server is not None:
-            server.should_exit = True
-
-    async_engine = AsyncEngine(engine, on_fatal=on_fatal)
-    if args.warmup:
-        async_engine.start_warmup()  # /health answers 503 "warming up" until every step bucket is compiled
-    try:
-        app = create_app(async_engine, api_keys=keys, max_body_bytes=args.max_body_bytes,
-                         max_waiting=args.max_waiting, model_name=name, body_timeout_s=args.body_timeout,
-                         default_max_tokens=args.default_max_tokens)
-        print(f"serving {name} on http://{args.host}:{args.port} "
-              f"({len(keys) if keys else 'no'} API keys)", file=sys.stderr, flush=True)
-        # log_config=None: uvicorn keeps the logging set up above (its own dictConfig would drop
-        # the root handler that prints the per-request lines of ``inferscale.server``)
-        server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                                               access_log=False, log_config=None, **UVICORN_OPTIONS))
-        with _stop_signals_return():
-            server.run()
-    finally:
-        async_engine.shutdown(timeout=SHUTDOWN_WAIT_S)  # a step (or a compile) in flight finishes first
-        if async_engine.stopped:
-            engine.close()  # the final snapshot, with the engine thread gone
-        else:
-            print(f"error: the engine thread did not stop within {SHUTDOWN_WAIT_S:.0f} s; no final snapshot "
-                  "(the last periodic one and the registry stand)", file=sys.stderr)
-    if async_engine.fatal is not None:
-        print(f"error: {async_engine.fatal}", file=sys.stderr)
-        return 1
-    return 0
+    return serve(args)
 
 
 def cmd_bench(args) -> int:
@@ -273,11 +287,19 @@ def cmd_bench(args) -> int:
     return runpy.run_path(script, run_name="inferscale_bench")["main"](args.args)
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse, with a usage error on one line like every other error (exit 2)."""
+
+    def error(self, message):
+        self.exit(USAGE_EXIT, f"error: {self.prog}: {message} (see {self.prog} -h)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="inferscale", description="InferScale-JAX: serving by KV injection. "
+    p = Parser(prog="inferscale", description="InferScale-JAX: serving by KV injection. "
                                 "Relative paths are resolved against the current folder.")
+    p.add_argument("--version", action="version", version=f"%(prog)s {package_version()}")
     sub = p.add_subparsers(dest="command", required=True)
-    common = argparse.ArgumentParser(add_help=False)
+    common = Parser(add_help=False)
     common.add_argument("--debug", action="store_true", help="show the full traceback of an error "
                         "(default: one 'error: ...' line)")
 
@@ -289,14 +311,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = add("demo", help="KV injection vs full prefill side by side (TTFT, identical outputs)")
     s.add_argument("--model", help="HF checkpoint folder (default: the embedded default model)")
-    s.add_argument("--max-tokens", type=int, default=24, help="tokens generated per answer (default: %(default)s)")
+    s.add_argument("--max-tokens", type=positive(), default=24, help="tokens generated per answer (default: %(default)s)")
     s.add_argument("--dtype", default="auto", choices=DTYPES, help=DTYPE_HELP)
     s.set_defaults(fn=cmd_demo)
 
     s = add("generate", help="generate a completion for a prompt (a plain dense-cache run, no engine)")
     s.add_argument("--model", help="HF checkpoint folder (default: the embedded default model)")
     s.add_argument("--prompt", required=True, help="the prompt text")
-    s.add_argument("--max-tokens", type=int, default=32, help="tokens to generate (default: %(default)s)")
+    s.add_argument("--max-tokens", type=positive(), default=32, help="tokens to generate (default: %(default)s)")
     s.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default: %(default)s)")
     s.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default: %(default)s)")
     s.add_argument("--top-k", type=int, default=0, help="0 = off (default: %(default)s)")
@@ -312,11 +334,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--snapshot-dir", required=True, help="where segments and KV snapshots are kept (serve reads it)")
     s.add_argument("--tenant", default="default", help="namespace of the segments (default: %(default)s)")
     s.add_argument("--public", action="store_true", help="register public segments (readable by every tenant)")
-    s.add_argument("--batch", type=int, default=64, help="documents computed per device step (default: %(default)s)")
+    s.add_argument("--batch", type=positive(), default=64, help="documents computed per device step (default: %(default)s)")
     s.add_argument("--dtype", default="auto", choices=DTYPES, help=DTYPE_HELP)
     s.add_argument("--page-size", type=int, default=16, choices=[8, 16, 32, 64],
                    help="KV page size; must match the server's (default: %(default)s)")
-    s.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
+    s.add_argument("--tensor-parallel", type=positive(), default=1, metavar="N",
                    help="split the model and its KV pool over N devices of this host (default: %(default)s)")
     s.add_argument("--kv-dtype", default=None, choices=["int8", "float8_e4m3fn"],
                    help="compressed KV pages, a float32 scale per token and head (default: the model's dtype)")
@@ -324,33 +346,42 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = add("serve", help="OpenAI-compatible HTTP server with segments, tenants, streaming, metrics")
     s.add_argument("--model", help="HF checkpoint folder (default: the embedded default model)")
-    s.add_argument("--model-name", help="the model id clients send and /v1/models lists (default: folder name)")
+    s.add_argument("--served-model-name", nargs="+", metavar="NAME",
+                   help="the model ids clients may send and /v1/models lists, the first shown in responses "
+                        "(default: the --model folder's name; the embedded default model: inferscale-default "
+                        "inferscale)")
+    s.add_argument("--model-name", help=argparse.SUPPRESS)  # deprecated: one --served-model-name
+    s.add_argument("--chat-template", metavar="FILE|TEMPLATE",
+                   help="a Jinja chat template (a file, or the template text) replacing the tokenizer's")
     s.add_argument("--host", default="127.0.0.1", help="bind address (default: %(default)s)")
-    s.add_argument("--port", type=int, default=8000, help="(default: %(default)s)")
+    s.add_argument("--port", type=port, default=8000, help="1-65535, bound before the model loads "
+                   "(default: %(default)s)")
     s.add_argument("--api-keys", metavar="FILE", help="JSON/TOML mapping key -> tenant or "
                    "{tenant, admin}; without it: one tenant 'default', no auth")
     s.add_argument("--snapshot-dir", help="durable segments + KV snapshots (restored at startup)")
     s.add_argument("--strict-restore", action="store_true",
                    help="refuse to start on a snapshot of another model/dtype/page size (default: start empty)")
-    s.add_argument("--snapshot-interval", type=float, default=300.0,
+    s.add_argument("--snapshot-interval", type=positive(float), default=300.0,
                    help="seconds between periodic snapshots with --snapshot-dir (default: %(default)s)")
     s.add_argument("--dtype", default="auto", choices=DTYPES, help=DTYPE_HELP)
     s.add_argument("--page-size", type=int, default=16, choices=[8, 16, 32, 64],
                    help="KV page size; must match the one precompute used (default: %(default)s)")
-    s.add_argument("--hbm-pages", type=int, help="KV pool pages (default: sized from free device memory)")
-    s.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
+    s.add_argument("--hbm-pages", type=positive(), help="KV pool pages (default: sized from free device memory)")
+    s.add_argument("--tensor-parallel", type=positive(), default=1, metavar="N",
                    help="split the model and its KV pool over N devices of this host (default: %(default)s)")
     s.add_argument("--kv-dtype", default=None, choices=["int8", "float8_e4m3fn"],
                    help="compressed KV pages, a float32 scale per token and head (default: the model's dtype)")
-    s.add_argument("--max-batch", type=int, default=None,
-                   help="sequences per device step (default: from the machine: 256 on a GPU, 64 on the CPU)")
-    s.add_argument("--max-num-batched-tokens", type=int, default=None,
+    s.add_argument("--max-batch", type=positive(), default=None,
+                   help="sequences per device step (default: 256 on a GPU/TPU, 64 on the CPU, fewer when the KV "
+                        "pool holds less than 1024 tokens per sequence: the CPU's 64 MiB pool gives the embedded "
+                        "default model 15; /v1/stats shows it)")
+    s.add_argument("--max-num-batched-tokens", type=positive(), default=None,
                    help="new tokens per device step, prefill chunks and decode rows together "
                         "(default: max(max-batch, 2048))")
-    s.add_argument("--session-ttl", type=float, default=3600.0, metavar="SECONDS",
+    s.add_argument("--session-ttl", type=positive(float), default=3600.0, metavar="SECONDS",
                    help="chat sessions (conversation memory) expire this long after their last turn "
                         "(default: %(default)s)")
-    s.add_argument("--max-sessions-per-tenant", type=int, default=100,
+    s.add_argument("--max-sessions-per-tenant", type=positive(), default=100,
                    help="a tenant's sessions at most; one more deletes its least recently used (default: %(default)s)")
     s.add_argument("--coordinator", metavar="HOST:PORT",
                    help="several processes (hosts), one mesh: process 0's address for jax.distributed; process 0 "
@@ -358,16 +389,21 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--num-processes", type=int, default=None, help="processes of the mesh (with --coordinator)")
     s.add_argument("--process-id", type=int, default=None, help="this process's index, 0 serves (with --coordinator)")
     s.add_argument("--no-warmup", dest="warmup", action="store_false",
-                   help="skip compiling every step bucket at startup (the first requests then compile)")
-    s.add_argument("--max-waiting", type=int, default=256,
-                   help="queued requests beyond which new ones get 503 + Retry-After (default: %(default)s)")
-    s.add_argument("--max-body-bytes", type=int, default=2 << 20, help="request body limit (default: %(default)s)")
-    s.add_argument("--body-timeout", type=float, default=30.0,
+                   help="skip the warm-up (compiling the step buckets: on the CPU the small set, on a GPU/TPU "
+                        "every one) at startup; the first requests then compile")
+    s.add_argument("--max-waiting", type=positive(), default=None,
+                   help="queued requests beyond which new ones get 503 + Retry-After (default: what the KV pool "
+                        "holds at 256 tokens a request, at least 256 and 4 x max-batch)")
+    s.add_argument("--max-body-bytes", type=positive(), default=2 << 20, help="request body limit (default: %(default)s)")
+    s.add_argument("--body-timeout", type=positive(float), default=30.0,
                    help="seconds a request body may take to arrive, then 408 (default: %(default)s)")
-    s.add_argument("--default-max-tokens", type=int, default=256,
+    s.add_argument("--default-max-tokens", type=positive(), default=256,
                    help="max_tokens of a chat request that sets none (default: %(default)s)")
     s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                    help="level of the server's own log lines (default: %(default)s)")
+    s.add_argument("--log-requests", action="store_true",
+                   help="log one JSON line per HTTP request (logger inferscale.server; /health and /metrics "
+                        "never); default: off")
     s.set_defaults(fn=cmd_serve)
 
     s = add("bench", help="run a benchmark of the source tree's bench/ folder (serve: the HTTP server under "
@@ -379,10 +415,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    import logging
+
     quiet_third_party()
     args = build_parser().parse_args(argv)
+    logging.getLogger("inferscale.snapshot").addFilter(SnapshotHint())
     try:
-        make_paths_absolute(args)
+        validate(args)
         return args.fn(args)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)

@@ -6,6 +6,7 @@ docs/multi_host.md), ``EngineConfig``, ``SamplingParams`` and the exceptions
 HTTP client of the server's extensions (``inferscale_client``: standard library only).
 """
 
+from inferscale_jax._version import __version__
 from inferscale_jax.async_engine import AsyncEngine
 from inferscale_jax.config import EngineConfig
 from inferscale_jax.default_model import default_model_dir
@@ -21,6 +22,7 @@ from inferscale_jax.sessions import SessionInfo
 from inferscale_client import InferScale, InferScaleError
 
 __all__ = [
+    "__version__",
     "AsyncEngine",
     "Engine",
     "EngineConfig",

@@ -4,10 +4,11 @@
    weights: one serving with a registered knowledge-base segment, one with prefix caching off
    (what a user who re-sends the context with every question pays).
 2. Register the knowledge base (the shipped handbook text) as a segment: its KV is computed once.
-3. Warm both engines up: ``Engine.warmup()`` compiles every step bucket (both engines share
-   the compiled steps; ``max_batch=4`` keeps the set small: the demo asks one question at a
-   time), then a question that is not in the table runs once (the copy of the segment's
-   partly filled last page compiles there), so no compile lands in the timings.  The CLI keeps XLA's compilation cache on disk
+3. Warm both engines up: ``Engine.warmup()`` compiles the step buckets (every one on a GPU/TPU,
+   the small set on the CPU; both engines share the compiled steps; ``max_batch=4`` keeps the set
+   small: the demo asks one question at a time), then a question that is not in the table runs
+   once (the steps of the knowledge base's length and the copy of the segment's partly filled
+   last page compile there), so no compile lands in the timings.  The CLI keeps XLA's compilation cache on disk
    (``inferscale_cli/main.py``), so a second run mostly loads these compiles instead of redoing them.
 4. Ask each question twice - injected (``segments=["kb"]``) and as one long prompt holding the
    same tokens - and print TTFT with / without, prompt vs cached tokens, and whether the
@@ -91,11 +92,10 @@ def run_demo(model_dir: str | None = None, max_tokens: int = 24, out=sys.stdout,
     baseline = Engine(engine.params, engine.cfg, engine.tokenizer,
                       EngineConfig(dtype=dtype, hbm_pages=pages, prefix_caching=False, max_batch=4),
                       fingerprint=engine.fingerprint)
-    n = len(engine.runner.buckets.all_keys())
-    progress(f"compiling the {n} step buckets (Engine.warmup; the first run compiles, later runs load "
-             "the compiles from the cache)")
+    progress("compiling the step buckets (Engine.warmup, a progress bar below; the first run compiles, later "
+             "runs load the compiles from the cache)")
     engine.warmup()
-    baseline.warmup()
+    baseline.warmup(progress_bar=False)  # (the same steps: the compiles are shared)
     progress("registering the knowledge base as segment 'kb' (its KV is computed once)")
     info = engine.register_segment("kb", text=kb)
     kb_ids = engine.store.resolve("kb", "default").token_ids

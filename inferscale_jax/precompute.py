@@ -40,8 +40,13 @@ Life of a run
    document of the batch.  A stored segment with no recorded hash (registered through the API,
    or a crash between its registration and its hash) counts as unchanged when its token ids
    equal the document's.  The batch's hashes are then recorded (one transaction).
-6. **Snapshot** (``engine.save_snapshot()``) and a summary: documents stored / unchanged / updated
-   / bad, tokens computed, documents/s and tokens/s.
+6. **Snapshot** (``engine.save_snapshot()``, only when a document was computed: a run with
+   nothing new writes none) and a summary: documents stored / unchanged / updated / bad, tokens
+   computed, documents/s and tokens/s.
+
+``pending(engine, corpus, ...)`` is steps 1-2 without tokenizing: how many records are new or
+changed (text hash, per id).  The CLI calls it before ``Engine.warmup``, so a re-run with
+nothing to do compiles nothing and exits in seconds.
 
 A progress bar (tqdm, on stderr) counts records and shows tokens/s.  The run is resumable: an
 interrupted run has durably registered (and hashed) every batch it finished, so re-running
@@ -96,6 +101,7 @@ class PrecomputeResult:
     seconds: float = 0.0  # the pipeline and the computation, without the snapshot
     snapshot_s: float = 0.0
     snapshot: dict | None = None
+    deleted: int = 0  # old versions deleted for an update (a failed re-registration leaves the id absent)
 
     @property
     def computed(self) -> int:
@@ -336,6 +342,35 @@ def open_source(corpus: str):
     raise FileNotFoundError(f"corpus {corpus!r} is neither a JSONL file nor a folder of .txt/.md files")
 
 
+def _known_hashes(engine, ns: str) -> dict[str, str]:
+    """id -> text hash of the live segments of namespace ``ns`` stored with one."""
+    registry = engine.persistence.registry if engine.persistence is not None else None
+    known: dict[str, str] = {}
+    if registry is not None:
+        for (rns, sid), (uid, sha) in registry.segment_meta(HASH_KEY).items():
+            seg = _live(engine, rns, sid) if rns == ns else None
+            if seg is not None and seg.uid == uid:
+                known[sid] = sha
+    return known
+
+
+def pending(engine, corpus: str, *, tenant: str = "default", public: bool = False) -> int:
+    """How many records of ``corpus`` ``precompute`` would compute: those whose id is not stored
+    with the same text hash, records that fail to parse or have empty text left out."""
+    check_tenant(tenant)
+    known = _known_hashes(engine, PUBLIC_TENANT if public else tenant)
+    source, parse = open_source(corpus)
+    try:
+        n = 0
+        for i in range(len(source)):
+            doc = parse(source[i], i)
+            if doc.status == "todo" and doc.text.strip():  # (parsing rejects the rest, no compute needed)
+                n += known.get(doc.id) != hashlib.sha256(doc.text.encode("utf-8")).hexdigest()
+        return n
+    finally:
+        source.close()
+
+
 def _live(engine, namespace: str, segment_id: str):
     """The segment stored under ``segment_id`` in exactly ``namespace`` (or None)."""
     try:
@@ -368,12 +403,7 @@ def precompute(engine, corpus: str, *, tenant: str = "default", public: bool = F
     else:
         limit, limit_why = pool_tokens, "the KV page pool"
     registry = engine.persistence.registry if engine.persistence is not None else None
-    known: dict[str, str] = {}
-    if registry is not None:
-        for (rns, sid), (uid, sha) in registry.segment_meta(HASH_KEY).items():
-            seg = _live(engine, rns, sid) if rns == ns else None
-            if seg is not None and seg.uid == uid:
-                known[sid] = sha
+    known = _known_hashes(engine, ns)
     say = report or (lambda line: tqdm.write(line, file=sys.stderr))
     step_kw = {} if step_tokens is None else {"step_tokens": step_tokens}
     res = PrecomputeResult()
@@ -404,7 +434,7 @@ def precompute(engine, corpus: str, *, tenant: str = "default", public: bool = F
         bar.close()
         source.close()
     res.seconds = time.perf_counter() - t0
-    if snapshot and engine.persistence is not None:
+    if snapshot and engine.persistence is not None and (res.computed or res.deleted):
         t1 = time.perf_counter()
         res.snapshot = engine.save_snapshot()
         res.snapshot_s = time.perf_counter() - t1
@@ -430,6 +460,7 @@ def _compute(engine, docs: list[Doc], kw: dict, ns: str, registry, res: Precompu
             hashes.append((ns, doc.id, old.uid, doc.sha))
         else:
             engine.delete_segment(doc.id, tenant=tenant)  # frees the old version's pages
+            res.deleted += 1
             updates.add(doc.id)
             items.append(doc)
     done = _register(engine, items, kw, ns, res, say)

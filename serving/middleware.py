@@ -1,5 +1,5 @@
 """The outer ASGI layer: body size limit (413) and body read timeout (408) before any parsing,
-and one log line per request.
+and, with ``log_requests``, one log line per request.
 
 A pure ASGI middleware (not Starlette's ``BaseHTTPMiddleware``, which interferes with streaming
 and disconnect detection):
@@ -14,11 +14,13 @@ and disconnect detection):
    request, not per chunk, so sending a byte now and then does not extend it.
 2. The buffered body is replayed to the app; later ``receive`` calls pass through, so the app
    still sees ``http.disconnect`` (streaming handlers abort their request on it).
-3. When the response ends (or the app raised), one structured line is logged on
-   ``inferscale.server`` as JSON, and ``requests_total{endpoint,status}`` is counted.  Handlers
-   add fields through ``request.scope["inferscale.log"]`` (id, tenant, segments, token counts,
-   ttft).  The line never holds prompt text, generated text or keys.  Status 499 means the client
-   went away before the response finished.
+3. When the response ends (or the app raised), ``requests_total{endpoint,status}`` is counted
+   and, with ``log_requests`` (``serve --log-requests``; off by default), one structured line is
+   logged on ``inferscale.server`` as JSON - the only line per request (``serve`` keeps the
+   engine's own ``inferscale.request`` line off).  ``/health`` probes and ``/metrics`` scrapes
+   are counted, never logged.  Handlers add fields through ``request.scope["inferscale.log"]``
+   (id, tenant, segments, token counts, ttft).  The line never holds prompt text, generated text
+   or keys.  Status 499 means the client went away before the response finished.
 """
 
 from __future__ import annotations
@@ -40,9 +42,10 @@ class _BodyTimeout(Exception):
 
 
 class ServingMiddleware:
-    def __init__(self, app, *, max_body_bytes: int, metrics, body_timeout_s: float = 30.0):
+    def __init__(self, app, *, max_body_bytes: int, metrics, body_timeout_s: float = 30.0,
+                 log_requests: bool = False):
         self.app, self.max_body_bytes, self.metrics = app, max_body_bytes, metrics
-        self.body_timeout_s = body_timeout_s
+        self.body_timeout_s, self.log_requests = body_timeout_s, log_requests
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -161,8 +164,8 @@ class ServingMiddleware:
         route = scope.get("route")
         endpoint = getattr(route, "path", None) or "unmatched"
         self.metrics.requests.labels(endpoint=endpoint, status=str(status)).inc()
-        if endpoint in ("/metrics", "/health") and status < 400:
-            return  # probes and scrapes: counted, not logged
+        if not self.log_requests or endpoint in ("/metrics", "/health"):
+            return  # probes and scrapes: counted, never logged
         line = {"event": "request", "method": scope.get("method"), "endpoint": endpoint, "status": status,
                 **fields, "duration_s": round(elapsed, 6)}
         log.info(json.dumps(line, default=str, ensure_ascii=True))

@@ -12,7 +12,7 @@ import httpx
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # the engine config every server test uses; the in-process reference engine uses the same
-SERVE_ARGS = ["--dtype", "float32", "--page-size", "16", "--hbm-pages", "512", "--no-warmup"]
+SERVE_ARGS = ["--dtype", "float32", "--page-size", "16", "--hbm-pages", "512", "--no-warmup", "--log-requests"]
 ENGINE_KW = dict(dtype="float32", page_size=16, hbm_pages=512)
 
 

@@ -2,15 +2,22 @@
 folder with relative paths and the defaults (the embedded default model, ``--dtype auto``).
 
 - ``precompute corpus.jsonl --snapshot-dir ./kv`` works, twice (the second run skips the
-  unchanged documents), then ``serve --snapshot-dir ./kv`` restores those segments from the
-  snapshot (same default dtype as ``precompute``), a segment registered over HTTP survives a
-  SIGTERM and a restart, and no command prints a traceback or third-party noise;
-- known failures print one ``error: ...`` line and exit non-zero (``--debug``: the traceback).
+  unchanged documents, warms nothing up and writes no snapshot), then ``serve --snapshot-dir ./kv``
+  restores those segments from the snapshot (same default dtype as ``precompute``), names the
+  snapshot's tenant that no key reaches, answers to both default model names, logs no request
+  line by default and one per request with ``--log-requests``; a segment registered over HTTP
+  survives a SIGTERM and a restart, and no command prints a traceback or third-party noise;
+- SIGTERM during a (cold) warm-up stops it after the compiles in flight: exit 0, promptly;
+- known failures print one ``error: ...`` line and exit non-zero (``--debug``: the traceback),
+  before any model loads: a bad or taken port, a file given as ``--snapshot-dir``, a missing
+  corpus (no snapshot folder is created) or key file; ``-h`` and ``--version`` import no jax.
 """
 
 import json
 import os
+import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -90,11 +97,20 @@ def test_precompute_twice_then_serve_restores_relative_snapshot_dir(tmp_path, en
     assert first.returncode == 0, first.stderr[-3000:]
     assert_quiet(first.stderr)
     assert "2 stored, 0 skipped unchanged" in first.stdout, first.stdout
-    assert (tmp_path / "kv" / "snapshots").is_dir()
+    assert "warm-up:" in first.stderr, first.stderr[-3000:]
+    steps = sorted(os.listdir(tmp_path / "kv" / "snapshots"))
+    assert steps
     second = inferscale(tmp_path, env, "precompute", "corpus.jsonl", "--snapshot-dir", "./kv")
     assert second.returncode == 0, second.stderr[-3000:]
     assert_quiet(second.stderr)
     assert "0 stored, 2 skipped unchanged" in second.stdout, second.stdout
+    # nothing to do: no warm-up, no new snapshot
+    assert "warm-up" not in second.stderr and "nothing to compute" in second.stderr, second.stderr[-3000:]
+    assert sorted(os.listdir(tmp_path / "kv" / "snapshots")) == steps
+    write_corpus(tmp_path / "acme.jsonl", {"shipping": "We ship to Canada within 5 days."})
+    acme = inferscale(tmp_path, env, "precompute", "acme.jsonl", "--snapshot-dir", "./kv", "--tenant", "acme")
+    assert acme.returncode == 0 and "1 stored" in acme.stdout, acme.stderr[-3000:]
+    assert "--api-keys" in acme.stderr and '"acme"' in acme.stderr, acme.stderr[-3000:]
 
     # serve, with the same defaults, restores what precompute stored; a segment registered over HTTP
     # survives SIGTERM + restart, its KV restored from the snapshot (not recomputed)
@@ -104,7 +120,13 @@ def test_precompute_twice_then_serve_restores_relative_snapshot_dir(tmp_path, en
         assert "warming up" in server.health and server.health[-1] == "ok", server.health
         stats = httpx.get(server.url + "/v1/stats", timeout=30).json()
         assert stats["warm"] and stats["compiles_after_warmup"] == 0, stats
-        assert restored(server) == (2, 0)
+        assert restored(server) == (3, 0)
+        models = httpx.get(server.url + "/v1/models", timeout=30).json()
+        assert [m["id"] for m in models["data"]][:1] == ["inferscale-default"], models
+        for name in ("inferscale-default", "inferscale"):  # the docs' examples send "inferscale"
+            out = httpx.post(server.url + "/v1/completions", timeout=120,
+                             json={"model": name, "prompt": " Q: warranty? A:", "segments": ["doc-a"], "max_tokens": 2})
+            assert out.status_code == 200 and out.json()["model"] == "inferscale-default", out.text
         got = httpx.get(server.url + "/v1/segments/doc-a", timeout=30)
         assert got.status_code == 200 and got.json()["tier"] in ("hbm", "host"), got.text
         made = httpx.post(server.url + "/v1/segments", json={"id": "faq", "text": "Returns within 30 days."},
@@ -114,10 +136,15 @@ def test_precompute_twice_then_serve_restores_relative_snapshot_dir(tmp_path, en
         log = server.stop()
     assert server.proc.returncode == 0, log[-3000:]
     assert_quiet(log)
+    # startup speaks: the bound address, the tenant no key reaches and the key file it needs
+    assert f"listening on {server.url}" in log and "warm-up (small step buckets)" in log, log[-3000:]
+    assert "tenant 'acme' (1 segment)" in log and '{"<a secret key for acme>": "acme"}' in log, log[-3000:]
+    assert "compiling step for bucket" not in log  # (DEBUG)
+    assert not request_lines(log)  # no per-request line by default (--log-requests)
 
-    server = Serve(tmp_path, env, "--snapshot-dir", "./kv", "--no-warmup")  # (warm-up checked above)
+    server = Serve(tmp_path, env, "--snapshot-dir", "./kv", "--no-warmup", "--log-requests")  # (warm-up above)
     try:
-        assert restored(server) == (3, 0)  # the final snapshot on SIGTERM holds 'faq'
+        assert restored(server) == (4, 0)  # the final snapshot on SIGTERM holds 'faq'
         for sid in ("doc-a", "doc-b", "faq"):
             got = httpx.get(server.url + f"/v1/segments/{sid}", timeout=30)
             assert got.status_code == 200 and got.json()["tier"] in ("hbm", "host"), (sid, got.text)
@@ -125,10 +152,100 @@ def test_precompute_twice_then_serve_restores_relative_snapshot_dir(tmp_path, en
                          json={"prompt": " Q: returns? A:", "segments": ["faq"], "max_tokens": 2})
         assert out.status_code == 200, out.text
         assert out.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+        rid = out.json()["id"]
     finally:
         log = server.stop()
     assert server.proc.returncode == 0, log[-3000:]
     assert_quiet(log)
+    lines = request_lines(log)
+    assert [ln["id"] for ln in lines if ln.get("id") == rid] == [rid], lines  # one line for the request
+    assert not any(ln.get("endpoint") == "/health" for ln in lines)  # probes are never logged
+    assert " inferscale.request " not in log  # the engine's own line stays off: one line per request
+
+
+def request_lines(log: str) -> list[dict]:
+    """The JSON per-request lines of a server log (logger inferscale.server)."""
+    out = []
+    for line in log.splitlines():
+        _, sep, rest = line.partition(" inferscale.server ")
+        if sep and rest.startswith("{"):
+            out.append(json.loads(rest))
+    return out
+
+
+def test_sigterm_during_a_cold_warmup_stops_it(tmp_path, env):
+    """The warm-up compiles on a thread pool; SIGTERM stops it after the compiles in flight (an
+    empty compile cache, so each compile takes seconds), and the server exits 0."""
+    cold = dict(env, JAX_COMPILATION_CACHE_DIR=str(tmp_path / "empty-compile-cache"))
+    port = free_port()
+    log_path = tmp_path / "serve.log"
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen([INFERSCALE, "serve", "--port", str(port)], cwd=tmp_path, env=cold, stdout=log,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline, status = time.monotonic() + 240, None
+        while time.monotonic() < deadline and proc.poll() is None and status != "warming up":
+            try:
+                status = httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).json().get("status")
+            except httpx.HTTPError:
+                time.sleep(0.1)
+        assert status == "warming up", log_path.read_text()[-3000:]
+        t0 = time.monotonic()
+        os.killpg(proc.pid, signal.SIGTERM)
+        rc = proc.wait(timeout=120)
+        took = time.monotonic() - t0
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    text = log_path.read_text()
+    assert rc == 0, text[-3000:]
+    assert "(stopped)" in text, text[-3000:]  # Engine.warmup's line: it returned early
+    assert took < 60, (took, text[-3000:])  # at most the compiles in flight (seconds each), not the whole set
+
+
+def test_bad_values_fail_fast_with_one_line(tmp_path, env):
+    r = inferscale(tmp_path, env, "serve", "--port", "99999", timeout=60)
+    assert r.returncode == 2
+    one_error_line(r, "--port", "99999", "1-65535")
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        t0 = time.monotonic()
+        r = inferscale(tmp_path, env, "serve", "--port", str(port), timeout=60)
+        took = time.monotonic() - t0
+    assert r.returncode == 1
+    one_error_line(r, f"127.0.0.1:{port}", "--port")
+    assert took < 15, took  # before any model loads (about 0.2 s on an idle machine)
+    (tmp_path / "a-file").write_text("x")
+    r = inferscale(tmp_path, env, "serve", "--snapshot-dir", "a-file", timeout=60)
+    assert r.returncode == 2
+    one_error_line(r, str(tmp_path / "a-file"), "not a folder")
+    r = inferscale(tmp_path, env, "serve", "--api-keys", "keys.json", timeout=60)
+    assert r.returncode == 2
+    one_error_line(r, str(tmp_path / "keys.json"), "does not exist")
+    r = inferscale(tmp_path, env, "serve", "--chat-template", "missing.jinja", timeout=60)
+    assert r.returncode == 2
+    one_error_line(r, str(tmp_path / "missing.jinja"), "--chat-template")
+    r = inferscale(tmp_path, env, "precompute", "missing.jsonl", "--snapshot-dir", "./kv", timeout=60)
+    assert r.returncode == 2
+    one_error_line(r, str(tmp_path / "missing.jsonl"))
+    assert not (tmp_path / "kv").exists()
+
+
+def test_help_and_version_import_no_jax(tmp_path, env):
+    from inferscale_jax import __version__
+
+    r = inferscale(tmp_path, env, "--version", timeout=60)
+    assert r.returncode == 0 and r.stdout.strip() == f"inferscale {__version__}", r
+    assert re.fullmatch(r"\d+\.\d+\.\d+\S*", __version__)
+    for args in (["-h"], ["serve", "-h"], ["--version"]):
+        r = subprocess.run([sys.executable, "-X", "importtime", "-m", "inferscale_cli", *args], cwd=tmp_path,
+                           env=env, capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0, r.stderr[-3000:]
+        imported = {line.split("|")[-1].strip() for line in r.stderr.splitlines() if line.startswith("import time")}
+        assert not imported & {"jax", "transformers", "torch", "uvicorn", "fastapi"}, sorted(imported)
 
 
 def restored(server) -> tuple[int, int]:

@@ -1,0 +1,250 @@
+"""``inferscale serve``: the HTTP server (``serving/``) over one engine, with uvicorn.
+
+Startup does the cheap, failing-fast work first and says what it does:
+
+1. **Before the model loads**: every path and value is checked (``main.validate``), the API key
+   file is parsed, the chat template read, and the listening socket is bound and listening
+   (``bind``).  A taken port is one ``error:`` line and exit 1 within a second, never after a
+   model load; ``--port`` must be 1-65535 (parse time).  Connections that arrive meanwhile wait
+   in the socket's backlog.
+2. **The model loads** (``Engine.from_pretrained``; ``--snapshot-dir`` restores segments and KV).
+   Without ``--api-keys`` every request is tenant ``default``: the tenants the restored snapshot
+   holds besides it are printed with the key file that reaches them (``tenant_hint``).
+3. **The app** (``serving.create_app``): a chat template that cannot render is one ``error:``
+   line here, before any compile.
+4. **Warm-up** on the engine thread (``Engine.warmup``: the small bucket set on the CPU, every
+   bucket on a GPU/TPU; a progress bar on stderr; ``/health`` answers 503 ``warming up`` until
+   it is done) while uvicorn serves the bound socket.
+5. **Shutdown** (SIGTERM / Ctrl-C): uvicorn's graceful shutdown, then the warm-up is stopped
+   (``Engine.stop_warmup``: no new compile starts), the engine thread finishes its step, the
+   final snapshot is written, exit 0.  uvicorn re-raises the signal it caught on the way out;
+   ``_stop_signals_return`` keeps that from killing the process before the snapshot.
+
+Logging: ``--log-level`` sets our loggers; uvicorn's startup lines and access log stay off.  One
+JSON line per HTTP request with ``--log-requests`` (``serving/middleware.py``); the engine's own
+per-request line (``inferscale.request``, ``tracing.py``) is then redundant and stays off unless
+``--log-level debug``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import signal
+import socket
+import sys
+
+SHUTDOWN_WAIT_S = 300.0  # how long the engine thread may take to finish its step at shutdown
+DEFAULT_NAMES = ["inferscale-default", "inferscale"]  # the embedded default model's served names
+LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on ``host:port`` (what uvicorn would create, made here so a taken
+    port fails before the model loads); ``OSError`` naming the address and the fix."""
+    try:
+        family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                          flags=socket.AI_PASSIVE)[0]
+    except socket.gaierror as err:
+        raise OSError(f"--host {host}: cannot resolve it ({err.strerror}); give an IP address or a known "
+                      "host name, e.g. 127.0.0.1 (this machine only) or 0.0.0.0 (every interface)") from None
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: a restart reuses TIME_WAIT
+        sock.bind(addr)
+        sock.listen(2048)
+    except OSError as err:
+        sock.close()
+        hint = ("another process listens there (an earlier inferscale serve?): stop it or pick another --port"
+                if err.errno == 98 else "pick another --host / --port")
+        raise OSError(f"cannot listen on {host}:{port}: {err.strerror} ({hint})") from None
+    return sock
+
+
+def served_names(args) -> list[str]:
+    """``--served-model-name`` (several allowed, the first is shown in responses), else the
+    deprecated ``--model-name``, else the ``--model`` folder's name or, for the embedded default
+    model, ``inferscale-default`` and ``inferscale`` (the name the docs' examples use)."""
+    if args.served_model_name:
+        return list(dict.fromkeys(args.served_model_name))
+    if args.model_name:
+        print("warning: --model-name is deprecated; use --served-model-name NAME [NAME ...]", file=sys.stderr)
+        return [args.model_name]
+    return [os.path.basename(os.path.normpath(args.model))] if args.model else list(DEFAULT_NAMES)
+
+
+def chat_template(value: str | None) -> str | None:
+    """``--chat-template FILE|STRING``: an existing file's text, else the value itself when it is a
+    Jinja template; anything else (a missing file) is a ``FileNotFoundError`` naming it."""
+    if value is None:
+        return None
+    path = os.path.abspath(os.path.expanduser(value))
+    if os.path.isfile(path):
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    if "{{" in value or "{%" in value:
+        return value
+    raise FileNotFoundError(f"--chat-template {path} is neither a file nor a Jinja template (no '{{{{' or "
+                            "'{%'): give the template file's path or the template text")
+
+
+def tenant_hint(engine) -> str | None:
+    """Without ``--api-keys``: the tenants other than ``default`` whose segments the engine holds,
+    and the key file that reaches them (None when there are none)."""
+    from inferscale_jax.prefix_cache import PUBLIC_TENANT
+    from inferscale_jax.sessions import is_session_id
+
+    counts: dict[str, int] = {}
+    for seg in engine.store.all_segments():
+        if seg.namespace not in ("default", PUBLIC_TENANT) and not is_session_id(seg.info.id):
+            counts[seg.namespace] = counts.get(seg.namespace, 0) + 1
+    if not counts:
+        return None
+    listed = ", ".join(f"'{t}' ({n} segment{'s' * (n != 1)})" for t, n in sorted(counts.items()))
+    example = json.dumps({f"<a secret key for {t}>": t for t in sorted(counts)})
+    return (f"note: the snapshot also holds segments of tenant {listed}; without --api-keys every request is "
+            f"tenant 'default' and cannot see them.  To reach them, restart with --api-keys keys.json, "
+            f"keys.json mapping a key to each tenant: {example} (clients send it as 'Authorization: Bearer <key>')")
+
+
+@contextlib.contextmanager
+def _stop_signals_return():
+    """While uvicorn runs: SIGTERM / SIGINT handlers that do nothing.  uvicorn installs its own
+    during ``run`` (graceful shutdown) and, on the way out, restores these and re-raises the
+    signal it caught: with the default handlers that would kill the process (SIGTERM) or raise
+    KeyboardInterrupt (SIGINT) before the engine's final snapshot.  Restored afterwards."""
+    saved = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
+
+
+def _configure_logging(level: str) -> None:
+    logging.basicConfig(level=getattr(logging, level.upper()),
+                        format="%(asctime)s %(levelname)s %(name)s %(message)s", force=True)
+    quiet = [("absl", logging.WARNING), ("jax", logging.WARNING), ("orbax", logging.WARNING)]
+    if level != "debug":  # the middleware's line (--log-requests) is the one line per request
+        quiet.append(("inferscale.request", logging.WARNING))
+    for name, lvl in quiet:
+        logging.getLogger(name).setLevel(lvl)
+
+
+def _create_app(create_app, async_engine, keys, args, names: list[str], template: str | None):
+    import inspect
+
+    accepted = inspect.signature(create_app).parameters
+    kw = dict(api_keys=keys, max_body_bytes=args.max_body_bytes, max_waiting=args.max_waiting,
+              body_timeout_s=args.body_timeout, default_max_tokens=args.default_max_tokens)
+    if "model_names" in accepted:
+        kw["model_names"] = names
+    else:
+        kw["model_name"] = names[0]
+    if "log_requests" in accepted:
+        kw["log_requests"] = args.log_requests
+    if "chat_template" in accepted:
+        kw["chat_template"] = template
+    elif template is not None:
+        raise ValueError("--chat-template: this server (serving.create_app) takes no chat template")
+    return create_app(async_engine, **kw)
+
+
+def cmd_serve(args) -> int:
+    """Steps 1-5 of the module docstring."""
+    from inferscale_cli.main import resolve_dtype
+
+    _configure_logging(args.log_level)
+    template = chat_template(args.chat_template)
+    names = served_names(args)
+    follower = bool(args.coordinator) and args.process_id not in (None, 0)
+    sock = None if follower else bind(args.host, args.port)
+    try:
+        return _serve(args, sock, names, template, resolve_dtype)
+    finally:
+        if sock is not None:
+            sock.close()
+
+
+def _serve(args, sock, names: list[str], template: str | None, resolve_dtype) -> int:
+    lockstep = None
+    if args.coordinator or args.num_processes or args.process_id is not None:
+        # several processes (hosts), one mesh: before any other JAX call (inferscale_jax/distributed.py)
+        from inferscale_jax import distributed as lockstep
+        lockstep.initialize(args.coordinator, args.num_processes, args.process_id)
+    import uvicorn
+
+    from inferscale_jax import tracing
+    from inferscale_jax.async_engine import AsyncEngine
+    from inferscale_jax.config import EngineConfig
+    from inferscale_jax.engine import Engine
+    from serving import UVICORN_OPTIONS, create_app, load_api_keys
+
+    keys = load_api_keys(args.api_keys) if args.api_keys else None  # before the model loads
+    if tracing.configure_from_env():  # OTEL_* environment, 'inferscale-jax[tracing]' installed
+        print("tracing: exporting spans over OTLP", file=sys.stderr)
+    url = None
+    if sock is not None:
+        host, port = sock.getsockname()[:2]
+        url = f"http://{'[' + host + ']' if ':' in host else host}:{port}"
+        print(f"listening on {url}; loading {args.model or 'the embedded default model'} "
+              f"(requests wait until it is up)", file=sys.stderr, flush=True)
+    if keys is None and args.host not in LOCAL_HOSTS:
+        print(f"warning: serving on {args.host} without --api-keys: anyone who can reach it is tenant 'default'",
+              file=sys.stderr)
+    extra = {}
+    if args.snapshot_dir:
+        extra = dict(snapshot_dir=args.snapshot_dir, strict_restore=args.strict_restore,
+                     snapshot_interval_s=args.snapshot_interval)
+    config = EngineConfig(dtype=resolve_dtype(args.dtype), page_size=args.page_size, hbm_pages=args.hbm_pages,
+                          max_batch=args.max_batch, max_num_batched_tokens=args.max_num_batched_tokens,
+                          tensor_parallel=args.tensor_parallel, kv_dtype=args.kv_dtype,
+                          session_ttl_s=args.session_ttl, max_sessions_per_tenant=args.max_sessions_per_tenant,
+                          **extra)
+    if lockstep is not None:
+        config = lockstep.lockstep_config(config)
+        engine = lockstep.LockstepEngine.from_pretrained(args.model, config)
+        if not lockstep.is_leader():  # a follower: the leader's calls, until it closes the engine
+            print(f"process {args.process_id}: following process 0", file=sys.stderr, flush=True)
+            lockstep.follow(engine)
+            return 0
+    else:
+        engine = Engine.from_pretrained(args.model, config)
+    server: uvicorn.Server | None = None
+
+    def on_fatal(fault) -> None:  # the engine lost its device: stop serving rather than half-serve
+        if server is not None:
+            server.should_exit = True
+
+    async_engine = AsyncEngine(engine, on_fatal=on_fatal)
+    try:
+        app = _create_app(create_app, async_engine, keys, args, names, template)
+        if keys is None and (hint := tenant_hint(engine)):
+            print(hint, file=sys.stderr)
+        also = f" (also answers to {', '.join(names[1:])})" if len(names) > 1 else ""
+        print(f"serving {names[0]}{also} on {url}, {len(keys) if keys else 'no'} API keys; "
+              + ("warming up: /health answers 503 until it is done" if args.warmup else "no warm-up"),
+              file=sys.stderr, flush=True)
+        if args.warmup:
+            async_engine.start_warmup()
+        # log_config=None: uvicorn keeps the logging set up above (its own dictConfig would drop
+        # the root handler that prints the per-request lines of ``inferscale.server``)
+        quiet = "debug" if args.log_level == "debug" else "warning"  # uvicorn's own startup lines: debug only
+        server = uvicorn.Server(uvicorn.Config(app, log_level=quiet, access_log=False, log_config=None,
+                                               **UVICORN_OPTIONS))
+        with _stop_signals_return():
+            server.run(sockets=[sock])
+    finally:
+        engine.stop_warmup()  # a warm-up still compiling starts nothing more
+        async_engine.shutdown(timeout=SHUTDOWN_WAIT_S)  # a step (or a compile) in flight finishes first
+        if async_engine.stopped:
+            engine.close()  # the final snapshot, with the engine thread gone
+        else:
+            print(f"error: the engine thread did not stop within {SHUTDOWN_WAIT_S:.0f} s; no final snapshot "
+                  "(the last periodic one and the registry stand)", file=sys.stderr)
+    if async_engine.fatal is not None:
+        print(f"error: {async_engine.fatal}", file=sys.stderr)
+        return 1
+    return 0
