@@ -161,14 +161,20 @@ def cmd_serve(args) -> int:
     names = served_names(args)
     follower = bool(args.coordinator) and args.process_id not in (None, 0)
     sock = None if follower else bind(args.host, args.port)
+    url = None
+    if sock is not None:
+        host, port = sock.getsockname()[:2]
+        url = f"http://{'[' + host + ']' if ':' in host else host}:{port}"
+        print(f"listening on {url}; loading {args.model or 'the embedded default model'} "
+              f"(requests wait until it is up)", file=sys.stderr, flush=True)
     try:
-        return _serve(args, sock, names, template, resolve_dtype)
+        return _serve(args, sock, url, names, template, resolve_dtype)
     finally:
         if sock is not None:
             sock.close()
 
 
-def _serve(args, sock, names: list[str], template: str | None, resolve_dtype) -> int:
+def _serve(args, sock, url: str | None, names: list[str], template: str | None, resolve_dtype) -> int:
     lockstep = None
     if args.coordinator or args.num_processes or args.process_id is not None:
         # several processes (hosts), one mesh: before any other JAX call (inferscale_jax/distributed.py)
@@ -185,12 +191,6 @@ def _serve(args, sock, names: list[str], template: str | None, resolve_dtype) ->
     keys = load_api_keys(args.api_keys) if args.api_keys else None  # before the model loads
     if tracing.configure_from_env():  # OTEL_* environment, 'inferscale-jax[tracing]' installed
         print("tracing: exporting spans over OTLP", file=sys.stderr)
-    url = None
-    if sock is not None:
-        host, port = sock.getsockname()[:2]
-        url = f"http://{'[' + host + ']' if ':' in host else host}:{port}"
-        print(f"listening on {url}; loading {args.model or 'the embedded default model'} "
-              f"(requests wait until it is up)", file=sys.stderr, flush=True)
     if keys is None and args.host not in LOCAL_HOSTS:
         print(f"warning: serving on {args.host} without --api-keys: anyone who can reach it is tenant 'default'",
               file=sys.stderr)
