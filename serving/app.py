@@ -68,7 +68,8 @@ MAX_JSON_DEPTH = 64
 #   the final snapshot) is not held up by a client that never leaves.
 # The request body itself is bounded by create_app's body_timeout_s (middleware.py).
 UVICORN_OPTIONS = dict(timeout_keep_alive=5, limit_concurrency=4096, timeout_graceful_shutdown=10)
-MIN_MAX_WAITING = 256
+MIN_MAX_WAITING = 1024
+MAX_AUTO_WAITING = 3072
 TOKENS_PER_QUEUED_REQUEST = 256  # auto_max_waiting: a queued request's share of the pool
 DRAIN_RATE_WINDOW_S = 10.0  # ServerState.retry_after's moving average
 _TYPE_TAGS = {"str", "int", "float", "bool", "none", "dict", "list"}
@@ -139,13 +140,15 @@ class ServerState:
 
 def auto_max_waiting(engine) -> int:
     """The default queue limit: as many requests as the KV pool holds at
-    ``TOKENS_PER_QUEUED_REQUEST`` tokens each, at least ``MIN_MAX_WAITING`` and 4 x max_batch."""
+    ``TOKENS_PER_QUEUED_REQUEST`` tokens each, at least ``MIN_MAX_WAITING`` (benchmark clients open
+    512 streams at once) and 8 x max_batch, at most ``MAX_AUTO_WAITING`` (below uvicorn's
+    connection limit, ``UVICORN_OPTIONS``)."""
     try:  # sizes fixed at construction (read here, not through the engine thread)
         pool = (engine.pool.num_pages - 1) * engine.config.page_size
         batch = int(engine.max_batch)
     except AttributeError:  # a stub engine: the floor
         return MIN_MAX_WAITING
-    return max(MIN_MAX_WAITING, 4 * batch, pool // TOKENS_PER_QUEUED_REQUEST)
+    return min(MAX_AUTO_WAITING, max(MIN_MAX_WAITING, 8 * batch, pool // TOKENS_PER_QUEUED_REQUEST))
 
 
 def _check_json(obj, depth: int = 0) -> None:
