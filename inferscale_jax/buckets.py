@@ -25,7 +25,9 @@ compile all of it before serving and nothing compiles afterwards:
   real length, its splits included), and the group count one of ``GROUP_BUCKETS`` (at most
   ``MAX_GROUPS`` groups a step); a row bucket ``r`` takes the group buckets up to the first that
   holds ``r // 2`` groups (a group has at least two rows).  Extra groups in a bucket cost only
-  empty programs of the shared kernel.
+  empty programs of the shared kernel.  A mixed step whose decode rows form cascade groups takes
+  one cascade bucket per token bucket: the group count its rows can hold at most
+  (``mixed_groups``), the widest page lists.
 * **log-probs**: 0 or ``MAX_LOGPROBS`` columns.
 
 **Warm-up sets** (``warmup_keys``): ``all`` is every bucket above; ``small`` keeps what a small
@@ -115,11 +117,15 @@ class StepBuckets:
         """The group buckets a step of ``rows`` rows can take (groups of >= 2 rows)."""
         return [g for i, g in enumerate(GROUP_BUCKETS) if i == 0 or GROUP_BUCKETS[i - 1] < rows // 2]
 
+    def mixed_groups(self, rows: int) -> int:
+        """The group bucket of a mixed step of ``rows`` (bucketed) rows: the most its decode rows can hold."""
+        return self.groups_for(min(MAX_GROUPS, max(1, rows // 2)))
+
     def key(self, n_rows: int, n_tokens: int, need_pages: int, num_logprobs: int, shared_pages: int = 0,
             groups: int = 0) -> StepKey:
         """The bucket of a step of ``n_rows`` rows and ``n_tokens`` new tokens whose longest row
-        needs ``need_pages`` table entries (cascade, decode only: ``groups`` groups whose longest
-        shared page list is ``shared_pages``)."""
+        needs ``need_pages`` table entries (cascade: ``groups`` groups whose longest shared page
+        list is ``shared_pages``)."""
         assert 0 < n_rows <= self.max_rows and n_rows <= n_tokens <= self.max_tokens, (n_rows, n_tokens)
         nl = self.num_logprobs if num_logprobs else 0
         if n_tokens == n_rows:  # decode: one token per row
@@ -127,9 +133,11 @@ class StepBuckets:
             if shared_pages:
                 return StepKey(r, r, self.widths[-1], nl, self.wide(shared_pages), self.groups_for(max(groups, 1)))
             return StepKey(r, r, self.width_for(need_pages) if r < NARROW_ROWS else self.wide(need_pages), nl)
-        assert not shared_pages, "cascade attention is a decode step"
         t = next(b for b in self.token_buckets if b >= n_tokens)
-        return StepKey(min(t, self.max_rows), t, self.wide(need_pages), nl, ragged=True)
+        r = min(t, self.max_rows)
+        if shared_pages:
+            return StepKey(r, t, self.wide(need_pages), nl, self.wide(shared_pages), self.mixed_groups(r), ragged=True)
+        return StepKey(r, t, self.wide(need_pages), nl, ragged=True)
 
     def count(self, key: StepKey, n_rows: int, n_tokens: int) -> None:
         self.real_tokens += n_tokens
@@ -147,6 +155,9 @@ class StepBuckets:
                 if cascade and r >= 2:
                     keys += [StepKey(r, r, self.widths[-1], nl, self.widths[-1], g) for g in self.group_buckets(r)]
             keys += [StepKey(min(t, self.max_rows), t, self.widths[-1], nl, ragged=True) for t in self.token_buckets]
+            if cascade:
+                keys += [StepKey(r, t, self.widths[-1], nl, self.widths[-1], self.mixed_groups(r), ragged=True)
+                         for t in self.token_buckets if (r := min(t, self.max_rows)) >= 3]
         return list(dict.fromkeys(keys))
 
     def warmup_keys(self, which: str = "all", *, cascade: bool = True, logprobs: bool = True) -> list[StepKey]:

@@ -22,7 +22,10 @@ segment chain's node, or prefix-cache hits several rows share - into a *group ta
 then describe its own suffix only; any other row's, its whole context.  One launch of
 ``pallas_kernels/cascade_attention.py``'s grouped kernel reads every group's pages once per row
 block of that group's members, the suffixes go through the decode kernel, and the two merge by
-their log-sum-exps (``"ref"``: the kernel's jnp reference, same semantics).
+their log-sum-exps (``"ref"``: the kernel's jnp reference, same semantics).  Decode steps and
+mixed steps both carry groups: in a mixed step the group rows are its one-token decode rows, the
+ragged kernel runs over every row as usual (a group row seeing only its suffix) and the grouped
+cascade, in the same jitted step, gives each group row's token instead (``_mixed_cascade``).
 
 ``impl`` picks the kernels, here and nowhere else (:func:`resolve_impl`, at construction):
 ``"pallas"`` the GPU (Triton-style) kernels of ``pallas_kernels/``, ``"pallas_tpu"`` the Mosaic TPU
@@ -240,7 +243,10 @@ def _attend(q, kp, vp, positions, meta: AttnMeta, impl: str, scales=(None, None)
         out = ragged_paged_attention_tpu(q[0], kp, vp, *_as_ragged(meta, kp.shape[2]))[None]
     elif meta.ragged:  # q [1, N]: the flat tokens of a mixed step
         fn = ragged_paged_attention if pallas else ragged_paged_attention_ref
-        out = fn(q[0], kp, vp, meta.page_table, meta.cu_q_lens, meta.kv_lens, **sc)[None]  # [1, N, Hq, D]
+        out = fn(q[0], kp, vp, meta.page_table, meta.cu_q_lens, meta.kv_lens, **sc)  # [N, Hq, D]
+        if meta.group_pages is not None:  # its decode rows in cascade groups: their tokens from the cascade
+            out = _mixed_cascade(q[0], kp, vp, out, meta, pallas, sc)
+        out = out[None]  # [1, N, Hq, D]
     elif meta.group_pages is not None:  # q [1, R]: one token per row, cascade groups
         fn = grouped_cascade_decode_attention if pallas else grouped_cascade_decode_attention_ref
         out = fn(q[0], kp, vp, meta.group_pages, meta.group_lens, meta.row_group, meta.page_table,
@@ -251,15 +257,32 @@ def _attend(q, kp, vp, positions, meta: AttnMeta, impl: str, scales=(None, None)
     return out
 
 
+MIXED_BLOCK_ROWS = 64  # the shared part's row blocks in a mixed step (its group count is not known statically)
+
+
+def _mixed_cascade(q, kp, vp, out, meta: AttnMeta, pallas: bool, sc: dict):
+    """A mixed step's group rows (one-token decode rows, ``row_group >= 0``) through the grouped
+    cascade: ``out [N, Hq, D]`` (the ragged kernel's, which saw only their suffix pages) with each
+    group row's token replaced by its cascade result.  The cascade runs over every row of the step
+    with the others' suffix lengths set to 0, so they cost no reads."""
+    n = q.shape[0]
+    rg = meta.row_group  # [R]
+    in_group = rg >= 0
+    last = meta.cu_q_lens[1:] - 1  # [R] each row's last token (a group row's only one)
+    fn = grouped_cascade_decode_attention if pallas else grouped_cascade_decode_attention_ref
+    knobs = dict(block_rows=MIXED_BLOCK_ROWS) if pallas else {}
+    rows = fn(q[jnp.clip(last, 0, n - 1)], kp, vp, meta.group_pages, meta.group_lens, rg, meta.page_table,
+              jnp.where(in_group, meta.kv_lens, 0), **knobs, **sc)  # [R, Hq, D]
+    return out.at[jnp.where(in_group, last, n)].set(rows.astype(out.dtype), mode="drop")
+
+
 def _as_ragged(meta: AttnMeta, page_size: int) -> tuple[jax.Array, jax.Array, jax.Array]:
     """(page_table, cu_q_lens, kv_lens) of the ragged kernel for any non-blend step: a mixed step's
     own; a decode step's rows are rows of one token; a group row's page list is its group's shared
     pages (``group_lens``, full pages: the engine's guarantee) followed by its own suffix pages."""
     table, kv_lens = meta.page_table, meta.kv_lens
-    if meta.ragged:
-        return table, meta.cu_q_lens, kv_lens
     rows, width = table.shape
-    cu = jnp.arange(rows + 1, dtype=jnp.int32)
+    cu = meta.cu_q_lens if meta.ragged else jnp.arange(rows + 1, dtype=jnp.int32)
     if meta.group_pages is None or 0 in meta.group_pages.shape:
         return table, cu, kv_lens
     num_groups, num_shared = meta.group_pages.shape

@@ -119,7 +119,7 @@ class StepPlan:
     cascade groups' shared pages, and which rows feed a token the previous step sampled."""
     rows: list[StepRow]
     num_logprobs: int = 0  # top log-probs per row to return (0: none)
-    # decode steps only, cascade: group i's rows (``StepRow.group == i``) all start with the same
+    # cascade (one-token rows only): group i's rows (``StepRow.group == i``) all start with the same
     # ``groups[i]`` full pages, read once per step for the group (empty: no cascade)
     groups: list[int] = dataclasses.field(default_factory=list)
     # per row: the row of the previous step whose sampled id is this row's token, read on the
@@ -369,11 +369,12 @@ class ModelRunner:
         (``pallas_kernels/ragged_attention.py``); a step whose rows all feed one token is a
         *decode* bucket (decode kernel, cascade).
 
-        ``plan.groups`` (decode steps only): the rows of group ``i`` all start with the same
-        ``groups[i]`` full pages; attention reads each group's pages once for the group (the
-        multi-group cascade kernel), and every other row reads its whole page list as usual.  ``plan.src`` with
-        ``prev``: row ``i`` with ``src[i] = j >= 0`` (a one-token row) feeds the id that row
-        ``j`` of the step ``prev`` sampled, read on the device (its host token is ignored)."""
+        ``plan.groups`` (one-token rows only, in decode and mixed steps): the rows of group ``i``
+        all start with the same ``groups[i]`` full pages; attention reads each group's pages once
+        for the group (the multi-group cascade kernel), and every other row reads its whole page
+        list as usual.  ``plan.src`` with ``prev``: row ``i`` with ``src[i] = j >= 0`` (a
+        one-token row) feeds the id that row ``j`` of the step ``prev`` sampled, read on the
+        device (its host token is ignored)."""
         rows, num_logprobs, groups, src = plan.rows, plan.num_logprobs, plan.groups, plan.src
         assert src is None or (prev is not None and len(src) == len(rows))
         key, pen_key, host = self._pack(rows, num_logprobs, groups, src)
@@ -544,11 +545,16 @@ class ModelRunner:
                 return None
         else:
             lens = [1] * key.rows
+        if key.ragged and key.shared:  # a one-token row to form the cascade group
+            lens = lens[:-1] + [lens[-1] - 1, 1] if lens[-1] > 1 else lens
+            if len(lens) > key.rows:
+                return None
         rows = [StepRow([0] * m, 0, [0] * -(-m // s)) for m in lens]
         if not key.ragged and not key.shared:  # the first row needs the whole table width
             rows[0].pages, rows[0].start = [0] * key.width, key.width * s - 1
         groups = self._padding_groups(key)
-        for i, r in enumerate(rows[:len(groups)]):  # cascade groups of one row each over `shared` null pages
+        one_token = [r for r in rows if len(r.tokens) == 1]
+        for i, r in enumerate(one_token[len(one_token) - len(groups):]):  # groups of one row over null pages
             r.pages, r.start, r.group = [0] * (key.shared + 1), key.shared * s, i
         need = max(-(-(r.start + len(r.tokens)) // s) - (groups[r.group] if r.group >= 0 else 0) for r in rows)
         if self.buckets.key(len(rows), key.tokens, need, key.num_logprobs, max(groups, default=0),
@@ -558,8 +564,9 @@ class ModelRunner:
 
     @staticmethod
     def _padding_groups(key: StepKey) -> list[int]:
-        """The cascade groups of ``_padding_rows(key)``: enough for the bucket's group count."""
-        return [key.shared] * min(key.groups, key.rows) if key.shared else []
+        """The cascade groups of ``_padding_rows(key)``: enough for the bucket's group count (a
+        mixed step's follows its rows alone: one)."""
+        return [key.shared] * (1 if key.ragged else min(key.groups, key.rows)) if key.shared else []
 
     # buckets a partial warm-up left out (Engine.warmup sets it): their first compile is expected
     warm_skipped: frozenset = frozenset()

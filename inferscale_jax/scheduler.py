@@ -44,9 +44,9 @@
    with its next chunk at once; pages enter the prefix cache when their step is read back, and
    a step whose results are lost is forgotten (``computed`` rolled back) and recomputed
    (``_lost``).
-   *Cascade*: in a step of decode rows only, requests that start with the same read-only pages
-   (one segment chain's node, or the same prefix-cache hits) form a group; every group of two
-   rows or more (at most ``buckets.MAX_GROUPS``, those saving the most first), when together
+   *Cascade*: among a step's decode rows (a pure decode step's, or a mixed step's beside its
+   chunks), requests that start with the same read-only pages (one segment chain's node, or
+   the same prefix-cache hits) form a group; every group of two rows or more (at most ``buckets.MAX_GROUPS``, those saving the most first), when together
    they save enough reads, has its pages read once per step for all its rows
    (``_cascade_groups``, the multi-group cascade kernel: every group in one launch), while the
    other rows in the same step read their own pages.
@@ -525,7 +525,7 @@ class Scheduler:
                    for o, row in zip(owners, rows)]
         if rows:
             nl = MAX_LOGPROBS if any(o.wants_logprobs for o in owners) else 0
-            cascade = self._cascade_groups(owners) if decode_rows == len(rows) else []
+            cascade = self._cascade_groups(owners[:decode_rows])  # (decode rows come first)
             for gi, (_, members) in enumerate(cascade):
                 for i in members:
                     rows[i].group = gi
@@ -644,7 +644,7 @@ class Scheduler:
         return [self._token(req, res, i)]
 
     def _cascade_groups(self, decoding: list[Request]) -> list[tuple[int, list[int]]]:
-        """The cascade groups of this decode step: (shared pages k, row indices) each, or [].
+        """The cascade groups of this step's decode rows: (shared pages k, row indices) each, or [].
 
         Rows whose sequences share the same leading read-only pages (``Seq.shared_key``: a chain
         node's full pages, or prefix-cache hits) can read them once for the whole group.  Every

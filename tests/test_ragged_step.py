@@ -101,7 +101,9 @@ def test_every_step_shape_maps_into_the_warmup_set():
         key = b.key(rows, tokens, need - shared if shared else need, int(rng.integers(0, 2)) * 5, shared)
         assert key in keys, key
         assert key.rows >= rows and key.tokens >= tokens and key.width >= (need - shared if shared else need)
-    assert len(keys) < 60  # the set stays small enough to compile at startup
+    # the set stays small enough to compile at startup (54 buckets before mixed steps took cascade
+    # groups: one bucket per token bucket and log-prob width more)
+    assert len(keys) < 75
 
 
 def test_after_warmup_200_random_requests_compile_nothing():

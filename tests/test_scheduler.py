@@ -44,14 +44,15 @@ def assert_same(batched, alone, tol=1e-5):
 
 
 def spy_steps(engine):
-    """Record (cascade groups as (shared pages, rows) each, cascade rows, rows) of every device
-    step the runner launches."""
+    """Record (cascade groups as (shared pages, rows) each, cascade rows, rows, mixed) of every
+    device step the runner launches (mixed: a row computes more than one token)."""
     seen = []
     orig = engine.runner.dispatch
 
     def dispatch(plan, *a, **k):
         groups = tuple((k, sum(r.group == i for r in plan.rows)) for i, k in enumerate(plan.groups))
-        seen.append((groups, sum(r.cascade for r in plan.rows), len(plan.rows)))
+        seen.append((groups, sum(r.cascade for r in plan.rows), len(plan.rows),
+                     any(len(r.tokens) > 1 for r in plan.rows)))
         return orig(plan, *a, **k)
     engine.runner.dispatch = dispatch
     return seen
@@ -77,7 +78,7 @@ def test_16_concurrent_requests_equal_running_alone(cascade, monkeypatch):
     tight = cascade == "policy" and jax.default_backend() == "cpu"
     for b, a in zip(batched, alone):
         assert_same(b, a, 1e-5 if tight else 1e-4)
-    cascaded = [(n, rows) for k, n, rows in seen if k]
+    cascaded = [(n, rows) for k, n, rows, _ in seen if k]
     if cascade == "always":  # groups of segment "a" / "b" rows ran beside rows of other segments
         assert cascaded and all(n >= 2 for n, _ in cascaded)
         assert any(n < rows for n, rows in cascaded)
@@ -184,7 +185,7 @@ def cascade_runs(impl, make_reqs, setup, monkeypatch, threshold=0):
         assert casc.token_ids == plain.token_ids  # the LSE merge sums in another order
         for x, y in zip(casc.logprobs, plain.logprobs):
             assert x.keys() == y.keys() and max(abs(x[k] - y[k]) for k in x) < 1e-4
-    assert not any(k for k, _, _ in seens[0])
+    assert not any(k for k, *_ in seens[0])
     return seens[1]
 
 
@@ -206,7 +207,7 @@ def test_cascade_decode_equals_plain_decode(impl, monkeypatch):
         return [dict(prompt_token_ids=[10 + i, 20 + i], segments=sg, sampling=greedy_lp())
                 for i, sg in enumerate(segs)]
     seen = cascade_runs(impl, reqs, setup, monkeypatch)
-    assert (((4, 3), (2, 2)), 5, 6) in seen  # kb's 4 full pages for its 3 rows, faq's 2 for its 2, of 6 rows
+    assert (((4, 3), (2, 2)), 5, 6, False) in seen  # kb's 4 full pages for its 3 rows, faq's 2 for its 2, of 6 rows
 
 
 def test_prefix_cache_hits_form_a_cascade_group(monkeypatch):
@@ -219,7 +220,7 @@ def test_prefix_cache_hits_form_a_cascade_group(monkeypatch):
     def reqs():
         return [dict(prompt_token_ids=system + [60 + i, 70 + i], sampling=greedy_lp(5)) for i in range(4)]
     seen = cascade_runs("ref", reqs, setup, monkeypatch)
-    assert (((3, 4),), 4, 4) in seen
+    assert (((3, 4),), 4, 4, False) in seen
 
 
 def test_cascade_policy_skips_groups_that_save_little(monkeypatch):
@@ -229,8 +230,8 @@ def test_cascade_policy_skips_groups_that_save_little(monkeypatch):
 
     def reqs():
         return [dict(prompt_token_ids=[10 + i], segments=["kb"], sampling=greedy_lp(3)) for i in range(3)]
-    assert not any(k for k, _, _ in cascade_runs("ref", reqs, setup, monkeypatch, threshold=2 * 32 + 1))
-    assert (((4, 3),), 3, 3) in cascade_runs("ref", reqs, setup, monkeypatch, threshold=2 * 32)
+    assert not any(k for k, *_ in cascade_runs("ref", reqs, setup, monkeypatch, threshold=2 * 32 + 1))
+    assert (((4, 3),), 3, 3, False) in cascade_runs("ref", reqs, setup, monkeypatch, threshold=2 * 32)
 
 
 @pytest.mark.parametrize("impl", ["ref", "pallas"])
@@ -247,10 +248,29 @@ def test_three_segment_groups_in_one_step_equal_cascade_off(impl, monkeypatch):
         return [dict(prompt_token_ids=[10 + i, 20 + i, 30 + i][:1 + i % 3], segments=sg, sampling=greedy_lp(5))
                 for i, sg in enumerate(segs)]
     seen = cascade_runs(impl, reqs, setup, monkeypatch)
-    three = [groups for groups, _, _ in seen if len(groups) == 3]
+    three = [groups for groups, *_ in seen if len(groups) == 3]
     assert three, f"no step ran three groups: {seen}"
     # the first 8 requests (max_batch), by pages saved: kb 2 x 4, faq 1 x 3, doc 1 x 2; one row alone
-    assert (((4, 3), (3, 2), (2, 2)), 7, 8) in seen
+    assert (((4, 3), (3, 2), (2, 2)), 7, 8, False) in seen
+
+
+@pytest.mark.parametrize("impl", ["ref", "pallas"])
+def test_mixed_steps_run_their_decode_rows_through_the_cascade(impl, monkeypatch):
+    """A long prompt prefills chunk by chunk while rows of two segments decode: the mixed steps
+    (decode rows + a chunk) read each group's pages once in the same jitted step; tokens and
+    log-probs as with cascade off."""
+    def setup(engine):
+        engine.register_segment("kb", token_ids=list(range(1, 4 * S + 3)))  # 4 full pages + 2
+        engine.register_segment("faq", token_ids=list(range(50, 50 + 2 * S)))  # 2 full pages
+
+    def reqs():
+        segs = [["kb"], ["faq"], ["kb"], ["faq"], ["kb"]]
+        out = [dict(prompt_token_ids=[10 + i], segments=sg, sampling=greedy_lp(6)) for i, sg in enumerate(segs)]
+        return out + [dict(prompt_token_ids=list(range(2, 80)), sampling=greedy_lp(2))]  # 5 chunks of 16
+    seen = cascade_runs(impl, reqs, setup, monkeypatch)
+    mixed = [(groups, n, rows) for groups, n, rows, is_mixed in seen if is_mixed and groups]
+    assert mixed, f"no mixed step ran cascade groups: {seen}"
+    assert (((4, 3), (2, 2)), 5, 6) in mixed  # kb's 3 rows and faq's 2 beside the prompt's chunk
 
 
 def test_cascade_policy_takes_every_group_of_two_rows_or_more(monkeypatch):
