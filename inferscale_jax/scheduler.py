@@ -46,10 +46,11 @@
    (``_lost``).
    *Cascade*: among a step's decode rows (a pure decode step's, or a mixed step's beside its
    chunks), requests that start with the same read-only pages (one segment chain's node, or
-   the same prefix-cache hits) form a group; every group of two rows or more (at most ``buckets.MAX_GROUPS``, those saving the most first), when together
-   they save enough reads, has its pages read once per step for all its rows
-   (``_cascade_groups``, the multi-group cascade kernel: every group in one launch), while the
-   other rows in the same step read their own pages.
+   the same prefix-cache hits) form a group; every group of two rows or more (at most
+   ``buckets.MAX_GROUPS``, those saving the most first), when together they save enough reads,
+   has its pages read once per step for all its rows (``_cascade_groups``, the multi-group
+   cascade kernel: every group in one launch), while the other rows in the same step read
+   their own pages.
 5. **Finish**: EOS, a stop token or string, ``max_tokens``, or ``abort``: the request's page
    references are dropped at once (its full pages stay in the prefix cache) and its chain
    nodes lose a reader; one waiting on a node job leaves it (the last one cancels it).
