@@ -20,7 +20,7 @@ What ``main`` does at the boundary, for every command:
   below) a file, a missing ``--api-keys`` file or corpus are one ``error:`` line before any model
   loads (and before ``precompute`` creates its snapshot folder).
 - **Quiet third parties** before anything imports them: transformers' advisories ("PyTorch was
-  not found" on a machine without torch) and its info logs are off; absl/orbax INFO lines
+  not found": ``hide_torch`` keeps transformers from importing it) and its info logs are off; absl/orbax INFO lines
   stay off whatever ``--log-level`` is (``serve``'s logging setup re-enables only ours).
 - **Absolute paths**: every path the user gives (``--model``, ``--snapshot-dir``,
   ``--api-keys``, the corpus) is made absolute against the current folder before it reaches
@@ -96,6 +96,13 @@ def positive(kind=int):
         return value
     parse.__name__ = kind.__name__  # argparse names the type in its messages
     return parse
+
+
+def hide_torch() -> None:
+    """Nothing here uses PyTorch, but transformers imports it whenever it is installed: about 2 s
+    of every start, for the tokenizer alone.  Marked absent in this process, it is not imported
+    (transformers then works with tokenizers only, which is all the engine asks of it)."""
+    sys.modules.setdefault("torch", None)
 
 
 def quiet_third_party() -> None:
@@ -419,6 +426,8 @@ def main(argv: list[str] | None = None) -> int:
 
     quiet_third_party()
     args = build_parser().parse_args(argv)
+    if argv is None and args.command != "bench":  # the process's own command (not a caller's), no benchmark
+        hide_torch()
     logging.getLogger("inferscale.snapshot").addFilter(SnapshotHint())
     try:
         validate(args)

@@ -575,8 +575,8 @@ class ModelRunner:
         """Compile (or load from the persistent cache) the steps of ``keys``, several at a time:
         each step is traced and lowered here (Python, one at a time), and XLA compiles it on a
         pool of ``workers`` threads (default: the CPUs, at most 8) while the next one lowers, with
-        the overlap helpers of their shapes.  Then each bucket runs once on padding.
-        ``progress(done, total)`` after each bucket.  ``stop()``, checked between buckets: when
+        the overlap helpers of their shapes.  Then, on an accelerator, each bucket runs once on
+        padding (its first run sets up what later runs reuse).  ``progress(done, total)`` after each bucket.  ``stop()``, checked between buckets: when
         true, nothing more is lowered or started (the compiles already running finish; XLA cannot
         interrupt one) and the warm-up returns early.  Returns how many of ``keys`` are ready."""
         stop = stop or (lambda: False)
@@ -618,7 +618,7 @@ class ModelRunner:
         for fut, hk in small.items():
             if not fut.cancelled():
                 self.helpers[hk] = fut.result()
-        if stop():
+        if stop() or self.device.platform == "cpu":  # (a CPU executable's first run costs what any run does)
             return done
         for key, rows in plans:
             if stop():
