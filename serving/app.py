@@ -37,7 +37,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import copy
-import inspect
 import json
 import logging
 import math
@@ -278,10 +277,8 @@ def create_app(engine_or_async_engine, *, api_keys=None, max_body_bytes: int = 2
 
     app = FastAPI(title="InferScale-JAX", lifespan=lifespan)
     app.state.serving = state
-    middleware = dict(max_body_bytes=max_body_bytes, metrics=state.metrics, body_timeout_s=body_timeout_s)
-    if "log_requests" in inspect.signature(ServingMiddleware.__init__).parameters:
-        middleware["log_requests"] = log_requests
-    app.add_middleware(ServingMiddleware, **middleware)
+    app.add_middleware(ServingMiddleware, max_body_bytes=max_body_bytes, metrics=state.metrics,
+                       body_timeout_s=body_timeout_s, log_requests=log_requests)
 
     @app.exception_handler(APIError)
     async def _api_error(request, exc: APIError):
