@@ -449,9 +449,15 @@ def create_app(engine_or_async_engine, *, api_keys=None, max_body_bytes: int = 2
         return {"id": session_id, "object": "session", "deleted": True}
 
     # -- models, stats, health, metrics -----------------------------------------------------
+    model_cfg = getattr(engine, "cfg", None)  # (absent on test stubs)
+    max_model_len = getattr(model_cfg, "max_position_embeddings", None)
+
     def _model_json(name: str) -> dict:
-        return {"id": name, "object": "model", "created": state.started, "owned_by": "inferscale",
-                "root": state.model_name, "max_model_len": engine.cfg.max_position_embeddings}
+        out = {"id": name, "object": "model", "created": state.started, "owned_by": "inferscale",
+               "root": state.model_name}
+        if max_model_len is not None:
+            out["max_model_len"] = max_model_len  # vLLM's field: clients size their prompts by it
+        return out
 
     @app.get("/v1/models")
     async def models(request: Request):
