@@ -10,6 +10,7 @@ set -euo pipefail
 
 LM_EVAL_VERSION=0.4.13
 GUIDELLM_VERSION=0.8.1
+LANGCHAIN_OPENAI_VERSION=1.8.1
 TORCH_VERSION=2.13.0
 
 if [ $# -ne 1 ]; then
@@ -21,21 +22,26 @@ PYTHON=${PYTHON:-python3}
 
 installed() {
     [ -x "$VENV/bin/lm_eval" ] && [ -x "$VENV/bin/guidellm" ] && [ -x "$VENV/bin/python" ] || return 1
-    "$VENV/bin/python" - "$LM_EVAL_VERSION" "$GUIDELLM_VERSION" <<'PY' 2>/dev/null
+    "$VENV/bin/python" - "$LM_EVAL_VERSION" "$GUIDELLM_VERSION" "$LANGCHAIN_OPENAI_VERSION" <<'PY' 2>/dev/null
 import sys
 from importlib.metadata import version
-sys.exit(0 if (version("lm_eval"), version("guidellm")) == (sys.argv[1], sys.argv[2]) else 1)
+want = tuple(sys.argv[1:4])
+sys.exit(0 if (version("lm_eval"), version("guidellm"), version("langchain-openai")) == want else 1)
 PY
 }
 
 if installed; then
-    echo "clients already installed in $VENV (lm-eval $LM_EVAL_VERSION, guidellm $GUIDELLM_VERSION)"
+    echo "clients already installed in $VENV (lm-eval $LM_EVAL_VERSION, guidellm $GUIDELLM_VERSION," \
+        "langchain-openai $LANGCHAIN_OPENAI_VERSION)"
     exit 0
 fi
 
 [ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
 # shellcheck disable=SC2086  # TORCH_PIP_ARGS is a list of pip options
 "$VENV/bin/pip" install --quiet "torch==$TORCH_VERSION" ${TORCH_PIP_ARGS:-}
-"$VENV/bin/pip" install --quiet "lm-eval[api]==$LM_EVAL_VERSION" "guidellm==$GUIDELLM_VERSION"
-installed || { echo "install_clients: $VENV does not hold lm-eval $LM_EVAL_VERSION and guidellm $GUIDELLM_VERSION" >&2; exit 1; }
-echo "clients installed in $VENV (lm-eval $LM_EVAL_VERSION, guidellm $GUIDELLM_VERSION)"
+"$VENV/bin/pip" install --quiet "lm-eval[api]==$LM_EVAL_VERSION" "guidellm==$GUIDELLM_VERSION" \
+    "langchain-openai==$LANGCHAIN_OPENAI_VERSION"
+installed || { echo "install_clients: $VENV does not hold lm-eval $LM_EVAL_VERSION, guidellm $GUIDELLM_VERSION" \
+    "and langchain-openai $LANGCHAIN_OPENAI_VERSION" >&2; exit 1; }
+echo "clients installed in $VENV (lm-eval $LM_EVAL_VERSION, guidellm $GUIDELLM_VERSION," \
+    "langchain-openai $LANGCHAIN_OPENAI_VERSION)"

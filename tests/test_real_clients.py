@@ -53,6 +53,12 @@ float32, loopback only), each at a pinned version, each run as its own CLI in a 
   successful request are the server's own usage (prompt tokens after the chat template, output
   tokens), matched to the server's request log line by response id.
 
+* **langchain-openai 1.8.1**: ``OpenAI(...).batch`` and ``.generate`` over a list of prompts (it
+  sends them as one batched ``/v1/completions`` request) and ``ChatOpenAI(...).batch`` /
+  ``.invoke``, greedy, in a script run by the clients' Python.  What it proves: every call succeeds
+  and each text equals the server's answer to that prompt sent alone (so the batch was split into
+  the right choices, in order).
+
 The clients live in their own venv (they pin torch, transformers and friends that the project's
 venv must not be forced to share): ``.ci/install_clients.sh VENV`` creates it, and the tests find
 it through ``INFERSCALE_CLIENTS_VENV``.  CI always sets it; unset (a fresh dev machine) the tests
@@ -77,9 +83,10 @@ from server_util import ENGINE_KW, Server, cache_dir
 
 LM_EVAL_VERSION = "0.4.13"
 GUIDELLM_VERSION = "0.8.1"
+LANGCHAIN_OPENAI_VERSION = "1.8.1"
 ENV_VAR = "INFERSCALE_CLIENTS_VENV"
 HOW = (f"create the clients' venv with `.ci/install_clients.sh VENV` (lm-eval {LM_EVAL_VERSION}, "
-       f"guidellm {GUIDELLM_VERSION}) and set {ENV_VAR}=VENV")
+       f"guidellm {GUIDELLM_VERSION}, langchain-openai {LANGCHAIN_OPENAI_VERSION}) and set {ENV_VAR}=VENV")
 OFFLINE = dict(HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
                HF_HUB_DISABLE_TELEMETRY="1", DO_NOT_TRACK="1", TOKENIZERS_PARALLELISM="false")
 
@@ -144,11 +151,13 @@ def _clients_venv() -> str:
             pytest.fail(f"{ENV_VAR}={venv} has no bin/{tool}: {HOW}")
     probe = subprocess.run(
         [os.path.join(venv, "bin", "python"), "-c",
-         "from importlib.metadata import version; print(version('lm_eval'), version('guidellm'))"],
+         "from importlib.metadata import version; "
+         "print(version('lm_eval'), version('guidellm'), version('langchain-openai'))"],
         capture_output=True, text=True, timeout=60)
-    if probe.returncode != 0 or probe.stdout.split() != [LM_EVAL_VERSION, GUIDELLM_VERSION]:
-        pytest.fail(f"{ENV_VAR}={venv} holds lm-eval/guidellm {probe.stdout.split() or probe.stderr[-500:]}, "
-                    f"want {LM_EVAL_VERSION}/{GUIDELLM_VERSION}: {HOW}")
+    want = [LM_EVAL_VERSION, GUIDELLM_VERSION, LANGCHAIN_OPENAI_VERSION]
+    if probe.returncode != 0 or probe.stdout.split() != want:
+        pytest.fail(f"{ENV_VAR}={venv} holds lm-eval/guidellm/langchain-openai "
+                    f"{probe.stdout.split() or probe.stderr[-500:]}, want {'/'.join(want)}: {HOW}")
     return venv
 
 
@@ -405,3 +414,35 @@ def test_guidellm_default_sweep_zero_errors(venv, server, ref, model_name, cache
     bad = [ln for ln in server.request_lines()[lines_before:] if ln["status"] not in (200, 499)]
     assert not bad, bad[:5]
     print(f"[guidellm] (strategy, successful, incomplete) per benchmark: {summary}")
+
+
+LANGCHAIN_SCRIPT = """
+import json, sys
+from langchain_openai import ChatOpenAI, OpenAI
+url, model, prompts = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+llm = OpenAI(base_url=url + "/v1", api_key="unused", model=model, max_tokens=6, temperature=0, max_retries=0)
+chat = ChatOpenAI(base_url=url + "/v1", api_key="unused", model=model, max_tokens=6, temperature=0, max_retries=0)
+gen = llm.generate(prompts)
+out = {"batch": llm.batch(prompts), "generate": [g[0].text for g in gen.generations],
+       "chat_batch": [m.content for m in chat.batch(prompts)], "chat_invoke": chat.invoke(prompts[0]).content}
+print("RESULT " + json.dumps(out))
+"""
+
+
+def test_langchain_batch_and_chat(venv, server, ref, model_name, tmp_path):
+    prompts = ["The warranty lasts", "Returns are accepted within", "Shipping is paid by"]
+    proc = run_client([os.path.join(venv, "bin", "python"), "-c", LANGCHAIN_SCRIPT, server.url, model_name,
+                       json.dumps(prompts)], tmp_path, 300, server)
+    got = json.loads(proc.stdout.split("RESULT ", 1)[1])
+    with httpx.Client(base_url=server.url, timeout=120) as c:
+        want = [c.post("/v1/completions", json={"model": model_name, "prompt": p, "max_tokens": 6,
+                                                "temperature": 0}).json()["choices"][0]["text"] for p in prompts]
+        chat = [c.post("/v1/chat/completions", json={"model": model_name, "max_tokens": 6, "temperature": 0,
+                                                     "messages": [{"role": "user", "content": p}]}
+                       ).json()["choices"][0]["message"]["content"] for p in prompts]
+    assert got["batch"] == want and got["generate"] == want
+    assert got["chat_batch"] == chat and got["chat_invoke"] == chat[0]
+    lines = [json.loads(x.split(" inferscale.server ", 1)[1]) for x in server.log().splitlines()
+             if " inferscale.server {" in x]
+    assert any(ln.get("n", 1) == len(prompts) and ln["status"] == 200 for ln in lines), \
+        "LangChain's OpenAI.batch did not arrive as one batched completions request"
