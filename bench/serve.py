@@ -1,6 +1,8 @@
 """Serving benchmark: the real HTTP server under load, measured from the client like vLLM's
 ``benchmark_serving`` (TTFT, inter-token latency, end-to-end latency, throughput), with tenants
-and KV-injected segments (docs/architecture.md, "HTTP API"; results in bench/NOTES.md).
+and KV-injected segments (docs/architecture.md, "HTTP API"; results in bench/NOTES.md); and the
+very same workload through the in-process ``AsyncEngine`` beside it, which tells what the HTTP
+layer costs (a serving figure is the HTTP one; the in-process one is its reference).
 
 Usage (from the repository root, ``INFERSCALE_CACHE`` set), or as ``inferscale bench serve ...``::
 
@@ -8,51 +10,89 @@ Usage (from the repository root, ``INFERSCALE_CACHE`` set), or as ``inferscale b
         --segment-tokens 200 --max-tokens 8                   # CPU, default model, a few minutes
     python bench/serve.py --concurrency 1,8,32 --num-requests 256    # fixed concurrency instead
     python bench/serve.py --url http://127.0.0.1:8000 --api-keys keys.json   # a running server
+    python bench/serve.py --in-process ...                    # the same through AsyncEngine only
+    python bench/serve.py --mode http,inproc ...              # both, one table, HTTP/in-process ratio
+
+Issue 30's workload (H200; ``python bench/make_checkpoint.py`` makes the Llama-3-8B-shaped random
+checkpoint): 8 segments of 4096 tokens, each request a fresh 64-token question naming one, 64
+greedy tokens streamed with ``ignore_eos``, C clients in a closed loop, through HTTP and in-process
+(about 6 minutes; ``--context inline`` / ``--context none`` for the prefix-cache and no-context
+comparisons)::
+
+    python bench/serve.py --model /tmp/llama8b --tenants 1 --segments-per-tenant 8 \\
+        --segment-tokens 4096 --question-tokens 64 --max-tokens 64 --warm 1.0 --cold 0 \\
+        --concurrency 1,16,64,256 --num-requests 32 --warmup-burst 256 --mode http,inproc
 
 Life of a run:
 
-1. **Server.** Without ``--url``: a key file with ``--tenants`` tenants (``t0``, ``t1``, ...) and
-   one admin key, and ``inferscale serve`` as a subprocess on a free 127.0.0.1 port (``--model``
-   or the default model; ``--hbm-pages``, ``--max-batch`` and ``--serve-args`` passed on).  With
+1. **Vias.** ``--mode`` (default ``http``; ``--in-process`` = ``--mode inproc``) lists the ways
+   the requests go: ``http`` (a client of the server) and ``inproc`` (``AsyncEngine`` in this
+   process).  With both, HTTP runs first and its server has exited (its device memory free)
+   before the in-process engine loads; steps 2-7 run once per via, with the same seed, so both
+   send the same texts, questions and load.  The device is asked in a child process, so this
+   one holds no accelerator while a server runs.
+2. **Server or engine.**  ``http`` without ``--url``: a key file with ``--tenants`` tenants
+   (``t0``, ``t1``, ...) and one admin key, and ``inferscale serve`` as a subprocess on a free
+   127.0.0.1 port (``--model`` or the default model; ``--hbm-pages``, ``--max-batch`` and
+   ``--serve-args`` passed on), ready when ``/health`` answers 200 (after its warm-up).  With
    ``--url``: that server; ``--api-keys FILE`` (its key file) gives the tenants' keys (the
-   non-admin entries) and an admin key for ``/v1/stats``; without it, no auth.
-2. **Texts.** The model's tokenizer is loaded locally (``inferscale_jax.tokenizer``); pseudo-text
+   non-admin entries) and an admin key for ``/v1/stats``; without it, no auth.  ``inproc``:
+   ``Engine.from_pretrained(model, EngineConfig(...))`` with the settings ``inferscale serve``
+   would use for the same ``--model`` / ``--hbm-pages`` / ``--max-batch`` / ``--serve-args``
+   (its parser's defaults; ``inferscale_cli`` serve), its warm-up (``Engine.warmup``, unless
+   ``--serve-args --no-warmup``) on the ``AsyncEngine`` thread, tenants ``t0``, ``t1``, ...
+3. **Texts.** The model's tokenizer is loaded locally (``inferscale_jax.tokenizer``); pseudo-text
    of an exact token length is words of the package corpus drawn by a seeded generator, each
    word's token count known (byte-level BPE splits on spaces, so counts add up), the last ones
    chosen to fill the count exactly.  All texts of a load point are made before it starts.
-3. **Segments.** Each tenant registers ``--segments-per-tenant`` segments of ``--segment-tokens``
-   tokens (``POST /v1/segments``, text).
-4. **Warm-up** (not measured): one request per warm segment (so every one has been used), then
+4. **Segments.** Each tenant's ``--segments-per-tenant`` texts of ``--segment-tokens`` tokens
+   are made; with ``--context segment`` (the default) they are registered (``POST /v1/segments``,
+   text; in-process ``AsyncEngine.register_segment``).  ``--context inline`` / ``none`` register
+   nothing (the texts are still drawn, so the questions stay the same as with segments).
+5. **Warm-up** (not measured): one request per warm segment (so every one has been used), then
    ``--warmup-requests`` of each kind one after another, then bursts of 2, 4, ... up to
    ``--warmup-burst`` mixed requests sent at once (batch shapes compile here rather than in the
    measured part; ``compiles`` per load point shows what was still left).
-5. **Load points**, one per ``--rates`` value (seeded Poisson arrivals; ``inf``: all at once) or
-   per ``--concurrency`` value (that many clients, each sending its next request when the last
-   ends); ``--num-requests`` each.  A request is a streamed completion (``stream: true``,
+6. **Load points**, one per ``--rates`` value (seeded Poisson arrivals; ``inf``: all at once;
+   ``--num-requests`` each) or per ``--concurrency`` value C (C clients, each sending its next
+   request when its last one ends; max(``--num-requests``, 2 x C) requests, so every client sends
+   at least two).  A request is a streamed completion (``stream: true``,
    ``stream_options.include_usage``, ``temperature`` 0, ``ignore_eos`` so every request makes
-   ``--max-tokens`` tokens) of a ``--question-tokens`` question of its own, of one of three
-   kinds, mixed in the ``--warm``/``--cold`` fractions (the rest ``none``), shuffled:
+   ``--max-tokens`` tokens; in-process ``AsyncEngine.stream`` with the same ``SamplingParams``)
+   of a ``--question-tokens`` question of its own, of one of three kinds, mixed in the
+   ``--warm``/``--cold`` fractions (the rest ``none``), shuffled:
 
-   - ``warm``: names one of its tenant's registered, already used segments;
-   - ``cold``: registers a new segment of ``--segment-tokens`` tokens just before the request
-     (its registration latency is reported apart, ``register``), names it, deletes it after;
-   - ``none``: the question alone.
+   - ``warm``: one of its tenant's segments, already used: named (``segments``) with
+     ``--context segment``, its text before the question with ``inline`` (the automatic prefix
+     cache);
+   - ``cold``: a new text of ``--segment-tokens`` tokens: with ``segment``, registered just before
+     the request (its registration latency is reported apart, ``register``), named, deleted
+     after; with ``inline``, sent before the question;
+   - ``none``: the question alone (with ``--context none`` every request is one).
 
-   ``GET /v1/stats`` (admin key) before and after each point gives the compiles in it.
-6. **End**: the warm segments are deleted; the server (if started here) gets SIGTERM.
+   Engine stats (``GET /v1/stats`` with the admin key; in-process ``stats()``) before and after
+   each point give the compiles in it.
+7. **End**: the warm segments are deleted; the server (if started here) gets SIGTERM; the
+   in-process engine is shut down.  With both vias, each load point's HTTP/in-process ratio of
+   output tokens/s (issue 30's target: >= 0.85 at C=256) goes in the table and the JSON
+   (``comparison``).
 
 Measured per request (client clock, ``time.perf_counter``): TTFT = first SSE chunk with text
 since the request was sent; ITL = gaps between consecutive text chunks (vLLM's ITL; a chunk is
 one engine delta, normally one token: ``tokens_per_chunk`` in the JSON says how close); TPOT =
 (last text chunk - first) / (completion tokens - 1), the per-token decode time; E2E = the
 request's whole time, ``[DONE]`` included; cached ratio = usage ``cached_tokens`` /
-``prompt_tokens`` summed over the requests.  Per point: requests/s and output tokens/s over the
-wall time from the first request sent to the last one done.  A request is an error when its
-status is not 200, its stream has an error event or no usage, or the connection fails.  A p99
+``prompt_tokens`` summed over the requests.  In-process the same with ``stream()``'s deltas for
+chunks (those with text), the call to ``stream()`` for the send and its final delta's metrics
+for the usage.  Per point: requests/s and output tokens/s over the wall time from the first
+request sent to the last one done.  A request is an error when its status is not 200, its stream
+has an error event or no usage, or the connection fails (in-process: ``stream()`` raises).  A p99
 over fewer than 1000 samples is indicative only (the ``n`` of each figure says how many).
 
-Writes ``PREFIX.json`` (every figure), ``PREFIX.md`` (tables) and ``PREFIX.png`` (latency
-percentiles and throughput vs load) for ``--out PREFIX`` (default ``bench/results/serve_<device>``).
+Writes ``PREFIX.json`` (every figure; ``runs`` holds each via's ``warmup`` and ``points``, the
+top-level ``warmup`` and ``points`` are the first via's), ``PREFIX.md`` (tables, a ``via``
+column) and ``PREFIX.png`` (latency percentiles and throughput vs load) for ``--out PREFIX``
+(default ``bench/results/serve_<device>``).
 """
 
 from __future__ import annotations
@@ -86,6 +126,8 @@ from report import MD, log, pyplot, table, write_md  # noqa: E402  (bench/report
 from servers import free_port, stop_process  # noqa: E402  (bench/servers.py)
 
 KINDS = ("warm", "cold", "none")
+VIAS = ("http", "inproc")  # the order they run in (module docstring, 1)
+CONTEXTS = ("segment", "inline", "none")
 ADMIN = "bench-admin"
 PCTS = (50, 90, 99)
 
@@ -100,19 +142,33 @@ def ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x.strip()]
 
 
+def vias(text: str) -> list[str]:
+    names = [x.strip() for x in text.split(",") if x.strip()]
+    bad = [x for x in names if x not in VIAS]
+    if bad or not names:
+        raise argparse.ArgumentTypeError(f"{text!r}: give http, inproc or http,inproc")
+    return [v for v in VIAS if v in names]  # HTTP first: its server is gone before the engine loads
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="inferscale bench serve", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    g = p.add_argument_group("server")
+    g = p.add_argument_group("server or in-process engine")
+    g.add_argument("--mode", type=vias, default=None, metavar="VIAS",
+                   help="how requests go, comma-separated: http (the server), inproc (AsyncEngine in this "
+                   "process, built as `inferscale serve` builds its engine); with both, HTTP first, then the "
+                   "same requests in-process, one table with their ratio (default: http)")
+    g.add_argument("--in-process", action="store_true", help="same as --mode inproc")
     g.add_argument("--url", help="benchmark this running server (default: start `inferscale serve` on a free "
                    "127.0.0.1 port)")
     g.add_argument("--api-keys", metavar="FILE", help="with --url: the server's key file (JSON/TOML); its "
                    "non-admin keys are the tenants, an admin key reads /v1/stats (default: no auth)")
-    g.add_argument("--model", help="HF checkpoint folder the server serves; its tokenizer makes the texts "
-                   "(default: the embedded default model)")
+    g.add_argument("--model", help="HF checkpoint folder the server (or the in-process engine) serves; its "
+                   "tokenizer makes the texts (default: the embedded default model)")
     g.add_argument("--hbm-pages", type=int, help="server KV pool pages (default: the server's)")
     g.add_argument("--max-batch", type=int, help="server sequences per step (default: the server's)")
-    g.add_argument("--serve-args", default="", help="more `inferscale serve` options, one shell-quoted string")
+    g.add_argument("--serve-args", default="", help="more `inferscale serve` options, one shell-quoted string "
+                   "(in-process: those that shape the engine, e.g. --dtype, --page-size, --no-warmup)")
     g.add_argument("--ready-timeout", type=float, default=600.0, help="seconds for the server to start")
     g = p.add_argument_group("workload")
     g.add_argument("--tenants", type=int, default=2, help="(default: %(default)s)")
@@ -127,12 +183,16 @@ def parse_args(argv=None):
                    "%(default)s)")
     g.add_argument("--cold", type=float, default=0.25, help="fraction on cold segments; the rest have no segment "
                    "(default: %(default)s)")
+    g.add_argument("--context", choices=CONTEXTS, default="segment", help="how a warm or cold request carries its "
+                   "segment's text: segment (registered, named), inline (the text before the question: the "
+                   "automatic prefix cache), none (the question alone) (default: %(default)s)")
     g = p.add_argument_group("load")
     load = g.add_mutually_exclusive_group()
     load.add_argument("--rates", type=floats, help="Poisson request rates per second, comma-separated; inf = all "
                       "at once (default: 1,2,4)")
     load.add_argument("--concurrency", type=ints, help="fixed numbers of clients in flight, comma-separated")
-    g.add_argument("--num-requests", type=int, default=100, help="requests per load point (default: %(default)s)")
+    g.add_argument("--num-requests", type=int, default=100, help="requests per load point; with --concurrency C, "
+                   "max(this, 2 x C), so every client sends at least two (default: %(default)s)")
     g.add_argument("--seed", type=int, default=0, help="arrivals, kinds, tenants and texts (default: %(default)s)")
     g.add_argument("--warmup-requests", type=int, default=2, help="sequential warm-up requests of each kind "
                    "(default: %(default)s)")
@@ -145,6 +205,12 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     if args.rates is None and args.concurrency is None:
         args.rates = [1.0, 2.0, 4.0]
+    if args.in_process and args.mode not in (None, ["inproc"]):
+        p.error(f"--in-process is --mode inproc; it contradicts --mode {','.join(args.mode)}")
+    args.mode = ["inproc"] if args.in_process else args.mode or ["http"]
+    if args.url and "inproc" in args.mode:
+        p.error("--url benchmarks a running server; --mode inproc builds its own engine from --model (and needs "
+                "the device free): run them apart")
     bad = [f"{name}={v}" for name, v in (("--tenants", args.tenants), ("--segments-per-tenant",
            args.segments_per_tenant), ("--segment-tokens", args.segment_tokens), ("--question-tokens",
            args.question_tokens), ("--max-tokens", args.max_tokens), ("--num-requests", args.num_requests)) if v < 1]
@@ -173,14 +239,17 @@ class TextMaker:
         for w, c in self.count.items():
             self.by_count.setdefault(c, []).append(w)
         self.counts = sorted(self.by_count)
+        self.pools: dict[int, list[str]] = {}  # words of the k smallest counts, by k (a segment's words reuse them)
         self.inexact = 0  # texts whose length came out other than asked (no word fitted the rest)
 
     def make(self, n: int, rng: np.random.Generator) -> str:
         """" w1 w2 ..." of ``n`` tokens (exactly, when the vocabulary has one-token words)."""
         parts, left = [], n
         while left > 0:
-            fits = [c for c in self.counts if c <= left] or self.counts[:1]
-            pool = [w for c in fits for w in self.by_count[c]]
+            k = max(1, sum(c <= left for c in self.counts))
+            pool = self.pools.get(k)
+            if pool is None:
+                pool = self.pools[k] = [w for c in self.counts[:k] for w in self.by_count[c]]
             w = pool[int(rng.integers(len(pool)))]
             parts.append(" " + w)
             left -= self.count[w]
@@ -209,7 +278,12 @@ class Spec:
     tenant: str
     question: str
     segment: str | None = None  # the warm segment's id, or the cold segment's (registered by the request)
-    cold_text: str | None = None
+    cold_text: str | None = None  # the cold segment's text (--context segment)
+    inline: str = ""  # the segment's text before the question (--context inline)
+
+    @property
+    def prompt(self) -> str:
+        return self.inline + self.question
 
 
 @dataclasses.dataclass
@@ -294,8 +368,34 @@ def keys_from_file(path: str) -> dict:
         return tomllib.loads(raw.decode("utf-8"))
 
 
-class Client:
+class Via:
+    """What the load needs of a via: ``tenants``, ``register`` (seconds), ``delete``, ``stats``
+    (the engine's, or None), ``complete`` (one request into a ``Result``), ``aclose``."""
+
+    tenants: list[str]
+
+    async def run(self, spec: Spec, args) -> Result:
+        """A request of any kind; a cold one registers its segment first and deletes it after."""
+        res = Result(spec.kind)
+        try:
+            if spec.cold_text is not None:
+                res.register = await self.register(spec.tenant, spec.segment, spec.cold_text)
+            await self.complete(spec, args, res)
+        except Exception as e:  # noqa: BLE001 - one failed request is counted, the run goes on
+            res.error = f"{type(e).__name__}: {e}"[:300]
+        finally:
+            if spec.cold_text is not None:
+                try:
+                    await self.delete(spec.tenant, spec.segment)
+                except Exception:  # noqa: BLE001 - a leftover cold segment does not fail the run
+                    pass
+        return res
+
+
+class Client(Via):
     """httpx calls of the benchmark: tenants' segment and completion calls, the admin's stats."""
+
+    via = "http"
 
     def __init__(self, url: str, keys: dict | None, n_tenants: int, timeout: float, connections: int):
         self.url = url.rstrip("/")
@@ -332,7 +432,7 @@ class Client:
 
     async def complete(self, spec: Spec, args, res: Result) -> None:
         """One streamed completion into ``res`` (timings, usage, or the error)."""
-        body = {"prompt": spec.question, "max_tokens": args.max_tokens, "temperature": args.temperature,
+        body = {"prompt": spec.prompt, "max_tokens": args.max_tokens, "temperature": args.temperature,
                 "ignore_eos": args.ignore_eos, "stream": True, "stream_options": {"include_usage": True}}
         if spec.segment is not None:
             body["segments"] = [spec.segment]
@@ -371,43 +471,158 @@ class Client:
                 res.tpot = (times[-1] - times[0]) / (res.completion_tokens - 1)
         res.ok = True
 
-    async def run(self, spec: Spec, args) -> Result:
-        """A request of any kind; a cold one registers its segment first and deletes it after."""
-        res = Result(spec.kind)
-        try:
-            if spec.kind == "cold":
-                res.register = await self.register(spec.tenant, spec.segment, spec.cold_text)
-            await self.complete(spec, args, res)
-        except Exception as e:  # noqa: BLE001 - one failed request is counted, the run goes on
-            res.error = f"{type(e).__name__}: {e}"[:300]
-        finally:
-            if spec.kind == "cold":
-                try:
-                    await self.delete(spec.tenant, spec.segment)
-                except httpx.HTTPError:
-                    pass
-        return res
+    async def aclose(self) -> None:
+        await self.http.aclose()
+
+
+def serve_namespace(args) -> argparse.Namespace:
+    """``inferscale serve``'s options for this run, parsed by its own parser (so its defaults)."""
+    from inferscale_cli.main import build_parser
+
+    argv = ["serve"]
+    for flag, value in (("--model", args.model), ("--hbm-pages", args.hbm_pages), ("--max-batch", args.max_batch)):
+        if value is not None:
+            argv += [flag, str(value)]
+    return build_parser().parse_args(argv + shlex.split(args.serve_args))
+
+
+def serve_engine_config(ns: argparse.Namespace):
+    """The ``EngineConfig`` ``inferscale serve`` builds from its options (inferscale_cli serve)."""
+    from inferscale_cli.main import resolve_dtype
+    from inferscale_jax.config import EngineConfig
+
+    extra = {}
+    if ns.snapshot_dir:
+        extra = dict(snapshot_dir=ns.snapshot_dir, strict_restore=ns.strict_restore,
+                     snapshot_interval_s=ns.snapshot_interval)
+    return EngineConfig(dtype=resolve_dtype(ns.dtype), page_size=ns.page_size, hbm_pages=ns.hbm_pages,
+                        max_batch=ns.max_batch, max_num_batched_tokens=ns.max_num_batched_tokens,
+                        tensor_parallel=ns.tensor_parallel, kv_dtype=ns.kv_dtype,
+                        session_ttl_s=ns.session_ttl, max_sessions_per_tenant=ns.max_sessions_per_tenant, **extra)
+
+
+class InProcess(Via):
+    """The same calls on ``AsyncEngine`` in this process: no HTTP, no auth, tenants t0, t1, ..."""
+
+    via = "inproc"
+
+    def __init__(self, args, tenants: list[str]):
+        import logging
+
+        from inferscale_jax.async_engine import AsyncEngine
+        from inferscale_jax.engine import Engine
+        from inferscale_jax.sampling import SamplingParams
+
+        if not logging.getLogger().handlers:  # the engine's warnings (e.g. a compile after warm-up), as serve logs
+            logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        ns = serve_namespace(args)
+        self.config = serve_engine_config(ns)
+        self.tenants, self.sampling_params = list(tenants), SamplingParams
+        t0 = time.monotonic()
+        self.engine = Engine.from_pretrained(args.model, self.config)
+        self.load_s = time.monotonic() - t0
+        self.ae = AsyncEngine(self.engine)
+        self.warmup_info, self.warmup_s = None, 0.0
+        self.do_warmup = ns.warmup
+        log(f"[serve] in-process engine loaded in {self.load_s:.0f} s: {self.config}")
+
+    async def start(self) -> None:
+        """The engine's warm-up, on the engine thread, as ``inferscale serve`` runs it before /health is 200."""
+        if not self.do_warmup:
+            return
+        t0 = time.monotonic()
+        self.warmup_info = await self.ae.call(self.engine.warmup)
+        self.warmup_s = time.monotonic() - t0
+        log(f"[serve] in-process engine warm-up: {self.warmup_s:.0f} s")
+
+    async def register(self, tenant: str, sid: str, text: str) -> float:
+        t0 = time.perf_counter()
+        await self.ae.register_segment(sid, text=text, tenant=tenant)
+        return time.perf_counter() - t0
+
+    async def delete(self, tenant: str, sid: str) -> None:
+        await self.ae.delete_segment(sid, tenant=tenant)
+
+    async def stats(self) -> dict:
+        return await self.ae.stats()
+
+    async def complete(self, spec: Spec, args, res: Result) -> None:
+        """``AsyncEngine.stream`` of the request the server would submit for the same body."""
+        sampling = self.sampling_params(max_tokens=args.max_tokens, temperature=args.temperature,
+                                        ignore_eos=args.ignore_eos)
+        segments = [spec.segment] if spec.segment is not None else []
+        final, times = None, []
+        t0 = time.perf_counter()
+        async for delta in self.ae.stream(prompt=spec.prompt, segments=segments, tenant=spec.tenant,
+                                          sampling=sampling):
+            if delta.text:
+                times.append(time.perf_counter())
+            if delta.finished:
+                final = delta.output
+        res.e2e = time.perf_counter() - t0
+        if final is None:
+            res.error = "the stream ended without a final output"
+            return
+        m = final.metrics
+        res.prompt_tokens, res.cached_tokens = m.prompt_tokens, m.cached_tokens
+        res.completion_tokens = m.generated_tokens
+        res.chunks = len(times)
+        if times:
+            res.ttft = times[0] - t0
+            res.itl = np.diff(times).tolist()
+            if res.completion_tokens > 1:
+                res.tpot = (times[-1] - times[0]) / (res.completion_tokens - 1)
+        res.ok = True
+
+    async def aclose(self) -> None:
+        pass
+
+    def shutdown(self) -> None:
+        """As serve ends: no new compile, the engine thread stopped, then ``close``."""
+        self.engine.stop_warmup()
+        self.ae.shutdown(timeout=60.0)
+        if self.ae.stopped:
+            self.engine.close()
 
 
 # ---------------------------------------------------------------- load
 
-def make_specs(n: int, kinds: list[str] | None, args, tenants: list[str], warm_ids: dict, maker: TextMaker,
+def with_context(spec: Spec, sid: str, text: str, context: str, cold: bool) -> Spec:
+    """``spec`` carrying its segment as ``--context`` says (module docstring, 6)."""
+    if context == "segment":
+        spec.segment, spec.cold_text = sid, text if cold else None
+    elif context == "inline":
+        spec.inline = text
+    else:
+        spec.kind = "none"
+    return spec
+
+
+def make_specs(n: int, kinds: list[str] | None, args, tenants: list[str], warm: dict, maker: TextMaker,
                rng: np.random.Generator, tag: str) -> list[Spec]:
+    """``n`` requests (of ``kinds``, or of the --warm/--cold mix); ``warm``: tenant -> [(id, text)].
+    The draws are the same whatever ``--context`` is, so only the context differs between them."""
     kinds = kinds or mix(n, {"warm": args.warm, "cold": args.cold, "none": 1 - args.warm - args.cold}, rng)
     specs = []
     for i, kind in enumerate(kinds):
         tenant = tenants[int(rng.integers(len(tenants)))]
         spec = Spec(kind, tenant, maker.make(args.question_tokens, rng))
         if kind == "warm":
-            spec.segment = warm_ids[tenant][int(rng.integers(len(warm_ids[tenant])))]
+            sid, text = warm[tenant][int(rng.integers(len(warm[tenant])))]
+            spec = with_context(spec, sid, text, args.context, cold=False)
         elif kind == "cold":
-            spec.segment = f"bench-cold-{tag}-{i}-{uuid.uuid4().hex[:8]}"
-            spec.cold_text = maker.make(args.segment_tokens, rng)
+            sid = f"bench-cold-{tag}-{i}-{uuid.uuid4().hex[:8]}"
+            spec = with_context(spec, sid, maker.make(args.segment_tokens, rng), args.context, cold=True)
         specs.append(spec)
     return specs
 
 
-async def poisson(client: Client, specs: list[Spec], args, rate: float, rng: np.random.Generator):
+def point_requests(args, mode: str, x) -> int:
+    """Requests of a load point: --num-requests; with C clients at least 2 x C (each sends two or more)."""
+    return args.num_requests if mode == "rate" else max(args.num_requests, 2 * int(x))
+
+
+async def poisson(client: Via, specs: list[Spec], args, rate: float, rng: np.random.Generator):
     """Send request i at its seeded Poisson arrival time; returns (results, wall seconds)."""
     gaps = np.zeros(len(specs)) if math.isinf(rate) else rng.exponential(1.0 / rate, len(specs))
     arrivals = np.cumsum(gaps) - gaps[0]
@@ -422,7 +637,7 @@ async def poisson(client: Client, specs: list[Spec], args, rate: float, rng: np.
     return results, time.perf_counter() - t0
 
 
-async def closed_loop(client: Client, specs: list[Spec], args, concurrency: int):
+async def closed_loop(client: Via, specs: list[Spec], args, concurrency: int):
     """``concurrency`` clients, each sending the next request when its last one ends."""
     queue = list(reversed(specs))
     results: list[Result] = []
@@ -502,38 +717,61 @@ def load_label(p: dict) -> str:
     return f"{p['rate']:g} req/s" if p["mode"] == "rate" else f"{p['concurrency']} clients"
 
 
+def via_points(summary: dict) -> list[tuple[str, int, dict]]:
+    """(via, load index, point) of every run, load-major: a load point's vias side by side."""
+    rows = [(via, i, p) for via, run in summary["runs"].items() for i, p in enumerate(run["points"])]
+    return sorted(rows, key=lambda r: (r[1], VIAS.index(r[0])))
+
+
 def report(summary: dict, prefix: str) -> None:
-    pts = summary["points"]
     cfg = summary["config"]
+    runs, both = summary["runs"], bool(summary["comparison"])
+    ratio_of = {c_i: c for c_i, c in enumerate(summary["comparison"])}
     MD.extend([f"# Serving benchmark: {summary['device']}", "",
                f"{summary['date']}; `{summary['command']}`", ""])
     if summary["device"].startswith("cpu"):
         MD.extend(["**CPU figures with the tiny random default model: they show that the harness works, not "
                    "GPU performance.**", ""])
-    MD.extend([f"Server: `{summary['server_command'] or summary['url']}`. Model `{cfg['model']}`; "
+    per_point = (f"{cfg['num_requests']} requests per load point" if not cfg["concurrency"] else
+                 f"max({cfg['num_requests']}, 2 x clients) requests per load point")
+    vias = []
+    if "http" in runs:
+        vias.append(f"`http`: server `{runs['http']['server_command'] or runs['http']['url']}`")
+    if "inproc" in runs:
+        c = runs["inproc"]["engine_config"]
+        vias.append(f"`inproc`: `AsyncEngine` in the benchmark's process, `Engine.from_pretrained` with serve's "
+                    f"`EngineConfig` (dtype {c.get('dtype')}, page_size {c.get('page_size')}, hbm_pages "
+                    f"{c.get('hbm_pages')}, max_batch {c.get('max_batch')})")
+    MD.extend([f"Vias: {'; '.join(vias)}. Model `{cfg['model']}`; "
                f"{cfg['tenants']} tenants x {cfg['segments_per_tenant']} segments of {cfg['segment_tokens']} "
-               f"tokens; questions of {cfg['question_tokens']} tokens, {cfg['max_tokens']} tokens generated "
-               f"(temperature {cfg['temperature']}, ignore_eos {cfg['ignore_eos']}); mix warm {cfg['warm']}, "
-               f"cold {cfg['cold']}, none {1 - cfg['warm'] - cfg['cold']:.2f}; {cfg['num_requests']} requests "
-               f"per load point, seed {cfg['seed']}. Definitions: bench/serve.py docstring; p99 over fewer than "
-               "1000 samples (the `n` column) is indicative only.", ""])
-    table("Latency (ms, p50 / p90 / p99) and throughput per load point", [
-        "load", "n", "errors", "req/s", "out tok/s", "TTFT", "ITL", "TPOT p50", "E2E", "cached ratio",
-        "compiles"], [
-        [load_label(p), p["completed"], p["errors"], num(p["request_throughput"]), num(p["output_throughput"], 1),
-         fmt(p["ttft_ms"]), fmt(p["itl_ms"]), fmt(p["tpot_ms"], "p50"), fmt(p["e2e_ms"]), num(p["cached_ratio"], 3),
-         "n/a" if p["compiles"] is None else p["compiles"]] for p in pts])
-    table("By request kind (ms, p50 / p90 / p99; register = the cold segment's POST /v1/segments)", [
-        "load", "kind", "n", "errors", "TTFT", "E2E", "register", "cached ratio"], [
-        [load_label(p), kind, k["requests"], k["errors"], fmt(k["ttft_ms"]), fmt(k["e2e_ms"]), fmt(k["register_ms"]),
-         num(k["cached_ratio"], 3)] for p in pts for kind, k in p["by_kind"].items()])
-    w = summary["warmup"]
-    MD.extend([f"Warm-up (not measured): {w['requests']} requests, {w['errors']} errors, {w['wall_s']:.1f} s; "
-               f"server compiles by then: {w['compiles']}. Segment setup: {w['segments']} registered, "
-               f"register p50 {fmt(w['register_ms'], 'p50')} ms.", ""])
+               f"tokens, context `{cfg['context']}`; questions of {cfg['question_tokens']} tokens, "
+               f"{cfg['max_tokens']} tokens generated (temperature {cfg['temperature']}, ignore_eos "
+               f"{cfg['ignore_eos']}); mix warm {cfg['warm']}, cold {cfg['cold']}, none "
+               f"{1 - cfg['warm'] - cfg['cold']:.2f}; {per_point}, seed {cfg['seed']}. Definitions: bench/serve.py "
+               "docstring; p99 over fewer than 1000 samples (the `n` column) is indicative only.", ""])
+    rows = via_points(summary)
+    head = ["load", "via", "n", "errors", "req/s", "out tok/s"] + (["HTTP / inproc tok/s"] if both else []) + [
+        "TTFT", "ITL", "TPOT p50", "E2E", "cached ratio", "compiles"]
+    table("Latency (ms, p50 / p90 / p99) and throughput per load point", head, [
+        [load_label(p), via, p["completed"], p["errors"], num(p["request_throughput"]), num(p["output_throughput"], 1)]
+        + ([num(ratio_of[i]["http_over_inproc"], 3) if via == "http" else ""] if both else [])
+        + [fmt(p["ttft_ms"]), fmt(p["itl_ms"]), fmt(p["tpot_ms"], "p50"), fmt(p["e2e_ms"]), num(p["cached_ratio"], 3),
+           "n/a" if p["compiles"] is None else p["compiles"]] for via, i, p in rows])
+    table("By request kind (ms, p50 / p90 / p99; register = the cold segment's registration)", [
+        "load", "via", "kind", "n", "errors", "TTFT", "E2E", "register", "cached ratio"], [
+        [load_label(p), via, kind, k["requests"], k["errors"], fmt(k["ttft_ms"]), fmt(k["e2e_ms"]),
+         fmt(k["register_ms"]), num(k["cached_ratio"], 3)] for via, _, p in rows for kind, k in p["by_kind"].items()])
+    for via, run in runs.items():
+        w = run["warmup"]
+        start = (f"server ready in {run['ready_s']:.0f} s" if run.get("ready_s") is not None else
+                 f"engine loaded in {run['load_s']:.0f} s, its warm-up {run['engine_warmup_s']:.0f} s"
+                 if via == "inproc" else "a running server")
+        MD.extend([f"`{via}`: {start}. Warm-up (not measured): {w['requests']} requests, {w['errors']} errors, "
+                   f"{w['wall_s']:.1f} s; engine compiles by then: {w['compiles']}. Segment setup: {w['segments']} "
+                   f"registered, register p50 {fmt(w['register_ms'], 'p50')} ms.", ""])
     out_dir, name = os.path.split(prefix)
     with open(prefix + ".json", "w") as f:
-        json.dump(summary, f, indent=1)
+        json.dump(summary, f, indent=1, default=str)
     log(f"wrote {prefix}.json")
     write_md(out_dir or ".", name + ".md", MD)
     plot(summary, prefix + ".png")
@@ -541,6 +779,7 @@ def report(summary: dict, prefix: str) -> None:
 
 def plot(summary: dict, path: str) -> None:
     plt = pyplot()
+    runs = summary["runs"]
     pts = summary["points"]
     if plt is None or not pts:
         return
@@ -548,23 +787,45 @@ def plot(summary: dict, path: str) -> None:
     xs = [(p["rate"] if p["mode"] == "rate" else p["concurrency"]) if numeric else i for i, p in enumerate(pts)]
     xlabel = "request rate (req/s, Poisson)" if pts[0]["mode"] == "rate" else "concurrent clients"
     fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.5))
-    for metric, color in (("ttft_ms", "tab:blue"), ("itl_ms", "tab:green"), ("e2e_ms", "tab:red")):
-        for q, style in zip(PCTS, ("-o", "--s", ":^")):
-            ys = [p[metric][f"p{q}"] if p[metric] else float("nan") for p in pts]
-            a.plot(xs, ys, style, color=color, label=f"{metric[:-3].upper()} p{q}")
+    one = len(runs) == 1
+    for via, run in runs.items():
+        vp = run["points"]
+        tag = "" if one else f"{via} "
+        for metric, color in (("ttft_ms", "tab:blue"), ("itl_ms", "tab:green"), ("e2e_ms", "tab:red")):
+            # one via: p50 / p90 / p99 by line style; two: p50 and p99, the via by line style
+            qs = PCTS if one else (50, 99)
+            styles = ("-o", "--s", ":^") if one else (("-o", "-^") if via == "http" else ("--o", "--^"))
+            for q, style in zip(qs, styles):
+                ys = [p[metric][f"p{q}"] if p[metric] else float("nan") for p in vp]
+                a.plot(xs, ys, style, color=color, label=f"{tag}{metric[:-3].upper()} p{q}",
+                       markerfacecolor="none" if via == "inproc" else color)
+        b.plot(xs, [p["output_throughput"] or 0 for p in vp], "-o" if via == "http" else "--s",
+               color="tab:blue" if via == "http" else "tab:purple", label=f"{tag}output tokens/s")
     a.set(xlabel=xlabel, ylabel="ms", yscale="log", title="latency percentiles")
-    a.legend(fontsize=7, ncol=3)
-    b.plot(xs, [p["output_throughput"] or 0 for p in pts], "-o", label="output tokens/s")
+    a.legend(fontsize=7, ncol=3 if one else 2)
     b.set(xlabel=xlabel, ylabel="output tokens/s", title="throughput")
     b2 = b.twinx()
-    b2.plot(xs, [p["request_throughput"] or 0 for p in pts], ":s", color="tab:orange", label="requests/s")
-    b2.set_ylabel("requests/s")
+    if one:
+        b2.plot(xs, [p["request_throughput"] or 0 for p in pts], ":s", color="tab:orange", label="requests/s")
+        b2.set_ylabel("requests/s")
+    else:
+        b2.plot(xs, [c["http_over_inproc"] or float("nan") for c in summary["comparison"]], ":D", color="tab:gray",
+                label="HTTP / in-process tok/s")
+        b2.axhline(0.85, color="tab:gray", lw=0.8, ls="--", label="0.85 (issue 30)")
+        b2.set_ylabel("HTTP / in-process")
+        b2.set_ylim(0, max(1.1, *[(c["http_over_inproc"] or 0) * 1.1 for c in summary["comparison"]]))
     b.legend(loc="upper left", fontsize=8)
     b2.legend(loc="lower right", fontsize=8)
     if not numeric:
         for ax in (a, b):
             ax.set_xticks(xs, [load_label(p) for p in pts])
-    fig.suptitle(f"inferscale serve: {summary['device']}, {summary['config']['segment_tokens']}-token segments, "
+    elif min(xs) > 0 and max(xs) >= 8 * min(xs):  # e.g. 1, 16, 64, 256 clients
+        for ax in (a, b):
+            ax.set_xscale("log", base=2)
+            ax.set_xticks(xs, [f"{x:g}" for x in xs])
+    title = "serve" if one and "http" in runs else " / ".join(runs)
+    fig.suptitle(f"inferscale {title}: {summary['device']}, "
+                 f"{summary['config']['segment_tokens']}-token segments ({summary['config']['context']}), "
                  f"{summary['config']['max_tokens']} tokens out")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -583,40 +844,48 @@ def burst_sizes(largest: int) -> list[int]:
     return sizes + [largest] if largest > 0 else sizes
 
 
-async def bench(args, client: Client, maker: TextMaker) -> dict:
+async def bench(args, client: Via, maker: TextMaker) -> dict:
+    """Steps 4-7 of the module docstring through one via; the same seed gives every via the same texts."""
     rng = np.random.default_rng(args.seed)
     tenants = client.tenants
     run_tag = uuid.uuid4().hex[:8]
-    warm_ids = {t: [f"bench-{t}-{run_tag}-{j}" for j in range(args.segments_per_tenant)] for t in tenants}
+    warm = {t: [(f"bench-{t}-{run_tag}-{j}", maker.make(args.segment_tokens, rng))
+                for j in range(args.segments_per_tenant)] for t in tenants}
     registered = []
     try:
+        if isinstance(client, InProcess):
+            await client.start()
         seg_times = []
-        for t in tenants:
-            for sid in warm_ids[t]:
-                seg_times.append(await client.register(t, sid, maker.make(args.segment_tokens, rng)))
-                registered.append((t, sid))
-        log(f"[serve] {len(registered)} segments of {args.segment_tokens} tokens registered")
+        if args.context == "segment":
+            for t in tenants:
+                for sid, text in warm[t]:
+                    seg_times.append(await client.register(t, sid, text))
+                    registered.append((t, sid))
+            log(f"[serve] {client.via}: {len(registered)} segments of {args.segment_tokens} tokens registered")
         # warm-up: every warm segment once, then each kind in turn, then a burst
         t0 = time.perf_counter()
-        firsts = [Spec("warm", t, maker.make(args.question_tokens, rng), sid) for t, sid in registered]
+        before = await client.stats()
+        firsts = [with_context(Spec("warm", t, maker.make(args.question_tokens, rng)), sid, text, args.context, False)
+                  for t in tenants for sid, text in warm[t]]
         kinds = [k for k in KINDS for _ in range(args.warmup_requests)]
-        warm = [*firsts, *make_specs(len(kinds), kinds, args, tenants, warm_ids, maker, rng, "warmup")]
-        results = [await client.run(s, args) for s in warm]
+        specs = [*firsts, *make_specs(len(kinds), kinds, args, tenants, warm, maker, rng, "warmup")]
+        results = [await client.run(s, args) for s in specs]
         for size in burst_sizes(args.warmup_burst):  # the batch sizes load will bring
-            burst = make_specs(size, None, args, tenants, warm_ids, maker, rng, f"burst{size}")
+            burst = make_specs(size, None, args, tenants, warm, maker, rng, f"burst{size}")
             results += await asyncio.gather(*(client.run(s, args) for s in burst))
         stats = await client.stats()
         warmup = {"requests": len(results), "errors": sum(not r.ok for r in results),
                   "error_samples": sorted({r.error for r in results if not r.ok})[:5],
                   "wall_s": time.perf_counter() - t0, "compiles": stats["compiles"] if stats else None,
+                  "compiles_in_warmup": stats["compiles"] - before["compiles"] if stats and before else None,
                   "segments": len(registered), "register_ms": dist(seg_times)}
-        log(f"[serve] warm-up: {warmup['requests']} requests, {warmup['errors']} errors, {warmup['wall_s']:.1f} s, "
-            f"compiles {warmup['compiles']}")
+        log(f"[serve] {client.via} warm-up: {warmup['requests']} requests, {warmup['errors']} errors, "
+            f"{warmup['wall_s']:.1f} s, compiles {warmup['compiles']}")
         points = []
         loads = [("rate", x) for x in args.rates or ()] + [("concurrency", x) for x in args.concurrency or ()]
         for i, (mode, x) in enumerate(loads):
             prng = np.random.default_rng([args.seed, i])
-            specs = make_specs(args.num_requests, None, args, tenants, warm_ids, maker, prng, f"p{i}")
+            specs = make_specs(point_requests(args, mode, x), None, args, tenants, warm, maker, prng, f"p{i}")
             before = await client.stats()
             if mode == "rate":
                 results, wall = await poisson(client, specs, args, x, prng)
@@ -627,17 +896,75 @@ async def bench(args, client: Client, maker: TextMaker) -> dict:
                  **summarize(results, wall),
                  "compiles": after["compiles"] - before["compiles"] if before and after else None}
             points.append(p)
-            log(f"[serve] {load_label(p)}: {p['completed']}/{p['requests']} ok, {num(p['request_throughput'])} req/s, "
-                f"{num(p['output_throughput'], 1)} tok/s, TTFT {fmt(p['ttft_ms'])} ms, ITL {fmt(p['itl_ms'])} ms, "
-                f"E2E {fmt(p['e2e_ms'])} ms, cached {num(p['cached_ratio'], 3)}, compiles {p['compiles']}")
+            log(f"[serve] {client.via} {load_label(p)}: {p['completed']}/{p['requests']} ok, "
+                f"{num(p['request_throughput'])} req/s, {num(p['output_throughput'], 1)} tok/s, "
+                f"TTFT {fmt(p['ttft_ms'])} ms, ITL {fmt(p['itl_ms'])} ms, E2E {fmt(p['e2e_ms'])} ms, "
+                f"cached {num(p['cached_ratio'], 3)}, compiles {p['compiles']}")
         return {"warmup": warmup, "points": points}
     finally:
         for t, sid in registered:
             try:
                 await client.delete(t, sid)
-            except httpx.HTTPError:
+            except Exception:  # noqa: BLE001 - the run's figures stand without the clean-up
                 pass
-        await client.http.aclose()
+        await client.aclose()
+
+
+def run_http(args, maker: TextMaker, workdir: str, tenant_names: list[str]) -> dict:
+    """The HTTP via: a server started here (or ``--url``), the load, the server stopped."""
+    server = None
+    if args.url:
+        url, keys = args.url, keys_from_file(args.api_keys) if args.api_keys else None
+    else:
+        server = Server(args, workdir, tenant_names)
+        url, keys = server.url, server.keys
+    connections = max([args.num_requests, args.warmup_burst, *(2 * c for c in args.concurrency or [])])
+    ready_s = None
+    try:
+        if server is not None:
+            t0 = time.monotonic()
+            server.wait_ready(args.ready_timeout)
+            ready_s = time.monotonic() - t0
+            log(f"[serve] server ready in {ready_s:.0f} s at {url}")
+        client = Client(url, keys, args.tenants, args.request_timeout, connections)
+        figures = asyncio.run(bench(args, client, maker))
+    finally:
+        if server is not None:
+            server.stop()
+    return {"via": "http", "server_command": shlex.join(server.cmd[1:]) if server else None, "url": url,
+            "ready_s": ready_s, "tenants": len(client.tenants), **figures}
+
+
+def run_inproc(args, maker: TextMaker, tenant_names: list[str]) -> dict:
+    """The in-process via: the engine as serve builds it, its warm-up, the load, its shutdown."""
+    client = InProcess(args, tenant_names)
+    try:
+        figures = asyncio.run(bench(args, client, maker))
+    finally:
+        client.shutdown()
+    return {"via": "inproc", "engine_config": dataclasses.asdict(client.config),
+            "load_s": client.load_s, "engine_warmup_s": client.warmup_s,
+            "engine_warmup_buckets": (client.warmup_info or {}).get("buckets"), "tenants": len(client.tenants),
+            **figures}
+
+
+def compare(runs: dict) -> list[dict]:
+    """Per load point of both vias: output tokens/s, TTFT and ITL p50 of each, HTTP / in-process."""
+    if not {"http", "inproc"} <= set(runs):
+        return []
+
+    def p50(p, key):
+        return p[key]["p50"] if p[key] else None
+
+    out = []
+    for h, i in zip(runs["http"]["points"], runs["inproc"]["points"]):
+        ht, it = h["output_throughput"], i["output_throughput"]
+        out.append({"mode": h["mode"], "rate": h["rate"], "concurrency": h["concurrency"],
+                    "http_output_throughput": ht, "inproc_output_throughput": it,
+                    "http_over_inproc": ht / it if ht and it else None,
+                    "http_ttft_p50_ms": p50(h, "ttft_ms"), "inproc_ttft_p50_ms": p50(i, "ttft_ms"),
+                    "http_itl_p50_ms": p50(h, "itl_ms"), "inproc_itl_p50_ms": p50(i, "itl_ms")})
+    return out
 
 
 def main(argv=None) -> int:
@@ -656,34 +983,26 @@ def main(argv=None) -> int:
     maker = TextMaker(load_tokenizer(model_dir))
     workdir = tempfile.mkdtemp(prefix="inferscale-bench-serve-")
     tenant_names = [f"t{i}" for i in range(args.tenants)]
-    server = None
-    if args.url:
-        url, keys = args.url, keys_from_file(args.api_keys) if args.api_keys else None
-    else:
-        server = Server(args, workdir, tenant_names)
-        url, keys = server.url, server.keys
-    connections = max([args.num_requests, args.warmup_burst, *(args.concurrency or [])])
-    try:
-        if server is not None:
-            t0 = time.monotonic()
-            server.wait_ready(args.ready_timeout)
-            log(f"[serve] server ready in {time.monotonic() - t0:.0f} s at {url}")
-        client = Client(url, keys, args.tenants, args.request_timeout, connections)
-        figures = asyncio.run(bench(args, client, maker))
-    finally:
-        if server is not None:
-            server.stop()
+    runs = {}
+    for via in args.mode:  # HTTP first: its server has exited before the in-process engine loads
+        runs[via] = (run_http(args, maker, workdir, tenant_names) if via == "http"
+                     else run_inproc(args, maker, tenant_names))
+    first = runs[args.mode[0]]
     summary = {
         "device": device, "date": datetime.date.today().isoformat(),
         "command": shlex.join(["python", "bench/serve.py", *(sys.argv[1:] if argv is None else argv)]),
-        "server_command": shlex.join(server.cmd[1:]) if server else None, "url": url,
+        "vias": list(runs),
+        "server_command": runs["http"]["server_command"] if "http" in runs else None,
+        "url": runs["http"]["url"] if "http" in runs else None,
         "config": {**{k: v for k, v in vars(args).items() if k not in ("api_keys",)},
-                   "model": args.model or "default model", "tenants": len(client.tenants)},
+                   "model": args.model or "default model", "tenants": first["tenants"]},
         "texts_inexact": maker.inexact,
-        **figures,
+        "warmup": first["warmup"], "points": first["points"],  # the first via's (runs: each one's)
+        "runs": runs,
+        "comparison": compare(runs),
     }
     report(summary, prefix)
-    errors = summary["warmup"]["errors"] + sum(p["errors"] for p in summary["points"])
+    errors = sum(r["warmup"]["errors"] + sum(p["errors"] for p in r["points"]) for r in runs.values())
     log(f"[serve] done: {errors} errors; results {prefix}.json/.md/.png")
     return 0 if errors == 0 else 1
 
