@@ -9,6 +9,7 @@ tokenizer files); without it, the embedded default model is used (built locally 
     inferscale demo                      KV injection vs full prefill: TTFT and identical outputs
     inferscale serve [--port N] [--api-keys FILE] [--snapshot-dir DIR]   the HTTP server (serving/)
     inferscale bench serve [OPTIONS]     the serving benchmark (bench/serve.py; a source checkout)
+    inferscale --version                 the package version (inferscale_jax/_version.py)
 
 What ``main`` does at the boundary, for every command:
 
@@ -20,12 +21,12 @@ What ``main`` does at the boundary, for every command:
   below) a file, a missing ``--api-keys`` file or corpus are one ``error:`` line before any model
   loads (and before ``precompute`` creates its snapshot folder).
 - **Quiet third parties** before anything imports them: transformers' advisories ("PyTorch was
-  not found": ``hide_torch`` keeps transformers from importing it) and its info logs are off; absl/orbax INFO lines
-  stay off whatever ``--log-level`` is (``serve``'s logging setup re-enables only ours).
+  not found": ``hide_torch`` keeps transformers from importing torch) and its info logs are off;
+  absl/orbax INFO lines stay off whatever ``--log-level`` is (``serve``'s logging setup
+  re-enables only ours).
 - **Absolute paths**: every path the user gives (``--model``, ``--snapshot-dir``,
   ``--api-keys``, the corpus) is made absolute against the current folder before it reaches
-  the engine (orbax refuses relative paths), and a ``--model`` that is not a folder is refused
-  before anything loads.
+  the engine (orbax refuses relative paths).
 - **One dtype rule**: ``--dtype auto`` (the default of every command) is bfloat16 on a GPU or
   TPU and float32 on the CPU (``resolve_dtype``), so ``precompute`` and ``serve`` on the same
   machine agree and a snapshot one writes is restored by the other (a snapshot's fingerprint
@@ -33,9 +34,9 @@ What ``main`` does at the boundary, for every command:
 - **Compile cache**: engines keep JAX's persistent compilation cache on (``compile_cache.py``);
   ``generate``, which runs without an engine, switches it on itself.  Later runs load the
   compiles of the first.
-- **Signals**: ``serve`` stops on SIGTERM or Ctrl-C after uvicorn's graceful shutdown, then
-  takes the final snapshot and exits 0 (uvicorn would re-raise the signal and kill the
-  process before the snapshot).
+- **A snapshot of another engine** (dtype, page size, model): the engine's warning ends with the
+  flags of this command that match it (``SnapshotHint``).
+- ``serve`` (binding first, startup lines, signals, warm-up): ``serve.py``.
 - **One line per known failure**: the engine's exceptions (``inferscale_jax.errors``), invalid
   values (``ValueError``), a missing file or folder and an unreadable SQLite registry print
   ``error: <message>`` on stderr and exit 2 (usage: bad values, missing paths) or 1 (everything
@@ -318,7 +319,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = add("demo", help="KV injection vs full prefill side by side (TTFT, identical outputs)")
     s.add_argument("--model", help="HF checkpoint folder (default: the embedded default model)")
-    s.add_argument("--max-tokens", type=positive(), default=24, help="tokens generated per answer (default: %(default)s)")
+    s.add_argument("--max-tokens", type=positive(), default=24,
+                   help="tokens generated per answer (default: %(default)s)")
     s.add_argument("--dtype", default="auto", choices=DTYPES, help=DTYPE_HELP)
     s.set_defaults(fn=cmd_demo)
 
@@ -341,7 +343,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--snapshot-dir", required=True, help="where segments and KV snapshots are kept (serve reads it)")
     s.add_argument("--tenant", default="default", help="namespace of the segments (default: %(default)s)")
     s.add_argument("--public", action="store_true", help="register public segments (readable by every tenant)")
-    s.add_argument("--batch", type=positive(), default=64, help="documents computed per device step (default: %(default)s)")
+    s.add_argument("--batch", type=positive(), default=64,
+                   help="documents computed per device step (default: %(default)s)")
     s.add_argument("--dtype", default="auto", choices=DTYPES, help=DTYPE_HELP)
     s.add_argument("--page-size", type=int, default=16, choices=[8, 16, 32, 64],
                    help="KV page size; must match the server's (default: %(default)s)")
@@ -399,9 +402,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="skip the warm-up (compiling the step buckets: on the CPU the small set, on a GPU/TPU "
                         "every one) at startup; the first requests then compile")
     s.add_argument("--max-waiting", type=positive(), default=None,
-                   help="queued requests beyond which new ones get 503 + Retry-After (default: what the KV pool "
-                        "holds at 256 tokens a request, at least 256 and 4 x max-batch)")
-    s.add_argument("--max-body-bytes", type=positive(), default=2 << 20, help="request body limit (default: %(default)s)")
+                   help="queued requests beyond which new ones get 503 + Retry-After (default: from the KV pool "
+                        "and max-batch: serving/app.py, auto_max_waiting)")
+    s.add_argument("--max-body-bytes", type=positive(), default=2 << 20,
+                   help="request body limit (default: %(default)s)")
     s.add_argument("--body-timeout", type=positive(float), default=30.0,
                    help="seconds a request body may take to arrive, then 408 (default: %(default)s)")
     s.add_argument("--default-max-tokens", type=positive(), default=256,
