@@ -257,10 +257,10 @@ def test_an_output_that_cannot_be_decoded_fails_only_its_request(monkeypatch):
     e = make_engine()
     real = e.scheduler.decode
 
-    def decode(ids):
+    def decode(ids, sampling=None):
         if marker in ids:
             raise IndexError("piece id is out of range")  # a slow tokenizer on a padded vocab
-        return real(ids)
+        return real(ids, sampling)
     monkeypatch.setattr(e.scheduler, "decode", decode)
     stop = SamplingParams(max_tokens=6, temperature=0.0, stop=["zz"])  # decodes every token
     ra = e.submit(prompt_token_ids=P1, tenant="t", sampling=stop)
