@@ -2,7 +2,7 @@
 
 Usage (from the repository root)::
 
-    python bench/cascade_groups.py                      # H200: ~2-3 minutes, writes bench/results/
+    python bench/cascade_groups.py                      # H200: 36 compiles, meant to take < 5 minutes
     python bench/cascade_groups.py --smoke --out /tmp/cg  # tiny shapes on the CPU (interpret mode)
 
 One decode step's attention for one layer (Llama-3-8B shape: 32 q heads, 8 kv heads, head_dim 128,
@@ -20,6 +20,12 @@ Three ways to run it:
 * ``multi``: ``grouped_cascade_decode_attention`` with every segment a group, the group count
   padded to the engine's bucket (``inferscale_jax/buckets.py``); ``multi BR=n`` forces the shared
   part's ``block_rows`` (the default is ``default_block_rows``).
+
+Mixed steps (``--mixed``, on by default): the same B - 1 decode rows beside one prefill chunk of
+512 tokens over 4096 cached ones (its own pages): the ragged kernel over every row's whole page
+list (``ragged``) against what the engine runs when the decode rows form cascade groups
+(``ragged + multi``: the ragged kernel over the suffixes, then the grouped cascade for the group
+rows, ``inferscale_jax/kv_cache.py``'s ``_attend``), at B = 256.
 
 Each strategy is timed against the KV bytes it must read (K and V of every token it reads once,
 plus q and the output): ``floor = bytes / read ceiling``, the ceiling measured in the same run
@@ -51,17 +57,20 @@ from report import finish, log, pyplot, section, table  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+from inferscale_jax import kv_cache  # noqa: E402
 from inferscale_jax.buckets import StepBuckets  # noqa: E402
 from pallas_kernels.cascade_attention import (  # noqa: E402
     grouped_cascade_decode_attention, shared_prefix_decode_attention)
 from pallas_kernels.decode_attention import paged_decode_attention  # noqa: E402
 
 FULL = dict(hq=32, hkv=8, d=128, s=16, seg=4096, suffix=(64, 128), rows=(64, 256), segments=(1, 8, 64),
+            mixed_rows=256, chunk=512, chunk_ctx=4096,
             block_rows=(32, 64, 128), min_set_bytes=256 << 20, min_sets=4, max_sets=8, reps=10)
 SMOKE = dict(hq=8, hkv=2, d=64, s=8, seg=64, suffix=(4, 12), rows=(6,), segments=(1, 3),
+             mixed_rows=6, chunk=16, chunk_ctx=32,
              block_rows=(16,), min_set_bytes=0, min_sets=1, max_sets=1, reps=1)
 DT = jnp.bfloat16
-RESULTS: list = []  # (B, N, strategy, seconds, floor seconds)
+RESULTS: list = []  # (B, N, strategy, seconds, its floor s, the ideal floor s, bytes it must read)
 
 
 def random_pool(key, hkv, num_pages, s, d):
@@ -198,6 +207,75 @@ def groups(args, cfg, old):
            "speedup vs plain"], rows)
 
 
+def mixed_case(b, n, cfg, sets):
+    """Inputs of a mixed step: b - 1 decode rows over n segments (as ``case``) and one chunk row of
+    ``chunk`` new tokens over ``chunk_ctx`` cached ones, on its own pages.  Per set: (q [N, Hq, D],
+    plain AttnMeta, cascade AttnMeta, decode rows' groups [b - 1])."""
+    s, seg, chunk, ctx = cfg["s"], cfg["seg"], cfg["chunk"], cfg["chunk_ctx"]
+    kp, vp, inputs = case(b - 1, n, cfg, sets)
+    own = -(-(ctx + chunk) // s)  # the chunk row's pages
+    extra = jnp.asarray(np.arange(sets * own, dtype=np.int32).reshape(sets, own) + kp.shape[1])
+    kx, vx = random_pool(jax.random.PRNGKey(9 + b + n), cfg["hkv"], sets * own, s, cfg["d"])
+    kp, vp = jnp.concatenate([kp, kx], axis=1), jnp.concatenate([vp, vx], axis=1)
+    cu = jnp.asarray(np.concatenate([np.arange(b), [b - 1 + chunk]]), jnp.int32)  # [R + 1]
+    out = []
+    for i, st in enumerate(inputs):
+        q = jnp.concatenate([st["q"], jax.random.normal(jax.random.PRNGKey(i), (chunk, cfg["hq"], cfg["d"]), DT)])
+        width = max(st["full"].shape[1], own)
+        full = np.zeros((b, width), np.int32)
+        full[:b - 1, :st["full"].shape[1]] = st["full"]
+        full[b - 1, :own] = np.asarray(extra[i])
+        suf = np.zeros((b, width), np.int32)
+        suf[:b - 1, :st["suf_tbl"].shape[1]] = st["suf_tbl"]
+        suf[b - 1] = full[b - 1]
+        lens_full = np.concatenate([st["suffix"] + seg, [ctx + chunk]]).astype(np.int32)
+        lens_suf = np.concatenate([st["suffix"], [ctx + chunk]]).astype(np.int32)
+        gb = StepBuckets.groups_for(min(64, max(1, b // 2)))  # the engine's mixed-step bucket
+        pages = np.zeros((gb, st["seg_tbl"].shape[1]), np.int32)
+        pages[:n] = st["seg_tbl"]
+        glens = np.zeros((gb,), np.int32)
+        glens[:n] = seg
+        rg = np.concatenate([st["group"], [-1]]).astype(np.int32)
+        plain = kv_cache.AttnMeta(slots=None, page_table=jnp.asarray(full), q_lens=None,
+                                  kv_lens=jnp.asarray(lens_full), cu_q_lens=cu, ragged=True)
+        casc = kv_cache.AttnMeta(slots=None, page_table=jnp.asarray(suf), q_lens=None, kv_lens=jnp.asarray(lens_suf),
+                                 cu_q_lens=cu, ragged=True, group_pages=jnp.asarray(pages),
+                                 group_lens=jnp.asarray(glens), row_group=jnp.asarray(rg))
+        out.append((q, plain, casc, st["group"], st["suffix"]))
+    return kp, vp, out
+
+
+@section
+def mixed(args, cfg):
+    b, chunk, ctx, seg = cfg["mixed_rows"], cfg["chunk"], cfg["chunk_ctx"], cfg["seg"]
+    tok = 2 * cfg["hkv"] * cfg["d"] * 2
+    impl = "pallas" if jax.default_backend() == "gpu" else "ref"  # (interpret mode would take minutes)
+    rows = []
+    for n in cfg["segments"]:
+        sets = cfg["min_sets"]
+        kp, vp, inputs = mixed_case(b, n, cfg, sets)
+        group, suffix = inputs[0][3], inputs[0][4]
+        qo = 2 * (b - 1 + chunk) * cfg["hq"] * cfg["d"] * 2
+        plain_bytes = int((seg + suffix).sum() + ctx + chunk) * tok + qo
+        casc_bytes = int(seg * len(set(group.tolist())) + suffix.sum() + ctx + chunk) * tok + qo
+
+        def run(k, v, q, meta):
+            return kv_cache._attend(q[None], k, v, None, meta, impl)[0]
+        t_p, outs_p = time_calls(run, (kp, vp), [(q, p) for q, p, _, _, _ in inputs], cfg["reps"])
+        t_c, outs_c = time_calls(run, (kp, vp), [(q, c) for q, _, c, _, _ in inputs], cfg["reps"])
+        check(f"mixed B={b} N={n} ragged + multi vs ragged", outs_c[0], outs_p[0])
+        for name, t, nbytes in (("ragged", t_p, plain_bytes), ("ragged + multi", t_c, casc_bytes)):
+            floor = nbytes / args.ceiling
+            rows.append([b, n, name, f"{t * 1e6:.1f}", f"{nbytes / 2**20:.1f}", f"{floor * 1e6:.1f}",
+                         f"{floor / t:.0%}", f"{t / (casc_bytes / args.ceiling):.2f}x", f"{t_p / t:.2f}x"])
+            log(f"  mixed B={b} N={n} {name}: {t * 1e6:.1f} us, must read {nbytes / 2**20:.1f} MiB")
+        del kp, vp, inputs, outs_p, outs_c
+    table(f"Mixed step: {b - 1} decode rows over N shared segments of {seg} tokens + one {chunk}-token chunk "
+          f"over {ctx} ({impl} kernels)",
+          ["B", "segments", "strategy", "us", "must read MiB", "floor us", "of ceiling", "vs ideal floor",
+           "speedup vs ragged"], rows)
+
+
 def plot(out_dir):
     plt = pyplot()
     if plt is None or not RESULTS:
@@ -238,6 +316,7 @@ def main():
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, interpret mode (the CPU): the harness only")
     ap.add_argument("--old", default=None, help="an older copy of pallas_kernels/cascade_attention.py to add")
     ap.add_argument("--reps", type=int, default=None)
+    ap.add_argument("--no-mixed", dest="mixed", action="store_false", help="leave out the mixed-step section")
     args = ap.parse_args()
     cfg = dict(SMOKE if args.smoke else FULL)
     cfg["reps"] = args.reps or cfg["reps"]
@@ -246,6 +325,8 @@ def main():
     args.ceiling = read_bandwidth(64 << 20 if args.smoke else 2 << 30, reps=cfg["reps"])
     log(f"read ceiling {args.ceiling / 1e9:.1f} GB/s")
     groups(args, cfg, load_old(args.old) if args.old else None)
+    if args.mixed:
+        mixed(args, cfg)
     plot(args.out)
     finish(args.out, "cascade_groups.md", "Cascade decode over many shared segments", t0, ROOT,
            [f"- read ceiling (common.read_bandwidth, this run): {args.ceiling / 1e12:.3f} TB/s"])

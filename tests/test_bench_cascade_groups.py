@@ -13,6 +13,6 @@ def test_smoke_run_writes_the_report(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = (tmp_path / "cascade_groups.md").read_text()
     assert "FAIL" not in report
-    for name in ("plain", "single", "multi", "multi BR=16"):
-        assert f"| {name} |" in report
-    assert report.count("| 6 | 3 |") == 4  # every strategy at 6 rows over 3 segments
+    for name in ("plain", "single", "multi", "multi BR=16", "ragged", "ragged + multi"):
+        for n in (1, 3):  # every strategy at 6 rows over 1 and 3 segments
+            assert f"| 6 | {n} | {name} |" in report
