@@ -19,7 +19,9 @@ Three ways to run it:
   whose shared part walked the prefix for every row block of the batch.
 * ``multi``: ``grouped_cascade_decode_attention`` with every segment a group, the group count
   padded to the engine's bucket (``inferscale_jax/buckets.py``); ``multi BR=n`` forces the shared
-  part's ``block_rows`` (the default is ``default_block_rows``).
+  part's ``block_rows`` (the default is ``default_block_rows``).  At B = 64 over 64 segments
+  every group has one row: measured all the same, though the engine leaves such rows plain (a
+  group needs two rows).
 
 Mixed steps (``--mixed``, on by default): the same B - 1 decode rows beside one prefill chunk of
 512 tokens over 4096 cached ones (its own pages): the ragged kernel over every row's whole page
