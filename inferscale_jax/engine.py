@@ -623,7 +623,7 @@ class Engine:
         keys = b.warmup_keys(buckets, cascade=cascade, logprobs=serving)
         self.runner.warm_skipped = frozenset(b.warmup_keys("all", cascade=cascade)) - frozenset(keys)
         bar = tqdm(total=len(keys), desc=f"warm-up ({buckets} step buckets)", unit="bucket", file=sys.stderr,
-                   disable=not progress_bar, dynamic_ncols=True, leave=False)
+                   disable=not progress_bar, dynamic_ncols=True, leave=True)
 
         def step(done: int, total: int) -> None:
             bar.total = total
