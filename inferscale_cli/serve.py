@@ -41,26 +41,33 @@ DEFAULT_NAMES = ["inferscale-default", "inferscale"]  # the embedded default mod
 LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
 
 
-def bind(host: str, port: int) -> socket.socket:
-    """A listening TCP socket on ``host:port`` (what uvicorn would create, made here so a taken
-    port fails before the model loads); ``OSError`` naming the address and the fix."""
+def bind(host: str, port: int) -> list[socket.socket]:
+    """Listening TCP sockets on ``host:port``, one per address the name resolves to (as asyncio's
+    ``create_server``, which uvicorn would call, binds them: ``localhost`` is 127.0.0.1 and ::1),
+    made here so a taken port fails before the model loads; ``OSError`` naming the address and
+    the fix."""
     try:
-        family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
-                                                          flags=socket.AI_PASSIVE)[0]
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     except socket.gaierror as err:
         raise OSError(f"--host {host}: cannot resolve it ({err.strerror}); give an IP address or a known "
                       "host name, e.g. 127.0.0.1 (this machine only) or 0.0.0.0 (every interface)") from None
-    sock = socket.socket(family, kind, proto)
+    socks: list[socket.socket] = []
     try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: a restart reuses TIME_WAIT
-        sock.bind(addr)
-        sock.listen(2048)
+        for family, kind, proto, _, addr in dict.fromkeys(infos):
+            sock = socket.socket(family, kind, proto)
+            socks.append(sock)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as asyncio: a restart reuses TIME_WAIT
+            if family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            sock.bind(addr)
+            sock.listen(2048)
     except OSError as err:
-        sock.close()
+        for sock in socks:
+            sock.close()
         hint = ("another process listens there (an earlier inferscale serve?): stop it or pick another --port"
                 if err.errno == 98 else "pick another --host / --port")
         raise OSError(f"cannot listen on {host}:{port}: {err.strerror} ({hint})") from None
-    return sock
+    return socks
 
 
 def served_names(args) -> list[str]:
@@ -160,21 +167,22 @@ def cmd_serve(args) -> int:
     template = chat_template(args.chat_template)
     names = served_names(args)
     follower = bool(args.coordinator) and args.process_id not in (None, 0)
-    sock = None if follower else bind(args.host, args.port)
-    url = None
-    if sock is not None:
+    socks = [] if follower else bind(args.host, args.port)
+    urls = []
+    for sock in socks:
         host, port = sock.getsockname()[:2]
-        url = f"http://{'[' + host + ']' if ':' in host else host}:{port}"
-        print(f"listening on {url}; loading {args.model or 'the embedded default model'} "
+        urls.append(f"http://{'[' + host + ']' if ':' in host else host}:{port}")
+    if socks:
+        print(f"listening on {' and '.join(urls)}; loading {args.model or 'the embedded default model'} "
               f"(requests wait until it is up)", file=sys.stderr, flush=True)
     try:
-        return _serve(args, sock, url, names, template, resolve_dtype)
+        return _serve(args, socks, " and ".join(urls), names, template, resolve_dtype)
     finally:
-        if sock is not None:
+        for sock in socks:
             sock.close()
 
 
-def _serve(args, sock, url: str | None, names: list[str], template: str | None, resolve_dtype) -> int:
+def _serve(args, socks: list, url: str, names: list[str], template: str | None, resolve_dtype) -> int:
     lockstep = None
     if args.coordinator or args.num_processes or args.process_id is not None:
         # several processes (hosts), one mesh: before any other JAX call (inferscale_jax/distributed.py)
@@ -235,7 +243,7 @@ def _serve(args, sock, url: str | None, names: list[str], template: str | None, 
         server = uvicorn.Server(uvicorn.Config(app, log_level=quiet, access_log=False, log_config=None,
                                                **UVICORN_OPTIONS))
         with _stop_signals_return():
-            server.run(sockets=[sock])
+            server.run(sockets=socks)
     finally:
         engine.stop_warmup()  # a warm-up still compiling starts nothing more
         async_engine.shutdown(timeout=SHUTDOWN_WAIT_S)  # a step (or a compile) in flight finishes first
