@@ -332,3 +332,24 @@ def test_serve_over_two_processes_answers_as_one(tmp_path, env):
         single.stop()
     assert two["usage"]["completion_tokens"] == one["usage"]["completion_tokens"] == 8
     assert two["choices"][0]["text"] == one["choices"][0]["text"], (two, one)
+
+
+def test_snapshot_warning_ends_with_the_matching_flags():
+    """A snapshot of another engine: the engine's warning (registry.Identity.mismatch's words)
+    gets the flags of this command that match the snapshot."""
+    import logging
+
+    from inferscale_cli.main import SnapshotHint, snapshot_fix
+    from inferscale_jax.registry import Identity
+
+    mine = Identity("fp", "model", "float32", 16)
+    assert snapshot_fix(mine.mismatch(Identity("fp", "model", "bfloat16/kv=int8", 16))) == \
+        "--dtype bfloat16 --kv-dtype int8"
+    assert snapshot_fix(mine.mismatch(Identity("fp", "model", "float32", 32))) == "--page-size 32"
+    assert snapshot_fix("something else") is None
+    record = logging.LogRecord("inferscale.snapshot", logging.WARNING, __file__, 1,
+                               "snapshot %s was written by another engine: %s; starting without its KV",
+                               ("/kv/snapshots/3", mine.mismatch(Identity("fp", "model", "bfloat16", 16))), None)
+    assert SnapshotHint().filter(record)
+    assert record.getMessage().endswith("Fix: run with --dtype bfloat16 (as the command that wrote it), or give "
+                                        "another --snapshot-dir"), record.getMessage()

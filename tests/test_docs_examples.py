@@ -24,6 +24,7 @@ examples must be idempotent (a segment created again would be a 409) and restore
 import os
 import re
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -147,6 +148,7 @@ def run_block(servers: Servers, where: str, lang: str, code: str) -> None:
 
 
 def test_the_docs_server_examples_run_as_written_twice(servers):
+    assert shutil.which("curl"), "the README's examples use curl: install it"
     examples = blocks()
     # what the docs hold today (a test that found nothing to run could not fail)
     assert sum(lang == "python" for _, lang, _ in examples) >= 4, examples
