@@ -7,7 +7,8 @@ plain Python state).  ``AsyncEngine`` owns it from one thread, the *engine loop*
    each a function executed on the loop thread; its result or exception is handed back to
    the awaiting coroutine through a ``concurrent.futures.Future``;
 2. if any request is unfinished, run one ``engine.step()`` and push each ``RequestOutput`` to
-   its request's asyncio queue (``loop.call_soon_threadsafe``);
+   its request's asyncio queue: one ``loop.call_soon_threadsafe`` per step for all of them (a
+   wake-up of the event loop per stream and step was 256 per step at 256 streams);
 3. otherwise sleep until the next command arrives (and take a periodic snapshot when due).
 
 So request handlers never block the event loop on device work, and every HTTP request is
@@ -53,6 +54,12 @@ def _private_copy(tokenizer):
         return copy.deepcopy(tokenizer)
     except Exception:  # noqa: BLE001 - an uncopyable tokenizer is shared (encode/decode are read-only)
         return tokenizer
+
+
+def _put_all(batch: list) -> None:
+    """On the event loop: each (queue, item) of a step's outputs into its stream's queue."""
+    for q, item in batch:
+        q.put_nowait(item)
 
 
 class AsyncEngine:
@@ -115,8 +122,7 @@ class AsyncEngine:
                 except Exception as e:  # noqa: BLE001 - the engine contains the rest (module docstring)
                     self._on_step_error(e)
                     continue
-                for out in outs:
-                    self._deliver(out.request_id, out.error if out.error is not None else out)
+                self._deliver_all([(out.request_id, out.error if out.error is not None else out) for out in outs])
 
     def _on_step_error(self, e: Exception) -> None:
         fault = getattr(self.engine, "fault", None)
@@ -148,13 +154,22 @@ class AsyncEngine:
             fut.set_result(result)
 
     def _deliver(self, request_id: str, item: Any) -> None:
-        target = self._streams.get(request_id)
-        if target is None:
-            return
-        loop, q = target
-        if isinstance(item, BaseException) or getattr(item, "finished", False):
-            self._streams.pop(request_id, None)
-        loop.call_soon_threadsafe(q.put_nowait, item)
+        self._deliver_all([(request_id, item)])
+
+    def _deliver_all(self, items: list[tuple[str, Any]]) -> None:
+        """Hand a step's outputs to their streams: one wake-up of each event loop per step (not
+        one per stream), whose callback fills every queue."""
+        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+        for request_id, item in items:
+            target = self._streams.get(request_id)
+            if target is None:
+                continue
+            loop, q = target
+            if isinstance(item, BaseException) or getattr(item, "finished", False):
+                self._streams.pop(request_id, None)
+            by_loop.setdefault(loop, []).append((q, item))
+        for loop, batch in by_loop.items():
+            loop.call_soon_threadsafe(_put_all, batch)
 
     def _fail_all(self, error: Exception) -> None:
         for rid in list(self._streams):
