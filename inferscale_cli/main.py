@@ -266,8 +266,8 @@ def cmd_precompute(args) -> int:
                          progress=bool(todo))
     print(res.summary())
     if not res.computed:
-        print(f"nothing to compute: every document is stored unchanged in {args.snapshot_dir} (no snapshot "
-              "written)", file=sys.stderr)
+        print(f"nothing to compute: no document is new or changed in {args.snapshot_dir}; no snapshot written",
+              file=sys.stderr)
     if args.tenant != "default" and not args.public:
         print(f"note: these segments belong to tenant '{args.tenant}': a server reaches them only through an API "
               f"key of that tenant: inferscale serve --snapshot-dir {args.snapshot_dir} --api-keys keys.json, "

@@ -576,9 +576,11 @@ class ModelRunner:
         each step is traced and lowered here (Python, one at a time), and XLA compiles it on a
         pool of ``workers`` threads (default: the CPUs, at most 8) while the next one lowers, with
         the overlap helpers of their shapes.  Then, on an accelerator, each bucket runs once on
-        padding (its first run sets up what later runs reuse).  ``progress(done, total)`` after each bucket.  ``stop()``, checked between buckets: when
-        true, nothing more is lowered or started (the compiles already running finish; XLA cannot
-        interrupt one) and the warm-up returns early.  Returns how many of ``keys`` are ready."""
+        padding (its first run sets up what later runs reuse).  ``progress(done, total)`` after
+        each bucket.  ``stop()``, checked between buckets: when true, nothing more is lowered or
+        started (the compiles already running finish; XLA cannot interrupt one) and the warm-up
+        returns early; an exception (Ctrl-C) likewise starts nothing more before it propagates.
+        Returns how many of ``keys`` are ready."""
         stop = stop or (lambda: False)
         plans = [(key, rows) for key in keys if (rows := self._padding_rows(key)) is not None]
         todo = [(key, rows) for key, rows in plans if (key, (), self.matmul_precision) not in self.executables]
@@ -587,6 +589,7 @@ class ModelRunner:
         helpers = list(dict.fromkeys(hk for key, _ in plans
                                      for hk in (self._feed_key(key), ("ids", key.rows, 2 + 2 * key.num_logprobs))
                                      if hk not in self.helpers))
+
         def record(fut, key) -> None:
             nonlocal done
             self._note_bucket((key, (), self.matmul_precision))
@@ -595,23 +598,26 @@ class ModelRunner:
             if progress is not None:
                 progress(done, len(plans))
 
+        futures, small, pending, all_done = {}, {}, set(), False
         with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="inferscale-compile") as pool:
-            futures = {}
-            for key, rows in todo:
-                if stop():
-                    break
-                _, _, host = self._pack(rows, key.num_logprobs, self._padding_groups(key), None)
-                futures[pool.submit(self._lower(key, self._to_device(host)).compile)] = key
-            small = {pool.submit(self._lower_helper(hk).compile): hk for hk in helpers if not stop()}
-            pending = set(futures)
-            while pending and not stop():
-                finished, pending = concurrent.futures.wait(pending, timeout=0.25,
-                                                            return_when=concurrent.futures.FIRST_COMPLETED)
-                for fut in finished:
-                    record(fut, futures[fut])
-            if stop():  # cancel what has not started; the pool's exit waits for the running ones
-                for fut in (*pending, *small):
-                    fut.cancel()
+            try:
+                for key, rows in todo:
+                    if stop():
+                        break
+                    _, _, host = self._pack(rows, key.num_logprobs, self._padding_groups(key), None)
+                    futures[pool.submit(self._lower(key, self._to_device(host)).compile)] = key
+                small = {pool.submit(self._lower_helper(hk).compile): hk for hk in helpers if not stop()}
+                pending = set(futures)
+                while pending and not stop():
+                    finished, pending = concurrent.futures.wait(pending, timeout=0.25,
+                                                                return_when=concurrent.futures.FIRST_COMPLETED)
+                    for fut in finished:
+                        record(fut, futures[fut])
+                all_done = not pending and len(futures) == len(todo)
+            finally:
+                if not all_done:  # stopped or raising: cancel what has not started (the pool's exit
+                    for fut in (*futures, *small):  # waits for the running ones)
+                        fut.cancel()
         for fut in pending:
             if not fut.cancelled():
                 record(fut, futures[fut])

@@ -60,3 +60,34 @@ def test_stop_warmup_ends_it_after_the_compiles_in_flight():
     assert info["stopped"] and 1 <= info["buckets"] < total, (info, total)
     again = e.warmup(buckets="all", progress_bar=False)
     assert again["stopped"] and again["buckets"] == info["buckets"]  # nothing new was started
+
+
+def test_an_error_in_the_warmup_starts_no_more_compiles(monkeypatch):
+    """An exception during the warm-up (Ctrl-C in precompute) cancels the compiles not started:
+    the pool's exit waits only for the one running (one worker; each compile takes 2 s here, and
+    the interrupt comes while the fourth bucket lowers)."""
+    import time
+
+    e = make_engine(pages=128, max_batch=8, max_num_batched_tokens=256)
+    lower, started = e.runner._lower, []
+
+    class Slow:
+        def __init__(self, lowered):
+            self.lowered = lowered
+
+        def compile(self):
+            started.append(1)
+            time.sleep(2)
+            return self.lowered.compile()
+
+    def lower_then_interrupt(key, args):
+        if len(lowered) == 3:
+            raise KeyboardInterrupt
+        lowered.append(key)
+        return Slow(lower(key, args))
+
+    lowered = []
+    monkeypatch.setattr(e.runner, "_lower", lower_then_interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        e.runner.warmup(e.runner.buckets.warmup_keys("all"), workers=1)
+    assert len(lowered) == 3 and len(started) == 1, (lowered, started)
