@@ -522,6 +522,11 @@ def _chunk_object(job: Job) -> str:
 def _chunk(state, job: Job, created: int, index: int, text: str | None, finish: str | None,
            role: bool = False, logprobs: dict | None = None, usage: dict | None = None,
            extra: dict | None = None) -> str:
+    if text and not (role or finish or logprobs or usage or extra):  # the per-token chunk: no dict, one dumps
+        field = '"delta": {"content": %s}' if job.kind == "chat" else '"text": %s'
+        return (f'data: {{"id": "{job.id}", "object": "{_chunk_object(job)}", "created": {created}, '
+                f'"model": {json.dumps(state.model_name, ensure_ascii=False)}, "choices": [{{"index": {index}, '
+                f'{field % json.dumps(text, ensure_ascii=False)}, "logprobs": null, "finish_reason": null}}]}}\n\n')
     if job.kind == "chat":
         delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
         choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
