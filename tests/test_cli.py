@@ -142,9 +142,12 @@ def test_precompute_twice_then_serve_restores_relative_snapshot_dir(tmp_path, en
     assert "compiling step for bucket" not in log  # (DEBUG)
     assert not request_lines(log)  # no per-request line by default (--log-requests)
 
-    server = Serve(tmp_path, env, "--snapshot-dir", "./kv", "--no-warmup", "--log-requests")  # (warm-up above)
+    server = Serve(tmp_path, env, "--snapshot-dir", "./kv", "--no-warmup", "--log-requests",  # (warm-up above)
+                   "--served-model-name", "kettle-bot", "inferscale")
     try:
         assert restored(server) == (4, 0)  # the final snapshot on SIGTERM holds 'faq'
+        models = httpx.get(server.url + "/v1/models", timeout=30).json()
+        assert [m["id"] for m in models["data"]] == ["kettle-bot", "inferscale"], models
         for sid in ("doc-a", "doc-b", "faq"):
             got = httpx.get(server.url + f"/v1/segments/{sid}", timeout=30)
             assert got.status_code == 200 and got.json()["tier"] in ("hbm", "host"), (sid, got.text)
