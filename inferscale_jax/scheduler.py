@@ -459,12 +459,10 @@ class Scheduler:
         ending = {i for i, j in pend.items() if len(prev[1][j][0].out_ids) + 1 >= prev[1][j][0].sampling.max_tokens}
         if any(prev[1][j][0].needs_host_tail for j in pend.values()):
             # a row's bias needs its in-flight token on the host (multi-token bad words): settle first
-            self.inflight = None
-            try:
-                res = self.runner.collect(prev[0])
-            except Exception as err:  # noqa: BLE001 - its results are lost: recompute
-                return outs + self._lost(err, prev)
-            outs += self._apply_all(prev, res)
+            settled, lost = self._settle(prev)
+            outs += settled
+            if lost:
+                return outs
             prev, pend, ending = None, {}, set()
         # requests whose fed token starts a new page (the position it feeds: its last token's, or
         # the in-flight one's), oldest first: an allocation may preempt the newest
@@ -482,12 +480,10 @@ class Scheduler:
                         break
                     except PoolExhausted:
                         if prev is not None:  # settle the in-flight step before preempting
-                            self.inflight = None
-                            try:
-                                res = self.runner.collect(prev[0])
-                            except Exception as err:  # noqa: BLE001 - its results are lost: recompute
-                                return outs + self._lost(err, prev)
-                            outs += self._apply_all(prev, res)
+                            settled, lost = self._settle(prev)
+                            outs += settled
+                            if lost:
+                                return outs
                             prev, pend, ending = None, {}, set()
                             if req.status != "running":
                                 break  # it finished with the drained token
@@ -558,6 +554,16 @@ class Scheduler:
                 return outs + self._apply_all((pending, entries), res)
             self.inflight = (pending, entries)
         return outs
+
+    def _settle(self, prev) -> tuple[list[RequestOutput], bool]:
+        """Read the in-flight step ``prev`` now and apply it: (its outputs, whether its results
+        were lost - then the outputs are ``_lost``'s and the step must end)."""
+        self.inflight = None
+        try:
+            res = self.runner.collect(prev[0])
+        except Exception as err:  # noqa: BLE001 - its results are lost: recompute
+            return self._lost(err, prev), True
+        return self._apply_all(prev, res), False
 
     def _prefill_work(self, prefilling: list[Request]) -> list[Request | NodeJob]:
         """What has prompt tokens left to compute, in order: node jobs with pages, then the
