@@ -141,22 +141,9 @@ def _configure_logging(level: str) -> None:
 
 
 def _create_app(create_app, async_engine, keys, args, names: list[str], template: str | None):
-    import inspect
-
-    accepted = inspect.signature(create_app).parameters
-    kw = dict(api_keys=keys, max_body_bytes=args.max_body_bytes, max_waiting=args.max_waiting,
-              body_timeout_s=args.body_timeout, default_max_tokens=args.default_max_tokens)
-    if "model_names" in accepted:
-        kw["model_names"] = names
-    else:
-        kw["model_name"] = names[0]
-    if "log_requests" in accepted:
-        kw["log_requests"] = args.log_requests
-    if "chat_template" in accepted:
-        kw["chat_template"] = template
-    elif template is not None:
-        raise ValueError("--chat-template: this server (serving.create_app) takes no chat template")
-    return create_app(async_engine, **kw)
+    return create_app(async_engine, api_keys=keys, max_body_bytes=args.max_body_bytes, max_waiting=args.max_waiting,
+                      body_timeout_s=args.body_timeout, default_max_tokens=args.default_max_tokens,
+                      model_names=names, log_requests=args.log_requests, chat_template=template)
 
 
 def cmd_serve(args) -> int:
