@@ -7,7 +7,11 @@ A registered segment's KV lives in exactly one place:
   pages) in pinned host memory (``memory_kind="pinned_host"``, so host -> device is one DMA;
   backends without that memory kind keep a numpy array: same code path);
 - **disk**: the same array's raw bytes in one file under ``disk_dir`` (a cache, not a
-  persistence format: the folder is wiped at startup; snapshots are ``snapshot.py``'s job);
+  persistence format: the folder is wiped at startup; snapshots are ``snapshot.py``'s job),
+  with the xxh3-64 checksum of those bytes kept beside the entry: a read checks the size and
+  the checksum, and a file that is missing, short or different is never served - the KV is
+  recomputed from the segment's token ids instead (an *integrity error*, logged and counted:
+  ``stats()["integrity_errors"]``, ``inferscale_integrity_errors_total{tier}``);
 - **recompute**: nowhere (disk tier full): promotion recomputes it from its token ids.
 
 Life of an eviction (``KVManager.allocate`` found no free pages and no evictable chain node):
@@ -53,6 +57,7 @@ from typing import TYPE_CHECKING
 import jax
 import jax.numpy as jnp
 import numpy as np
+import xxhash
 from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 
 from inferscale_jax.errors import StorageError
@@ -74,6 +79,15 @@ log = logging.getLogger("inferscale.tiers")
 
 LOWER_TIERS = ("host", "disk", "recompute")
 TRANSFER_GROUP_BYTES = 256 << 20  # device bytes gathered at once when copying many segments out
+
+
+def _remove(path: str | None) -> None:
+    """Remove a disk tier file; one already gone (deleted by hand, a failed write) is fine."""
+    if path:
+        try:
+            os.remove(path)
+        except FileNotFoundError:
+            pass
 
 
 def page_bucket(n: int) -> int:
@@ -131,6 +145,7 @@ class TierEntry:
     tier: str  # "host" | "disk" | "recompute"
     kv: object = None  # host: [L, 2, Hkv, nb, S, D] pinned-host jax.Array (or np.ndarray)
     path: str | None = None  # disk: the same array's raw bytes
+    checksum: int | None = None  # disk: xxh3-64 of the file's bytes, checked when it is read
     hashes: list[bytes] | None = None  # prefix-cache keys of its full pages (hashed once, at demotion)
 
     @property
@@ -191,7 +206,8 @@ class Tiers:
         self._entries: OrderedDict[int, TierEntry] = OrderedDict()  # uid -> entry, LRU first
         self._in_flight: int | None = None  # uid being recomputed into HBM (in no tier meanwhile)
         self._disk_error: str | None = None  # the last disk write failure logged (each distinct one once)
-        self.counters = dict(evictions_hbm=0, evictions_host=0, evictions_disk=0, promotions_host=0,
+        self.counters = dict(evictions_hbm=0, evictions_host=0, evictions_disk=0, integrity_errors_disk=0,
+                             promotions_host=0,
                              promotions_disk=0, promotions_recompute=0, promotion_s=0.0, promotion_bytes=0,
                              transfer_s=0.0, last_promotion_s=0.0, last_promotion_gbps=0.0)
 
@@ -274,8 +290,10 @@ class Tiers:
             folder = self.disk_dir()
             path = os.path.join(folder, f"{entry.uid}.kv")
             try:
+                data = memoryview(arr.reshape(-1).view(np.uint8))
+                checksum = xxhash.xxh3_64_intdigest(data)
                 with open(path + ".tmp", "wb") as f:
-                    f.write(memoryview(arr.reshape(-1).view(np.uint8)))
+                    f.write(data)
                 os.replace(path + ".tmp", path)
             except BaseException:
                 if os.path.exists(path + ".tmp"):
@@ -283,23 +301,37 @@ class Tiers:
                 raise
         except OSError as err:
             raise storage_error(err, folder, f"writing the KV of segment uid {entry.uid} to the disk tier") or err
-        entry.tier, entry.kv, entry.path = "disk", None, path
+        entry.tier, entry.kv, entry.path, entry.checksum = "disk", None, path, checksum
         self.counters["evictions_host"] += 1
 
     def _drop(self, entry: TierEntry) -> None:
-        if entry.path:
-            os.remove(entry.path)
-        entry.tier, entry.kv, entry.path = "recompute", None, None
+        _remove(entry.path)
+        entry.tier, entry.kv, entry.path, entry.checksum = "recompute", None, None, None
         self.counters["evictions_disk"] += 1
 
-    def _read_disk(self, entry: TierEntry) -> np.ndarray:
+    def _read_disk(self, entry: TierEntry) -> np.ndarray | None:
+        """The entry's block from its file, or None when the file is missing, short, longer or
+        not the bytes written (an integrity error: logged, counted, the file removed)."""
         arr = np.empty(self.shape(entry.num_pages), self.block_dtype)
         buf = memoryview(arr.reshape(-1).view(np.uint8))
-        with open(entry.path, "rb") as f:
-            got = f.readinto(buf)
-        if got != arr.nbytes:
-            raise OSError(f"disk tier file {entry.path} holds {got} bytes, expected {arr.nbytes}")
-        return arr
+        try:
+            with open(entry.path, "rb") as f:
+                got = f.readinto(buf)
+                extra = f.read(1)
+        except FileNotFoundError:
+            why = "is missing"
+        else:
+            if got != arr.nbytes or extra:
+                why = f"holds {got + len(extra)}{'+' if extra else ''} bytes, expected {arr.nbytes}"
+            elif xxhash.xxh3_64_intdigest(buf) != entry.checksum:
+                why = "does not hold the bytes written (checksum mismatch)"
+            else:
+                return arr
+        log.error("integrity error: disk tier file %s of segment uid %d %s; its KV is recomputed from its "
+                  "tokens", entry.path, entry.uid, why)
+        self.counters["integrity_errors_disk"] += 1
+        _remove(entry.path)
+        return None
 
     def shape(self, num_pages: int, local: bool = True) -> tuple[int, ...]:
         """A block's shape; ``local``: this process's part of it (all of it in one process)."""
@@ -347,13 +379,17 @@ class Tiers:
             return node
         try:
             arr = entry.kv if entry.tier == "host" else self._read_disk(entry)
+            if arr is None:  # a damaged disk copy: recompute instead (never serve it)
+                entry.tier, entry.path, entry.checksum = "recompute", None, None
+                self._entries[seg.uid] = entry
+                return self.promote(seg, kv)
             pages = kv.allocate(entry.num_pages)
         except BaseException:
-            self._entries[seg.uid] = entry
+            if entry.tier != "recompute":
+                self._entries[seg.uid] = entry
             raise
         node = self._install(seg, entry.num_tokens, pages, arr, t0, entry.hashes)
-        if entry.path:
-            os.remove(entry.path)
+        _remove(entry.path)
         self.counters[f"promotions_{entry.tier}"] += 1
         return node
 
@@ -441,7 +477,11 @@ class Tiers:
             if entry is not None and entry.tier == "host":
                 out[seg.uid] = self.local(entry.kv)
             elif entry is not None and entry.tier == "disk":
-                out[seg.uid] = self._read_disk(entry)
+                arr = self._read_disk(entry)
+                if arr is None:  # damaged: no copy to snapshot; recomputed when next used
+                    entry.tier, entry.path, entry.checksum = "recompute", None, None
+                else:
+                    out[seg.uid] = arr
         flush()
         return out
 
@@ -449,8 +489,8 @@ class Tiers:
     def forget(self, uid: int) -> None:
         """A deleted segment: drop its lower-tier copy (its HBM pages are the store's)."""
         entry = self._entries.pop(uid, None)
-        if entry is not None and entry.path:
-            os.remove(entry.path)
+        if entry is not None:
+            _remove(entry.path)
 
     def pages_in(self, tier: str) -> int:
         return sum(x.bucket for x in self._entries.values() if x.tier == tier)
@@ -480,6 +520,7 @@ class Tiers:
                      "bytes_used": self.pages_in("disk") * self.page_nbytes, "pages_total": self.disk_capacity,
                      "evictions": c["evictions_disk"]},
             "recompute": {"segments": self.segments_in("recompute")},
+            "integrity_errors": {"disk": c["integrity_errors_disk"]},
             "promotions": {"host": c["promotions_host"], "disk": c["promotions_disk"],
                            "recompute": c["promotions_recompute"]},
             "promotion_latency_s_mean": c["promotion_s"] / promotions if promotions else 0.0,

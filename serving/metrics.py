@@ -10,8 +10,8 @@ collide on the global default registry.  Two sources feed it:
   (``RequestMetrics``: submit -> first token sampled, submit -> finished); inter-token gaps are
   the times between a request's consecutive deltas as the server receives them.
 - **engine state** (read at scrape time from ``engine.stats()``, fetched on the engine thread by
-  the ``/metrics`` route): ``pages{tier,state}``, ``segments{tier}``, ``evictions_total{tier}``
-  ``preemptions_total`` and ``compiles_total{phase}``.  These mirror the engine's own cumulative counters, so they are
+  the ``/metrics`` route): ``pages{tier,state}``, ``segments{tier}``, ``evictions_total{tier}``,
+  ``integrity_errors_total{tier}``, ``preemptions_total`` and ``compiles_total{phase}``.  These mirror the engine's own cumulative counters, so they are
   exported through a custom collector rather than incremented here.
 """
 
@@ -64,6 +64,11 @@ class _EngineCollector:
             segs.add_metric(["hbm"], s.get("segments", 0))
         yield segs
         yield evict
+        integrity = CounterMetricFamily("inferscale_integrity_errors", "stored KV found damaged or missing when "
+                                        "read (never served: recomputed from its tokens)", labels=["tier"])
+        for tier, n in (tiers.get("integrity_errors") or {}).items():
+            integrity.add_metric([tier], n)
+        yield integrity
         pre = CounterMetricFamily("inferscale_preemptions", "requests preempted for lack of KV pages")
         pre.add_metric([], s.get("preemptions", 0))
         yield pre

@@ -91,3 +91,51 @@ def test_segment_in_use_is_never_evicted():
     assert (final.token_ids, final.logprobs) == ref
     assert e.store.root(e.store.resolve("a", "default")).readers == 0
     e.check_invariants()
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "extend", "delete"])
+def test_damaged_disk_tier_file_is_recomputed_never_served(damage):
+    """A disk-tier file flipped, truncated, extended or deleted behind the engine's back: the next
+    request naming the segment gets the right output (recomputed from its tokens), the damage is
+    counted as an integrity error, and deleting the segment afterwards works."""
+    import os
+
+    e = make_engine(pages=32, host_pages=0, disk_pages=64)
+    e.register_segment("a", token_ids=seg_tokens(0))
+    want = gen(e, "a")
+    e.tiers.demote(e.store.resolve("a", "default"), "host")  # host holds 0 pages: on to disk
+    assert tiers_of(e, "a") == dict(a="disk")
+    path = e.tiers._entries[e.store.resolve("a", "default").uid].path
+    size = os.path.getsize(path)
+    if damage == "flip":
+        with open(path, "r+b") as f:
+            f.seek(size // 2)
+            byte = f.read(1)
+            f.seek(size // 2)
+            f.write(bytes([byte[0] ^ 0xFF]))
+    elif damage == "truncate":
+        os.truncate(path, size - 100)
+    elif damage == "extend":
+        with open(path, "ab") as f:
+            f.write(b"\0" * 8)
+    else:
+        os.remove(path)
+    assert gen(e, "a") == want
+    assert e.stats()["tiers"]["integrity_errors"]["disk"] == 1
+    assert e.stats()["tiers"]["promotions"]["recompute"] == 1 and not os.path.exists(path)
+    e.tiers.demote(e.store.resolve("a", "default"), "host")  # to disk again, then deleted by hand
+    os.remove(e.tiers._entries[e.store.resolve("a", "default").uid].path)
+    e.delete_segment("a")  # the file is already gone: no error
+    e.check_invariants()
+    e.close()
+
+
+def test_undamaged_disk_tier_file_is_read_not_recomputed():
+    e = make_engine(pages=32, host_pages=0, disk_pages=64)
+    e.register_segment("a", token_ids=seg_tokens(0))
+    want = gen(e, "a")
+    e.tiers.demote(e.store.resolve("a", "default"), "host")
+    assert gen(e, "a") == want
+    t = e.stats()["tiers"]
+    assert t["promotions"]["disk"] == 1 and t["promotions"]["recompute"] == 0 and t["integrity_errors"]["disk"] == 0
+    e.close()
