@@ -398,6 +398,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "serves HTTP, the others follow it (docs/architecture.md)")
     s.add_argument("--num-processes", type=int, default=None, help="processes of the mesh (with --coordinator)")
     s.add_argument("--process-id", type=int, default=None, help="this process's index, 0 serves (with --coordinator)")
+    s.add_argument("--api-server-count", type=positive(), default=1,
+                   help="HTTP processes (parsing, tokenization, SSE) over the one engine core process "
+                        "(inferscale_jax/engine_core.py); they share the port (default: %(default)s)")
+    s.add_argument("--engine-in-process", action="store_true",
+                   help="run the engine on a thread of the HTTP process instead of in its own core process "
+                        "(the single-process layout; always so with --coordinator)")
     s.add_argument("--no-warmup", dest="warmup", action="store_false",
                    help="skip the warm-up (compiling the step buckets: on the CPU the small set, on a GPU/TPU "
                         "every one) at startup; the first requests then compile")

@@ -37,6 +37,7 @@ import socket
 import sys
 
 SHUTDOWN_WAIT_S = 300.0  # how long the engine thread may take to finish its step at shutdown
+FAULT_EXIT_DELAY_S = 10.0  # core layout: after the engine fails, /health answers 503 this long, then exit
 DEFAULT_NAMES = ["inferscale-default", "inferscale"]  # the embedded default model's served names
 LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
 
@@ -169,6 +170,36 @@ def cmd_serve(args) -> int:
             sock.close()
 
 
+def _engine_config(args, resolve_dtype):
+    from inferscale_jax.config import EngineConfig
+
+    extra = {}
+    if args.snapshot_dir:
+        extra = dict(snapshot_dir=args.snapshot_dir, strict_restore=args.strict_restore,
+                     snapshot_interval_s=args.snapshot_interval)
+    config = EngineConfig(dtype=resolve_dtype(args.dtype), page_size=args.page_size, hbm_pages=args.hbm_pages,
+                          max_batch=args.max_batch, max_num_batched_tokens=args.max_num_batched_tokens,
+                          tensor_parallel=args.tensor_parallel, kv_dtype=args.kv_dtype,
+                          session_ttl_s=args.session_ttl, max_sessions_per_tenant=args.max_sessions_per_tenant,
+                          **extra)
+    return config
+
+
+def build_engine(args):
+    """The engine core process's engine (``inferscale_jax/engine_core.py`` calls it there):
+    logging and tracing set up as in the API server, the engine loaded, the tenant hint printed."""
+    from inferscale_cli.main import resolve_dtype
+    from inferscale_jax import tracing
+    from inferscale_jax.engine import Engine
+
+    _configure_logging(args.log_level)
+    tracing.configure_from_env()
+    engine = Engine.from_pretrained(args.model, _engine_config(args, resolve_dtype))
+    if not args.api_keys and (hint := tenant_hint(engine)):
+        print(hint, file=sys.stderr, flush=True)
+    return engine
+
+
 def _serve(args, socks: list, url: str, names: list[str], template: str | None, resolve_dtype) -> int:
     lockstep = None
     if args.coordinator or args.num_processes or args.process_id is not None:
@@ -179,7 +210,6 @@ def _serve(args, socks: list, url: str, names: list[str], template: str | None, 
 
     from inferscale_jax import tracing
     from inferscale_jax.async_engine import AsyncEngine
-    from inferscale_jax.config import EngineConfig
     from inferscale_jax.engine import Engine
     from serving import UVICORN_OPTIONS, create_app, load_api_keys
 
@@ -189,15 +219,9 @@ def _serve(args, socks: list, url: str, names: list[str], template: str | None, 
     if keys is None and args.host not in LOCAL_HOSTS:
         print(f"warning: serving on {args.host} without --api-keys: anyone who can reach it is tenant 'default'",
               file=sys.stderr)
-    extra = {}
-    if args.snapshot_dir:
-        extra = dict(snapshot_dir=args.snapshot_dir, strict_restore=args.strict_restore,
-                     snapshot_interval_s=args.snapshot_interval)
-    config = EngineConfig(dtype=resolve_dtype(args.dtype), page_size=args.page_size, hbm_pages=args.hbm_pages,
-                          max_batch=args.max_batch, max_num_batched_tokens=args.max_num_batched_tokens,
-                          tensor_parallel=args.tensor_parallel, kv_dtype=args.kv_dtype,
-                          session_ttl_s=args.session_ttl, max_sessions_per_tenant=args.max_sessions_per_tenant,
-                          **extra)
+    if lockstep is None and not getattr(args, "engine_in_process", False):
+        return _serve_with_core(args, socks, url, names, template, keys)
+    config = _engine_config(args, resolve_dtype)
     if lockstep is not None:
         config = lockstep.lockstep_config(config)
         engine = lockstep.LockstepEngine.from_pretrained(args.model, config)
@@ -241,5 +265,131 @@ def _serve(args, socks: list, url: str, names: list[str], template: str | None, 
                   "(the last periodic one and the registry stand)", file=sys.stderr)
     if async_engine.fatal is not None:
         print(f"error: {async_engine.fatal}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _uvicorn_server(app, args):
+    import uvicorn
+
+    from serving import UVICORN_OPTIONS
+
+    # log_config=None: uvicorn keeps the logging set up above (its own dictConfig would drop
+    # the root handler that prints the per-request lines of ``inferscale.server``)
+    quiet = "debug" if args.log_level == "debug" else "warning"  # uvicorn's own startup lines: debug only
+    return uvicorn.Server(uvicorn.Config(app, log_level=quiet, access_log=False, log_config=None,
+                                         **UVICORN_OPTIONS))
+
+
+def _exit_later(server_ref: list, delay: float):
+    """``on_fatal`` for the core layout: stop serving ``delay`` s from now (``/health`` answers
+    503 meanwhile, so a load balancer sees the failure before the port closes)."""
+    import threading
+
+    def on_fatal(fault) -> None:
+        def stop():
+            if server_ref:
+                server_ref[0].should_exit = True
+        timer = threading.Timer(delay, stop)
+        timer.daemon = True
+        timer.start()
+    return on_fatal
+
+
+def api_server(socks: list, address: str, args, names: list[str], template: str | None, index: int, core_pid: int) -> None:
+    """An extra API-server process (``--api-server-count`` > 1): the same app on the same
+    listening socket, over the same engine core; ends on SIGTERM (sent by the first API server)."""
+    from serving import create_app, load_api_keys
+    from serving.core_client import CoreClient
+
+    _configure_logging(args.log_level)
+    keys = load_api_keys(args.api_keys) if args.api_keys else None
+    server_ref: list = []
+    client = CoreClient(address, lambda: _pid_alive(core_pid), index=index,
+                        on_fatal=_exit_later(server_ref, FAULT_EXIT_DELAY_S))
+    try:
+        app = _create_app(create_app, client, keys, args, names, template)
+        server = _uvicorn_server(app, args)
+        server_ref.append(server)
+        with _stop_signals_return():
+            server.run(sockets=socks)
+    finally:
+        client.close()
+    sys.exit(1 if client.fatal is not None else 0)
+
+
+def _serve_with_core(args, socks: list, url: str, names: list[str], template: str | None, keys) -> int:
+    """The default layout (``inferscale_jax/engine_core.py``): the engine in a core process,
+    HTTP here and in ``--api-server-count`` - 1 more API-server processes."""
+    import multiprocessing
+    import shutil
+    import tempfile
+
+    from inferscale_jax import engine_core
+    from serving import create_app
+    from serving.core_client import CoreClient
+
+    mp = multiprocessing.get_context("spawn")
+    folder = tempfile.mkdtemp(prefix="inferscale-core-")
+    address = f"ipc://{folder}/core.sock"
+    core = mp.Process(target=engine_core.run, args=(address, build_engine, (args,), os.getpid()),
+                      name="inferscale-engine-core")
+    core.start()
+    print(f"engine core process: pid {core.pid}; API server process: pid {os.getpid()}", file=sys.stderr, flush=True)
+    server_ref: list = []
+    apis: list = []
+    client = None
+    try:
+        client = CoreClient(address, core.is_alive, index=0, exitcode=lambda: core.exitcode,
+                            on_fatal=_exit_later(server_ref, FAULT_EXIT_DELAY_S))
+        app = _create_app(create_app, client, keys, args, names, template)
+        for i in range(1, getattr(args, "api_server_count", 1) or 1):
+            p = mp.Process(target=api_server, args=(socks, address, args, names, template, i, core.pid),
+                           name=f"inferscale-api-{i}")
+            p.start()
+            apis.append(p)
+        also = f" (also answers to {', '.join(names[1:])})" if len(names) > 1 else ""
+        print(f"serving {names[0]}{also} on {url}, {len(keys) if keys else 'no'} API keys, "
+              f"{1 + len(apis)} API server process{'es' if apis else ''}; "
+              + ("warming up: /health answers 503 until it is done" if args.warmup else "no warm-up"),
+              file=sys.stderr, flush=True)
+        if args.warmup:
+            client.start_warmup()
+        server = _uvicorn_server(app, args)
+        server_ref.append(server)
+        with _stop_signals_return():
+            server.run(sockets=socks)
+    finally:
+        for p in apis:  # the other API servers' graceful shutdown first: their streams end
+            if p.is_alive():
+                p.terminate()  # SIGTERM
+        for p in apis:
+            p.join(30)
+            if p.is_alive():
+                p.kill()
+                p.join()
+        if client is not None:
+            client.shutdown(timeout=SHUTDOWN_WAIT_S)  # the core drains, takes the final snapshot, exits
+        else:
+            core.join(SHUTDOWN_WAIT_S)
+        if core.is_alive():
+            print(f"error: the engine core process did not stop within {SHUTDOWN_WAIT_S:.0f} s; no final snapshot "
+                  "(the last periodic one and the registry stand)", file=sys.stderr)
+        shutil.rmtree(folder, ignore_errors=True)
+    if client.fatal is not None and not (client.core_exited and core.exitcode == 0):
+        print(f"error: {client.fatal}", file=sys.stderr)
+        return 1
+    if core.exitcode != 0:
+        print(f"error: the engine core process exited with code {core.exitcode}", file=sys.stderr)
         return 1
     return 0

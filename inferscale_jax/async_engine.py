@@ -186,6 +186,20 @@ class AsyncEngine:
         self._cmds.put((lambda: fn(*args, **kwargs), fut))
         return await asyncio.wrap_future(fut)
 
+    async def rpc(self, name: str, *args, **kwargs):
+        """A named engine call (``engine_rpc.RPCS``) on the engine thread: the server's way to
+        the engine, the same over the engine core process (``serving/core_client.py``)."""
+        from inferscale_jax.engine_rpc import run_rpc
+
+        return await self.call(run_rpc, self.engine, name, args, kwargs)
+
+    def process_info(self) -> dict:
+        """``/v1/stats``' process layout: the engine runs in this process, on a thread."""
+        import os
+
+        return {"engine_process": {"pid": os.getpid(), "in_process": True},
+                "api_processes": [{"pid": os.getpid(), "index": 0}]}
+
     def _encode(self, text: str) -> list[int]:
         """On a tokenizer thread, with that thread's own copy of the tokenizer."""
         tok = getattr(self._local, "tokenizer", None)

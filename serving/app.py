@@ -49,6 +49,7 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from inferscale_jax.async_engine import AsyncEngine
+from inferscale_jax.engine_rpc import AdminRequired, run_rpc
 from serving.auth import LOCAL, Principal, load_api_keys
 from serving.chat import check_template
 from serving.errors import APIError, from_engine, internal_error, invalid_field, segment_not_found
@@ -103,6 +104,15 @@ class ServerState:
         self.started = int(time.time())
         self._drain_rate = 0.0  # requests per second reaching their first token (EMA)
         self._drain_t = time.monotonic()
+
+    async def rpc(self, name: str, *args, **kwargs):
+        """A named engine call (``inferscale_jax/engine_rpc.py``) through the engine handle:
+        ``rpc`` of an ``AsyncEngine`` or a ``CoreClient``, else (a handle with ``call`` alone)
+        the function itself run through ``call``."""
+        rpc = getattr(self.async_engine, "rpc", None)
+        if rpc is not None:
+            return await rpc(name, *args, **kwargs)
+        return await self.async_engine.call(run_rpc, self.engine, name, args, kwargs)
 
     def decode(self, ids: list[int]) -> str:
         if self.tokenizer is None:
@@ -307,16 +317,19 @@ def create_app(engine_or_async_engine, *, api_keys=None, max_body_bytes: int = 2
         return internal_error().response()
 
     def _engine_error(e: Exception, what: str) -> APIError:
+        if isinstance(e, AdminRequired):  # engine_rpc's check, run with the change
+            return public_needs_admin(*e.args)
         err = from_engine(e)
         if err.status == 500:
             log.error("engine call %s failed", what, exc_info=e)
         return err
 
-    async def engine_call(fn, *args, **kwargs):
+    async def engine_call(name: str, *args, **kwargs):
+        """A named engine call (``inferscale_jax/engine_rpc.py``), its failure as an APIError."""
         try:
-            return await ae.call(fn, *args, **kwargs)
+            return await state.rpc(name, *args, **kwargs)
         except Exception as e:
-            raise _engine_error(e, getattr(fn, "__name__", str(fn))) from None
+            raise _engine_error(e, name) from None
 
     # -- generation -------------------------------------------------------------------------
     @app.post("/v1/completions")
@@ -349,56 +362,28 @@ def create_app(engine_or_async_engine, *, api_keys=None, max_body_bytes: int = 2
     @app.get("/v1/segments")
     async def list_segments(request: Request):
         principal = state.principal(request)
-        infos = await engine_call(engine.list_segments, tenant=principal.tenant)
+        infos = await engine_call("list_segments", tenant=principal.tenant)
         return {"object": "list", "data": [_segment_json(i) for i in infos]}
-
-    def _visible(segment_id: str, tenant: str):
-        """On the engine thread: the segment the tenant sees under this id (own first), and its tier."""
-        infos = [i for i in engine.list_segments(tenant=tenant) if i.id == segment_id]
-        if not infos:
-            return None
-        info = min(infos, key=lambda i: i.public)
-        tier = engine.segment_tier(segment_id, tenant=tenant) if hasattr(engine, "segment_tier") else None
-        return info, tier
 
     @app.get("/v1/segments/{segment_id:path}")
     async def get_segment(segment_id: str, request: Request):
         principal = state.principal(request)
         request.scope[LOG_KEY]["segments"] = [segment_id]
-        found = await engine_call(_visible, segment_id, principal.tenant)
+        found = await engine_call("visible_segment", segment_id, principal.tenant)
         if found is None:
             raise segment_not_found(segment_id)
         info, tier = found
         return {**_segment_json(info), "tier": tier}
-
-    def _changed_is_public(segment_id: str, tenant: str) -> bool:
-        """On the engine thread: whether the segment a change by ``tenant`` would hit is public.
-        The engine changes the tenant's own segment of that id first, else the public one."""
-        infos = [i for i in engine.list_segments(tenant=tenant) if i.id == segment_id]
-        return bool(infos) and all(i.public for i in infos)
-
-    def _delete(segment_id: str, principal: Principal) -> None:
-        """On the engine thread, as one command: the admin check, then the delete."""
-        if not principal.admin and _changed_is_public(segment_id, principal.tenant):
-            raise public_needs_admin("deleting", segment_id)
-        engine.delete_segment(segment_id, tenant=principal.tenant)
 
     @app.delete("/v1/segments/{segment_id:path}")
     async def delete_segment(segment_id: str, request: Request):
         principal = state.principal(request)
         request.scope[LOG_KEY]["segments"] = [segment_id]
         try:
-            await engine_call(_delete, segment_id, principal)
+            await engine_call("delete_segment", segment_id, principal.tenant, principal.admin)
         except APIError as e:
             raise segment_not_found(segment_id) if e.status == 404 else e
         return {"id": segment_id, "object": "segment", "deleted": True}
-
-    def _change(segment_id: str, principal: Principal, how: str, token_ids: list[int]):
-        """On the engine thread, as one command: the admin check, then the update or append."""
-        if not principal.admin and _changed_is_public(segment_id, principal.tenant):
-            raise public_needs_admin("updating" if how == "update" else "appending to", segment_id)
-        change = engine.update_segment if how == "update" else engine.append_segment
-        return change(segment_id, token_ids=token_ids, tenant=principal.tenant)
 
     async def _new_version(segment_id: str, request: Request, how: str):
         principal = state.principal(request)
@@ -409,7 +394,7 @@ def create_app(engine_or_async_engine, *, api_keys=None, max_body_bytes: int = 2
         except Exception as e:
             raise _engine_error(e, "tokenize") from None
         try:
-            info = await engine_call(_change, segment_id, principal, how, ids)
+            info = await engine_call("change_segment", segment_id, principal.tenant, principal.admin, how, ids)
         except APIError as e:
             raise segment_not_found(segment_id) if e.status == 404 else e
         return _segment_json(info)
@@ -428,14 +413,14 @@ def create_app(engine_or_async_engine, *, api_keys=None, max_body_bytes: int = 2
     @app.get("/v1/sessions")
     async def list_sessions(request: Request):
         principal = state.principal(request)
-        infos = await engine_call(engine.list_sessions, tenant=principal.tenant)
+        infos = await engine_call("list_sessions", tenant=principal.tenant)
         return {"object": "list", "data": [_session_json(i) for i in infos]}
 
     @app.get("/v1/sessions/{session_id:path}")
     async def get_session(session_id: str, request: Request):
         principal = state.principal(request)
         try:
-            return _session_json(await engine_call(engine.session_info, session_id, tenant=principal.tenant))
+            return _session_json(await engine_call("session_info", session_id, tenant=principal.tenant))
         except APIError as e:
             raise session_not_found(session_id) if e.status in (400, 404) else e
 
@@ -443,7 +428,7 @@ def create_app(engine_or_async_engine, *, api_keys=None, max_body_bytes: int = 2
     async def delete_session(session_id: str, request: Request):
         principal = state.principal(request)
         try:
-            await engine_call(engine.delete_session, session_id, tenant=principal.tenant)
+            await engine_call("delete_session", session_id, tenant=principal.tenant)
         except APIError as e:
             raise session_not_found(session_id) if e.status in (400, 404) else e
         return {"id": session_id, "object": "session", "deleted": True}
@@ -477,7 +462,10 @@ def create_app(engine_or_async_engine, *, api_keys=None, max_body_bytes: int = 2
         principal = state.principal(request)
         if not principal.admin:
             raise APIError(403, "engine stats need an admin API key", "admin_required")
-        return JSONResponse(json.loads(json.dumps(await engine_call(engine.stats), default=str)))
+        stats = dict(await engine_call("stats"))
+        if hasattr(ae, "process_info"):  # the process layout: engine_process.pid, api_processes
+            stats.update(ae.process_info())
+        return JSONResponse(json.loads(json.dumps(stats, default=str)))
 
     @app.get("/health")
     async def health():
@@ -489,7 +477,7 @@ def create_app(engine_or_async_engine, *, api_keys=None, max_body_bytes: int = 2
             return JSONResponse({"status": "warming up", "buckets_done": warming[0], "buckets": warming[1]},
                                 status_code=503, headers={"Retry-After": "5"})
         try:
-            await asyncio.wait_for(ae.call(lambda: None), timeout=30.0)
+            await asyncio.wait_for(state.rpc("ping"), timeout=30.0)
         except Exception:  # noqa: BLE001 - the engine loop is stuck or gone
             return JSONResponse({"status": "unavailable"}, status_code=503)
         return {"status": "ok", "model": model_name}
@@ -497,7 +485,7 @@ def create_app(engine_or_async_engine, *, api_keys=None, max_body_bytes: int = 2
     @app.get("/metrics")
     async def metrics():
         try:
-            stats = await engine_call(engine.stats)
+            stats = await engine_call("stats")
         except APIError:
             stats = None
         return Response(state.metrics.render(stats), media_type="text/plain; version=0.0.4; charset=utf-8")

@@ -207,7 +207,7 @@ async def save_session(state, job: Job, outs: list) -> None:
     try:
         items, tail = await chat.save_items(state.tokenizer, prompt, outs[0].text, _tokenizer(state),
                                             state.engine.bos_prefix, state.chat_template)
-        await state.async_engine.call(state.engine.save_session, sid, token_ids=tail, segments=items, tenant=tenant)
+        await state.rpc("save_session", sid, token_ids=tail, segments=items, tenant=tenant)
     except Exception as e:  # noqa: BLE001 - see the docstring
         log.warning("request %s: session %r was not saved: %s", job.id, sid, e)
 
@@ -283,8 +283,8 @@ async def _scores(state, job: Job) -> list:
     for p in range(job.num_prompts):
         sub = job.submits[p * job.n]
         prompt = {k: sub[k] for k in ("prompt", "prompt_token_ids") if k in sub}
-        out.append(await state.async_engine.call(
-            state.engine.prompt_logprobs, **prompt, segments=sub["segments"], tenant=sub["tenant"],
+        out.append(await state.rpc(
+            "prompt_logprobs", **prompt, segments=sub["segments"], tenant=sub["tenant"],
             num_logprobs=job.score_top, truncate_prompt_tokens=sub["sampling"].truncate_prompt_tokens))
     return out
 
