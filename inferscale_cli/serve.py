@@ -7,7 +7,11 @@ Startup does the cheap, failing-fast work first and says what it does:
    (``bind``).  A taken port is one ``error:`` line and exit 1 within a second, never after a
    model load; ``--port`` must be 1-65535 (parse time).  Connections that arrive meanwhile wait
    in the socket's backlog.
-2. **The model loads** (``Engine.from_pretrained``; ``--snapshot-dir`` restores segments and KV).
+2. **The model loads** (``Engine.from_pretrained``; ``--snapshot-dir`` restores segments and KV)
+   in the engine core process (``inferscale_jax/engine_core.py``, spawned here; ``build_engine``
+   runs there), while this process waits for it to say ready; with ``--engine-in-process`` (and
+   always with ``--coordinator``) here, on an ``AsyncEngine`` thread.  ``--api-server-count N``
+   then spawns N - 1 more API-server processes on the bound socket (``api_server``).
    Without ``--api-keys`` every request is tenant ``default``: the tenants the restored snapshot
    holds besides it are printed with the key file that reaches them (``tenant_hint``).
 3. **The app** (``serving.create_app``): a chat template that cannot render is one ``error:``
@@ -15,9 +19,11 @@ Startup does the cheap, failing-fast work first and says what it does:
 4. **Warm-up** on the engine thread (``Engine.warmup``: the small bucket set on the CPU, every
    bucket on a GPU/TPU; a progress bar on stderr; ``/health`` answers 503 ``warming up`` until
    it is done) while uvicorn serves the bound socket.
-5. **Shutdown** (SIGTERM / Ctrl-C): uvicorn's graceful shutdown, then the warm-up is stopped
-   (``Engine.stop_warmup``: no new compile starts), the engine thread finishes its step, the
-   final snapshot is written, exit 0.  uvicorn re-raises the signal it caught on the way out;
+5. **Shutdown** (SIGTERM / Ctrl-C): uvicorn's graceful shutdown (and the other API servers'),
+   then the warm-up is stopped (``Engine.stop_warmup``: no new compile starts), the engine loop
+   (core process or thread) finishes its step, the final snapshot is written, exit 0.  If the
+   engine fails (a lost device, or the core process dying) the server stops serving and exits
+   1: in the core layout ``FAULT_EXIT_DELAY_S`` later, ``/health`` answering 503 meanwhile.  uvicorn re-raises the signal it caught on the way out;
    ``_stop_signals_return`` keeps that from killing the process before the snapshot.
 
 Logging: ``--log-level`` sets our loggers; uvicorn's startup lines and access log stay off.  One

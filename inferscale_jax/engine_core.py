@@ -196,6 +196,10 @@ class EngineCore:
         rid = request.get("request_id")
         if rid is None:
             return  # core_client always names its requests
+        if rid in self.owner:  # (another API server's request): the open one keeps its route
+            self.out.setdefault(ident, []).append(
+                [rid, [], None, 0, True, None, ext(ValueError(f"request_id={rid!r} is already in use"))])
+            return
         self.owner[rid] = ident
         try:
             if self.fatal is not None:
@@ -256,6 +260,9 @@ class EngineCore:
             log.exception("warm-up failed")
         finally:
             self.broadcast(["warm"])
+        backlog, self.warm_backlog = self.warm_backlog, []
+        for ident, msg in backlog:  # in their order, before anything read after them
+            self.handle(ident, msg)
 
     def read_during_warmup(self) -> None:
         """Between warm-up buckets: answer hellos, keep the rest for after, stop on shutdown."""
@@ -292,9 +299,6 @@ class EngineCore:
         poller = zmq.Poller()
         poller.register(self.sock, zmq.POLLIN)
         while not self.stopping:
-            for ident, msg in self.warm_backlog:
-                self.handle(ident, msg)
-            self.warm_backlog = []
             busy = self.fatal is None and self.engine.has_unfinished()
             if poller.poll(0 if busy else IDLE_POLL_MS):
                 while True:

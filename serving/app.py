@@ -1,11 +1,14 @@
 """``create_app``: the OpenAI-compatible FastAPI app over one engine (docs/architecture.md, "HTTP API").
 
-Threads: the ``Engine`` is owned by the ``AsyncEngine`` loop thread (continuous batching across
-all HTTP requests); handlers run on the asyncio event loop and reach the engine only through
-``AsyncEngine`` (``stream``, ``call``), so they never block the event loop on device work and
-never touch engine state from another thread.  Periodic snapshots (``engine.maybe_snapshot()``)
-are taken by the ``AsyncEngine`` loop itself, between steps; the CLI's ``engine.close()`` after
-uvicorn stops takes the final one.
+Threads and processes: the ``Engine`` is owned by one loop (continuous batching across all HTTP
+requests): an ``AsyncEngine`` thread in this process, or the engine core process that
+``inferscale serve`` runs by default, reached through a ``CoreClient`` (``core_client.py``,
+``inferscale_jax/engine_core.py``) with the same surface.  Handlers run on the asyncio event loop
+and reach the engine only through that handle (``stream``, ``register_segment``, and named calls
+``rpc("list_segments", ...)``: ``inferscale_jax/engine_rpc.py``), so they never block the event
+loop on device work and never touch engine state from another thread.  Periodic snapshots
+(``engine.maybe_snapshot()``) are taken by the engine loop itself, between steps; the final one
+when the CLI stops it.
 
 Layers, outermost first:
 

@@ -273,6 +273,8 @@ class CoreClient:
         request["request_id"] = rid
         sampling = request.get("sampling")
         detok = IncrementalDetokenizer(self._detok_tokenizer, getattr(sampling, "stop", None) or (), sampling)
+        if rid in self._streams:  # the engine's own check; the open stream keeps its queue
+            raise ValueError(f"request_id={rid!r} is already in use")
         q: asyncio.Queue = asyncio.Queue()
         self._streams[rid] = q
         if self.fatal is not None:  # it may have been set while tokenizing

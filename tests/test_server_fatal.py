@@ -60,7 +60,8 @@ def test_serve_exits_nonzero_when_the_engine_loses_its_device(monkeypatch, capsy
 
     t = threading.Thread(target=client)
     t.start()
-    rc = cli.main(["serve", "--port", str(port), "--dtype", "float32"])
+    # the engine must be this process's (the monkeypatched one): the single-process layout
+    rc = cli.main(["serve", "--port", str(port), "--dtype", "float32", "--engine-in-process"])
     t.join(60)
     assert rc == 1 and statuses == [503]
     assert "the device failed" in capsys.readouterr().err
