@@ -43,6 +43,7 @@ import copy
 import json
 import logging
 import math
+import os
 import time
 
 from fastapi import FastAPI, Request
@@ -468,6 +469,7 @@ def create_app(engine_or_async_engine, *, api_keys=None, max_body_bytes: int = 2
         stats = dict(await engine_call("stats"))
         if hasattr(ae, "process_info"):  # the process layout: engine_process.pid, api_processes
             stats.update(ae.process_info())
+        stats["api_process"] = {"pid": os.getpid()}  # the API server that answered
         return JSONResponse(json.loads(json.dumps(stats, default=str)))
 
     @app.get("/health")
