@@ -23,8 +23,9 @@ Startup does the cheap, failing-fast work first and says what it does:
    then the warm-up is stopped (``Engine.stop_warmup``: no new compile starts), the engine loop
    (core process or thread) finishes its step, the final snapshot is written, exit 0.  If the
    engine fails (a lost device, or the core process dying) the server stops serving and exits
-   1: in the core layout ``FAULT_EXIT_DELAY_S`` later, ``/health`` answering 503 meanwhile.  uvicorn re-raises the signal it caught on the way out;
-   ``_stop_signals_return`` keeps that from killing the process before the snapshot.
+   1: in the core layout ``FAULT_EXIT_DELAY_S`` later, ``/health`` answering 503 meanwhile.
+   uvicorn re-raises the signal it caught on the way out; ``_stop_signals_return`` keeps that
+   from killing the process before the snapshot.
 
 Logging: ``--log-level`` sets our loggers; uvicorn's startup lines and access log stay off.  One
 JSON line per HTTP request with ``--log-requests`` (``serving/middleware.py``); the engine's own
