@@ -20,9 +20,11 @@ base = f"http://127.0.0.1:{port}"
 deadline = time.monotonic() + 600
 while True:
     try:
-        if urllib.request.urlopen(base + "/health", timeout=5).status == 200:
+        # The port is bound before the model loads: a probe waits in the listen backlog until
+        # the server is up, so a probe timing out only means "not yet".
+        if urllib.request.urlopen(base + "/health", timeout=30).status == 200:
             break
-    except (urllib.error.URLError, ConnectionError):
+    except OSError:  # URLError, ConnectionError, TimeoutError: not up yet
         pass
     if time.monotonic() > deadline:
         sys.exit("plain install: the server did not start; log:\n" + open(log).read()[-3000:])
