@@ -120,7 +120,7 @@ class KVManager:
         s, n = self.config.page_size, len(tokens)
         fork = min(base.num_tokens, n - 1) if (base and want_logits) else (base.num_tokens if base else 0)
         k = fork // s
-        hashes = self.prefix_cache.hashes_for(root, tokens)
+        hashes = self.prefix_cache.hashes_for(root, tokens, self.page_hashes(root, tokens, base))
         limit = (n - 1) // s if want_logits else n // s
         shared = base.pages[:k] if base else []
         self.pool.incref(shared)
@@ -146,6 +146,18 @@ class KVManager:
         key = tuple(pages[:k or len(hits)])
         return Seq(root, list(tokens), pages, hashes, first_own=k + len(hits), computed=pos, cached=pos,
                     shared_key=key, shared_hash=hash(key))
+
+    def page_hashes(self, root: bytes, tokens: list[int], base: ChainNode | None) -> list[bytes]:
+        """The hashes of ``base``'s full pages under ``root`` (``tokens`` begin with its tokens),
+        hashed once per node and root and kept on the node: admission over a 4k-token segment
+        then hashes only the request's own pages, not the segment's 256 again."""
+        if base is None:
+            return []
+        full = min(base.num_tokens, len(tokens)) // self.config.page_size
+        known = base.page_hashes.get(root)
+        if known is None or len(known) < full:
+            known = base.page_hashes[root] = self.prefix_cache.hashes_for(root, tokens[:base.num_tokens])
+        return known[:full]
 
     def register_full_pages(self, seq: Seq, upto: int | None = None) -> None:
         """Insert every newly computed full page of ``seq`` into the prefix cache: the pages

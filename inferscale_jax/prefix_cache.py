@@ -134,13 +134,14 @@ class PrefixCache:
         pool.on_evict = self._on_evict
 
     # ------------------------------------------------------------------ hashing
-    def hashes_for(self, root: bytes, token_ids: Sequence[int]) -> list[bytes]:
+    def hashes_for(self, root: bytes, token_ids: Sequence[int], head: Sequence[bytes] = ()) -> list[bytes]:
         """One chained hash per FULL page of ``token_ids`` (a trailing partial page is
-        not hashed): ``len(result) == len(token_ids) // page_size``."""
+        not hashed): ``len(result) == len(token_ids) // page_size``.  ``head``: the hashes of
+        the first pages, already known (they are taken as they are; hashing goes on after them)."""
         S = self.page_size
-        out: list[bytes] = []
-        parent = root
-        for i in range(len(token_ids) // S):
+        out: list[bytes] = list(head)
+        parent = out[-1] if out else root
+        for i in range(len(out), len(token_ids) // S):
             parent = page_hash(parent, token_ids[i * S : (i + 1) * S])
             out.append(parent)
         return out

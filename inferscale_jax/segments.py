@@ -87,6 +87,9 @@ class ChainNode:
     pages: list[int]  # covering positions [0, num_tokens); the node holds one ref on each
     readers: int = 0  # running requests using it
     last_used: float = dataclasses.field(default_factory=time.monotonic)
+    # the prefix-cache hashes of its full pages under each hash root that read it (a tenant's, or
+    # the public one), computed at the first admission over it and kept (KVManager.page_hashes)
+    page_hashes: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
 
     @property
     def key(self) -> tuple[str, tuple[int, ...]]:

@@ -51,6 +51,28 @@ def test_exact_page_ids_and_refcounts():
     assert len(b_pages) == 2
 
 
+def test_admission_reuses_a_nodes_page_hashes_and_they_equal_a_fresh_hashing():
+    """A segment's page hashes are hashed once per node and root; every request over it still
+    carries exactly the hashes a from-scratch hashing of its tokens gives."""
+    e = make_engine()
+    e.register_segment("a", token_ids=list(range(1, 4 * S + 3)))  # 4 full pages and a partial one
+    node = e.store.nodes()[0]
+    seqs = []
+    start = e.kv.start
+    e.kv.start = lambda req: (start(req), seqs.append(req.seq))[0]
+    calls = []
+    hashes_for = e.kv.prefix_cache.hashes_for
+    e.kv.prefix_cache.hashes_for = lambda root, ids, head=(): (calls.append(len(head)), hashes_for(root, ids, head))[1]
+    for prompt in ([50, 51, 52], list(range(60, 60 + 2 * S + 1)), [70]):
+        e.generate(prompt_token_ids=prompt, segments=["a"], sampling=GREEDY)
+    assert calls == [0, 4, 4, 4]  # the node hashed once (at the first admission), then reused
+    root = e.kv.root("default")
+    assert list(node.page_hashes) == [root] and len(node.page_hashes[root]) == 4
+    for seq in seqs:
+        fresh = hashes_for(root, seq.tokens[:len(seq.hashes) * S])
+        assert seq.hashes == fresh
+
+
 def test_delete_is_deferred_while_pages_are_read():
     e = make_engine()
     e.register_segment("a", token_ids=list(range(1, 18)))
