@@ -442,6 +442,8 @@ class Engine:
                          detail=f" ({len(tokens)} prompt + {sampling.max_tokens} max_tokens)")
         if mode != "exact" and len(chain) > 1:
             self._check_composed_fits(chain, len(tokens) + sampling.max_tokens)
+        elif len(chain) > 1:
+            self._check_chain_fits(chain, len(tokens), sampling.max_tokens)
         if request_id is not None and request_id in self.scheduler.requests:
             raise ValueError(f"request_id={request_id!r} is already in use")
         self._counters["requests"] += 1
@@ -582,6 +584,25 @@ class Engine:
                 f"mode='compose'/'blend' needs the {len(chain)} segments' own KV ({seg_pages} pages) resident "
                 f"beside the request's {own} new pages, {seg_pages + own} pages in all, but the KV page pool "
                 f"holds {cap} pages of {s} tokens; use mode='exact', fewer segments, or raise hbm_pages")
+
+    def _check_chain_fits(self, chain: list[Segment], total: int, max_tokens: int) -> None:
+        """An exact request over several segments reads one chain node per prefix of its chain,
+        all resident while it runs: node i holds its pages past its parent's full ones (the
+        partial page it continues is copied), the request its pages past the last node's.  More
+        pages than the pool has could never be admitted: refused now, not retried forever."""
+        s, cap = self.config.page_size, self.pool.num_pages - 1
+        ends, at = [], len(self.bos_prefix)
+        for seg in chain:
+            at += len(seg.token_ids)
+            ends.append(at)
+        nodes = -(-ends[0] // s) + sum(-(-end // s) - before // s for before, end in zip(ends, ends[1:]))
+        own = -(-(total + max_tokens) // s) - min(ends[-1], total - 1) // s
+        if nodes + own > cap:
+            raise RequestTooLong(
+                f"the chain of {len(chain)} segments needs {nodes} KV pages for its chain nodes (one per prefix "
+                f"of the chain, each from its parent's last page on) and {own} for the request, {nodes + own} "
+                f"pages in all, but the KV page pool holds {cap} pages of {s} tokens: name fewer segments (or "
+                f"register their text as one segment), or raise hbm_pages")
 
     @property
     def compiles(self) -> int:

@@ -5,7 +5,7 @@ accounting (``scheduler.py``, 2)."""
 
 import pytest
 
-from inferscale_jax import PoolExhausted, SamplingParams, SegmentNotFound
+from inferscale_jax import PoolExhausted, RequestTooLong, SamplingParams, SegmentNotFound
 from tiny_engine import assert_only_nodes_hold_pages, make_engine
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
@@ -262,4 +262,19 @@ def test_a_failing_node_job_row_fails_only_the_requests_waiting_on_it(monkeypatc
     assert done[other].token_ids == full_prefill(list(range(1, 30)))
     assert e.fault is None and not e.scheduler.jobs and node(e, "a", "b") is None
     assert node(e, "a").readers == 0
+    assert_only_nodes_hold_pages(e)
+
+
+def test_a_chain_whose_nodes_can_never_fit_the_pool_is_refused_at_submit():
+    """One chain node per prefix of the chain, all resident while the request runs: a chain of
+    70 one-token parts needs more pages than a 63-page pool has, so it is a RequestTooLong naming
+    the pages (the server's 400), never a request retried forever on out_of_pages."""
+    e = make_engine(pages=64)
+    e.register_segment("t", token_ids=[42])
+    with pytest.raises(RequestTooLong, match=r"chain of 70 segments needs \d+ KV pages .* holds 63 pages"):
+        e.submit(prompt_token_ids=P1, segments=["t"] * 70, sampling=GREEDY)
+    assert not e.scheduler.waiting and not e.scheduler.jobs
+    # a chain that fits still runs, equal to the full prefill of its tokens
+    r = e.submit(prompt_token_ids=P1, segments=["t"] * 5, sampling=GREEDY)
+    assert run(e, [r])[r].token_ids == full_prefill([42] * 5 + P1)
     assert_only_nodes_hold_pages(e)
