@@ -2,9 +2,10 @@
 
 1. **Submit** (``Engine.submit``): the request is validated (segments resolved for its tenant,
    lengths checked, sampling checked) and queued as *waiting*.  Nothing is allocated yet.
-2. **Admit** (``_admit``, start of every ``step``): waiting requests are taken first come,
-   first served, except that within a short look-ahead window a request whose segment chain is
-   already resident (no chain node to compute) goes before one that needs work.  Admission
+2. **Admit** (``_admit``, start of every ``step``): each admission goes to the waiting tenant
+   with the fewest requests running, then to its requests first come, first served, except that
+   within a short look-ahead window a request whose segment chain is already resident (no chain
+   node to compute) goes before one that needs work (``fair_queue.py``).  Admission
    walks the chain (``KVManager.start``).  If a chain node ``[s1..si]`` is missing, the request
    waits on that node's *node job* (``NodeJob``): one per missing node, shared by every request
    that needs it, holding a reader on the node's parent and, once it has them, the node's
@@ -64,7 +65,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections import deque
+from collections import Counter
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -73,6 +74,7 @@ import numpy as np
 from inferscale_jax.buckets import MAX_GROUPS
 from inferscale_jax.config import EngineConfig
 from inferscale_jax.errors import EngineFault, PoolExhausted, RequestTooLong, SegmentNotFound
+from inferscale_jax.fair_queue import FairQueue
 from inferscale_jax.outputs import GenerationOutput, RequestMetrics
 from inferscale_jax.runner import PendingStep, StepPlan, StepRow
 from inferscale_jax.sampling import MAX_LOGPROBS, SamplingParams, step_bias
@@ -192,7 +194,7 @@ class Scheduler:
         the engine reports) gets each finished request's token counts."""
         self.kv, self.runner, self.config, self.cfg = kv, runner, config, cfg
         self.max_batch, self.decode, self.counters = max_batch, decode, counters
-        self.waiting: deque[Request] = deque()
+        self.waiting = FairQueue()  # fair between tenants (fair_queue.py)
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.jobs: dict[tuple, NodeJob] = {}  # node jobs by node key, oldest first
@@ -254,8 +256,8 @@ class Scheduler:
         if not self._provision_jobs():
             return
         while self.waiting and self._active() < self.max_batch:
-            window = list(self.waiting)[:LOOKAHEAD]
-            req = next((r for r in window if self._resident(r)), window[0])
+            running = Counter(r.tenant for r in self.running) if len(self.waiting.count) > 1 else Counter()
+            req = self.waiting.pick(running, LOOKAHEAD, self._resident)
             t_adm = time.perf_counter()
             try:
                 self._check_segments(req)

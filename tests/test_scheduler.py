@@ -318,3 +318,56 @@ def test_every_cascade_step_maps_into_the_warmup_set():
             key = b.key(rows, rows, need, int(rng.integers(0, 2)), shared, groups)
             assert key in keys, key
             assert key.rows >= rows and key.groups >= groups and key.shared >= shared and key.width >= need
+
+
+def test_a_flooding_tenant_does_not_delay_another_tenants_request():
+    """Tenant a queues 24 requests, then tenant b one: b is admitted as slots free (the tenant
+    running fewer goes first), not after a's whole queue; a's own requests keep their order."""
+    e = make_engine(pages=128, max_batch=4)
+    sp = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    a_ids = [e.submit(prompt_token_ids=[3 + i, 4, 5], tenant="a", sampling=sp) for i in range(24)]
+    e.step()  # a's first 4 are admitted and run
+    b_id = e.submit(prompt_token_ids=[7, 8, 9], tenant="b", sampling=sp)
+    admitted = []
+    start = e.kv.start
+    e.kv.start = lambda req: (admitted.append(req.id), start(req))[1]
+    done = {}
+    while len(done) < 25:
+        for out in e.step():
+            if out.finished:
+                done[out.request_id] = out.output
+    # a's first 4 finish together: of the 4 freed slots the first goes to a (a tie at 0 running: a
+    # has waited longest), the second to b (0 running against a's 1) - not after a's 20 queued
+    assert admitted.index(b_id) == 1, admitted[:6]
+    assert [r for r in admitted if r != b_id] == a_ids[4:]  # a's in arrival order
+    alone = make_engine(pages=128).generate(prompt_token_ids=[7, 8, 9], sampling=sp)
+    assert done[b_id].token_ids == alone.token_ids
+
+
+def test_fair_queue_counts_and_picks():
+    from collections import Counter
+
+    from inferscale_jax.fair_queue import FairQueue
+
+    class R:
+        def __init__(self, tenant, ready=False):
+            self.tenant, self.ready = tenant, ready
+
+    q = FairQueue()
+    a = [R("a") for _ in range(5)]
+    b1, b2 = R("b"), R("b", ready=True)
+    for r in a + [b1, b2]:
+        q.append(r)
+    assert q.count == {"a": 5, "b": 2} and len(q) == 7
+    ready = lambda r: r.ready  # noqa: E731
+    assert q.pick(Counter(a=3, b=1), 8, ready) is b2  # b runs fewer; its resident request first
+    assert q.pick(Counter(a=0, b=1), 8, ready) is a[0]
+    assert q.pick(Counter(a=2, b=2), 8, ready) is a[0]  # a tie: the tenant waiting longest
+    for r in a:
+        q.remove(r)
+    assert q.count == {"b": 2} and q.pick(Counter(b=9), 1, ready) is b1  # one tenant: arrival order
+    q.remove(b1)
+    q.appendleft(b1)
+    q.remove(b2)
+    q.remove(b1)
+    assert not q and q.count == {}
