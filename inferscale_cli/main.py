@@ -410,6 +410,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-waiting", type=positive(), default=None,
                    help="queued requests beyond which new ones get 503 + Retry-After (default: from the KV pool "
                         "and max-batch: serving/app.py, auto_max_waiting)")
+    s.add_argument("--max-waiting-per-tenant", type=positive(), default=None,
+                   help="one tenant's queued requests beyond which its new ones get 429 + Retry-After while other "
+                        "tenants are served (default: half of --max-waiting when the key file names several "
+                        "tenants, else all of it; per API-server process)")
     s.add_argument("--max-body-bytes", type=positive(), default=2 << 20,
                    help="request body limit (default: %(default)s)")
     s.add_argument("--body-timeout", type=positive(float), default=30.0,

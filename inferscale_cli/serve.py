@@ -151,7 +151,8 @@ def _configure_logging(level: str) -> None:
 def _create_app(create_app, async_engine, keys, args, names: list[str], template: str | None):
     return create_app(async_engine, api_keys=keys, max_body_bytes=args.max_body_bytes, max_waiting=args.max_waiting,
                       body_timeout_s=args.body_timeout, default_max_tokens=args.default_max_tokens,
-                      model_names=names, log_requests=args.log_requests, chat_template=template)
+                      model_names=names, log_requests=args.log_requests, chat_template=template,
+                      max_waiting_per_tenant=args.max_waiting_per_tenant)
 
 
 def cmd_serve(args) -> int:

@@ -702,6 +702,7 @@ class Engine:
             # queued requests and those waiting on a node job (scheduler.py, 2)
             "waiting": self.scheduler.num_waiting,
             "node_jobs": len(self.scheduler.jobs),
+            "tenants": self.scheduler.tenant_counts(),
             "preemptions": self.scheduler.preemptions,
             "attention_impl": self.runner.cache.impl,
             "kv_dtype": self.config.kv_dtype or self.config.dtype,

@@ -247,6 +247,15 @@ class Scheduler:
         """Requests queued or waiting on a node job."""
         return len(self.waiting) + sum(len(j.waiters) for j in self.jobs.values())
 
+    def tenant_counts(self) -> dict[str, dict[str, int]]:
+        """Requests per tenant: ``running`` (and on node jobs) and ``waiting`` (queued)."""
+        out: dict[str, dict[str, int]] = {}
+        for req in self.running + [r for j in self.jobs.values() for r in j.waiters]:
+            out.setdefault(req.tenant, {"running": 0, "waiting": 0})["running"] += 1
+        for tenant, n in self.waiting.count.items():
+            out.setdefault(tenant, {"running": 0, "waiting": 0})["waiting"] = n
+        return out
+
     def _active(self) -> int:
         """Requests running or waiting on a node job (at most ``max_batch``)."""
         return len(self.running) + self.num_waiting - len(self.waiting)

@@ -38,6 +38,7 @@ call on the engine thread, so no other command slips between them.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import copy
 import json
@@ -82,14 +83,17 @@ _TYPE_TAGS = {"str", "int", "float", "bool", "none", "dict", "list"}
 class ServerState:
     """What handlers share: the engine handle, a private tokenizer copy, metrics, limits.
 
-    Admission (``admit``): a request waits in the engine's queue until its first token; beyond
-    ``max_waiting`` such requests a new one is answered 503 with ``Retry-After``.  ``max_waiting``
-    defaults to what the KV pool holds (``auto_max_waiting``); ``Retry-After`` is the queue's
-    length over its measured drain rate (requests reaching their first token per second, an
-    exponential moving average), 1-60 s."""
+    Admission (``admit``): a request waits in the engine's queue until its first token.  A tenant
+    holding ``max_waiting_per_tenant`` such requests gets 429 (its fair share is used; the others
+    are still served); beyond ``max_waiting`` in all, 503.  Both carry ``Retry-After``.
+    ``max_waiting`` defaults to what the KV pool holds (``auto_max_waiting``), the per-tenant cap
+    to half of it when the key file names several tenants (else the whole queue); the engine
+    admits between tenants fairly (``inferscale_jax/fair_queue.py``).  ``Retry-After`` is the
+    queue's length over its measured drain rate (requests reaching their first token per second,
+    an exponential moving average), 1-60 s."""
 
     def __init__(self, async_engine, *, api_keys, max_waiting, model_names, default_max_tokens,
-                 chat_template=None):
+                 chat_template=None, max_waiting_per_tenant=None):
         self.async_engine = async_engine
         self.engine = async_engine.engine
         tok = getattr(self.engine, "tokenizer", None)
@@ -99,6 +103,10 @@ class ServerState:
             self.tokenizer = tok
         self.api_keys = api_keys
         self.max_waiting = max_waiting if max_waiting is not None else auto_max_waiting(self.engine)
+        tenants = len(api_keys.tenants()) if api_keys is not None else 1
+        self.max_waiting_per_tenant = (max_waiting_per_tenant if max_waiting_per_tenant is not None
+                                       else self.max_waiting // 2 if tenants > 1 else self.max_waiting)
+        self.pending_by_tenant: collections.Counter = collections.Counter()
         self.model_names = list(model_names)
         self.model_name = self.model_names[0]  # the name responses carry
         self.default_max_tokens = default_max_tokens
@@ -123,14 +131,35 @@ class ServerState:
             return ""
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
-    def admit(self, count: int = 1) -> None:
-        """Count ``count`` more queued requests, or answer 503 when the queue is full."""
+    def admit(self, count: int = 1, tenant: str = "default") -> None:
+        """Count ``count`` more queued requests of ``tenant``, or answer 429 when the tenant
+        holds its share of the queue, 503 when the whole queue is full."""
+        mine = self.pending_by_tenant[tenant]
+        cap = self.max_waiting_per_tenant
+        if cap < self.max_waiting and mine + count > max(cap, count):  # (a cap of the whole queue: 503 below)
+            wait = self.retry_after()
+            self.metrics.tenant_rejected.labels(tenant, "429").inc()
+            raise APIError(429, f"tenant {tenant!r} has {mine} requests queued, its share of the queue (limit "
+                           f"{self.max_waiting_per_tenant}, --max-waiting-per-tenant); other tenants are still "
+                           f"served; retry after {wait} s (Retry-After)", "tenant_queue_full",
+                           headers={"Retry-After": str(wait)})
         if self.pending + count > max(self.max_waiting, count):
             wait = self.retry_after()
+            self.metrics.tenant_rejected.labels(tenant, "503").inc()
             raise APIError(503, f"server overloaded: {self.pending} requests are queued (limit {self.max_waiting}, "
                            f"--max-waiting); retry after {wait} s (Retry-After)", "overloaded",
                            headers={"Retry-After": str(wait)})
         self.pending += count
+        self.pending_by_tenant[tenant] += count
+
+    def release(self, count: int, tenant: str = "default") -> None:
+        """``count`` of ``tenant``'s queued requests reached their first token, failed or left."""
+        self.pending -= count
+        left = self.pending_by_tenant[tenant] - count
+        if left > 0:
+            self.pending_by_tenant[tenant] = left
+        else:
+            self.pending_by_tenant.pop(tenant, None)
 
     def note_started(self, count: int) -> None:
         """``count`` requests reached their first token: update the drain rate."""
@@ -254,11 +283,14 @@ def session_not_found(session_id: str) -> APIError:
 def create_app(engine_or_async_engine, *, api_keys=None, max_body_bytes: int = 2 << 20,
                max_waiting: int | None = None, model_names: list[str] | str | None = None,
                model_name: str | None = None, default_max_tokens: int = 256, body_timeout_s: float = 30.0,
-               chat_template: str | None = None, log_requests: bool = False) -> FastAPI:
+               chat_template: str | None = None, log_requests: bool = False,
+               max_waiting_per_tenant: int | None = None) -> FastAPI:
     """The app.  ``engine_or_async_engine``: an ``Engine`` (wrapped in an ``AsyncEngine`` the app
     owns and shuts down) or an ``AsyncEngine`` (the caller owns it).  ``api_keys``: ``None``
     (one local tenant), a path to a JSON/TOML key file, a mapping, or ``ApiKeys``.
-    ``max_waiting``: queued requests beyond which new ones get 503 (None: ``auto_max_waiting``).
+    ``max_waiting``: queued requests beyond which new ones get 503 (None: ``auto_max_waiting``);
+    ``max_waiting_per_tenant``: one tenant's queued requests beyond which its new ones get 429
+    (None: half of ``max_waiting`` when the keys name several tenants, else all of it).
     ``model_names``: the names clients may send as ``model`` (vLLM's ``--served-model-name``;
     the first is the one responses carry; ``model_name`` is the one-name form; default
     "inferscale").  ``default_max_tokens``: chat requests that give no ``max_tokens``
@@ -267,8 +299,9 @@ def create_app(engine_or_async_engine, *, api_keys=None, max_body_bytes: int = 2
     ``chat_template``: a Jinja chat template replacing the tokenizer's (``--chat-template``);
     a template that cannot render raises ``ValueError`` here, before serving.  ``log_requests``:
     one JSON log line per request.  Run it with ``uvicorn.run(app, ..., **UVICORN_OPTIONS)``."""
-    if max_body_bytes < 1 or (max_waiting is not None and max_waiting < 1):
-        raise ValueError(f"max_body_bytes={max_body_bytes} and max_waiting={max_waiting} must both be >= 1")
+    if max_body_bytes < 1 or any(x is not None and x < 1 for x in (max_waiting, max_waiting_per_tenant)):
+        raise ValueError(f"max_body_bytes={max_body_bytes}, max_waiting={max_waiting} and max_waiting_per_tenant="
+                         f"{max_waiting_per_tenant} must be >= 1")
     if not body_timeout_s > 0:
         raise ValueError(f"body_timeout_s={body_timeout_s!r} is invalid: must be > 0 seconds")
     names = [model_names] if isinstance(model_names, str) else list(model_names or [])
@@ -276,7 +309,8 @@ def create_app(engine_or_async_engine, *, api_keys=None, max_body_bytes: int = 2
     owned = not hasattr(engine_or_async_engine, "stream")
     ae = AsyncEngine(engine_or_async_engine) if owned else engine_or_async_engine
     state = ServerState(ae, api_keys=load_api_keys(api_keys), max_waiting=max_waiting, model_names=names,
-                        default_max_tokens=default_max_tokens, chat_template=chat_template)
+                        default_max_tokens=default_max_tokens, chat_template=chat_template,
+                        max_waiting_per_tenant=max_waiting_per_tenant)
     check_template(state.tokenizer, chat_template)
     engine = state.engine
     model_name = state.model_name

@@ -97,6 +97,10 @@ class ApiKeys:
     def __len__(self) -> int:
         return len(self._entries)
 
+    def tenants(self) -> list[str]:
+        """The tenants the keys map to (each once, in file order)."""
+        return list(dict.fromkeys(p.tenant for _, p in self._entries))
+
     def authenticate(self, authorization: str | None) -> Principal:
         """The caller's principal from an ``Authorization`` header value, else 401."""
         if not authorization:

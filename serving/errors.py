@@ -23,6 +23,8 @@ Every error the server returns has the body ``{"error": {"message", "type", "par
                                 (``body_timeout``; the connection is closed)
  409   conflict_error           a segment id that already exists
  413   invalid_request_error    body larger than ``max_body_bytes`` (checked before parsing)
+ 429   rate_limit_error         the tenant holds its share of the waiting queue
+                                (``tenant_queue_full``, ``Retry-After``; other tenants are served)
  503   overloaded_error         the waiting queue is full (``Retry-After`` header), or the KV
                                 pool cannot hold the request right now (``out_of_pages``)
  503   server_error             an engine-wide fault (``EngineFault``: a device error, not
@@ -47,7 +49,7 @@ from inferscale_jax.errors import (EngineFault, PoolExhausted, RequestTooLong, S
 log = logging.getLogger("inferscale.server")
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
           404: "not_found_error", 405: "invalid_request_error", 408: "invalid_request_error",
-          409: "conflict_error", 413: "invalid_request_error", 503: "overloaded_error", 507: "storage_error"}
+          409: "conflict_error", 413: "invalid_request_error", 429: "rate_limit_error", 503: "overloaded_error", 507: "storage_error"}
 
 
 class APIError(Exception):

@@ -6,9 +6,10 @@ The life of a generation request:
    arguments (prompt text or token ids, segments, the caller's tenant, ``SamplingParams``,
    mode, a server-made request id), one set per sample (``n``; with a ``seed``, sample i uses
    ``seed + i``).  Chat renders the tokenizer's chat template to text.
-2. **Admit** (``ServerState.admit``): if the server's queued count (its requests submitted but
-   not yet producing a token: engine-waiting or in prefill) has reached ``max_waiting``, answer
-   503 with ``Retry-After``.  Counting on the server keeps the hot path free of engine round
+2. **Admit** (``ServerState.admit``): if the tenant's queued count (its requests submitted but
+   not yet producing a token: engine-waiting or in prefill) has reached
+   ``max_waiting_per_tenant``, answer 429; if the server's has reached ``max_waiting``, 503;
+   both with ``Retry-After``.  Counting on the server keeps the hot path free of engine round
    trips; ``engine.stats()["waiting"]`` is never larger than this count.
 3. **First deltas** (``_start``): ``AsyncEngine.stream`` submits sample 0 on the engine thread;
    the handler awaits its first delta, by which time the prompt's full pages are in the prefix
@@ -268,12 +269,14 @@ async def _start(state, job: Job, streams: list) -> list:
     rest = [i for i in range(len(job.submits)) if i % job.n]
     for i in rest:
         streams[i] = state.async_engine.stream(**job.submits[i])
-    state.pending += len(rest)
+    tenant = job.submits[0]["tenant"]
+    state.pending += len(rest)  # (admitted with the job: counted, never refused)
+    state.pending_by_tenant[tenant] += len(rest)
     try:
         for i, f in zip(rest, await _all(_first(streams[i]) for i in rest)):
             firsts[i] = f
     finally:
-        state.pending -= len(rest)
+        state.release(len(rest), tenant)
     return firsts
 
 
@@ -302,8 +305,8 @@ async def run_job(state, request: Request, job: Job) -> Response:
                   mode=job.submits[0]["mode"], stream=job.stream)
     if len(job.submits) > 1:
         fields["n"] = len(job.submits)
-    admitted = job.num_prompts
-    state.admit(admitted)
+    admitted, tenant = job.num_prompts, job.submits[0]["tenant"]
+    state.admit(admitted, tenant)
     streams: list = [None] * len(job.submits)
     firsts = None
     try:
@@ -317,7 +320,7 @@ async def run_job(state, request: Request, job: Job) -> Response:
     except Exception as e:
         raise _api_error(e, job) from None
     finally:
-        state.pending -= admitted
+        state.release(admitted, tenant)
         if firsts is None or _GONE in firsts:
             await _close(streams)
     if firsts is None:

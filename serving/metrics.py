@@ -50,6 +50,12 @@ class _EngineCollector:
                 if t.get("pages_total") is not None:
                     pages.add_metric([tier, "free"], max(0, t["pages_total"] - t["pages_used"]))
         yield pages
+        tenants = GaugeMetricFamily("inferscale_tenant_requests", "engine requests per tenant: running (or on a "
+                                    "chain-node job) and waiting (queued)", labels=["tenant", "state"])
+        for tenant, counts in sorted((s.get("tenants") or {}).items()):
+            for state, n in counts.items():
+                tenants.add_metric([tenant, state], n)
+        yield tenants
         segs = GaugeMetricFamily("inferscale_segments", "registered segments by where their KV is",
                                  labels=["tier"])
         evict = CounterMetricFamily("inferscale_evictions", "segment evictions out of each tier",
@@ -117,6 +123,9 @@ class ServerMetrics:
         self.prompt_tokens = Counter("inferscale_prompt_tokens", "prompt tokens (segments + prompt)", registry=r)
         self.cached_tokens = Counter("inferscale_cached_tokens", "prompt tokens whose KV was reused", registry=r)
         self.generated_tokens = Counter("inferscale_generated_tokens", "generated tokens", registry=r)
+        self.tenant_rejected = Counter("inferscale_tenant_rejected", "requests refused for a full queue: 429 (the "
+                                       "tenant over its share) or 503 (the whole queue)", ["tenant", "status"],
+                                       registry=r)
         self.engine = _EngineCollector()
         r.register(self.engine)
 

@@ -328,6 +328,7 @@ def test_a_flooding_tenant_does_not_delay_another_tenants_request():
     a_ids = [e.submit(prompt_token_ids=[3 + i, 4, 5], tenant="a", sampling=sp) for i in range(24)]
     e.step()  # a's first 4 are admitted and run
     b_id = e.submit(prompt_token_ids=[7, 8, 9], tenant="b", sampling=sp)
+    assert e.stats()["tenants"] == {"a": {"running": 4, "waiting": 20}, "b": {"running": 0, "waiting": 1}}
     admitted = []
     start = e.kv.start
     e.kv.start = lambda req: (admitted.append(req.id), start(req))[1]

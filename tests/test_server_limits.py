@@ -188,3 +188,47 @@ def test_streamed_logprobs_per_chunk(with_logprobs):
     assert [c["logprobs"]["token_logprobs"] for c in content] == [[-0.5], [-1.0], [-1.5]]
     assert [c["logprobs"]["text_offset"] for c in content] == [[0], [1], [2]]
     assert chunks[-1]["finish_reason"] == "length"
+
+
+def test_a_tenant_over_its_share_of_the_queue_gets_429_and_others_are_served():
+    """Two tenants, max_waiting 4: each may hold 2 queued requests (half), then gets 429 with
+    Retry-After while the other is still admitted; the whole queue full is 503; releasing frees
+    the tenant's share; refusals are counted per tenant and status."""
+    from serving.app import ServerState
+    from serving.auth import ApiKeys
+    from serving.errors import APIError
+
+    keys = ApiKeys({"ka": "a", "kb": "b", "ka2": "a"})
+    assert keys.tenants() == ["a", "b"]
+    state = ServerState(types.SimpleNamespace(engine=types.SimpleNamespace()), api_keys=keys, max_waiting=4,
+                        model_names=["m"], default_max_tokens=16)
+    assert state.max_waiting_per_tenant == 2
+    state.admit(1, "a")
+    state.admit(1, "a")
+    with pytest.raises(APIError) as e:
+        state.admit(1, "a")
+    assert e.value.status == 429 and 1 <= int(e.value.headers["Retry-After"]) <= 60
+    assert "tenant 'a'" in str(e.value) and "--max-waiting-per-tenant" in str(e.value)
+    state.admit(1, "b")  # b is still served
+    state.admit(1, "b")
+    with pytest.raises(APIError) as e:  # b at its share too
+        state.admit(1, "b")
+    assert e.value.status == 429
+    state.release(1, "a")
+    state.admit(1, "a")
+    assert state.pending == 4 and state.pending_by_tenant == {"a": 2, "b": 2}
+    for t in ("a", "b"):
+        state.release(2, t)
+    assert state.pending == 0 and not state.pending_by_tenant
+    # one tenant (no key file): the whole queue is its share; past it, 503
+    solo = ServerState(types.SimpleNamespace(engine=types.SimpleNamespace()), api_keys=None, max_waiting=2,
+                       model_names=["m"], default_max_tokens=16)
+    solo.admit(2)
+    with pytest.raises(APIError) as e:
+        solo.admit(1)
+    assert e.value.status == 503
+    stats = {"pages_used": 1, "pages_free": 2, "tenants": {"a": {"running": 3, "waiting": 5}}}
+    text = state.metrics.render(stats).decode()
+    assert 'inferscale_tenant_requests{state="waiting",tenant="a"} 5.0' in text
+    assert 'inferscale_tenant_rejected_total{status="429",tenant="a"} 1.0' in text
+    assert 'inferscale_tenant_rejected_total{status="429",tenant="b"} 1.0' in text
