@@ -314,12 +314,23 @@ def _exit_later(server_ref: list, delay: float):
     return on_fatal
 
 
+def _host_only() -> None:
+    """An API-server process never computes: JAX here stays on the CPU, so it never initializes
+    the accelerator (whose memory - on a GPU, a preallocated share of it - is the core's)."""
+    import jax
+    from jax._src import xla_bridge
+
+    if not xla_bridge.backends_are_initialized():
+        jax.config.update("jax_platforms", "cpu")
+
+
 def api_server(socks: list, address: str, args, names: list[str], template: str | None, index: int, core_pid: int) -> None:
     """An extra API-server process (``--api-server-count`` > 1): the same app on the same
     listening socket, over the same engine core; ends on SIGTERM (sent by the first API server)."""
     from serving import create_app, load_api_keys
     from serving.core_client import CoreClient
 
+    _host_only()
     _configure_logging(args.log_level)
     keys = load_api_keys(args.api_keys) if args.api_keys else None
     server_ref: list = []
@@ -353,6 +364,7 @@ def _serve_with_core(args, socks: list, url: str, names: list[str], template: st
     core = mp.Process(target=engine_core.run, args=(address, build_engine, (args,), os.getpid()),
                       name="inferscale-engine-core")
     core.start()
+    _host_only()  # (after the spawn: the core's JAX keeps the default platforms)
     print(f"engine core process: pid {core.pid}; API server process: pid {os.getpid()}", file=sys.stderr, flush=True)
     server_ref: list = []
     apis: list = []
