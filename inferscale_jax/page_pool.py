@@ -139,9 +139,10 @@ class PagePool:
     def incref(self, pages: Iterable[int]) -> None:
         """Add one reference to each page (repeats count twice). Each must be referenced:
         a free page's content is not owned by anyone (use ``touch`` for cache hits)."""
-        pages = [self._page(p) for p in pages]
-        for page in pages:
-            if self._refcount[page] == 0:
+        pages = self._pages(pages)
+        refs = self._refcount
+        for page in pages if 0 in map(refs.__getitem__, pages) else ():
+            if refs[page] == 0:
                 raise ValueError(
                     f"incref: page {page} is free (refcount 0); only referenced pages can "
                     f"be shared. Use allocate() for new pages or touch() for cached ones."
@@ -153,7 +154,7 @@ class PagePool:
         """Add one reference to each page, reviving free pages that carry a cache key
         (they leave the free queue, refcount 0 -> 1). Used on prefix-cache hits.
         Touching a free page without a cache key raises: its content is garbage."""
-        pages = [self._page(p) for p in pages]
+        pages = self._pages(pages)
         for page in pages:
             if self._refcount[page] == 0 and self._cache_key[page] is None:
                 raise ValueError(
@@ -171,8 +172,11 @@ class PagePool:
         freed: cached ones to the tail of the free queue in the given order, uncached
         ones to the head in the given order. Raises, changing nothing, if any refcount
         would go below zero. Pass a request's chain in reverse order (see module doc)."""
-        pages = [self._page(p) for p in pages]
-        for page, count in Counter(pages).items():
+        pages = self._pages(pages)
+        refs = self._refcount
+        # (distinct pages all referenced: nothing to check one by one)
+        distinct_ok = len(set(pages)) == len(pages) and 0 not in map(refs.__getitem__, pages)
+        for page, count in () if distinct_ok else Counter(pages).items():
             if self._refcount[page] < count:
                 raise ValueError(
                     f"decref: page {page} has refcount {self._refcount[page]} but is being "
@@ -250,6 +254,14 @@ class PagePool:
             seen_cached |= cached
 
     # ----------------------------------------------------------------- helpers
+    def _pages(self, pages: Iterable[int]) -> list[int]:
+        """``_page`` of each id; plain in-range ints (a request's page list) are checked in one
+        pass in C, the rest one by one (a chain node's 256 pages per admission add up)."""
+        pages = list(pages)
+        if pages and set(map(type, pages)) == {int} and min(pages) >= 1 and max(pages) < self._num_pages:
+            return pages
+        return [self._page(p) for p in pages]
+
     def _page(self, page: int, allow_null: bool = False) -> int:
         """Validate a page id (ints and numpy integers accepted) and return it as int."""
         if isinstance(page, bool):
