@@ -65,6 +65,8 @@ from serving.schemas import ChatCompletionRequest, CompletionRequest, SegmentCon
 
 log = logging.getLogger("inferscale.server")
 MAX_JSON_DEPTH = 64
+MAX_JSON_KEYS = 10000  # object keys in one request body (logit_bias and friends need far fewer)
+PARSE_OFF_LOOP_BYTES = 64 << 10  # bodies above this are parsed on a worker thread (_parse)
 # What ``uvicorn.run(app, ...)`` should be given (``inferscale serve`` passes these):
 # timeout_keep_alive: an idle keep-alive connection is closed after 5 s;
 # limit_concurrency: connections (and tasks) beyond this are answered 503 by uvicorn itself, before
@@ -193,8 +195,10 @@ def auto_max_waiting(engine) -> int:
     return min(MAX_AUTO_WAITING, max(MIN_MAX_WAITING, 8 * batch, pool // TOKENS_PER_QUEUED_REQUEST))
 
 
-def _check_json(obj, depth: int = 0) -> None:
-    """Bounded nesting, and no lone surrogates (``"\\ud800"`` escapes are not Unicode text)."""
+def _check_json(obj, depth: int = 0, keys: list | None = None) -> None:
+    """Bounded nesting and object keys, and no lone surrogates (``"\\ud800"`` escapes are not
+    Unicode text)."""
+    keys = [0] if keys is None else keys
     if depth > MAX_JSON_DEPTH:
         raise APIError(400, f"JSON nested deeper than {MAX_JSON_DEPTH} levels", "invalid_json")
     if isinstance(obj, str):
@@ -204,12 +208,16 @@ def _check_json(obj, depth: int = 0) -> None:
             raise APIError(400, "a JSON string holds a lone surrogate escape (e.g. \\ud800), which is not "
                            "valid Unicode text", "invalid_json") from None
     elif isinstance(obj, dict):
+        keys[0] += len(obj)
+        if keys[0] > MAX_JSON_KEYS:
+            raise APIError(400, f"the request body holds more than {MAX_JSON_KEYS} object keys (no request needs "
+                           "that many; token ids go in arrays)", "invalid_json")
         for k, v in obj.items():
-            _check_json(k, depth + 1)
-            _check_json(v, depth + 1)
+            _check_json(k, depth + 1, keys)
+            _check_json(v, depth + 1, keys)
     elif isinstance(obj, list):
         for v in obj:
-            _check_json(v, depth + 1)
+            _check_json(v, depth + 1, keys)
 
 
 def _reject_constant(name: str):
@@ -217,7 +225,15 @@ def _reject_constant(name: str):
 
 
 async def _parse(request: Request, model):
+    """The body as ``model``: a large body is decoded, checked and validated on a worker thread,
+    so its parsing never holds the event loop (other requests' streams go on meanwhile)."""
     raw = await request.body()
+    if len(raw) > PARSE_OFF_LOOP_BYTES:
+        return await asyncio.to_thread(_parse_bytes, raw, model)
+    return _parse_bytes(raw, model)
+
+
+def _parse_bytes(raw: bytes, model):
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:

@@ -32,6 +32,11 @@ CASES = [
     ("lone surrogate escape", "POST", C, b'{"prompt": "a\\ud800b"}', 400, "invalid_json"),
     ("segment: lone surrogate", "POST", SEG, b'{"id": "s\\udfff", "text": "x"}', 400, "invalid_json"),
     ("10 MB body", "POST", C, BIG, 413, "request_too_large"),
+    # 20k keys (the 10k bound), and a 200 KB body (parsed on a worker thread: still a proper 400)
+    ("20k object keys", "POST", C, {"prompt": "hi", "logit_bias": {str(i): 1 for i in range(20000)}}, 400,
+     "invalid_json"),
+    ("200 KB prompt, parsed off the loop", "POST", C, {"prompt": "word " * 40000, "max_tokens": 4}, 400,
+     "context_length_exceeded"),
     ("body is an array", "POST", C, [1, 2], 400, "invalid_field"),
     ("missing prompt", "POST", C, {"max_tokens": 4}, 400, "invalid_field"),
     ("prompt is a number", "POST", C, {"prompt": 5}, 400, "invalid_field"),
