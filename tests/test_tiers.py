@@ -139,3 +139,44 @@ def test_undamaged_disk_tier_file_is_read_not_recomputed():
     t = e.stats()["tiers"]
     assert t["promotions"]["disk"] == 1 and t["promotions"]["recompute"] == 0 and t["integrity_errors"]["disk"] == 0
     e.close()
+
+
+@pytest.mark.parametrize("then", ["promote", "to_disk", "snapshot"])
+def test_host_tier_block_damaged_in_memory_is_recomputed_never_served(then, tmp_path):
+    """A host-tier block changed in memory after its demotion: promoting it, writing it to the disk
+    tier, or snapshotting it checks its checksum first; the segment's KV is then recomputed from its
+    tokens (the right output), counted as a host integrity error, and never written anywhere."""
+    import numpy as np
+
+    kw = dict(snapshot_dir=str(tmp_path / "snap")) if then == "snapshot" else {}
+    e = make_engine(pages=32, host_pages=64, disk_pages=64, **kw)
+    e.register_segment("a", token_ids=seg_tokens(0))
+    want = gen(e, "a")
+    seg = e.store.resolve("a", "default")
+    e.tiers.demote(seg, "host")
+    entry = e.tiers._entries[seg.uid]
+    damaged = np.array(entry.kv)  # the block's bytes with one flipped, in its place
+    damaged.reshape(-1).view(np.uint8)[damaged.nbytes // 2] ^= 0xFF
+    entry.kv = damaged
+    if then == "to_disk":
+        e.tiers.demote(seg, "disk")
+        assert tiers_of(e, "a") == dict(a="recompute")  # not written to disk with the damage
+    elif then == "snapshot":
+        e.save_snapshot()
+        assert tiers_of(e, "a") == dict(a="recompute")
+    assert gen(e, "a") == want
+    t = e.stats()["tiers"]
+    assert t["integrity_errors"]["host"] == 1 and t["promotions"]["recompute"] == 1 and t["promotions"]["host"] == 0
+    e.check_invariants()
+    e.close()
+
+
+def test_undamaged_host_tier_block_is_promoted_not_recomputed():
+    e = make_engine(pages=32, host_pages=64)
+    e.register_segment("a", token_ids=seg_tokens(0))
+    want = gen(e, "a")
+    e.tiers.demote(e.store.resolve("a", "default"), "host")
+    assert gen(e, "a") == want
+    t = e.stats()["tiers"]
+    assert t["promotions"]["host"] == 1 and t["integrity_errors"]["host"] == 0
+    e.close()
