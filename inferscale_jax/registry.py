@@ -38,7 +38,25 @@ Damage and full storage
 
 Opening runs ``PRAGMA quick_check``; a file that is not a database or fails the check raises
 ``SnapshotCorrupt`` naming the file and the fix (move it aside: ``snapshot.py`` then rebuilds
-the rows from the newest snapshot).  A write that fails because the folder is full or read-only
+the rows from the newest snapshot).
+
+SQLite cannot see what its own damage hides: a write-ahead log deleted, truncated or changed
+after a crash loses the transactions in it *silently* (their frames fail SQLite's checksums and
+are ignored), and an edited row is valid SQL.  So:
+
+- every segment write transaction also advances ``meta.write_seq``, and after its COMMIT the
+  new value is written to ``registry.sqlite3.seq`` beside the file (fsynced).  Opening an
+  existing registry whose ``write_seq`` is below that file's sets ``lost_writes``; the restore
+  (``snapshot.py``) then rebuilds from the newest snapshot when that snapshot was taken after
+  the last acknowledged write (its meta records ``write_seq``), and otherwise refuses to start (``SnapshotCorrupt``) counting the acknowledged writes
+  missing and naming the two ways on (restore the files; or accept the loss by deleting the
+  ``.seq`` file).  A registry created anew (the file deleted with its log) starts the count
+  again;
+- every row carries ``digest`` (SHA-256 of its namespace, id, uid, tenant, token ids, parent,
+  flags and version).  ``rows()`` leaves out a row whose digest does not match (an edited
+  row), deletes it and counts it in ``damaged`` (the caller logs it and counts an integrity
+  error): it is never served with tokens nobody registered.  Rows from before digests existed
+  (NULL) are not checked.  A write that fails because the folder is full or read-only
 (``database or disk is full``, ``attempt to write a readonly database``, ENOSPC, EROFS,
 EDQUOT) raises ``StorageError`` naming the folder; the transaction is rolled back (or was
 already rolled back by SQLite), so the registry holds the write whole or not at all.
@@ -49,6 +67,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import errno
+import hashlib
+import json
 import os
 import sqlite3
 import threading
@@ -79,6 +99,7 @@ CREATE TABLE IF NOT EXISTS segments (
     created REAL NOT NULL,
     version INTEGER NOT NULL DEFAULT 1,  -- 1 at registration, +1 per update / append
     updated REAL NOT NULL DEFAULT 0,     -- when this version was acknowledged (0: never updated)
+    digest TEXT,                         -- row_digest() of the row (NULL: written before digests)
     PRIMARY KEY (fingerprint, namespace, id)
 );
 CREATE TABLE IF NOT EXISTS segment_meta (
@@ -136,6 +157,13 @@ class Identity:
         return None
 
 
+def row_digest(namespace: str, segment_id: str, uid: int, tenant: str, token_blob: bytes, parent: str | None,
+               public: bool, pin: bool, version: int) -> str:
+    """The digest a row carries: SHA-256 over its identity, its token ids (int32 LE) and its flags."""
+    head = json.dumps([namespace, segment_id, uid, tenant, parent, bool(public), bool(pin), version]).encode()
+    return hashlib.sha256(len(head).to_bytes(4, "little") + head + token_blob).hexdigest()
+
+
 @dataclasses.dataclass(frozen=True)
 class SegmentRow:
     namespace: str
@@ -157,6 +185,9 @@ class Registry:
         self.folder = os.path.dirname(os.path.abspath(path))
         self._lock = threading.Lock()
         self._db = None
+        self.damaged: list[tuple[str, str]] = []  # (namespace, id) of rows rows() found edited and dropped
+        self.seq_path = path + ".seq"
+        existed = os.path.exists(path)
         try:
             self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
             self._db.execute("PRAGMA journal_mode=WAL")
@@ -166,9 +197,17 @@ class Registry:
                 raise sqlite3.DatabaseError("; ".join(problems[:3]))
             self._db.executescript(SCHEMA)
             have = {r[1] for r in self._db.execute("PRAGMA table_info(segments)").fetchall()}
-            for column, decl in (("version", "INTEGER NOT NULL DEFAULT 1"), ("updated", "REAL NOT NULL DEFAULT 0")):
-                if column not in have:  # a file from before segment versions
+            for column, decl in (("version", "INTEGER NOT NULL DEFAULT 1"), ("updated", "REAL NOT NULL DEFAULT 0"),
+                                 ("digest", "TEXT")):
+                if column not in have:  # a file from before segment versions / row digests
                     self._db.execute(f"ALTER TABLE segments ADD COLUMN {column} {decl}")
+            self.acked_seq = self._acknowledged_seq()
+            have = self._write_seq()
+            # acknowledged writes this file lacks (0: none, or nothing to compare with)
+            self.lost_writes = (self.acked_seq - have if existed and self.acked_seq is not None
+                                and have < self.acked_seq else 0)
+            if not self.lost_writes and self.acked_seq != have:
+                self._record_seq(have)
         except sqlite3.Error as err:
             if self._db is not None:
                 self._db.close()
@@ -185,15 +224,69 @@ class Registry:
                 f"together with its -wal and -shm files (e.g. rename them to *.bad); the next start rebuilds "
                 f"the segments from the newest snapshot in {os.path.join(self.folder, 'snapshots')}") from err
 
+    def _write_seq(self) -> int:
+        row = self._db.execute("SELECT value FROM meta WHERE key = 'write_seq'").fetchone()
+        return int(row[0]) if row else 0
+
+    def _acknowledged_seq(self) -> int | None:
+        try:
+            with open(self.seq_path) as f:
+                return int(f.read().strip() or 0)
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError):
+            return None  # unreadable: the check is skipped (the registry itself is intact)
+
+    def _record_seq(self, seq: int) -> None:
+        """``seq`` into the ``.seq`` file, fsynced (after the COMMIT that reached it)."""
+        tmp = self.seq_path + ".tmp"
+        with open(tmp, "w") as f:
+            f.write(str(seq))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self.seq_path)
+
+    def lost_writes_error(self) -> SnapshotCorrupt:
+        """The refusal for ``lost_writes`` (module docstring, "Damage")."""
+        return SnapshotCorrupt(
+            f"the segment registry {self.path} is missing the last {self.lost_writes} acknowledged write(s) (it "
+            f"holds write {self._write_seq()}, {os.path.basename(self.seq_path)} says {self.acked_seq} were "
+            f"acknowledged): its write-ahead log {self.path}-wal was deleted, truncated or damaged after a crash, "
+            f"so segments registered, updated or deleted last would be silently absent or reverted. Restore the "
+            f"three registry files from a backup; or accept the loss: delete {self.seq_path} and start again (the "
+            f"newest snapshot then rebuilds the segments it holds that the registry lacks, with a warning)")
+
+    def write_seq(self) -> int:
+        """Segment writes committed so far (``meta.write_seq``)."""
+        with self._lock:
+            return self._write_seq()
+
+    def accept_loss(self) -> None:
+        """The restore rebuilt what was lost: the current count becomes the acknowledged one."""
+        with self._lock:
+            self._record_seq(self._write_seq())
+        self.lost_writes = 0
+
     @contextlib.contextmanager
-    def _transaction(self, what: str):
-        """One fsynced write transaction under the lock; storage failures become ``StorageError``."""
+    def _transaction(self, what: str, counted: bool = True):
+        """One fsynced write transaction under the lock; ``counted`` (a segment write): advancing
+        ``write_seq``, recorded in the ``.seq`` file once committed.  Storage failures become
+        ``StorageError``."""
         with self._lock:
             try:
                 self._db.execute("BEGIN IMMEDIATE")
                 try:
                     yield self._db
+                    seq = self._write_seq() + 1 if counted else None
+                    if counted:
+                        self._db.execute("INSERT INTO meta VALUES ('write_seq', ?) ON CONFLICT(key) DO UPDATE SET "
+                                         "value = excluded.value", (str(seq),))
                     self._db.execute("COMMIT")
+                    if counted and not self.lost_writes:  # (while lost, the file keeps what was acknowledged)
+                        try:
+                            self._record_seq(seq)
+                        except OSError as err:
+                            raise storage_error(err, self.folder, f"{what}: recording write {seq}") or err
                 except BaseException:
                     if self._db.in_transaction:  # a failed COMMIT may have rolled back already
                         with contextlib.suppress(sqlite3.Error):
@@ -210,11 +303,24 @@ class Registry:
         """This engine's segments (its fingerprint), oldest uid first."""
         with self._lock:
             cur = self._db.execute(
-                "SELECT namespace, id, uid, tenant, token_ids, public, pin, created, parent, version, updated "
+                "SELECT namespace, id, uid, tenant, token_ids, public, pin, created, parent, version, updated, digest "
                 "FROM segments WHERE fingerprint = ? ORDER BY uid", (self.identity.fingerprint,))
-            return [SegmentRow(ns, sid, uid, tenant, np.frombuffer(blob, "<i4").tolist(), bool(pub), bool(pin),
-                               created, parent, version, updated)
-                    for ns, sid, uid, tenant, blob, pub, pin, created, parent, version, updated in cur.fetchall()]
+            good, bad = [], []
+            for ns, sid, uid, tenant, blob, pub, pin, created, parent, version, updated, digest in cur.fetchall():
+                if digest is not None and digest != row_digest(ns, sid, uid, tenant, blob, parent, pub, pin, version):
+                    bad.append((ns, sid))
+                    continue
+                good.append(SegmentRow(ns, sid, uid, tenant, np.frombuffer(blob, "<i4").tolist(), bool(pub),
+                                       bool(pin), created, parent, version, updated))
+        if bad:
+            with self._transaction(f"dropping {len(bad)} damaged row(s)") as db:
+                for ns, sid in bad:
+                    db.execute("DELETE FROM segments WHERE fingerprint = ? AND namespace = ? AND id = ?",
+                               (self.identity.fingerprint, ns, sid))
+                    db.execute("DELETE FROM segment_meta WHERE fingerprint = ? AND namespace = ? AND id = ?",
+                               (self.identity.fingerprint, ns, sid))
+            self.damaged += bad
+        return good
 
     def foreign(self) -> tuple[Identity, int] | None:
         """The identity of rows written by another model / dtype / page size, and their count."""
@@ -254,12 +360,18 @@ class Registry:
 
     def _insert(self, db, rows: list[SegmentRow]) -> None:
         ident = self.identity
+        values = []
+        for row in rows:
+            blob = np.asarray(row.token_ids, "<i4").tobytes()
+            values.append((ident.fingerprint, ident.model, ident.dtype, ident.page_size, row.namespace, row.id,
+                           row.uid, row.tenant, blob, row.parent, int(row.public), int(row.pin), row.created,
+                           row.version, row.updated,
+                           row_digest(row.namespace, row.id, row.uid, row.tenant, blob, row.parent, row.public,
+                                      row.pin, row.version)))
         db.executemany(
             "INSERT INTO segments (fingerprint, model, dtype, page_size, namespace, id, uid, tenant, token_ids, "
-            "parent, public, pin, created, version, updated) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-            [(ident.fingerprint, ident.model, ident.dtype, ident.page_size, row.namespace, row.id, row.uid,
-              row.tenant, np.asarray(row.token_ids, "<i4").tobytes(), row.parent, int(row.public), int(row.pin),
-              row.created, row.version, row.updated) for row in rows])
+            "parent, public, pin, created, version, updated, digest) "
+            "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)", values)
 
     @staticmethod
     def _advance_uid(db, uid: int) -> None:
@@ -290,11 +402,17 @@ class Registry:
         old version), in one fsynced transaction.  ``KeyError`` if no such row (it was deleted or
         replaced meanwhile: nothing is written)."""
         key = (self.identity.fingerprint, row.namespace, row.id)
+        blob = np.asarray(row.token_ids, "<i4").tobytes()
         with self._transaction(f"recording version {row.version} of segment {row.id!r}") as db:
+            old = db.execute("SELECT tenant, parent, public, pin FROM segments WHERE fingerprint = ? AND namespace = ? "
+                             "AND id = ? AND uid = ?", (*key, old_uid)).fetchone()
+            if old is None:
+                raise KeyError(f"segment {row.id!r} (uid {old_uid}) is not in the registry")
+            digest = row_digest(row.namespace, row.id, row.uid, old[0], blob, old[1], old[2], old[3], row.version)
             cur = db.execute(
-                "UPDATE segments SET uid = ?, token_ids = ?, version = ?, updated = ? "
+                "UPDATE segments SET uid = ?, token_ids = ?, version = ?, updated = ?, digest = ? "
                 "WHERE fingerprint = ? AND namespace = ? AND id = ? AND uid = ?",
-                (row.uid, np.asarray(row.token_ids, "<i4").tobytes(), row.version, row.updated, *key, old_uid))
+                (row.uid, blob, row.version, row.updated, digest, *key, old_uid))
             if cur.rowcount != 1:
                 raise KeyError(f"segment {row.id!r} (uid {old_uid}) is not in the registry")
             db.execute("DELETE FROM segment_meta WHERE fingerprint = ? AND namespace = ? AND id = ?", key)
@@ -317,7 +435,7 @@ class Registry:
                 [(fp, ns, sid, uid, key, value) for ns, sid, uid, value in entries])
 
     def set_meta(self, key: str, value: str) -> None:
-        with self._transaction(f"recording {key}={value}") as db:
+        with self._transaction(f"recording {key}={value}", counted=False) as db:
             db.execute("INSERT INTO meta VALUES (?, ?) ON CONFLICT(key) DO UPDATE SET value = excluded.value",
                        (key, value))
 

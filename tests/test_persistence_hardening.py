@@ -9,6 +9,7 @@ import re
 import sqlite3
 import time
 
+import numpy as np
 import pytest
 
 from inferscale_jax import EngineConfig, snapshot, tiers
@@ -280,3 +281,58 @@ def test_full_disk_tier_is_a_storage_error_and_evictions_fall_back_to_recompute(
     assert "is full" in caplog.text and disk in caplog.text
     assert gen(e, "a") == ref
     e.close()
+
+
+def test_lost_acknowledged_write_without_a_later_snapshot_is_refused_not_silent(tmp_path):
+    """An acknowledged registration whose transaction the registry lost (its write-ahead log
+    damaged after a crash) and no snapshot after it: the start is refused naming the loss and the
+    fix, never a server silently missing the segment; accepting the loss (deleting the .seq file)
+    starts with what the registry holds."""
+    d = str(tmp_path / "snap")
+    e = make_engine(snapshot_dir=d)
+    e.register_segment("a", token_ids=seg_tokens(0))
+    e.save_snapshot()
+    old = sqlite3.connect(str(tmp_path / "before_b.sqlite3"))
+    sqlite3.connect(registry_files(d)[0]).backup(old)  # the registry as it was before "b"'s write
+    e.register_segment("b", token_ids=seg_tokens(1))  # acknowledged; then kill -9: no close, no snapshot
+    for f in registry_files(d):
+        if os.path.exists(f):
+            os.remove(f)
+    old.backup(sqlite3.connect(registry_files(d)[0]))
+    old.close()
+    with pytest.raises(SnapshotCorrupt, match=r"missing the last 1 acknowledged write.*registry\.sqlite3\.seq"):
+        make_engine(snapshot_dir=d)
+    os.remove(registry_files(d)[0] + ".seq")  # accept the loss
+    e2 = make_engine(snapshot_dir=d)
+    assert [s.id for s in e2.list_segments()] == ["a"]
+    e2.register_segment("b", token_ids=seg_tokens(1))
+    e2.close()
+    e3 = make_engine(snapshot_dir=d)  # and the count goes on from there
+    assert [s.id for s in e3.list_segments()] == ["a", "b"]
+    e3.close()
+
+
+def test_registry_row_edited_outside_the_engine_is_dropped_never_served(tmp_path, caplog):
+    """One token id of a row changed with sqlite (valid SQL, wrong content): its digest no longer
+    matches, so the segment is dropped with a logged, counted integrity error, the others load,
+    and the id can be registered again."""
+    d = str(tmp_path / "snap")
+    e = make_engine(snapshot_dir=d)
+    e.register_segment("a", token_ids=seg_tokens(0))
+    e.register_segment("b", token_ids=seg_tokens(1))
+    want_b = gen(e, "b")
+    e.close()
+    db = sqlite3.connect(registry_files(d)[0])
+    (blob,) = db.execute("SELECT token_ids FROM segments WHERE id = 'a'").fetchone()
+    ids = list(np.frombuffer(blob, "<i4"))
+    ids[3] = (ids[3] + 1) % 90 + 3
+    db.execute("UPDATE segments SET token_ids = ? WHERE id = 'a'", (np.asarray(ids, "<i4").tobytes(),))
+    db.commit()
+    db.close()
+    with caplog.at_level(logging.ERROR, logger="inferscale.snapshot"):
+        e2 = make_engine(snapshot_dir=d)
+    assert "no longer match their digest" in caplog.text and "/a" in caplog.text
+    assert [s.id for s in e2.list_segments()] == ["b"] and gen(e2, "b") == want_b
+    assert e2.stats()["tiers"]["integrity_errors"]["registry"] == 1
+    e2.register_segment("a", token_ids=seg_tokens(0))
+    e2.close()
