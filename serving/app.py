@@ -57,6 +57,7 @@ from inferscale_jax.async_engine import AsyncEngine
 from inferscale_jax.engine_rpc import AdminRequired, run_rpc
 from serving.auth import LOCAL, Principal, load_api_keys
 from serving.chat import check_template
+from serving.connections import GuardedH11Protocol
 from serving.errors import APIError, from_engine, internal_error, invalid_field, segment_not_found
 from serving.generation import chat_job, completion_job, run_job
 from serving.metrics import ServerMetrics
@@ -73,8 +74,11 @@ PARSE_OFF_LOOP_BYTES = 64 << 10  # bodies above this are parsed on a worker thre
 #   the app (a plain-text body: the app never sees them); keep it above max_waiting + max_batch;
 # timeout_graceful_shutdown: on SIGTERM, streams still open after 10 s are cut so shutdown (and
 #   the final snapshot) is not held up by a client that never leaves.
+# http: uvicorn's h11 protocol with a deadline for each request's head and a cap on connections per
+#   client address (connections.py).
 # The request body itself is bounded by create_app's body_timeout_s (middleware.py).
-UVICORN_OPTIONS = dict(timeout_keep_alive=5, limit_concurrency=4096, timeout_graceful_shutdown=10)
+UVICORN_OPTIONS = dict(timeout_keep_alive=5, limit_concurrency=4096, timeout_graceful_shutdown=10,
+                       http=GuardedH11Protocol)
 MIN_MAX_WAITING = 1024
 MAX_AUTO_WAITING = 3072
 TOKENS_PER_QUEUED_REQUEST = 256  # auto_max_waiting: a queued request's share of the pool

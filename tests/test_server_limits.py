@@ -232,3 +232,63 @@ def test_a_tenant_over_its_share_of_the_queue_gets_429_and_others_are_served():
     assert 'inferscale_tenant_requests{state="waiting",tenant="a"} 5.0' in text
     assert 'inferscale_tenant_rejected_total{status="429",tenant="a"} 1.0' in text
     assert 'inferscale_tenant_rejected_total{status="429",tenant="b"} 1.0' in text
+
+
+def _closed_within(sock, seconds: float) -> float | None:
+    """Seconds until the server closed ``sock`` (None: still open after ``seconds``)."""
+    t0 = time.monotonic()
+    sock.settimeout(seconds)
+    try:
+        while sock.recv(65536):
+            pass
+    except socket.timeout:
+        return None
+    except OSError:
+        pass
+    return time.monotonic() - t0
+
+
+def test_a_connection_withholding_its_request_head_is_closed(monkeypatch):
+    """Slow-loris: partial headers (or none) are closed after the head deadline, while a normal
+    client is served meanwhile; a kept-alive connection gets a fresh deadline per request."""
+    from serving.connections import GuardedH11Protocol
+
+    monkeypatch.setattr(GuardedH11Protocol, "head_timeout_s", 0.6)
+    app = create_app(StubAsyncEngine())
+    with ThreadedServer(app) as srv:
+        silent = socket.create_connection(("127.0.0.1", srv.port), timeout=10)
+        partial = socket.create_connection(("127.0.0.1", srv.port), timeout=10)
+        partial.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")  # no blank line: the head never ends
+        with httpx.Client(base_url=srv.url, timeout=5) as c:
+            assert c.get("/health").status_code == 200
+            time.sleep(1.0)  # past the deadline: a request on the kept-alive connection still works
+            assert c.get("/v1/models").status_code == 200
+        for sock in (silent, partial):
+            took = _closed_within(sock, 5)
+            assert took is not None, "the server kept a connection without a request head open"
+            sock.close()
+
+
+def test_connections_per_client_address_are_capped(monkeypatch):
+    from serving.connections import GuardedH11Protocol
+
+    monkeypatch.setattr(GuardedH11Protocol, "max_per_client", 3)
+    app = create_app(StubAsyncEngine())
+    with ThreadedServer(app) as srv:
+        held = [socket.create_connection(("127.0.0.1", srv.port), timeout=10) for _ in range(3)]
+        time.sleep(0.2)
+        extra = socket.create_connection(("127.0.0.1", srv.port), timeout=10)
+        assert _closed_within(extra, 3) is not None  # the 4th from this address: closed at once
+        extra.close()
+        for sock in held[:2]:
+            assert _closed_within(sock, 0.2) is None  # the first 3 stay open
+        held[0].close()
+        time.sleep(0.2)
+        with httpx.Client(base_url=srv.url, timeout=5) as c:  # room again for one more
+            assert c.get("/health").status_code == 200
+        for sock in held[1:]:
+            sock.close()
+        deadline = time.monotonic() + 5  # every close is counted (the count is the server's own)
+        while GuardedH11Protocol.open_per_client.get("127.0.0.1", 0) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert GuardedH11Protocol.open_per_client.get("127.0.0.1", 0) == 0
