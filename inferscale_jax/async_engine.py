@@ -33,13 +33,12 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import copy
-import dataclasses
 import logging
 import queue
 import threading
 from typing import Any, AsyncIterator, Callable
 
-from inferscale_jax.detokenize import IncrementalDetokenizer
+from inferscale_jax.detokenize import Deltas, IncrementalDetokenizer
 from inferscale_jax.errors import EngineFault
 from inferscale_jax.outputs import GenerationOutput
 from inferscale_jax.scheduler import RequestOutput
@@ -245,21 +244,12 @@ class AsyncEngine:
             if rid is not None:  # the submit may have run already: abort it (commands run in order)
                 self._cmds.put((lambda: (self._streams.pop(rid, None), self.engine.abort(rid)), None))
             raise
-        finished = False
+        deltas = Deltas(q, detok)
         try:
-            while True:
-                item = await q.get()
-                if isinstance(item, BaseException):
-                    finished = True
-                    raise item
-                text = (detok.finish(item.output.text) if item.finished and item.output is not None
-                        else detok.push(item.new_token_ids))
-                yield dataclasses.replace(item, text=text)
-                if item.finished:
-                    finished = True
-                    return
+            async for item in deltas:
+                yield item
         finally:
-            if not finished:  # disconnect / cancel: free the pages before the next step
+            if not deltas.done:  # disconnect / cancel: free the pages before the next step
                 self._streams.pop(rid, None)
                 self._cmds.put((lambda: self.engine.abort(rid), None))
 

@@ -65,3 +65,29 @@ class IncrementalDetokenizer:
             return ""
         self.text, self.sent = final_text, len(final_text)
         return final_text[len(emitted):]
+
+
+class Deltas:
+    """A stream's outputs as they arrive on its queue, each with its ``text`` (``detok``), until
+    the finished one; an exception put on the queue is raised.  ``done`` says whether the stream
+    ended (finished or failed), so a caller leaving early knows to abort the request.  The one
+    delta loop of ``AsyncEngine.stream`` and of the API server's ``CoreClient.stream``."""
+
+    def __init__(self, queue, detok: IncrementalDetokenizer):
+        self.queue, self.detok, self.done = queue, detok, False
+
+    def __aiter__(self) -> "Deltas":
+        return self
+
+    async def __anext__(self):
+        if self.done:
+            raise StopAsyncIteration
+        item = await self.queue.get()
+        if isinstance(item, BaseException):
+            self.done = True
+            raise item
+        # each output object is this stream's alone: its text is set in place (no copy per token)
+        item.text = (self.detok.finish(item.output.text) if item.finished and item.output is not None
+                     else self.detok.push(item.new_token_ids))
+        self.done = item.finished
+        return item

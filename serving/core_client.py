@@ -43,7 +43,7 @@ from typing import AsyncIterator, Callable
 
 from inferscale_jax import engine_core
 from inferscale_jax.async_engine import _private_copy
-from inferscale_jax.detokenize import IncrementalDetokenizer
+from inferscale_jax.detokenize import Deltas, IncrementalDetokenizer
 from inferscale_jax.errors import EngineFault
 from inferscale_jax.tokenizer import encode_text
 
@@ -281,22 +281,12 @@ class CoreClient:
             self._streams.pop(rid, None)
             raise self.fatal
         self._send(["submit", engine_core.pack_submit(request)])
-        finished = False
+        deltas = Deltas(q, detok)
         try:
-            while True:
-                item = await q.get()
-                if isinstance(item, BaseException):
-                    finished = True
-                    raise item
-                text = (detok.finish(item.output.text) if item.finished and item.output is not None
-                        else detok.push(item.new_token_ids))
-                item.text = text
+            async for item in deltas:
                 yield item
-                if item.finished:
-                    finished = True
-                    return
         finally:
-            if not finished:
+            if not deltas.done:
                 self._streams.pop(rid, None)
                 if self.fatal is None:
                     self._send(["abort", rid])
