@@ -282,12 +282,12 @@ class ModelRunner:
         # the overlap helpers' compiled executables: ("feed", tokens, width, rows) -> _feed_tokens,
         # ("ids", rows, columns) -> _sampled_ids (compiled with the steps by ``warmup``)
         self.helpers: dict[tuple, jax.stages.Compiled] = {}
-        # Experimental, off by default (bench/step_launch.py's "stable" variant measures it): the
-        # step's inputs are written into persistent device buffers (one per shape, refilled in place
-        # by a donated copy), so every step reads them at the same addresses.  On the GPU XLA runs
-        # the step as one command buffer (CUDA graph) and updates it when an input's address
-        # changes (bench/NOTES.md, "What the step is made of on the GPU").
-        self.stable_inputs = False
+        # The step's inputs are written into persistent device buffers (one per shape, refilled in
+        # place by a donated copy), so every step reads them at the same addresses.  On the GPU XLA
+        # runs the step as one command buffer (CUDA graph) and must update it on the host when an
+        # input's address changes, which left the device idle between steps under load
+        # (bench/NOTES.md, run Z).  False: fresh input buffers every step.
+        self.stable_inputs = True
         self._staged: dict[tuple, jax.Array] = {}
         self._last: tuple | None = None  # the last step's executable and device inputs (replay_last)
         self.compiles = 0

@@ -100,13 +100,17 @@ def test_abort_while_a_step_is_in_flight_frees_pages_at_once():
 
 
 def test_stable_input_buffers_give_the_same_outputs():
-    """The experimental ``ModelRunner.stable_inputs`` (step inputs refilled in place, the token
-    feed inside the refill) computes exactly what the default path computes."""
+    """``ModelRunner.stable_inputs`` (the default: step inputs refilled in place, the token feed
+    inside the refill) computes exactly what fresh input buffers every step compute."""
     rng = np.random.default_rng(11)
     reqs = mixed_requests(rng) + stopping_requests(rng)
-    _, ref, _ = run(reqs, overlap=True)
+    plain = make_engine(pages=256, overlap_decode=True)
+    plain.runner.stable_inputs = False
+    register(plain)
+    ref = plain.generate_batch(reqs)
+    assert not plain.runner._staged  # the fresh-buffer path ran
     engine = make_engine(pages=256, overlap_decode=True)
-    engine.runner.stable_inputs = True
+    assert engine.runner.stable_inputs
     register(engine)
     got = engine.generate_batch(reqs)
     for a, b in zip(got, ref):
