@@ -18,13 +18,13 @@ from __future__ import annotations
 import argparse
 import cProfile
 import gc
-import queue
-import threading
 import io
 import os
 import pstats
+import queue
 import random
 import sys
+import threading
 import time
 
 import numpy as np
@@ -54,22 +54,16 @@ class PartTimer:
         for key, exe in list(runner.helpers.items()):
             runner.helpers[key] = self._wrap(exe, f"call: helper {key[0]}")
         self.step_kinds = {"decode": 0, "mixed": 0}
-        dispatch = runner.dispatch
-
-        def counted(plan, prev=None):
-            self.step_kinds["decode" if all(len(r.tokens) == 1 for r in plan.rows) else "mixed"] += 1
-            return dispatch(plan, prev)
-
-        runner.dispatch = self._wrap(counted, "runner.dispatch (all)")
         # the device's cadence: a watcher thread waits on each dispatched step's output in order and
         # notes when it was ready; beside it, when the host had queued the step
         self.queued: list[float] = []
         self.ready: list[float] = []
         self._todo: queue.Queue = queue.Queue()
         threading.Thread(target=self._watch, daemon=True).start()
-        timed_dispatch = runner.dispatch
+        timed_dispatch = self._wrap(runner.dispatch, "runner.dispatch (all)")
 
         def watched(plan, prev=None):
+            self.step_kinds["decode" if all(len(r.tokens) == 1 for r in plan.rows) else "mixed"] += 1
             pending = timed_dispatch(plan, prev)
             self.queued.append(time.perf_counter())
             self._todo.put(pending.packed)
@@ -128,7 +122,8 @@ class PartTimer:
                  f"ms; the device idle waiting for the host: mean {1e3 * idle.mean():.2f} ms per step "
                  f"({np.mean(idle > 0):.0%} of steps)", ""]
         lines += ["## Per part of a step (ms per step; the parts nest: dispatch holds pack, device put, calls)", "",
-                 f"steps: {self.step_kinds['decode']} decode-only, {self.step_kinds['mixed']} mixed (with chunks); "
+                 f"dispatched steps: {self.step_kinds['decode']} decode-only, {self.step_kinds['mixed']} mixed "
+                 "(with chunks); "
                  f"the last step replayed on the device alone: {1e3 * replay:.2f} ms", "",
                  "| part | ms per step | share of the step |", "| --- | --- | --- |"]
         for name, sec in sorted(t.items(), key=lambda kv: -kv[1]):
@@ -155,15 +150,17 @@ def main() -> None:
     ap.add_argument("--per-call", action="store_true",
                     help="time each part of a step on its own (packing, transfers, each jitted call, the wait, "
                          "admission, applying results, GC pauses) and the device's own step time (replay)")
-    ap.add_argument("--stable-inputs", action="store_true",
-                    help="ModelRunner.stable_inputs: the step's inputs refilled into persistent device buffers")
+    ap.add_argument("--fresh-inputs", action="store_true",
+                    help="ModelRunner.stable_inputs off: fresh device buffers for the step's inputs every step "
+                         "(the default refills persistent ones)")
     ap.add_argument("--out", help="write the report (markdown) here too")
     args = ap.parse_args()
     if args.quick:
         args.segment_tokens = min(args.segment_tokens, 512)
     config = EngineConfig(max_batch=args.concurrency, overlap_decode=not args.no_overlap)
     engine = Engine.from_pretrained(args.model, config)
-    engine.runner.stable_inputs = args.stable_inputs
+    if args.fresh_inputs:
+        engine.runner.stable_inputs = False
     vocab = engine.cfg.vocab_size
     rng = random.Random(0)
     for i in range(args.segments):

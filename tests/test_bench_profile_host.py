@@ -24,3 +24,29 @@ def test_profile_host_reports_host_time_and_profiles(tmp_path):
     assert wall > 0 and 0 <= host <= wall and abs(host + waited - wall) < 0.05 * wall + 0.05
     assert float(re.search(r"([\d.]+) outputs per step", report).group(1)) > 0
     assert "## by tottime" in report and "## by cumulative" in report and "scheduler.py" in report
+
+
+def test_profile_host_per_call_reports_the_parts_and_the_device_cadence(tmp_path):
+    """``--per-call``: every part of a step timed, each step counted as decode or mixed, and the device's
+    cadence (its step-to-step time and idle time) reported from the watched outputs."""
+    ckpt = tmp_path / "tiny"
+    subprocess.run([sys.executable, "bench/make_checkpoint.py", str(ckpt), "--quick"], cwd=REPO, check=True,
+                   capture_output=True, timeout=300)
+    out = tmp_path / "report.md"
+    run = subprocess.run([sys.executable, "bench/profile_host.py", "--model", str(ckpt), "--concurrency", "4",
+                          "--segments", "2", "--segment-tokens", "48", "--question-tokens", "8", "--max-tokens", "6",
+                          "--warm-steps", "12", "--steps", "10", "--no-profile", "--per-call", "--fresh-inputs",
+                          "--out", str(out)], cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    report = out.read_text()
+    decode, mixed = map(int, re.search(r"dispatched steps: (\d+) decode-only, (\d+) mixed", report).groups())
+    # (an engine step that only reads back the step in flight dispatches nothing); 6-token requests replaced
+    # as they finish: new prompt chunks every few steps
+    assert 0 < decode + mixed <= 10 and mixed > 0
+    for part in ("runner.dispatch (all)", "runner._pack", "runner._to_device", "runner.collect",
+                 "call: step executable", "scheduler._apply_all", "scheduler._admit"):
+        assert re.search(rf"\| {re.escape(part)} \| [\d.]+ \|", report), part
+    p50 = float(re.search(r"device step to device step: p50 ([\d.]+) ms", report).group(1))
+    idle = float(re.search(r"idle waiting for the host: mean ([\d.]+) ms", report).group(1))
+    assert p50 > 0 and idle >= 0
+    assert float(re.search(r"replayed on the device alone: ([\d.]+) ms", report).group(1)) > 0
