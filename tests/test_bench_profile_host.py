@@ -1,24 +1,36 @@
 """bench/profile_host.py runs as documented on a tiny local checkpoint and reports what it claims:
-per-step wall time, the host's share, the output rate and both cProfile tables."""
+per-step wall time, the host's share, the output rate and both cProfile tables; with ``--per-call``
+each part of a step and the device's cadence."""
 
 import re
 import subprocess
 import sys
 
+import pytest
 from server_util import REPO
 
+ARGS = ["--concurrency", "4", "--segments", "2", "--segment-tokens", "48", "--question-tokens", "8",
+        "--max-tokens", "6", "--warm-steps", "12", "--steps", "10"]
 
-def test_profile_host_reports_host_time_and_profiles(tmp_path):
-    ckpt = tmp_path / "tiny"
-    subprocess.run([sys.executable, "bench/make_checkpoint.py", str(ckpt), "--quick"], cwd=REPO, check=True,
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    path = tmp_path_factory.mktemp("profile_host") / "tiny"
+    subprocess.run([sys.executable, "bench/make_checkpoint.py", str(path), "--quick"], cwd=REPO, check=True,
                    capture_output=True, timeout=300)
-    out = tmp_path / "report.md"
-    run = subprocess.run([sys.executable, "bench/profile_host.py", "--model", str(ckpt), "--concurrency", "4",
-                          "--segments", "2", "--segment-tokens", "48", "--question-tokens", "8", "--max-tokens", "6",
-                          "--warm-steps", "12", "--steps", "10", "--top", "5", "--out", str(out)],
-                         cwd=REPO, capture_output=True, text=True, timeout=600)
+    return path
+
+
+def profile(ckpt, out, *extra: str) -> str:
+    """Run the script as documented on the tiny checkpoint; its report."""
+    run = subprocess.run([sys.executable, "bench/profile_host.py", "--model", str(ckpt), *ARGS, *extra,
+                          "--out", str(out)], cwd=REPO, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
-    report = out.read_text()
+    return out.read_text()
+
+
+def test_profile_host_reports_host_time_and_profiles(ckpt, tmp_path):
+    report = profile(ckpt, tmp_path / "report.md", "--top", "5")
     wall = float(re.search(r"plain: ([\d.]+) ms per step", report).group(1))
     host, waited = map(float, re.search(r"host time per step .*?: ([\d.]+) ms; waited ([\d.]+) ms", report).groups())
     assert wall > 0 and 0 <= host <= wall and abs(host + waited - wall) < 0.05 * wall + 0.05
@@ -26,19 +38,10 @@ def test_profile_host_reports_host_time_and_profiles(tmp_path):
     assert "## by tottime" in report and "## by cumulative" in report and "scheduler.py" in report
 
 
-def test_profile_host_per_call_reports_the_parts_and_the_device_cadence(tmp_path):
+def test_profile_host_per_call_reports_the_parts_and_the_device_cadence(ckpt, tmp_path):
     """``--per-call``: every part of a step timed, each step counted as decode or mixed, and the device's
     cadence (its step-to-step time and idle time) reported from the watched outputs."""
-    ckpt = tmp_path / "tiny"
-    subprocess.run([sys.executable, "bench/make_checkpoint.py", str(ckpt), "--quick"], cwd=REPO, check=True,
-                   capture_output=True, timeout=300)
-    out = tmp_path / "report.md"
-    run = subprocess.run([sys.executable, "bench/profile_host.py", "--model", str(ckpt), "--concurrency", "4",
-                          "--segments", "2", "--segment-tokens", "48", "--question-tokens", "8", "--max-tokens", "6",
-                          "--warm-steps", "12", "--steps", "10", "--no-profile", "--per-call", "--fresh-inputs",
-                          "--out", str(out)], cwd=REPO, capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stderr[-3000:]
-    report = out.read_text()
+    report = profile(ckpt, tmp_path / "report.md", "--no-profile", "--per-call", "--fresh-inputs")
     decode, mixed = map(int, re.search(r"dispatched steps: (\d+) decode-only, (\d+) mixed", report).groups())
     # (an engine step that only reads back the step in flight dispatches nothing); 6-token requests replaced
     # as they finish: new prompt chunks every few steps
