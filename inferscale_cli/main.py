@@ -373,6 +373,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="refuse to start on a snapshot of another model/dtype/page size (default: start empty)")
     s.add_argument("--snapshot-interval", type=positive(float), default=300.0,
                    help="seconds between periodic snapshots with --snapshot-dir (default: %(default)s)")
+    s.add_argument("--repair", action="store_true",
+                   help="with --snapshot-dir: when the segment registry lost acknowledged writes that neither its "
+                        "journal nor the newest snapshot can redo, or fails its check, rebuild it from the snapshot "
+                        "and the journal and log each lost write by id (default: refuse to start, naming them)")
     s.add_argument("--dtype", default="auto", choices=DTYPES, help=DTYPE_HELP)
     s.add_argument("--page-size", type=int, default=16, choices=[8, 16, 32, 64],
                    help="KV page size; must match the one precompute used (default: %(default)s)")
@@ -418,6 +422,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="request body limit (default: %(default)s)")
     s.add_argument("--body-timeout", type=positive(float), default=30.0,
                    help="seconds a request body may take to arrive, then 408 (default: %(default)s)")
+    s.add_argument("--head-timeout", type=positive(float), default=10.0, metavar="SECONDS",
+                   help="a connection's request line and headers must arrive within this, else it is closed "
+                        "(slow clients holding connections; serving/connections.py) (default: %(default)s)")
+    s.add_argument("--max-connections-per-client", type=positive(), default=1024, metavar="N",
+                   help="open connections one client address may hold (per API-server process); behind a reverse "
+                        "proxy raise it to the proxy's connection count (default: %(default)s)")
     s.add_argument("--default-max-tokens", type=positive(), default=256,
                    help="max_tokens of a chat request that sets none (default: %(default)s)")
     s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],

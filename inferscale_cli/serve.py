@@ -184,7 +184,7 @@ def _engine_config(args, resolve_dtype):
     extra = {}
     if args.snapshot_dir:
         extra = dict(snapshot_dir=args.snapshot_dir, strict_restore=args.strict_restore,
-                     snapshot_interval_s=args.snapshot_interval)
+                     snapshot_interval_s=args.snapshot_interval, repair_registry=args.repair)
     config = EngineConfig(dtype=resolve_dtype(args.dtype), page_size=args.page_size, hbm_pages=args.hbm_pages,
                           max_batch=args.max_batch, max_num_batched_tokens=args.max_num_batched_tokens,
                           tensor_parallel=args.tensor_parallel, kv_dtype=args.kv_dtype,
@@ -219,7 +219,7 @@ def _serve(args, socks: list, url: str, names: list[str], template: str | None, 
     from inferscale_jax import tracing
     from inferscale_jax.async_engine import AsyncEngine
     from inferscale_jax.engine import Engine
-    from serving import UVICORN_OPTIONS, create_app, load_api_keys
+    from serving import create_app, load_api_keys
 
     keys = load_api_keys(args.api_keys) if args.api_keys else None  # before the model loads
     if tracing.configure_from_env():  # OTEL_* environment, 'inferscale-jax[tracing]' installed
@@ -256,11 +256,7 @@ def _serve(args, socks: list, url: str, names: list[str], template: str | None, 
               file=sys.stderr, flush=True)
         if args.warmup:
             async_engine.start_warmup()
-        # log_config=None: uvicorn keeps the logging set up above (its own dictConfig would drop
-        # the root handler that prints the per-request lines of ``inferscale.server``)
-        quiet = "debug" if args.log_level == "debug" else "warning"  # uvicorn's own startup lines: debug only
-        server = uvicorn.Server(uvicorn.Config(app, log_level=quiet, access_log=False, log_config=None,
-                                               **UVICORN_OPTIONS))
+        server = _uvicorn_server(app, args)
         with _stop_signals_return():
             server.run(sockets=socks)
     finally:
@@ -291,7 +287,10 @@ def _uvicorn_server(app, args):
     import uvicorn
 
     from serving import UVICORN_OPTIONS
+    from serving.connections import GuardedH11Protocol
 
+    GuardedH11Protocol.head_timeout_s = args.head_timeout  # (the protocol class uvicorn builds per connection)
+    GuardedH11Protocol.max_per_client = args.max_connections_per_client
     # log_config=None: uvicorn keeps the logging set up above (its own dictConfig would drop
     # the root handler that prints the per-request lines of ``inferscale.server``)
     quiet = "debug" if args.log_level == "debug" else "warning"  # uvicorn's own startup lines: debug only

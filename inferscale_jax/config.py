@@ -56,6 +56,10 @@ class EngineConfig:
     snapshot_interval_s: float | None = None  # periodic snapshots (when segments changed); None: only
     #   save_snapshot() and close()
     strict_restore: bool = False  # a snapshot of another model/dtype/page size: raise (True) or log, start empty
+    # the registry lost acknowledged writes that neither its journal nor the newest snapshot can redo, or
+    # its file fails its check: refuse to start (False) naming them, or rebuild what can be rebuilt and
+    # report the rest as lost, by id (True; `serve --repair`; recovery.py)
+    repair_registry: bool = False
     # tensor parallelism (sharding.py): weights Megatron-style and the KV pool (on kv heads) split over
     # this many devices of one mesh; it must divide the model's heads and MLP width, and divide its kv
     # heads or be a multiple of them (kv heads replicated)

@@ -45,13 +45,17 @@ after a crash loses the transactions in it *silently* (their frames fail SQLite'
 are ignored), and an edited row is valid SQL.  So:
 
 - every segment write transaction also advances ``meta.write_seq``, and after its COMMIT the
-  new value is written to ``registry.sqlite3.seq`` beside the file (fsynced).  Opening an
-  existing registry whose ``write_seq`` is below that file's sets ``lost_writes``; the restore
-  (``snapshot.py``) then rebuilds from the newest snapshot when that snapshot was taken after
-  the last acknowledged write (its meta records ``write_seq``), and otherwise refuses to start (``SnapshotCorrupt``) counting the acknowledged writes
-  missing and naming the two ways on (restore the files; or accept the loss by deleting the
-  ``.seq`` file).  A registry created anew (the file deleted with its log) starts the count
-  again;
+  write is appended to ``registry.sqlite3.journal`` (``journal.py``: one checksummed line per
+  write with what it takes to redo it, fsynced) before it is acknowledged.  Opening a registry
+  whose ``write_seq`` is below the journal's last acknowledged write sets ``lost_writes``; the
+  restore (``snapshot.py``, ``recover``) then redoes the missing writes from the journal, on
+  this registry or on the newest snapshot's rows when the journal no longer reaches back to
+  this registry's state (it is compacted to what the committed snapshot lacks).  When some
+  write can be redone from neither, the start is refused naming each lost write by id (or by
+  its damaged journal line) and the fix; ``repair=True`` (``serve --repair``) rebuilds what
+  can be rebuilt and reports the rest as lost, by id.  A registry file that fails its check
+  is moved aside by ``repair`` and rebuilt the same way.  A journal deleted with nothing to
+  compare against starts again from this registry;
 - every row carries ``digest`` (SHA-256 of its namespace, id, uid, tenant, token ids, parent,
   flags and version).  ``rows()`` leaves out a row whose digest does not match (an edited
   row), deletes it and counts it in ``damaged`` (the caller logs it and counts an integrity
@@ -72,10 +76,12 @@ import json
 import os
 import sqlite3
 import threading
+import time
 
 import numpy as np
 
 from inferscale_jax.errors import SnapshotCorrupt, StorageError
+from inferscale_jax.journal import Contents, Journal, decode_tokens, encode_tokens
 
 STORAGE_ERRNOS = (errno.ENOSPC, errno.EROFS, errno.EDQUOT)
 STORAGE_MESSAGES = ("database or disk is full", "attempt to write a readonly database",
@@ -136,6 +142,14 @@ def storage_error(err: BaseException, folder: str, what: str) -> StorageError | 
     return None
 
 
+class RedoFailed(Exception):
+    """``Registry.redo`` could not redo some writes (``failed``, each described by id)."""
+
+    def __init__(self, failed: list[str]):
+        super().__init__("; ".join(failed))
+        self.failed = failed
+
+
 @dataclasses.dataclass(frozen=True)
 class Identity:
     """What a snapshot or a registry row must match: the engine's model, dtype and page size."""
@@ -178,16 +192,56 @@ class SegmentRow:
     version: int = 1
     updated: float = 0.0
 
+    def record(self) -> dict:
+        """This row as a journal record's ``row`` (token ids base64 int32)."""
+        return dict(ns=self.namespace, id=self.id, uid=self.uid, tenant=self.tenant,
+                    tokens=encode_tokens(self.token_ids), public=self.public, pin=self.pin, created=self.created,
+                    parent=self.parent, version=self.version, updated=self.updated)
+
+    @classmethod
+    def from_record(cls, r: dict) -> "SegmentRow":
+        return cls(r["ns"], r["id"], int(r["uid"]), r["tenant"], decode_tokens(r["tokens"]), bool(r["public"]),
+                   bool(r["pin"]), float(r["created"]), r.get("parent"), int(r["version"]), float(r["updated"]))
+
+
+def describe(rec: dict) -> str:
+    """One journal record in words, for logs and errors: the write and the segment it names."""
+    op = rec.get("op")
+    if op == "add":
+        return "; ".join(f"write {rec['seq']}: registered {r['ns']}/{r['id']} (version {r['version']})"
+                         for r in rec["rows"])
+    if op == "replace":
+        r = rec["row"]
+        return f"write {rec['seq']}: version {r['version']} of {r['ns']}/{r['id']}"
+    if op == "delete":
+        return f"write {rec['seq']}: deleted " + ", ".join(f"{ns}/{sid}" for ns, sid in rec["keys"])
+    if op == "meta":
+        return f"write {rec['seq']}: {rec['key']!r} of {len(rec['entries'])} segment(s)"
+    return f"write {rec.get('seq')}: {op}"
+
 
 class Registry:
-    def __init__(self, path: str, identity: Identity):
+    def __init__(self, path: str, identity: Identity, repair: bool = False):
         self.path, self.identity = path, identity
         self.folder = os.path.dirname(os.path.abspath(path))
         self._lock = threading.Lock()
         self._db = None
         self.damaged: list[tuple[str, str]] = []  # (namespace, id) of rows rows() found edited and dropped
-        self.seq_path = path + ".seq"
-        existed = os.path.exists(path)
+        self.journal = Journal(path + ".journal")
+        self.moved_aside: str | None = None  # repair: where a damaged registry file went
+        try:
+            self._open(path)
+        except SnapshotCorrupt:
+            if not repair:
+                raise
+            stamp = time.strftime("%Y%m%d-%H%M%S")
+            for suffix in ("", "-wal", "-shm"):
+                if os.path.exists(path + suffix):
+                    os.replace(path + suffix, f"{path}{suffix}.damaged-{stamp}")
+            self.moved_aside = f"{path}.damaged-{stamp}"
+            self._open(path)
+
+    def _open(self, path: str) -> None:
         try:
             self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
             self._db.execute("PRAGMA journal_mode=WAL")
@@ -201,13 +255,20 @@ class Registry:
                                  ("digest", "TEXT")):
                 if column not in have:  # a file from before segment versions / row digests
                     self._db.execute(f"ALTER TABLE segments ADD COLUMN {column} {decl}")
-            self.acked_seq = self._acknowledged_seq()
+            self.journaled: Contents = self.journal.read()
             have = self._write_seq()
             # acknowledged writes this file lacks (0: none, or nothing to compare with)
-            self.lost_writes = (self.acked_seq - have if existed and self.acked_seq is not None
-                                and have < self.acked_seq else 0)
-            if not self.lost_writes and self.acked_seq != have:
-                self._record_seq(have)
+            self.lost_writes = max(0, self.journaled.acked - have) if self.journaled.exists else 0
+            if not self.journaled.exists:
+                self.journal.reset(have)  # nothing to compare with: the count starts from this file
+                self.journaled = self.journal.read()
+            elif have > self.journaled.acked:  # committed, then a crash before the journal line: never
+                self.journal.append(dict(seq=have, op="sync", first=self.journaled.acked + 1))  # acknowledged
+                self.journaled = self.journal.read()
+        except OSError as err:
+            if self._db is not None:
+                self._db.close()
+            raise storage_error(err, self.folder, f"opening the journal {self.journal.path}") or err
         except sqlite3.Error as err:
             if self._db is not None:
                 self._db.close()
@@ -228,50 +289,85 @@ class Registry:
         row = self._db.execute("SELECT value FROM meta WHERE key = 'write_seq'").fetchone()
         return int(row[0]) if row else 0
 
-    def _acknowledged_seq(self) -> int | None:
-        try:
-            with open(self.seq_path) as f:
-                return int(f.read().strip() or 0)
-        except FileNotFoundError:
-            return None
-        except (OSError, ValueError):
-            return None  # unreadable: the check is skipped (the registry itself is intact)
-
-    def _record_seq(self, seq: int) -> None:
-        """``seq`` into the ``.seq`` file, fsynced (after the COMMIT that reached it)."""
-        tmp = self.seq_path + ".tmp"
-        with open(tmp, "w") as f:
-            f.write(str(seq))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self.seq_path)
-
-    def lost_writes_error(self) -> SnapshotCorrupt:
-        """The refusal for ``lost_writes`` (module docstring, "Damage")."""
-        return SnapshotCorrupt(
-            f"the segment registry {self.path} is missing the last {self.lost_writes} acknowledged write(s) (it "
-            f"holds write {self._write_seq()}, {os.path.basename(self.seq_path)} says {self.acked_seq} were "
-            f"acknowledged): its write-ahead log {self.path}-wal was deleted, truncated or damaged after a crash, "
-            f"so segments registered, updated or deleted last would be silently absent or reverted. Restore the "
-            f"three registry files from a backup; or accept the loss: delete {self.seq_path} and start again (the "
-            f"newest snapshot then rebuilds the segments it holds that the registry lacks, with a warning)")
-
     def write_seq(self) -> int:
         """Segment writes committed so far (``meta.write_seq``)."""
         with self._lock:
             return self._write_seq()
 
-    def accept_loss(self) -> None:
-        """The restore rebuilt what was lost: the current count becomes the acknowledged one."""
+    def contents(self) -> list[SegmentRow]:
+        """Every row of this engine, digests unchecked (for a rebuild's base)."""
         with self._lock:
-            self._record_seq(self._write_seq())
+            cur = self._db.execute("SELECT namespace, id, uid, tenant, token_ids, public, pin, created, parent, "
+                                   "version, updated FROM segments WHERE fingerprint = ?", (self.identity.fingerprint,))
+            return [SegmentRow(ns, sid, uid, t, np.frombuffer(blob, "<i4").tolist(), bool(pub), bool(pin), c, par,
+                               v, u) for ns, sid, uid, t, blob, pub, pin, c, par, v, u in cur.fetchall()]
+
+    def redo(self, base: list[SegmentRow] | None, base_seq: int, records: list[dict],
+             allow_failures: bool = False) -> list[str]:
+        """Recovery (module docstring, "Damage"), one transaction: with ``base`` (a snapshot's rows
+        at write ``base_seq``) this engine's rows become exactly those first; then ``records`` (the
+        journal's, in seq order) are redone.  ``write_seq`` ends at the journal's last acknowledged
+        write, which clears ``lost_writes``.  Returns the writes that could not be redone (their
+        segment absent or present against the record), each described by id; unless
+        ``allow_failures``, any such write raises ``RedoFailed`` and nothing is changed."""
+        fp, failed = self.identity.fingerprint, []
+        with self._transaction("redoing acknowledged writes from the journal", record=None) as db:
+            if base is not None:
+                db.execute("DELETE FROM segments WHERE fingerprint = ?", (fp,))
+                db.execute("DELETE FROM segment_meta WHERE fingerprint = ?", (fp,))
+                self._insert(db, base)
+                if base:
+                    self._advance_uid(db, max(r.uid for r in base))
+            for rec in records:
+                op = rec.get("op")
+                if op == "add":
+                    rows = [SegmentRow.from_record(r) for r in rec["rows"]]
+                    clash = [r for r in rows if db.execute(
+                        "SELECT 1 FROM segments WHERE fingerprint = ? AND namespace = ? AND id = ?",
+                        (fp, r.namespace, r.id)).fetchone()]
+                    for r in clash:
+                        failed.append(f"write {rec['seq']}: registered {r.namespace}/{r.id}, but that id is taken")
+                    if len(clash) < len(rows):
+                        self._insert(db, [r for r in rows if r not in clash])
+                    self._advance_uid(db, max(r.uid for r in rows))
+                elif op == "replace":
+                    row = SegmentRow.from_record(rec["row"])
+                    blob = np.asarray(row.token_ids, "<i4").tobytes()
+                    old = db.execute("SELECT tenant, parent, public, pin FROM segments WHERE fingerprint = ? AND "
+                                     "namespace = ? AND id = ? AND uid = ?",
+                                     (fp, row.namespace, row.id, rec["old_uid"])).fetchone()
+                    if old is None:
+                        failed.append(describe(rec) + ", but the version it replaces is absent")
+                    else:
+                        db.execute("UPDATE segments SET uid = ?, token_ids = ?, version = ?, updated = ?, digest = ? "
+                                   "WHERE fingerprint = ? AND namespace = ? AND id = ?",
+                                   (row.uid, blob, row.version, row.updated,
+                                    row_digest(row.namespace, row.id, row.uid, old[0], blob, old[1], old[2], old[3],
+                                               row.version), fp, row.namespace, row.id))
+                        db.execute("DELETE FROM segment_meta WHERE fingerprint = ? AND namespace = ? AND id = ?",
+                                   (fp, row.namespace, row.id))
+                    self._advance_uid(db, row.uid)
+                elif op == "delete":
+                    for ns, sid in rec["keys"]:
+                        db.execute("DELETE FROM segments WHERE fingerprint = ? AND namespace = ? AND id = ?",
+                                   (fp, ns, sid))
+                        db.execute("DELETE FROM segment_meta WHERE fingerprint = ? AND namespace = ? AND id = ?",
+                                   (fp, ns, sid))
+                elif op == "meta":
+                    self._set_segment_meta(db, rec["key"], [tuple(e) for e in rec["entries"]])
+            if failed and not allow_failures:
+                raise RedoFailed(failed)  # rolled back
+            db.execute("INSERT INTO meta VALUES ('write_seq', ?) ON CONFLICT(key) DO UPDATE SET value = excluded.value",
+                       (str(max(self.journaled.acked, base_seq)),))
         self.lost_writes = 0
+        return failed
 
     @contextlib.contextmanager
-    def _transaction(self, what: str, counted: bool = True):
-        """One fsynced write transaction under the lock; ``counted`` (a segment write): advancing
-        ``write_seq``, recorded in the ``.seq`` file once committed.  Storage failures become
-        ``StorageError``."""
+    def _transaction(self, what: str, record: dict | None):
+        """One fsynced write transaction under the lock.  A segment write passes its journal
+        ``record``: the transaction advances ``write_seq``, and once committed the record (with
+        that ``seq``) is appended to the journal.  Storage failures become ``StorageError``."""
+        counted = record is not None
         with self._lock:
             try:
                 self._db.execute("BEGIN IMMEDIATE")
@@ -282,11 +378,11 @@ class Registry:
                         self._db.execute("INSERT INTO meta VALUES ('write_seq', ?) ON CONFLICT(key) DO UPDATE SET "
                                          "value = excluded.value", (str(seq),))
                     self._db.execute("COMMIT")
-                    if counted and not self.lost_writes:  # (while lost, the file keeps what was acknowledged)
+                    if counted:
                         try:
-                            self._record_seq(seq)
+                            self.journal.append(dict(seq=seq, **record))
                         except OSError as err:
-                            raise storage_error(err, self.folder, f"{what}: recording write {seq}") or err
+                            raise storage_error(err, self.folder, f"{what}: journaling write {seq}") or err
                 except BaseException:
                     if self._db.in_transaction:  # a failed COMMIT may have rolled back already
                         with contextlib.suppress(sqlite3.Error):
@@ -313,7 +409,8 @@ class Registry:
                 good.append(SegmentRow(ns, sid, uid, tenant, np.frombuffer(blob, "<i4").tolist(), bool(pub),
                                        bool(pin), created, parent, version, updated))
         if bad:
-            with self._transaction(f"dropping {len(bad)} damaged row(s)") as db:
+            with self._transaction(f"dropping {len(bad)} damaged row(s)",
+                                   dict(op="delete", keys=[list(k) for k in bad])) as db:
                 for ns, sid in bad:
                     db.execute("DELETE FROM segments WHERE fingerprint = ? AND namespace = ? AND id = ?",
                                (self.identity.fingerprint, ns, sid))
@@ -354,7 +451,7 @@ class Registry:
 
     def add_many(self, rows: list[SegmentRow], what: str = "recording segments") -> None:
         """Insert ``rows`` and advance ``next_uid`` past them, in one transaction."""
-        with self._transaction(what) as db:
+        with self._transaction(what, dict(op="add", rows=[r.record() for r in rows])) as db:
             self._insert(db, rows)
             self._advance_uid(db, max(row.uid for row in rows))
 
@@ -384,7 +481,7 @@ class Registry:
         transaction: a follower's copy of the leader's registry across processes
         (``snapshot_processes.py``).  Segment meta rows of this engine go."""
         fp = self.identity.fingerprint
-        with self._transaction("mirroring the leader's segments") as db:
+        with self._transaction("mirroring the leader's segments", record=None) as db:
             db.execute("DELETE FROM segments WHERE fingerprint = ?", (fp,))
             db.execute("DELETE FROM segment_meta WHERE fingerprint = ?", (fp,))
             self._insert(db, rows)
@@ -395,6 +492,8 @@ class Registry:
             else:
                 db.execute("INSERT INTO meta VALUES ('snapshot_step', ?) ON CONFLICT(key) DO UPDATE SET "
                            "value = excluded.value", (str(snapshot_step),))
+            self.journal.reset(self._write_seq())  # the leader's journal is the record; this copy starts over
+            self.journaled, self.lost_writes = self.journal.read(), 0
 
     def replace(self, old_uid: int, row: SegmentRow) -> None:
         """A new version of a segment: the row ``(namespace, id)`` recorded with ``old_uid`` takes
@@ -403,7 +502,8 @@ class Registry:
         replaced meanwhile: nothing is written)."""
         key = (self.identity.fingerprint, row.namespace, row.id)
         blob = np.asarray(row.token_ids, "<i4").tobytes()
-        with self._transaction(f"recording version {row.version} of segment {row.id!r}") as db:
+        with self._transaction(f"recording version {row.version} of segment {row.id!r}",
+                               dict(op="replace", old_uid=old_uid, row=row.record())) as db:
             old = db.execute("SELECT tenant, parent, public, pin FROM segments WHERE fingerprint = ? AND namespace = ? "
                              "AND id = ? AND uid = ?", (*key, old_uid)).fetchone()
             if old is None:
@@ -420,24 +520,40 @@ class Registry:
 
     def delete(self, namespace: str, segment_id: str) -> None:
         key = (self.identity.fingerprint, namespace, segment_id)
-        with self._transaction(f"deleting segment {segment_id!r}") as db:
+        with self._transaction(f"deleting segment {segment_id!r}", dict(op="delete", keys=[[namespace, segment_id]])) \
+                as db:
             db.execute("DELETE FROM segments WHERE fingerprint = ? AND namespace = ? AND id = ?", key)
             db.execute("DELETE FROM segment_meta WHERE fingerprint = ? AND namespace = ? AND id = ?", key)
 
     def set_segment_meta(self, key: str, entries: list[tuple[str, str, int, str]]) -> None:
         """Record ``key`` for many segments, ``entries`` = ``(namespace, id, uid, value)``, in one
         fsynced transaction (the value replaces any earlier one)."""
+        with self._transaction(f"recording {key!r} of {len(entries)} segment(s)",
+                               dict(op="meta", key=key, entries=[list(e) for e in entries])) as db:
+            self._set_segment_meta(db, key, entries)
+
+    def _set_segment_meta(self, db, key: str, entries) -> None:
         fp = self.identity.fingerprint
-        with self._transaction(f"recording {key!r} of {len(entries)} segment(s)") as db:
-            db.executemany(
-                "INSERT INTO segment_meta VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT(fingerprint, namespace, id, key) "
-                "DO UPDATE SET uid = excluded.uid, value = excluded.value",
-                [(fp, ns, sid, uid, key, value) for ns, sid, uid, value in entries])
+        db.executemany(
+            "INSERT INTO segment_meta VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT(fingerprint, namespace, id, key) "
+            "DO UPDATE SET uid = excluded.uid, value = excluded.value",
+            [(fp, ns, sid, uid, key, value) for ns, sid, uid, value in entries])
 
     def set_meta(self, key: str, value: str) -> None:
-        with self._transaction(f"recording {key}={value}", counted=False) as db:
+        with self._transaction(f"recording {key}={value}", record=None) as db:
             db.execute("INSERT INTO meta VALUES (?, ?) ON CONFLICT(key) DO UPDATE SET value = excluded.value",
                        (key, value))
+
+    def compact_journal(self, base: int) -> None:
+        """A snapshot reflecting every write up to ``base`` committed: the registry's log is
+        checkpointed into its main file, and the journal keeps only the later writes."""
+        with self._lock:
+            try:
+                self._db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+                self.journal.compact(base)
+                self.journaled = self.journal.read()
+            except (OSError, sqlite3.Error) as err:
+                raise storage_error(err, self.folder, f"compacting the journal {self.journal.path}") or err
 
     def close(self) -> None:
         with self._lock:

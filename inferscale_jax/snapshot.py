@@ -85,6 +85,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from inferscale_jax.errors import SnapshotCorrupt, SnapshotMismatch, StorageError
+from inferscale_jax.recovery import recover
 from inferscale_jax.registry import Identity, Registry, SegmentRow, storage_error
 from inferscale_jax.segments import Segment, SegmentInfo
 from inferscale_jax.snapshot_processes import Spread
@@ -190,7 +191,8 @@ class Persistence:
         if self.spread is not None and not self.spread.leader:
             folder = os.path.join(self.dir, f"process-{self.spread.index}-of-{self.spread.count}")
             os.makedirs(folder, exist_ok=True)
-        self.registry = Registry(os.path.join(folder, "registry.sqlite3"), self.identity)
+        self.registry = Registry(os.path.join(folder, "registry.sqlite3"), self.identity,
+                                 repair=kv.config.repair_registry)
         self._writer: threading.Thread | None = None
         self._dirty = False
         self._last_save = time.monotonic()
@@ -199,7 +201,9 @@ class Persistence:
         self.counters = dict(snapshots=0, last_step=None, last_duration_s=0.0, last_capture_s=0.0, last_bytes=0,
                              last_disk_bytes=0, last_error=None, failures=0, restored_step=None, restore_s=0.0,
                              restore_read_s=0.0, restore_compile_s=0.0, restore_bytes=0, restored_hbm=0,
-                             restored_host=0, recomputed=0, rebuilt=0)
+                             restored_host=0, recomputed=0, rebuilt=0, redone=0,
+                             lost_writes=0)
+        self.lost_writes: list[str] = []  # acknowledged writes a repair could not redo (recovery.py), by id
         if self.spread is None:  # across processes a final save needs every process: close() takes it
             atexit.register(_close_at_exit, weakref.ref(self))
 
@@ -343,6 +347,7 @@ class Persistence:
             _fsync_dir(self.snap_dir)
             self.registry.set_meta("snapshot_step", str(step))  # the commit point
             committed = True
+            self.registry.compact_journal(int(meta["registry_write_seq"]))  # it reflects the writes up to there
             keep = {str(step), prev}
             for name in os.listdir(self.snap_dir) if self.spread is None or self.spread.leader else []:
                 if name not in keep:
@@ -411,24 +416,20 @@ class Persistence:
                     f"using the older snapshot {older[-1]}" if older else "recomputing every segment")
         return older[-1] if older else None
 
-    def _check_lost_writes(self, step: int | None) -> None:
-        """The registry lacks acknowledged writes (a damaged write-ahead log, ``registry.py``): go on
-        only when the committed snapshot reflects every acknowledged write (the restore then
-        rebuilds the registrations the registry lost from it), else refuse naming the loss and the
-        fix."""
-        reg, covered = self.registry, None
-        if step is not None:
-            try:
-                meta = _checkpointer(alone=True).restore(os.path.join(self.snap_dir, str(step)),
-                                                         args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
-                covered = int(meta.get("registry_write_seq", -1)) >= reg.acked_seq
-            except Exception:  # noqa: BLE001 - unreadable: _plan reports it below
-                covered = None
-        if not covered:
-            raise reg.lost_writes_error()
-        log.warning("the segment registry %s lacks its last %d acknowledged write(s) (a damaged write-ahead log) "
-                    "but snapshot %s was taken after them: rebuilding from it", reg.path, reg.lost_writes, step)
-        reg.accept_loss()
+    def read_meta(self, path: str) -> dict:
+        """A step's ``meta`` item; ``SnapshotCorrupt`` when it cannot be read."""
+        try:
+            meta = _checkpointer(alone=True).restore(path, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
+            if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+                raise ValueError(f"meta is not an {FORMAT} record")
+            self.meta_identity(meta)
+        except Exception as err:  # noqa: BLE001 - any failure to read is corruption
+            raise self._corrupt(path, f"its meta cannot be read ({type(err).__name__}: {err})") from err
+        return meta
+
+    @staticmethod
+    def meta_identity(meta: dict) -> Identity:
+        return Identity(meta["fingerprint"], meta["model"], meta["dtype"], int(meta["page_size"]))
 
     def _corrupt(self, path: str, what: str) -> SnapshotCorrupt:
         return SnapshotCorrupt(
@@ -444,6 +445,7 @@ class Persistence:
             if TMP_SUFFIX in name:
                 log.warning("removing unfinished snapshot %s (a save was interrupted)", name)
                 shutil.rmtree(os.path.join(self.snap_dir, name), ignore_errors=True)
+        recover(self)  # acknowledged writes the registry lost: redone from the journal, or refused
         rows = self.registry.rows()
         if self.registry.damaged:  # edited rows (their digest): dropped, never served
             self.kv.tiers.counters["integrity_errors_registry"] += len(self.registry.damaged)
@@ -461,18 +463,11 @@ class Persistence:
                                        "without them")
             log.warning("%s; they are kept but not loaded", msg)
         step = self._committed_step()
-        if self.registry.lost_writes:
-            self._check_lost_writes(step)
         if step is None:
             return rows, [], None, None, None
         path = os.path.join(self.snap_dir, str(step))
-        try:
-            meta = _checkpointer(alone=True).restore(path, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
-            if not isinstance(meta, dict) or meta.get("format") != FORMAT:
-                raise ValueError(f"meta is not an {FORMAT} record")
-            other = Identity(meta["fingerprint"], meta["model"], meta["dtype"], int(meta["page_size"]))
-        except Exception as err:  # noqa: BLE001 - any failure to read is corruption
-            raise self._corrupt(path, f"its meta cannot be read ({type(err).__name__}: {err})") from err
+        meta = self.read_meta(path)
+        other = self.meta_identity(meta)
         why = self.identity.mismatch(other)
         theirs, mine = int(meta.get("processes", 1)), self.spread.count if self.spread is not None else 1
         if why is None and theirs != mine and min(theirs, mine) > 1:  # one process reads any; P reads P's
@@ -567,7 +562,7 @@ class Persistence:
     def _lost_rows(self, path: str, meta: dict, rows: list[SegmentRow]) -> list[SegmentRow]:
         """The registry rows this snapshot proves were lost (module docstring, restore 2),
         rebuilt from its records and token ids; ``SnapshotCorrupt`` when it cannot rebuild them."""
-        e, next_uid = self.kv, self.registry.next_uid()
+        next_uid = self.registry.next_uid()
         have = {(r.namespace, r.id) for r in rows}
         try:
             recs = [r for r in meta["segments"] if int(r["uid"]) >= next_uid]
@@ -588,7 +583,15 @@ class Persistence:
                 f"({names}), and that snapshot has no token ids to rebuild them (an older format). Nothing was "
                 f"restored. Put back the registry file the snapshot was taken with, or move {self.snap_dir} aside "
                 "to start with only the registry's segments")
+        return self.snapshot_rows(path, recs)
+
+    def snapshot_rows(self, path: str, recs: list[dict]) -> list[SegmentRow]:
+        """Registry rows from the snapshot's segment records ``recs`` and its token ids (each
+        checked against its digest); ``SnapshotCorrupt`` when they cannot be read."""
+        e = self.kv
         try:
+            if not recs:
+                return []
             ids = _checkpointer(alone=True).restore(path, args=ocp.args.Composite(tokens=ocp.args.PyTreeRestore(
                 restore_args={"ids": ocp.RestoreArgs(restore_type=np.ndarray)}))).tokens["ids"]
             out = []
