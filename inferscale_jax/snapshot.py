@@ -5,6 +5,7 @@ before ``register_segment`` returns, so its KV can always be recomputed; snapsho
 restarts fast.  Files under ``snapshot_dir``::
 
     registry.sqlite3                 durable segment rows + the committed snapshot step
+    registry.sqlite3.journal         the acknowledged writes the committed snapshot lacks (journal.py)
     snapshots/<step>/                orbax: item "kv" {u<uid>: [L, 2, Hkv, nb, S, D]}, item "meta" (JSON),
                                      item "tokens" {"ids": [T] int32: every segment's token ids, concatenated}
     snapshots/<step>.orbax-checkpoint-tmp    a save that never committed (removed at startup)
@@ -39,8 +40,10 @@ first writes the temp path to ``INFERSCALE_TEST_SNAPSHOT_PAUSE_MARKER`` if set),
 
 Restore (engine construction with ``snapshot_dir``), all reads and checks before any change:
 
-1. Remove unfinished temp steps.  Rows of this engine's fingerprint are loaded from the
-   registry (a damaged registry file is ``SnapshotCorrupt``, ``registry.py``); rows of another
+1. Remove unfinished temp steps.  Acknowledged writes the registry lost (its journal proves
+   them) are redone, or the start is refused naming them (``recovery.py``).  Rows of this
+   engine's fingerprint are loaded from the registry (a damaged registry file is
+   ``SnapshotCorrupt``, ``registry.py``, unless ``repair_registry``); rows of another
    model/dtype/page size are left alone (``strict_restore``: raise ``SnapshotMismatch`` naming
    the part that differs; else log it).
 2. The committed step's ``meta`` is read; another identity is ``SnapshotMismatch`` (strict) or
