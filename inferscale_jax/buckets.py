@@ -19,7 +19,10 @@ compile all of it before serving and nothing compiles afterwards:
   cascade steps, and decode steps of ``NARROW_ROWS`` rows or more, always use the widest (their
   kernels' work follows the real lengths; only a few more int32 per row travel); decode steps
   of fewer rows pick the narrowest that holds their longest row, because there the decode
-  kernel splits each sequence across the GPU's cores by the table width.
+  kernel splits each sequence across the GPU's cores by the table width.  With the jnp
+  reference attention (``narrow_mixed``: the CPU default) mixed steps pick the narrowest width
+  too (but never the very narrowest), since the reference gathers every table slot for every
+  new token.
 * **cascade** decode steps (groups of rows each read their shared prefix once): the group
   table's page lists take the widest table width (the shared kernel's work follows each group's
   real length, its splits included), and the group count one of ``GROUP_BUCKETS`` (at most
@@ -84,9 +87,10 @@ class StepKey:
 
 class StepBuckets:
     def __init__(self, *, max_rows: int, max_tokens: int, max_pages_per_seq: int, min_table_pages: int = 4,
-                 num_logprobs: int = 20, min_rows: int = 8, min_tokens: int = 32):
+                 num_logprobs: int = 20, min_rows: int = 8, min_tokens: int = 32, narrow_mixed: bool = False):
         assert max_tokens >= max_rows, "the token budget must hold a decode token for every row"
         self.max_rows, self.max_tokens = max_rows, max_tokens
+        self.narrow_mixed = narrow_mixed  # mixed steps without cascade pick a table width (module docstring)
         self.num_logprobs = num_logprobs
         self.row_buckets = _ladder(min(min_rows, max_rows), max_rows)
         self.token_buckets = _ladder(min(min_tokens, max_tokens), max_tokens)
@@ -95,6 +99,9 @@ class StepBuckets:
         while widths[-1] // 8 >= max(1, min_table_pages):
             widths.append(widths[-1] // 8)
         self.widths = sorted(widths)
+        # a mixed step's widths: the widest; with narrow_mixed all but the narrowest (it would add a
+        # compile for prompts of a few pages only)
+        self.mixed_widths = self.widths[min(1, len(self.widths) - 1):] if narrow_mixed else self.widths[-1:]
         self.real_tokens = self.padded_tokens = self.real_rows = self.padded_rows = 0
 
     # -- choosing -------------------------------------------------------------------------
@@ -137,7 +144,8 @@ class StepBuckets:
         r = min(t, self.max_rows)
         if shared_pages:
             return StepKey(r, t, self.wide(need_pages), nl, self.wide(shared_pages), self.mixed_groups(r), ragged=True)
-        return StepKey(r, t, self.wide(need_pages), nl, ragged=True)
+        return StepKey(r, t, max(self.width_for(need_pages), self.mixed_widths[0]) if self.narrow_mixed
+                       else self.wide(need_pages), nl, ragged=True)
 
     def count(self, key: StepKey, n_rows: int, n_tokens: int) -> None:
         self.real_tokens += n_tokens
@@ -154,7 +162,8 @@ class StepBuckets:
                 keys += [StepKey(r, r, w, nl) for w in (self.widths if r < NARROW_ROWS else self.widths[-1:])]
                 if cascade and r >= 2:
                     keys += [StepKey(r, r, self.widths[-1], nl, self.widths[-1], g) for g in self.group_buckets(r)]
-            keys += [StepKey(min(t, self.max_rows), t, self.widths[-1], nl, ragged=True) for t in self.token_buckets]
+            keys += [StepKey(min(t, self.max_rows), t, w, nl, ragged=True) for t in self.token_buckets
+                     for w in self.mixed_widths]
             if cascade:
                 keys += [StepKey(r, t, self.widths[-1], nl, self.widths[-1], self.mixed_groups(r), ragged=True)
                          for t in self.token_buckets if (r := min(t, self.max_rows)) >= 3]
@@ -170,7 +179,8 @@ class StepBuckets:
         if which == "small":
             narrow = self.widths[:SMALL_WIDTHS]
             keys = [k for k in keys if not k.num_logprobs and not k.shared and (
-                k.tokens <= max(SMALL_TOKENS, self.token_buckets[0]) if k.ragged
+                k.tokens <= max(SMALL_TOKENS, self.token_buckets[0]) and (
+                    k.width == self.mixed_widths[0]) if k.ragged
                 else k.rows == self.row_buckets[0] and k.width in narrow)]
         return keys
 

@@ -23,6 +23,10 @@ class EngineConfig:
     # sequences per device step; None: from the machine (256 on a GPU/TPU, 64 on the CPU, fewer when
     # the page pool holds less than 1024 tokens per sequence: Engine.max_batch)
     max_batch: int | None = None
+    # rows of max_batch no single tenant may hold, as a fraction (at least one row when > 0): kept for the
+    # other tenants, so a request arriving while another tenant floods starts at the next step
+    # (scheduler.py, Admit); 0: none (`serve` sets 1/8 when its key file names several tenants)
+    tenant_reserve: float = 0.0
     prefill_chunk: int = 512  # new tokens per sequence per step at most (chunked prefill)
     # new tokens per device step, prefill chunks and decode rows together (vLLM's
     # max_num_batched_tokens); None: max(max_batch, 4 x prefill_chunk)
@@ -89,6 +93,8 @@ class EngineConfig:
         if self.kv_dtype not in (None, self.dtype, *QUANTIZED_KV_DTYPES):
             bad("kv_dtype", self.kv_dtype, f"must be None (the model's dtype, {self.dtype}) or one of "
                 f"{QUANTIZED_KV_DTYPES}")
+        if not 0.0 <= self.tenant_reserve < 1.0:
+            bad("tenant_reserve", self.tenant_reserve, "must be in [0, 1)")
         if self.max_batch is not None and self.max_batch < 1:
             bad("max_batch", self.max_batch, "must be >= 1 or None")
         if self.prefill_chunk < 16 or self.prefill_chunk & (self.prefill_chunk - 1):

@@ -12,7 +12,8 @@ So a tenant that floods the queue with a thousand requests delays another tenant
 at most the admissions of its own turn: each admission goes to whoever runs least, and a
 single tenant (or no contention) keeps plain arrival order.  Requests leave with ``remove``;
 a preempted request goes back to the front (``appendleft``).  The server's per-tenant cap on
-queued requests (``serving/app.py``, 429) keeps one tenant from holding the whole queue.
+queued requests (``serving/app.py``, 429) keeps one tenant from holding the whole queue, and
+the scheduler's ``tenant_cap`` (``pick``'s ``cap``) from holding every row of a step.
 """
 
 from __future__ import annotations
@@ -51,17 +52,21 @@ class FairQueue:
     def __iter__(self) -> Iterator:
         return iter(self._queue)
 
-    def pick(self, running: Counter, lookahead: int, ready: Callable) -> object:
+    def pick(self, running: Counter, lookahead: int, ready: Callable, cap: int | None = None) -> object | None:
         """The next request to admit (the module docstring's rule); ``running``: requests
-        running per tenant; ``ready(req)``: whether it can start without computing a node."""
-        if len(self.count) > 1:
-            tenant = min(self.count, key=lambda t: running.get(t, 0))
+        running per tenant; ``ready(req)``: whether it can start without computing a node;
+        ``cap``: a tenant running that many is passed over (``None`` when every waiting tenant is)."""
+        tenants = list(self.count) if cap is None else [t for t in self.count if running.get(t, 0) < cap]
+        if not tenants:
+            return None
+        if len(tenants) < len(self.count) or len(tenants) > 1:
+            tenant = min(tenants, key=lambda t: running.get(t, 0))
             window = []
             for req in self._queue:
                 if req.tenant == tenant:
                     window.append(req)
                     if len(window) >= lookahead:
                         break
-        else:
+        else:  # one tenant waits (or none is capped among one): plain arrival order
             window = [self._queue[i] for i in range(min(lookahead, len(self._queue)))]
         return next((r for r in window if ready(r)), window[0])

@@ -274,7 +274,7 @@ class ModelRunner:
         self.max_pages_per_seq = max_pages_per_seq
         self.buckets = StepBuckets(max_rows=max_batch, max_tokens=self.max_tokens,
                                    max_pages_per_seq=max_pages_per_seq, min_table_pages=min_table_pages,
-                                   num_logprobs=MAX_LOGPROBS)
+                                   num_logprobs=MAX_LOGPROBS, narrow_mixed=cache.impl == "ref")
         self.inv_freq = jnp.asarray(inv_freq)
         self.compiled: set[tuple] = set()  # (StepKey, penalty shapes, precision) of every compiled step
         # (StepKey, penalty shapes, matmul precision) -> the step's compiled executable

@@ -5,7 +5,10 @@
 2. **Admit** (``_admit``, start of every ``step``): each admission goes to the waiting tenant
    with the fewest requests running, then to its requests first come, first served, except that
    within a short look-ahead window a request whose segment chain is already resident (no chain
-   node to compute) goes before one that needs work (``fair_queue.py``).  Admission
+   node to compute) goes before one that needs work (``fair_queue.py``).  With
+   ``tenant_reserve`` no tenant holds more than ``tenant_cap`` rows (``max_batch`` less the
+   reserve), so while one tenant floods, the rows kept free admit another's request at the
+   next step instead of after a running request finishes.  Admission
    walks the chain (``KVManager.start``).  If a chain node ``[s1..si]`` is missing, the request
    waits on that node's *node job* (``NodeJob``): one per missing node, shared by every request
    that needs it, holding a reader on the node's parent and, once it has them, the node's
@@ -64,6 +67,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -194,6 +198,10 @@ class Scheduler:
         the engine reports) gets each finished request's token counts."""
         self.kv, self.runner, self.config, self.cfg = kv, runner, config, cfg
         self.max_batch, self.decode, self.counters = max_batch, decode, counters
+        reserve = config.tenant_reserve
+        # rows one tenant may hold (module docstring, 2): all of them without a reserve
+        self.tenant_cap = max_batch - max(1, math.ceil(reserve * max_batch)) if reserve > 0 and max_batch > 1 \
+            else max_batch
         self.waiting = FairQueue()  # fair between tenants (fair_queue.py)
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -264,9 +272,17 @@ class Scheduler:
         self._prune_jobs()
         if not self._provision_jobs():
             return
+        capped = self.tenant_cap < self.max_batch
+        running = None
         while self.waiting and self._active() < self.max_batch:
-            running = Counter(r.tenant for r in self.running) if len(self.waiting.count) > 1 else Counter()
-            req = self.waiting.pick(running, LOOKAHEAD, self._resident)
+            if running is None and (capped or len(self.waiting.count) > 1):
+                running = Counter(r.tenant for r in self.running)
+                for job in self.jobs.values():
+                    running.update(r.tenant for r in job.waiters)
+            req = self.waiting.pick(running or Counter(), LOOKAHEAD, self._resident,
+                                    self.tenant_cap if capped else None)
+            if req is None:
+                return  # every waiting tenant holds its cap: the reserved rows stay free
             t_adm = time.perf_counter()
             try:
                 self._check_segments(req)
@@ -291,12 +307,16 @@ class Scheduler:
                 node = "none" if not req.chain else ("computed" if computed else "reused")
                 req.trace.admitted(tiers, self.kv.tiers.counters["promotion_bytes"] - promoted0, node, t_adm)
             if missing is not None:
+                if running is not None:
+                    running[req.tenant] += 1
                 self._wait_for_node(req, *missing)
                 if not self._provision_jobs():
                     return
                 continue
             req.status = "running"
             self.running.append(req)
+            if running is not None:
+                running[req.tenant] += 1
 
     # -- node jobs (module docstring, 2) ---------------------------------------------------
     def _wait_for_node(self, req: Request, chain: list[Segment], parent: ChainNode) -> None:

@@ -345,6 +345,44 @@ def test_a_flooding_tenant_does_not_delay_another_tenants_request():
     assert done[b_id].token_ids == alone.token_ids
 
 
+def test_tenant_reserve_admits_another_tenant_at_the_next_step():
+    """With tenant_reserve, tenant a holds at most max_batch - 1 rows of 4 however many it queues,
+    so tenant b's request is admitted at the very next step; without it b waits for a slot."""
+    sp = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    steps_to_admit = {}
+    for reserve in (0.0, 0.25):
+        e = make_engine(pages=128, max_batch=4, tenant_reserve=reserve)
+        assert e.scheduler.tenant_cap == (3 if reserve else 4)
+        for i in range(12):
+            e.submit(prompt_token_ids=[3 + i, 4, 5], tenant="a", sampling=sp)
+        e.step()
+        assert e.stats()["tenants"]["a"]["running"] == e.scheduler.tenant_cap  # a alone: held at its cap
+        b_id = e.submit(prompt_token_ids=[7, 8, 9], tenant="b", sampling=sp)
+        n = 0
+        while e.scheduler.requests[b_id].status != "running":
+            e.step()
+            n += 1
+        steps_to_admit[reserve] = n
+        while e.has_unfinished():
+            e.step()
+    assert steps_to_admit[0.25] == 1 and steps_to_admit[0.0] > 5, steps_to_admit
+
+
+def test_step_buckets_with_reference_attention_narrow_mixed_steps():
+    """narrow_mixed (the jnp reference on the CPU): a mixed step of short rows takes the second
+    narrowest table width, a long one the widest; every such key is in the warm-up set, and the
+    small set warms the common one."""
+    from inferscale_jax.buckets import StepBuckets
+    b = StepBuckets(max_rows=8, max_tokens=2048, max_pages_per_seq=256, narrow_mixed=True)
+    assert b.widths == [4, 32, 256] and b.mixed_widths == [32, 256]
+    short, long_ = b.key(3, 20, 2, 0), b.key(3, 20, 100, 0)
+    assert (short.width, long_.width) == (32, 256) and short.ragged
+    assert {short, long_} <= set(b.all_keys())
+    assert short in b.warmup_keys("small") and long_ not in b.warmup_keys("small")
+    wide = StepBuckets(max_rows=8, max_tokens=2048, max_pages_per_seq=256)
+    assert wide.key(3, 20, 2, 0).width == 256  # the GPU kernels: always the widest
+
+
 def test_fair_queue_counts_and_picks():
     from collections import Counter
 
@@ -372,3 +410,7 @@ def test_fair_queue_counts_and_picks():
     q.remove(b2)
     q.remove(b1)
     assert not q and q.count == {}
+    for r in (R("a"), R("a"), R("b")):
+        q.append(r)
+    assert q.pick(Counter(a=3), 8, ready, cap=3).tenant == "b"  # a at its cap: passed over
+    assert q.pick(Counter(a=3, b=3), 8, ready, cap=3) is None  # everyone at the cap: nothing
