@@ -56,8 +56,10 @@ Restore (engine construction with ``snapshot_dir``), all reads and checks before
    rebuild them and the start is refused with ``SnapshotCorrupt`` naming both files and the fix.
 3. The KV item is read into host memory; each registry row whose (namespace, id, uid, token
    digest) matches a snapshot record gets that array after its shape, dtype and CRC-32 are
-   checked.  Any failure is ``SnapshotCorrupt`` naming the file and the fix; nothing has
-   been changed yet.
+   checked.  A record that fails (or every record, when the item or the meta cannot be read)
+   is a logged, counted integrity error and its segment is recomputed instead (``_load``);
+   across processes any failure is ``SnapshotCorrupt`` naming the file and the fix, with
+   nothing changed yet.
 4. Rebuilt rows are written to the registry; segments are re-added under their uids. Pinned
    ones go to HBM; segments with no snapshot KV are recomputed; the rest fill HBM
    most-recently-used first while 1/8 of the pool stays free for requests, then the host tier
@@ -469,7 +471,13 @@ class Persistence:
         if step is None:
             return rows, [], None, None, None
         path = os.path.join(self.snap_dir, str(step))
-        meta = self.read_meta(path)
+        try:
+            meta = self.read_meta(path)
+        except SnapshotCorrupt as err:
+            if self.spread is not None:
+                raise
+            self._damaged(path, f"its meta cannot be read ({err.__cause__ or err})", max(1, len(rows)))
+            return rows, [], step, path, None
         other = self.meta_identity(meta)
         why = self.identity.mismatch(other)
         theirs, mine = int(meta.get("processes", 1)), self.spread.count if self.spread is not None else 1
@@ -611,7 +619,11 @@ class Persistence:
         return out
 
     def _load(self, path: str, meta: dict, rows: list[SegmentRow]) -> tuple[dict[int, np.ndarray], dict[int, int]]:
-        """Read the KV item and check every record a registry row needs (all or nothing)."""
+        """Read the KV item and check every record a registry row needs.  One process: a record
+        whose KV is missing, misshapen or fails its CRC-32 (or all of them, when the item cannot
+        be read) is left out - that segment is recomputed from its token ids - with a logged,
+        counted integrity error; never restored.  Across processes any failure is
+        ``SnapshotCorrupt`` (every process must restore the same segments)."""
         e = self.kv
         try:
             records = {int(r["uid"]): r for r in meta["segments"]}
@@ -632,23 +644,37 @@ class Persistence:
             if sp is not None and isinstance(kv, dict):  # global arrays -> this process's shards
                 kv = {k: None if v is None else e.tiers.local(v) for k, v in kv.items()}
         except Exception as err:  # noqa: BLE001
-            raise self._corrupt(path, f"its KV cannot be read ({type(err).__name__}: {err})") from err
+            if self.spread is not None or not want:
+                raise self._corrupt(path, f"its KV cannot be read ({type(err).__name__}: {err})") from err
+            self._damaged(path, f"its KV cannot be read ({type(err).__name__}: {err})", len(want))
+            return {}, {}
         arrays, rank = {}, {}
         present = [rec["key"] for rec in want.values() if isinstance(kv, dict) and kv.get(rec["key"]) is not None]
         sums = dict(zip(present, crc32_many([kv[k] for k in present])))
         for uid, rec in want.items():
             arr = kv.get(rec["key"]) if isinstance(kv, dict) else None
-            if arr is None:
-                raise self._corrupt(path, f"segment {rec['id']!r} (uid {uid}) is listed but its KV is missing")
             shape = e.tiers.shape(int(rec["num_pages"]))
-            if tuple(arr.shape) != shape or arr.dtype != e.tiers.block_dtype:
-                raise self._corrupt(path, f"segment {rec['id']!r} has KV of shape {tuple(arr.shape)} {arr.dtype}, "
-                                          f"expected {shape} {e.tiers.block_dtype}")
-            if not self._crc_ok(arr, sums[rec["key"]], rec["crc32"]):
-                raise self._corrupt(path, f"segment {rec['id']!r} fails its CRC-32 checksum")
-            arrays[uid] = arr
-            rank[uid] = int(rec["rank"])
+            if arr is None:
+                why = f"segment {rec['id']!r} (uid {uid}) is listed but its KV is missing"
+            elif tuple(arr.shape) != shape or arr.dtype != e.tiers.block_dtype:
+                why = (f"segment {rec['id']!r} has KV of shape {tuple(arr.shape)} {arr.dtype}, expected {shape} "
+                       f"{e.tiers.block_dtype}")
+            elif not self._crc_ok(arr, sums[rec["key"]], rec["crc32"]):
+                why = f"segment {rec['id']!r} fails its CRC-32 checksum"
+            else:
+                arrays[uid] = arr
+                rank[uid] = int(rec["rank"])
+                continue
+            if self.spread is not None:
+                raise self._corrupt(path, why)
+            self._damaged(path, why, 1)
         return arrays, rank
+
+    def _damaged(self, path: str, why: str, segments: int) -> None:
+        """A damaged snapshot block (``_load``): logged, counted, recomputed - never restored."""
+        self.kv.tiers.counters["integrity_errors_snapshot"] += segments
+        log.error("integrity error: snapshot %s: %s; recomputing %d segment(s) from their token ids (they are not "
+                  "restored from it)", path, why, segments)
 
     def _crc_ok(self, arr: np.ndarray, crc: int, want) -> bool:
         """``want``: one CRC-32 of the block, or (written by several processes) one per process's

@@ -210,7 +210,7 @@ class Tiers:
         self._in_flight: int | None = None  # uid being recomputed into HBM (in no tier meanwhile)
         self._disk_error: str | None = None  # the last disk write failure logged (each distinct one once)
         self.counters = dict(evictions_hbm=0, evictions_host=0, evictions_disk=0, integrity_errors_disk=0,
-                             integrity_errors_host=0, integrity_errors_registry=0,
+                             integrity_errors_host=0, integrity_errors_registry=0, integrity_errors_snapshot=0,
                              promotions_host=0,
                              promotions_disk=0, promotions_recompute=0, promotion_s=0.0, promotion_bytes=0,
                              transfer_s=0.0, last_promotion_s=0.0, last_promotion_gbps=0.0)
@@ -550,7 +550,8 @@ class Tiers:
                      "evictions": c["evictions_disk"]},
             "recompute": {"segments": self.segments_in("recompute")},
             "integrity_errors": {"host": c["integrity_errors_host"], "disk": c["integrity_errors_disk"],
-                                 "registry": c["integrity_errors_registry"]},
+                                 "registry": c["integrity_errors_registry"],
+                                 "snapshot": c["integrity_errors_snapshot"]},
             "promotions": {"host": c["promotions_host"], "disk": c["promotions_disk"],
                            "recompute": c["promotions_recompute"]},
             "promotion_latency_s_mean": c["promotion_s"] / promotions if promotions else 0.0,
