@@ -73,6 +73,7 @@ from collections import Counter
 import httpx
 
 from report import MD, log, table, write_md  # bench/report.py (this script's folder is on sys.path)
+from soak_damage import Damage
 from soak_state import ROOT, Result, Seg, Server, Version, now, wall
 
 
@@ -109,8 +110,8 @@ class Soak:
         self.up = asyncio.Event()  # churners may send (cleared from the kill to the restart check)
         self.done = False
         self.inflight = 0
-        self.t_kill: float | None = None
-        self.t_ready: float | None = None
+        self.kills: list[list] = []  # [t_kill, t_ready or None] per kill -9
+        self.damage = Damage(server.snapshot_dir, args.seed) if args.damage_every > 0 else None
         self.t0 = now()
         self.rss: list[tuple[float, int, int]] = []  # (seconds since start, life, kB)
         self.rss_quiet: list[tuple[float, int, int, int]] = []  # at quiet points: (t, life, kB, compiles)
@@ -120,9 +121,9 @@ class Soak:
         self.put_symptom = ""
         self.health_503 = 0
         self.health_conn_errors = 0
-        self.restart_s = 0.0
+        self.restart_s: list[float] = []
         self.timed = (0.0, 0)
-        self.restored: dict = {}
+        self.restored: list[dict] = []  # per restart
         self.final: dict | None = None
 
     # -- bookkeeping ------------------------------------------------------------------------
@@ -134,7 +135,7 @@ class Soak:
             log(f"[soak] FAIL {kind}: {msg}")
 
     def in_kill_window(self, t0: float, t1: float) -> bool:
-        return self.t_kill is not None and t1 >= self.t_kill and (self.t_ready is None or t0 <= self.t_ready)
+        return any(t1 >= tk and (tr is None or t0 <= tr) for tk, tr in self.kills)
 
     def pages_of(self, num_tokens: int) -> int:
         return math.ceil((num_tokens + 1) / self.ps)  # + 1: a BOS token the engine may put first
@@ -564,22 +565,41 @@ class Soak:
         self.up.clear()
         if self.server.life in self.stats_by_life:
             log(f"[soak] before the kill: {self.stats_by_life[self.server.life]['snapshot']}")
-        self.t_kill = now()
+        self.kills.append([now(), None])
+        async with self.client() as http:  # the dying life's integrity counters (best effort)
+            try:
+                self.stats_by_life[self.server.life] = await self.stats(http)
+            except (httpx.HTTPError, KeyError, ValueError):
+                pass
         await asyncio.to_thread(self.server.kill9)
-        log(f"[soak] kill -9 at {self.t_kill - self.t0:.0f} s")
+        log(f"[soak] kill -9 number {len(self.kills)} at {self.kills[-1][0] - self.t0:.0f} s")
+        if self.damage is not None:
+            how = self.damage.registry_log()
+            log(f"[soak] damage: registry write-ahead log {how or 'absent (nothing to damage)'}")
         self.server.start()
         await self.wait_ready(self.a.ready_timeout)
-        self.t_ready = now()
-        self.restart_s = self.t_ready - self.t_kill
-        log(f"[soak] restarted and ready after {self.restart_s:.1f} s")
+        self.kills[-1][1] = now()
+        self.restart_s.append(self.kills[-1][1] - self.kills[-1][0])
+        log(f"[soak] restarted and ready after {self.restart_s[-1]:.1f} s")
         async with self.client() as http:
             await self.check_listing(http, "after the restart")
             st = await self.stats(http)
         snap = st.get("snapshot") or {}
-        self.restored = {k: snap.get(k) for k in ("restored_step", "restored_hbm", "restored_host", "recomputed")}
-        log(f"[soak] restore: {self.restored}")
+        self.restored.append({k: snap.get(k) for k in ("restored_step", "restored_hbm", "restored_host",
+                                                       "recomputed", "redone", "rebuilt", "lost_writes")})
+        log(f"[soak] restore: {self.restored[-1]}")
+        if snap.get("lost_writes"):
+            self.fail("restart", f"the restart reports {snap['lost_writes']} lost acknowledged write(s)")
         await self.reference_pass("after restart")
         self.up.set()
+
+    async def damage_loop(self) -> None:
+        """Every ``--damage-every`` seconds one stored block damaged (``soak_damage.py``)."""
+        while not self.done:
+            await asyncio.sleep(self.a.damage_every)
+            if not self.done and self.up.is_set():
+                kind = self.damage.stored_block()
+                log(f"[soak] damage: {kind or 'nothing stored to damage'} at {now() - self.t0:.0f} s")
 
     async def rss_loop(self) -> None:
         while not self.done:
@@ -622,6 +642,8 @@ class Soak:
                   for k, t in enumerate(TENANTS)]
         tasks.append(asyncio.ensure_future(self.churn_loop(ADMIN, [self.segs[(ADMIN, "pub-churn")]], 99)))
         tasks.append(asyncio.ensure_future(self.rss_loop()))
+        if self.damage is not None:
+            tasks.append(asyncio.ensure_future(self.damage_loop()))
         try:
             log(f"[soak] warm-up {a.warmup:.0f} s")
             await asyncio.sleep(a.warmup)
@@ -629,11 +651,14 @@ class Soak:
             counts0 = Counter(self.completions)
             start = now()
             end = start + a.minutes * 60
-            t_kill = start + a.kill_at * a.minutes * 60 if a.kill_at > 0 else None
+            # kill -9 at kill_at (one kill), or at kills evenly spread points of the timed phase
+            kill_times = ([start + a.kill_at * a.minutes * 60] if a.kills == 1 else
+                          [start + (j + 1) * a.minutes * 60 / (a.kills + 1) for j in range(a.kills)]) \
+                if a.kill_at > 0 and a.kills > 0 else []
             every = a.quiet_every or max(20.0, a.minutes * 60 / 8)
             next_quiet, n = start + every, 0
             while now() < end:
-                if t_kill is not None and self.t_kill is None and now() >= t_kill:
+                if len(self.kills) < len(kill_times) and now() >= kill_times[len(self.kills)]:
                     await self.kill_and_restart()
                     next_quiet = min(end - 5, now() + min(every, max(5.0, (end - now()) / 2)))
                 elif now() >= next_quiet and now() < end - 5:
@@ -704,18 +729,35 @@ class Soak:
                 "404 segment_not_found on churned segments": self.completions["404"],
                 "streams closed mid-way": self.completions["200 (closed mid-stream)"],
                 "HBM evictions": evictions}
-        if self.a.kill_at > 0:
+        if self.kills:
             need["stable segments verified after the restart"] = self.checks["restart_verified"]
             if (self.stats_by_life.get(1, {}).get("snapshot") or {}).get("snapshots"):
-                need["a snapshot restored after the kill"] = int(self.restored.get("restored_step") is not None)
+                need["a snapshot restored after the kill"] = int(any(r.get("restored_step") is not None
+                                                                     for r in self.restored))
+        if self.damage is not None:
+            need["damage injected"] = len(self.damage.events)
+            need["damage found by the server (integrity errors or writes redone)"] = (
+                sum(self.integrity().values()) + sum(r.get("redone") or 0 for r in self.restored))
         for what, n in need.items():
             if not n:
                 self.fail("coverage", f"the run exercised no {what}")
+
+    def integrity(self) -> dict[str, int]:
+        """The servers' integrity errors by tier, summed over lives (each life's last stats)."""
+        out: dict[str, int] = {}
+        for st in self.stats_by_life.values():
+            for tier, n in (st.get("tiers", {}).get("integrity_errors") or {}).items():
+                out[tier] = out.get(tier, 0) + n
+        return out
 
     def report(self, total_s: float) -> dict:
         a = self.a
         rss_rows = self.rss_figures()
         errors = self.server.error_lines()
+        if self.damage is not None:  # damage found is logged as an integrity error: expected, counted
+            found = [e for e in errors if "integrity error" in e and "lost" not in e]
+            errors = [e for e in errors if e not in found]
+            self.integrity_log_lines = len(found)
         if errors:
             self.fail("server log", f"{len(errors)} ERROR lines, first: {errors[0]}")
         self.coverage()
@@ -730,8 +772,11 @@ class Soak:
                                                                 if k.endswith(RETRIED)),
             "conn_errors_kill_window": self.completions["connection error (kill window)"],
             "conn_errors_outside": self.completions["connection error"], "mismatches": self.checks["mismatch"],
-            "checks": dict(self.checks), "restart_s": round(self.restart_s, 1),
+            "checks": dict(self.checks), "kills": len(self.kills),
+            "restart_s": [round(x, 1) for x in self.restart_s],
             "health_503_after_restart": self.health_503, "restored": self.restored,
+            "damage": self.damage.counts() if self.damage is not None else {},
+            "integrity_errors": self.integrity(),
             "put_route": "supported" if self.put_supported else f"fallback delete+register ({self.put_symptom})",
             "rss": rss_rows, "leak": self.fail_counts["pages"] > 0, "final": self.final,
             "failures": {k: {"count": self.fail_counts[k], "examples": v} for k, v in self.failures.items()},
@@ -742,7 +787,8 @@ class Soak:
             "# Soak test", "", f"- date: {datetime.datetime.now().isoformat(timespec='seconds')}",
             f"- command: `python {shlex.join([os.path.relpath(sys.argv[0], ROOT)] + sys.argv[1:])}`",
             f"- server: `inferscale serve --dtype {a.dtype} --page-size {a.page_size} --hbm-pages {a.hbm_pages} "
-            f"--snapshot-interval {a.snapshot_interval}`, {a.clients} clients, seed {a.seed}, "
+            f"--snapshot-interval {a.snapshot_interval}"
+            + (f" --host-pages {a.host_pages}" if a.host_pages else "") + f"`, {a.clients} clients, seed {a.seed}, "
             f"max_tokens {a.max_tokens}",
             f"- verdict: **{'PASSED' if not self.failures else 'FAILED'}**", ""])
         table("Summary", ["figure", "value"], [
@@ -753,7 +799,10 @@ class Soak:
             ["connection errors otherwise", summary["conn_errors_outside"]],
             ["503 backpressure answers (Retry-After; allowed: segment calls retried)", summary["backpressure_503"]],
             ["/health 503 answers while restarting", self.health_503],
-            ["restart: kill -9 to ready, s", summary["restart_s"]], ["restore", summary["restored"]],
+            ["kill -9 (each with the registry's log damaged when damage is on)", summary["kills"]],
+            ["restart: kill -9 to ready, s", summary["restart_s"]], ["restores", summary["restored"]],
+            ["damage injected (--damage-every)", summary["damage"] or "none"],
+            ["integrity errors the servers found, by tier", summary["integrity_errors"]],
             ["greedy answers compared / recorded / unverifiable (racing an update)",
              f"{self.checks['compared']} / {self.checks['recorded']} / {self.checks['unverified']}"],
             ["greedy mismatches", self.checks["mismatch"]],
@@ -786,6 +835,10 @@ def parse_args(argv=None):
     p.add_argument("--clients", type=int, default=12)
     p.add_argument("--warmup", type=float, default=25.0, help="seconds of workload before the timed phase")
     p.add_argument("--kill-at", type=float, default=0.5, help="kill -9 at this fraction of the timed phase (0: never)")
+    p.add_argument("--kills", type=int, default=1, help="kill -9 this many times, evenly spread (1: at --kill-at)")
+    p.add_argument("--damage-every", type=float, default=0.0, help="seconds between damaged stored blocks (disk-tier "
+                   "file or snapshot data; and the registry's log at each kill); 0: none (bench/soak_damage.py)")
+    p.add_argument("--host-pages", type=int, default=None, help="host-tier pages (small: segments reach the disk tier)")
     p.add_argument("--quiet-every", type=float, default=0.0, help="seconds between quiet points (0: minutes*60/8, "
                    "at least 20)")
     p.add_argument("--rss-every", type=float, default=5.0)

@@ -116,9 +116,10 @@ class Server:
         cmd = [sys.executable, "-m", "inferscale_cli", "serve", "--host", "127.0.0.1", "--port", str(self.port),
                "--api-keys", self.keys, "--snapshot-dir", self.snapshot_dir, "--snapshot-interval",
                str(a.snapshot_interval), "--dtype", a.dtype, "--page-size", str(a.page_size), "--hbm-pages",
-               str(a.hbm_pages), "--model-name", "soak"]
+               str(a.hbm_pages), "--model-name", "soak"] + (["--host-pages", str(a.host_pages)] if a.host_pages else [])
         with open(path, "w") as out:
-            self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
+            self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
+                                         start_new_session=True)  # kill9 takes its engine core process too
         log(f"[soak] server life {self.life}: pid {self.proc.pid}, {shlex.join(cmd[1:])}")
 
     def rss_kb(self) -> int | None:
@@ -129,7 +130,12 @@ class Server:
             return None
 
     def kill9(self) -> None:
-        self.proc.send_signal(signal.SIGKILL)
+        """SIGKILL to the server's whole process group (the API server and its engine core
+        process): a crash, not a shutdown (the core alone would take a final snapshot)."""
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
         self.proc.wait(60)
 
     def stop(self) -> None:

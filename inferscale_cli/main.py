@@ -381,6 +381,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--page-size", type=int, default=16, choices=[8, 16, 32, 64],
                    help="KV page size; must match the one precompute used (default: %(default)s)")
     s.add_argument("--hbm-pages", type=positive(), help="KV pool pages (default: sized from free device memory)")
+    s.add_argument("--host-pages", type=positive(), help="host-memory KV tier capacity in pages; past it segments "
+                   "go to the disk tier under --snapshot-dir (default: 4x the pool, at most 1/4 of RAM)")
     s.add_argument("--tensor-parallel", type=positive(), default=1, metavar="N",
                    help="split the model and its KV pool over N devices of this host (default: %(default)s)")
     s.add_argument("--kv-dtype", default=None, choices=["int8", "float8_e4m3fn"],

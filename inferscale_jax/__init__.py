@@ -13,7 +13,7 @@ from inferscale_jax.default_model import default_model_dir
 from inferscale_jax.distributed import LockstepEngine
 from inferscale_jax.engine import Engine
 from inferscale_jax.errors import (EngineFault, PoolExhausted, RequestTooLong, SegmentExists, SegmentNotFound,
-                                   SnapshotCorrupt, SnapshotMismatch, StorageError)
+                                   SnapshotCorrupt, SnapshotInUse, SnapshotMismatch, StorageError)
 from inferscale_jax.outputs import GenerationOutput, RequestMetrics
 from inferscale_jax.sampling import SamplingParams
 from inferscale_jax.scheduler import RequestOutput
@@ -41,6 +41,7 @@ __all__ = [
     "SegmentNotFound",
     "SessionInfo",
     "SnapshotCorrupt",
+    "SnapshotInUse",
     "SnapshotMismatch",
     "StorageError",
     "default_model_dir",

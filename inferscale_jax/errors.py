@@ -28,6 +28,11 @@ class SnapshotCorrupt(InferScaleError, RuntimeError):
     """A snapshot's files are missing, truncated or fail their checksums; nothing was restored."""
 
 
+class SnapshotInUse(InferScaleError, RuntimeError):
+    """Another engine (another process) holds the snapshot folder: two engines writing one
+    registry and one set of snapshots would corrupt both; the message names its pid."""
+
+
 class PoolExhausted(InferScaleError, RuntimeError):
     """Not enough free KV pages right now (held by segments and running requests); requests
     wait for pages rather than fail, so this only escapes when nothing else can free any."""

@@ -71,6 +71,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import errno
+import fcntl
 import hashlib
 import json
 import os
@@ -80,9 +81,10 @@ import time
 
 import numpy as np
 
-from inferscale_jax.errors import SnapshotCorrupt, StorageError
+from inferscale_jax.errors import SnapshotCorrupt, SnapshotInUse, StorageError
 from inferscale_jax.journal import Contents, Journal, decode_tokens, encode_tokens
 
+LOCK_WAIT_S = 60.0  # how long a new engine waits for the snapshot folder's previous holder to exit
 STORAGE_ERRNOS = (errno.ENOSPC, errno.EROFS, errno.EDQUOT)
 STORAGE_MESSAGES = ("database or disk is full", "attempt to write a readonly database",
                     "no space left on device", "read-only file system", "disk quota exceeded")
@@ -140,6 +142,33 @@ def storage_error(err: BaseException, folder: str, what: str) -> StorageError | 
             return mapped
         err = err.__cause__ or err.__context__
     return None
+
+
+def _exclusive(path: str, wait_s: float = LOCK_WAIT_S) -> int:
+    """An exclusive ``flock`` on ``path`` (holding this process's pid), waited for up to ``wait_s``
+    (a restart may find the previous server finishing its last snapshot); ``SnapshotInUse``
+    naming the holder after that.  Released when the fd closes or the process dies."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as err:
+        raise storage_error(err, os.path.dirname(path), f"opening {path}") or err
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            break
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
+                os.close(fd)
+                raise SnapshotInUse(
+                    f"the snapshot folder {os.path.dirname(path)} is in use by another engine (pid {holder}; "
+                    f"{os.path.basename(path)} is locked): two engines writing one registry would corrupt it. "
+                    f"Stop that one first, or give this engine another snapshot_dir") from None
+            time.sleep(0.1)
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, str(os.getpid()).encode(), 0)
+    return fd
 
 
 class RedoFailed(Exception):
@@ -229,17 +258,23 @@ class Registry:
         self.damaged: list[tuple[str, str]] = []  # (namespace, id) of rows rows() found edited and dropped
         self.journal = Journal(path + ".journal")
         self.moved_aside: str | None = None  # repair: where a damaged registry file went
+        self._lock_fd = _exclusive(path + ".lock")
         try:
-            self._open(path)
-        except SnapshotCorrupt:
-            if not repair:
-                raise
-            stamp = time.strftime("%Y%m%d-%H%M%S")
-            for suffix in ("", "-wal", "-shm"):
-                if os.path.exists(path + suffix):
-                    os.replace(path + suffix, f"{path}{suffix}.damaged-{stamp}")
-            self.moved_aside = f"{path}.damaged-{stamp}"
-            self._open(path)
+            try:
+                self._open(path)
+            except SnapshotCorrupt:
+                if not repair:
+                    raise
+                stamp = time.strftime("%Y%m%d-%H%M%S")
+                for suffix in ("", "-wal", "-shm"):
+                    if os.path.exists(path + suffix):
+                        os.replace(path + suffix, f"{path}{suffix}.damaged-{stamp}")
+                self.moved_aside = f"{path}.damaged-{stamp}"
+                self._open(path)
+        except BaseException:
+            os.close(self._lock_fd)
+            self._lock_fd = None
+            raise
 
     def _open(self, path: str) -> None:
         try:
@@ -558,3 +593,6 @@ class Registry:
     def close(self) -> None:
         with self._lock:
             self._db.close()
+            if self._lock_fd is not None:
+                os.close(self._lock_fd)  # (releases the folder)
+                self._lock_fd = None
