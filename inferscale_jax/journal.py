@@ -34,6 +34,15 @@ import zlib
 import numpy as np
 
 
+def fsync_dir(path: str) -> None:
+    """Make a rename or creation in ``path`` durable (also ``snapshot.py``'s)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def encode_tokens(token_ids) -> str:
     return base64.b64encode(np.asarray(token_ids, "<i4").tobytes()).decode()
 
@@ -93,14 +102,6 @@ class Contents:
     def after(self, seq: int) -> list[dict]:
         """The intact records past ``seq``, in order (``sync`` markers left out)."""
         return [self.records[s] for s in sorted(self.records) if s > seq and self.records[s].get("op") != "sync"]
-
-
-def _fsync_dir(folder: str) -> None:
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class Journal:
@@ -163,7 +164,7 @@ class Journal:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, self.path)
-        _fsync_dir(os.path.dirname(os.path.abspath(self.path)))
+        fsync_dir(os.path.dirname(os.path.abspath(self.path)))
 
     def compact(self, base: int) -> None:
         """Drop the records at or below ``base`` (a committed snapshot reflects them)."""

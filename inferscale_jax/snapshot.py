@@ -90,6 +90,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from inferscale_jax.errors import SnapshotCorrupt, SnapshotMismatch, StorageError
+from inferscale_jax.journal import fsync_dir
 from inferscale_jax.recovery import recover
 from inferscale_jax.registry import Identity, Registry, SegmentRow, storage_error
 from inferscale_jax.segments import Segment, SegmentInfo
@@ -160,15 +161,7 @@ def _fsync_tree(path: str) -> None:
                 os.fsync(fd)
             finally:
                 os.close(fd)
-        _fsync_dir(root)
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+        fsync_dir(root)
 
 
 def _dir_bytes(path: str) -> int:
@@ -349,7 +342,7 @@ class Persistence:
                 items["tokens"] = ocp.args.PyTreeSave({"ids": token_ids})
             _checkpointer().save(path, args=ocp.args.Composite(**items))
             _fsync_tree(path)
-            _fsync_dir(self.snap_dir)
+            fsync_dir(self.snap_dir)
             self.registry.set_meta("snapshot_step", str(step))  # the commit point
             committed = True
             self.registry.compact_journal(int(meta["registry_write_seq"]))  # it reflects the writes up to there
