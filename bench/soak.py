@@ -575,7 +575,8 @@ class Soak:
         log(f"[soak] kill -9 number {len(self.kills)} at {self.kills[-1][0] - self.t0:.0f} s")
         if self.damage is not None:
             how = self.damage.registry_log()
-            log(f"[soak] damage: registry write-ahead log {how or 'absent (nothing to damage)'}")
+            log(f"[soak] damage: registry write-ahead log {how or 'absent (nothing to damage)'}"
+                + ("; snapshot data flipped" if self.damage.snapshot_at_kill() else ""))
         self.server.start()
         await self.wait_ready(self.a.ready_timeout)
         self.kills[-1][1] = now()

@@ -10,7 +10,8 @@ While the server runs, every ``--damage-every`` seconds one stored block is chan
 At each ``kill -9``, before the restart, the registry's write-ahead log is damaged (deleted, cut
 by 100 bytes, or 32 bytes flipped): the restart must redo the writes it lost from the journal
 (``inferscale_jax/recovery.py``), so that every acknowledged segment is listed with its
-acknowledged content.  The soak's own checks then catch any wrong answer or lost write; the
+acknowledged content; and a data file of each snapshot step on disk is flipped, so the restart
+must recompute what fails its CRC instead of restoring it.  The soak's own checks then catch any wrong answer or lost write; the
 server's integrity counters (``/v1/stats``) show that the damage was found.
 """
 
@@ -47,11 +48,14 @@ class Damage:
         except OSError:  # removed meanwhile (an eviction, a newer snapshot)
             return False
 
+    def _snapshot_data(self) -> list[str]:
+        return [f for f in self._files("snapshots", 1024) if f"{os.sep}kv{os.sep}" in f and f"{os.sep}d{os.sep}" in f]
+
     def stored_block(self) -> str | None:
         """One disk-tier file or committed snapshot data file flipped; the kind, or None when
         there was nothing to damage."""
         disk = self._files("disk_tier", 4096)
-        snap = [f for f in self._files("snapshots", 1024) if f"{os.sep}kv{os.sep}" in f and f"{os.sep}d{os.sep}" in f]
+        snap = self._snapshot_data()
         choices = [("disk", disk, 4096)] * bool(disk) + [("snapshot", snap, 64)] * bool(snap)
         if not choices:
             return None
@@ -61,6 +65,21 @@ class Damage:
             return None
         self.events.append((time.time(), kind, os.path.relpath(path, self.dir)))
         return kind
+
+    def snapshot_at_kill(self) -> bool:
+        """A data file of every snapshot step on disk flipped (the server is down): the restart
+        reads one of them (periodic snapshots replace steps every few seconds, so damage while
+        the server runs rarely survives to a restart)."""
+        steps: dict[str, list[str]] = {}
+        for f in self._snapshot_data():
+            steps.setdefault(os.path.relpath(f, self.dir).split(os.sep)[1], []).append(f)
+        done = False
+        for files in steps.values():
+            path = self.rng.choice(files)
+            if self._flip(path, 64):
+                self.events.append((time.time(), "snapshot at a kill", os.path.relpath(path, self.dir)))
+                done = True
+        return done
 
     def registry_log(self) -> str | None:
         """The registry's write-ahead log deleted, cut or flipped (the server is down)."""
