@@ -40,7 +40,7 @@ class EngineConfig:
     # "high" or "highest"; None: "highest" for float32 engines (a user picking fp32 wants it exact)
     matmul_precision: str | None = None
     # decode rows that share leading pages (one segment chain, or prefix-cache hits) read them once
-    # per batch (cascade kernel; H200: 1.16x decode tok/s at 8 rows of a 4k context, 1.67x at 128)
+    # per batch (the cascade kernel; its gain by rows: bench/NOTES.md, "Cascade (shared-prefix) decode")
     cascade_decode: bool = True
     # dispatch each step before reading the previous one's tokens (they feed it on the
     # device), so host work overlaps device work; the same tokens either way (logprobs up to the

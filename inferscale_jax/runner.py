@@ -199,8 +199,8 @@ def _feed(ints, prev_ids, tokens: int, width: int, rows: int):
 
 @functools.partial(jax.jit, static_argnames=("tokens", "width", "rows"))
 def _feed_tokens(ints, prev_ids, *, tokens: int, width: int, rows: int):
-    """Overlapped steps: ``_feed`` as a jit of its own: inside ``_model_step`` the select changed
-    XLA's fusion of the embedding lookup and cost ~0.6 ms per step on the H200 (bench/NOTES.md).
+    """Overlapped steps: ``_feed`` as a jit of its own, never inside ``_model_step``, where the
+    select changes XLA's fusion of the embedding lookup (bench/NOTES.md, "Host overhead").
     Its shapes are the step's ``ints`` layout alone (every bucket of the same tokens / width /
     rows shares it)."""
     return _feed(ints, prev_ids, tokens, width, rows)

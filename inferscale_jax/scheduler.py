@@ -93,7 +93,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("inferscale.scheduler")
 LOOKAHEAD = 8  # waiting requests considered for resident-first admission
 # cascade decode pays off once the step's groups save this many token reads per layer (the sum of
-# (rows - 1) x shared tokens, see _cascade_groups): on the H200 a 4096-token prefix gains 1.16x at 8 rows
+# (rows - 1) x shared tokens, see _cascade_groups); evidence: bench/NOTES.md, "Cascade (shared-prefix) decode"
 CASCADE_MIN_SAVED_TOKENS = 16384
 
 
