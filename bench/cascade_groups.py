@@ -319,9 +319,14 @@ def main():
     ap.add_argument("--old", default=None, help="an older copy of pallas_kernels/cascade_attention.py to add")
     ap.add_argument("--reps", type=int, default=None)
     ap.add_argument("--no-mixed", dest="mixed", action="store_false", help="leave out the mixed-step section")
+    ap.add_argument("--rows", help="row counts B, comma-separated (default: 64,256)")
+    ap.add_argument("--segments", help="shared segment counts N, comma-separated (default: 1,8,64)")
     args = ap.parse_args()
     cfg = dict(SMOKE if args.smoke else FULL)
     cfg["reps"] = args.reps or cfg["reps"]
+    for key in ("rows", "segments"):
+        if getattr(args, key):
+            cfg[key] = tuple(int(x) for x in getattr(args, key).split(","))
     t0 = time.time()
     log(f"devices: {jax.devices()}  jax {jax.__version__}  interpret={jax.default_backend() != 'gpu'}")
     args.ceiling = read_bandwidth(64 << 20 if args.smoke else 2 << 30, reps=cfg["reps"])
