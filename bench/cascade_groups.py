@@ -328,6 +328,7 @@ def main():
         if getattr(args, key):
             cfg[key] = tuple(int(x) for x in getattr(args, key).split(","))
     t0 = time.time()
+    os.makedirs(args.out, exist_ok=True)
     log(f"devices: {jax.devices()}  jax {jax.__version__}  interpret={jax.default_backend() != 'gpu'}")
     args.ceiling = read_bandwidth(64 << 20 if args.smoke else 2 << 30, reps=cfg["reps"])
     log(f"read ceiling {args.ceiling / 1e9:.1f} GB/s")
