@@ -199,6 +199,19 @@ def auto_max_waiting(engine) -> int:
     return min(MAX_AUTO_WAITING, max(MIN_MAX_WAITING, 8 * batch, pool // TOKENS_PER_QUEUED_REQUEST))
 
 
+def _too_many_keys() -> APIError:
+    return APIError(400, f"the request body holds more than {MAX_JSON_KEYS} object keys (no request needs "
+                    "that many; token ids go in arrays)", "invalid_json")
+
+
+def _count_keys(raw: bytes) -> int:
+    """Object keys in a JSON text written without a space before its colons, counted on the bytes
+    (a fast C scan) so that a body with too many is refused before it is parsed: a ``":`` outside
+    a string ends a key, and inside a string the quote is escaped (``\\":``).  A key written
+    ``"k" :`` is not counted (parsing counts it, ``_check_json``)."""
+    return raw.count(b'":') - raw.count(b'\\":')
+
+
 def _check_json(obj, depth: int = 0, keys: list | None = None) -> None:
     """Bounded nesting and object keys, and no lone surrogates (``"\\ud800"`` escapes are not
     Unicode text)."""
@@ -214,8 +227,7 @@ def _check_json(obj, depth: int = 0, keys: list | None = None) -> None:
     elif isinstance(obj, dict):
         keys[0] += len(obj)
         if keys[0] > MAX_JSON_KEYS:
-            raise APIError(400, f"the request body holds more than {MAX_JSON_KEYS} object keys (no request needs "
-                           "that many; token ids go in arrays)", "invalid_json")
+            raise _too_many_keys()
         for k, v in obj.items():
             _check_json(k, depth + 1, keys)
             _check_json(v, depth + 1, keys)
@@ -238,6 +250,8 @@ async def _parse(request: Request, model):
 
 
 def _parse_bytes(raw: bytes, model):
+    if _count_keys(raw) > MAX_JSON_KEYS:  # (building a dict of 100k keys holds the GIL for tens of ms)
+        raise _too_many_keys()
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:

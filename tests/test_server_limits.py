@@ -292,3 +292,17 @@ def test_connections_per_client_address_are_capped(monkeypatch):
         while GuardedH11Protocol.open_per_client.get("127.0.0.1", 0) and time.monotonic() < deadline:
             time.sleep(0.05)
         assert GuardedH11Protocol.open_per_client.get("127.0.0.1", 0) == 0
+
+
+def test_key_count_before_parsing_counts_keys_not_text():
+    """A body with too many object keys is refused before it is parsed; text that only looks like
+    keys (a prompt full of embedded JSON) is not counted, and spaced keys fall back to the parse."""
+    import json
+
+    from serving.app import MAX_JSON_KEYS, _count_keys
+
+    many = json.dumps({f"k{i}": i for i in range(MAX_JSON_KEYS + 1)}, separators=(",", ":")).encode()
+    assert _count_keys(many) == MAX_JSON_KEYS + 1
+    prompt = json.dumps({"prompt": '{"a":1} \\": x"' * 20000, "max_tokens": 4}).encode()
+    assert _count_keys(prompt) == 2  # the two real keys; the prompt's 40000 look-alikes are escaped
+    assert _count_keys(b'{"a" : 1}') == 0  # (counted by the parse instead)
