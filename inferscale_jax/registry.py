@@ -367,27 +367,12 @@ class Registry:
                     self._advance_uid(db, max(r.uid for r in rows))
                 elif op == "replace":
                     row = SegmentRow.from_record(rec["row"])
-                    blob = np.asarray(row.token_ids, "<i4").tobytes()
-                    old = db.execute("SELECT tenant, parent, public, pin FROM segments WHERE fingerprint = ? AND "
-                                     "namespace = ? AND id = ? AND uid = ?",
-                                     (fp, row.namespace, row.id, rec["old_uid"])).fetchone()
-                    if old is None:
+                    if not self._replace_row(db, rec["old_uid"], row):
                         failed.append(describe(rec) + ", but the version it replaces is absent")
-                    else:
-                        db.execute("UPDATE segments SET uid = ?, token_ids = ?, version = ?, updated = ?, digest = ? "
-                                   "WHERE fingerprint = ? AND namespace = ? AND id = ?",
-                                   (row.uid, blob, row.version, row.updated,
-                                    row_digest(row.namespace, row.id, row.uid, old[0], blob, old[1], old[2], old[3],
-                                               row.version), fp, row.namespace, row.id))
-                        db.execute("DELETE FROM segment_meta WHERE fingerprint = ? AND namespace = ? AND id = ?",
-                                   (fp, row.namespace, row.id))
-                    self._advance_uid(db, row.uid)
+                        self._advance_uid(db, row.uid)  # (its uid was handed out: never again)
                 elif op == "delete":
                     for ns, sid in rec["keys"]:
-                        db.execute("DELETE FROM segments WHERE fingerprint = ? AND namespace = ? AND id = ?",
-                                   (fp, ns, sid))
-                        db.execute("DELETE FROM segment_meta WHERE fingerprint = ? AND namespace = ? AND id = ?",
-                                   (fp, ns, sid))
+                        self._delete_row(db, ns, sid)
                 elif op == "meta":
                     self._set_segment_meta(db, rec["key"], [tuple(e) for e in rec["entries"]])
             if failed and not allow_failures:
@@ -447,10 +432,7 @@ class Registry:
             with self._transaction(f"dropping {len(bad)} damaged row(s)",
                                    dict(op="delete", keys=[list(k) for k in bad])) as db:
                 for ns, sid in bad:
-                    db.execute("DELETE FROM segments WHERE fingerprint = ? AND namespace = ? AND id = ?",
-                               (self.identity.fingerprint, ns, sid))
-                    db.execute("DELETE FROM segment_meta WHERE fingerprint = ? AND namespace = ? AND id = ?",
-                               (self.identity.fingerprint, ns, sid))
+                    self._delete_row(db, ns, sid)
             self.damaged += bad
         return good
 
@@ -535,30 +517,39 @@ class Registry:
         ``row``'s uid, token ids, version and update time, and its meta rows go (they describe the
         old version), in one fsynced transaction.  ``KeyError`` if no such row (it was deleted or
         replaced meanwhile: nothing is written)."""
-        key = (self.identity.fingerprint, row.namespace, row.id)
-        blob = np.asarray(row.token_ids, "<i4").tobytes()
         with self._transaction(f"recording version {row.version} of segment {row.id!r}",
                                dict(op="replace", old_uid=old_uid, row=row.record())) as db:
-            old = db.execute("SELECT tenant, parent, public, pin FROM segments WHERE fingerprint = ? AND namespace = ? "
-                             "AND id = ? AND uid = ?", (*key, old_uid)).fetchone()
-            if old is None:
+            if not self._replace_row(db, old_uid, row):
                 raise KeyError(f"segment {row.id!r} (uid {old_uid}) is not in the registry")
-            digest = row_digest(row.namespace, row.id, row.uid, old[0], blob, old[1], old[2], old[3], row.version)
-            cur = db.execute(
-                "UPDATE segments SET uid = ?, token_ids = ?, version = ?, updated = ?, digest = ? "
-                "WHERE fingerprint = ? AND namespace = ? AND id = ? AND uid = ?",
-                (row.uid, blob, row.version, row.updated, digest, *key, old_uid))
-            if cur.rowcount != 1:
-                raise KeyError(f"segment {row.id!r} (uid {old_uid}) is not in the registry")
-            db.execute("DELETE FROM segment_meta WHERE fingerprint = ? AND namespace = ? AND id = ?", key)
-            self._advance_uid(db, row.uid)
+
+    def _replace_row(self, db, old_uid: int, row: SegmentRow) -> bool:
+        """``replace``'s statements (also ``redo``'s); False when no row of that uid exists."""
+        key = (self.identity.fingerprint, row.namespace, row.id)
+        blob = np.asarray(row.token_ids, "<i4").tobytes()
+        old = db.execute("SELECT tenant, parent, public, pin FROM segments WHERE fingerprint = ? AND namespace = ? "
+                         "AND id = ? AND uid = ?", (*key, old_uid)).fetchone()
+        if old is None:
+            return False
+        digest = row_digest(row.namespace, row.id, row.uid, old[0], blob, old[1], old[2], old[3], row.version)
+        cur = db.execute(
+            "UPDATE segments SET uid = ?, token_ids = ?, version = ?, updated = ?, digest = ? "
+            "WHERE fingerprint = ? AND namespace = ? AND id = ? AND uid = ?",
+            (row.uid, blob, row.version, row.updated, digest, *key, old_uid))
+        if cur.rowcount != 1:
+            return False
+        db.execute("DELETE FROM segment_meta WHERE fingerprint = ? AND namespace = ? AND id = ?", key)
+        self._advance_uid(db, row.uid)
+        return True
 
     def delete(self, namespace: str, segment_id: str) -> None:
-        key = (self.identity.fingerprint, namespace, segment_id)
         with self._transaction(f"deleting segment {segment_id!r}", dict(op="delete", keys=[[namespace, segment_id]])) \
                 as db:
-            db.execute("DELETE FROM segments WHERE fingerprint = ? AND namespace = ? AND id = ?", key)
-            db.execute("DELETE FROM segment_meta WHERE fingerprint = ? AND namespace = ? AND id = ?", key)
+            self._delete_row(db, namespace, segment_id)
+
+    def _delete_row(self, db, namespace: str, segment_id: str) -> None:
+        key = (self.identity.fingerprint, namespace, segment_id)
+        db.execute("DELETE FROM segments WHERE fingerprint = ? AND namespace = ? AND id = ?", key)
+        db.execute("DELETE FROM segment_meta WHERE fingerprint = ? AND namespace = ? AND id = ?", key)
 
     def set_segment_meta(self, key: str, entries: list[tuple[str, str, int, str]]) -> None:
         """Record ``key`` for many segments, ``entries`` = ``(namespace, id, uid, value)``, in one
