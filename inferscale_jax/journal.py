@@ -10,11 +10,13 @@ is also appended here, after its COMMIT and before it is acknowledged:
    fsyncs the file.
 3. The write is acknowledged.
 
-The first line is a header ``{"base": S}``: the records that follow start after write ``S``.  A
-committed snapshot reflects every write up to its ``registry_write_seq``, so after it commits the
-journal is rewritten with that as its base and only later records (``compact``; the registry's log
-is checkpointed into its main file first).  The journal therefore holds every acknowledged write
-the newest snapshot lacks.
+The first line is a header ``{"base": S, "step": N}``: the records that follow start after write
+``S``, which snapshot step ``N`` reflects (``step`` is absent when no snapshot does: then ``S`` is
+where this journal started).  A committed snapshot reflects every write up to its
+``registry_write_seq``, so after it commits the journal is rewritten with that as its base and
+only later records (``compact``; the registry's log is checkpointed into its main file first).  The
+journal therefore holds every acknowledged write the newest snapshot lacks, and with that
+snapshot's rows it rebuilds the registry whole (``recovery.py``, for a checkpoint cut short).
 
 Reading (``read``) never trusts a line it cannot check: a line whose checksum or JSON fails is
 *damaged* (its write is unknown: counted, and named by its line number); a last line without its
@@ -81,6 +83,7 @@ def _claims(line: bytes) -> dict | None:
 class Contents:
     """What ``read`` found: the base, the intact records by seq, the damaged lines."""
     base: int = 0
+    step: int | None = None  # the snapshot step that reflects the writes up to ``base`` (None: none)
     records: dict[int, dict] = dataclasses.field(default_factory=dict)
     # damaged lines: (line number, 1-based; what the line claims, unverified: its parsed JSON or None)
     damaged: list[tuple[int, dict | None]] = dataclasses.field(default_factory=list)
@@ -129,6 +132,7 @@ class Journal:
                 out.damaged.append((number, _claims(line)))
             elif number == 1 and "base" in rec:
                 out.base = int(rec["base"])
+                out.step = int(rec["step"]) if rec.get("step") is not None else None
             elif isinstance(rec.get("seq"), int):
                 out.records[rec["seq"]] = rec
             else:
@@ -153,12 +157,12 @@ class Journal:
             f.flush()
             os.fsync(f.fileno())
 
-    def reset(self, base: int, records: list[dict] = ()) -> None:
-        """Rewrite the journal as header ``base`` plus ``records`` (atomically: temp, fsync,
-        rename, fsync of the folder)."""
+    def reset(self, base: int, records: list[dict] = (), step: int | None = None) -> None:
+        """Rewrite the journal as header ``base`` (reflected by snapshot ``step``) plus ``records``
+        (atomically: temp, fsync, rename, fsync of the folder)."""
         tmp = self.path + ".tmp"
         with open(tmp, "wb") as f:
-            f.write(_line({"base": base}))
+            f.write(_line({"base": base} if step is None else {"base": base, "step": step}))
             for rec in records:
                 f.write(_line(rec))
             f.flush()
@@ -166,9 +170,9 @@ class Journal:
         os.replace(tmp, self.path)
         fsync_dir(os.path.dirname(os.path.abspath(self.path)))
 
-    def compact(self, base: int) -> None:
-        """Drop the records at or below ``base`` (a committed snapshot reflects them)."""
+    def compact(self, base: int, step: int) -> None:
+        """Drop the records at or below ``base`` (committed snapshot ``step`` reflects them)."""
         now = self.read()
-        if not now.exists or now.base >= base:
+        if not now.exists or now.base > base or (now.base == base and now.step == step):
             return
-        self.reset(base, [now.records[s] for s in sorted(now.records) if s > base])
+        self.reset(base, [now.records[s] for s in sorted(now.records) if s > base], step)

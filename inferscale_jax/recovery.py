@@ -39,10 +39,11 @@ if TYPE_CHECKING:
 log = logging.getLogger("inferscale.snapshot")
 
 
-def _snapshot_base(p: "Persistence") -> tuple[tuple[list[SegmentRow], int, int] | None, str]:
-    """The committed snapshot's rows, the registry write they reflect and the step, or ``None``
-    and why it cannot serve (no snapshot, another engine's, unreadable)."""
-    step = p._committed_step()
+def _snapshot_base(p: "Persistence", step: int | None = None) -> tuple[tuple[list[SegmentRow], int, int] | None, str]:
+    """The rows of snapshot ``step`` (default: the committed one), the registry write they
+    reflect and the step, or ``None`` and why it cannot serve (no snapshot, another engine's,
+    unreadable)."""
+    step = p._committed_step() if step is None else step
     if step is None:
         return None, f"there is no snapshot in {p.snap_dir}"
     path = os.path.join(p.snap_dir, str(step))
@@ -61,6 +62,9 @@ def recover(p: "Persistence") -> None:
     if reg.moved_aside:
         log.warning("the segment registry %s failed its check: moved aside to %s (repair), rebuilding it from the "
                     "newest snapshot and the journal %s", reg.path, reg.moved_aside, reg.journal.path)
+    if reg.checkpoint_cut:
+        _rebuild_whole(p)
+        return
     if not reg.lost_writes:
         return
     repair = p.kv.config.repair_registry
@@ -101,6 +105,50 @@ def recover(p: "Persistence") -> None:
         p.counters["lost_writes"], p.lost_writes = len(lost), lost
         for what in lost:
             log.error("integrity error: acknowledged %s - lost (repair went on without it)", what)
+
+
+def _rebuild_whole(p: "Persistence") -> None:
+    """A checkpoint of the registry's log was cut short by a crash (``Registry.checkpoint_cut``):
+    the main file may mix pages from before and after it, which only the log mends, and the log
+    may be gone.  The rows are rebuilt from the snapshot the journal's header names (or from none,
+    when the journal starts at the first write) plus the journal's records."""
+    reg = p.registry
+    journal = reg.journaled
+    if journal.step is not None:
+        snap, why = _snapshot_base(p, journal.step)
+        if snap is None or snap[1] != journal.base:
+            why = why or f"snapshot {journal.step} reflects write {snap[1]}, the journal starts after {journal.base}"
+            log.error("a checkpoint of the segment registry %s was cut short by a crash, and the journal %s cannot "
+                      "rebuild it (%s): going on with the file as it is", reg.path, reg.journal.path, why)
+            reg.checkpoint()
+            return
+        base, source = snap[0], f"snapshot {journal.step}"
+    elif journal.exists and journal.base == 0:
+        base, source = [], "no snapshot"
+    else:
+        log.error("a checkpoint of the segment registry %s was cut short by a crash, and its journal %s does not "
+                  "reach back to a snapshot: going on with the file as it is", reg.path, reg.journal.path)
+        reg.checkpoint()
+        return
+    lost = _lost(journal, journal.base)
+    if lost and not p.kv.config.repair_registry:
+        raise _refusal(reg, reg.write_seq(), journal.acked, lost, f"rebuilding from {source}")
+    records = journal.after(journal.base)
+    try:
+        failed = reg.redo(base, journal.base, records, allow_failures=p.kv.config.repair_registry)
+    except RedoFailed as err:
+        raise _refusal(reg, reg.write_seq(), journal.acked, lost + err.failed, f"rebuilding from {source}") from None
+    reg.checkpoint()
+    lost += failed
+    log.warning("a checkpoint of the segment registry %s was cut short by a crash: its rows were rebuilt from %s "
+                "(%d segment(s) at write %d) and %d write(s) of the journal %s", reg.path, source, len(base),
+                journal.base, len(records), reg.journal.path)
+    p.counters["redone"] = len(records) - len(failed)
+    if lost:
+        p.kv.tiers.counters["integrity_errors_registry"] += len(lost)
+        p.counters["lost_writes"], p.lost_writes = len(lost), lost
+        for what in lost:
+            log.error("integrity error: acknowledged %s - lost (the rebuild went on without it)", what)
 
 
 def _lost(journal, base_seq: int) -> list[str]:

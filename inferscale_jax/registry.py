@@ -56,6 +56,13 @@ are ignored), and an edited row is valid SQL.  So:
   can be rebuilt and reports the rest as lost, by id.  A registry file that fails its check
   is moved aside by ``repair`` and rebuilt the same way.  A journal deleted with nothing to
   compare against starts again from this registry;
+- the registry's log is copied into its main file only by ``checkpoint`` (SQLite's automatic
+  checkpoints are off): at each snapshot's commit and every ``CHECKPOINT_EVERY`` writes.  A crash
+  in the middle of a checkpoint leaves the main file a mix of old and new pages that only the
+  log can mend, so a marker file (``registry.sqlite3.checkpointing``) exists for the checkpoint's
+  duration.  Opening with the marker present sets ``checkpoint_cut``: the restore
+  (``recovery.py``) then rebuilds the rows from the snapshot the journal's header names and the
+  journal's records, whatever the file says (a file that fails its check is moved aside for it);
 - every row carries ``digest`` (SHA-256 of its namespace, id, uid, tenant, token ids, parent,
   flags and version).  ``rows()`` leaves out a row whose digest does not match (an edited
   row), deletes it and counts it in ``damaged`` (the caller logs it and counts an integrity
@@ -82,8 +89,9 @@ import time
 import numpy as np
 
 from inferscale_jax.errors import SnapshotCorrupt, SnapshotInUse, StorageError
-from inferscale_jax.journal import Contents, Journal, decode_tokens, encode_tokens
+from inferscale_jax.journal import Contents, Journal, decode_tokens, encode_tokens, fsync_dir
 
+CHECKPOINT_EVERY = 1000  # segment writes between checkpoints of the registry's log (besides snapshots)
 LOCK_WAIT_S = 60.0  # how long a new engine waits for the snapshot folder's previous holder to exit
 STORAGE_ERRNOS = (errno.ENOSPC, errno.EROFS, errno.EDQUOT)
 STORAGE_MESSAGES = ("database or disk is full", "attempt to write a readonly database",
@@ -258,12 +266,16 @@ class Registry:
         self.damaged: list[tuple[str, str]] = []  # (namespace, id) of rows rows() found edited and dropped
         self.journal = Journal(path + ".journal")
         self.moved_aside: str | None = None  # repair: where a damaged registry file went
+        self.marker = path + ".checkpointing"  # exists while a checkpoint runs (module docstring)
+        self._since_checkpoint = 0
         self._lock_fd = _exclusive(path + ".lock")
+        # a checkpoint was cut short by a crash: the main file may mix old and new pages
+        self.checkpoint_cut = os.path.exists(self.marker)
         try:
             try:
                 self._open(path)
             except SnapshotCorrupt:
-                if not repair:
+                if not (repair or self.checkpoint_cut and self._rebuildable()):
                     raise
                 stamp = time.strftime("%Y%m%d-%H%M%S")
                 for suffix in ("", "-wal", "-shm"):
@@ -281,6 +293,7 @@ class Registry:
             self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
             self._db.execute("PRAGMA journal_mode=WAL")
             self._db.execute("PRAGMA synchronous=FULL")
+            self._db.execute("PRAGMA wal_autocheckpoint=0")  # only ``checkpoint`` copies the log
             problems = [r[0] for r in self._db.execute("PRAGMA quick_check").fetchall()]
             if problems != ["ok"]:
                 raise sqlite3.DatabaseError("; ".join(problems[:3]))
@@ -319,6 +332,12 @@ class Registry:
                 f"the segment registry {path} is damaged ({type(err).__name__}: {err}). Move it aside "
                 f"together with its -wal and -shm files (e.g. rename them to *.bad); the next start rebuilds "
                 f"the segments from the newest snapshot in {os.path.join(self.folder, 'snapshots')}") from err
+
+    def _rebuildable(self) -> bool:
+        """Whether the journal can rebuild the rows whole: its base is a snapshot's, or the
+        journal starts at the registry's first write."""
+        contents = self.journal.read()
+        return contents.step is not None or (contents.exists and contents.base == 0)
 
     def _write_seq(self) -> int:
         row = self._db.execute("SELECT value FROM meta WHERE key = 'write_seq'").fetchone()
@@ -403,6 +422,9 @@ class Registry:
                             self.journal.append(dict(seq=seq, **record))
                         except OSError as err:
                             raise storage_error(err, self.folder, f"{what}: journaling write {seq}") or err
+                        self._since_checkpoint += 1
+                        if self._since_checkpoint >= CHECKPOINT_EVERY:
+                            self._checkpoint()
                 except BaseException:
                     if self._db.in_transaction:  # a failed COMMIT may have rolled back already
                         with contextlib.suppress(sqlite3.Error):
@@ -570,16 +592,33 @@ class Registry:
             db.execute("INSERT INTO meta VALUES (?, ?) ON CONFLICT(key) DO UPDATE SET value = excluded.value",
                        (key, value))
 
-    def compact_journal(self, base: int) -> None:
-        """A snapshot reflecting every write up to ``base`` committed: the registry's log is
-        checkpointed into its main file, and the journal keeps only the later writes."""
+    def compact_journal(self, base: int, step: int) -> None:
+        """Snapshot ``step``, reflecting every write up to ``base``, committed: the registry's log
+        is checkpointed into its main file, and the journal keeps only the later writes."""
         with self._lock:
             try:
-                self._db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
-                self.journal.compact(base)
+                self._checkpoint()
+                self.journal.compact(base, step)
                 self.journaled = self.journal.read()
             except (OSError, sqlite3.Error) as err:
                 raise storage_error(err, self.folder, f"compacting the journal {self.journal.path}") or err
+
+    def checkpoint(self) -> None:
+        with self._lock:
+            self._checkpoint()
+
+    def _checkpoint(self) -> None:
+        """Copy the log into the main file, inside the marker's lifetime (module docstring)."""
+        with open(self.marker, "wb") as f:
+            os.fsync(f.fileno())
+        fsync_dir(self.folder)
+        busy, _, _ = self._db.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()
+        if busy:  # (one connection per registry: a reader cannot hold it; keep the marker if so)
+            raise sqlite3.OperationalError(f"the checkpoint of {self.path} could not finish (busy)")
+        os.remove(self.marker)
+        fsync_dir(self.folder)
+        self._since_checkpoint = 0
+        self.checkpoint_cut = False
 
     def close(self) -> None:
         with self._lock:

@@ -345,7 +345,7 @@ class Persistence:
             fsync_dir(self.snap_dir)
             self.registry.set_meta("snapshot_step", str(step))  # the commit point
             committed = True
-            self.registry.compact_journal(int(meta["registry_write_seq"]))  # it reflects the writes up to there
+            self.registry.compact_journal(int(meta["registry_write_seq"]), step)  # it reflects the writes up to there
             keep = {str(step), prev}
             for name in os.listdir(self.snap_dir) if self.spread is None or self.spread.leader else []:
                 if name not in keep:
