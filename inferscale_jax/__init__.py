@@ -19,6 +19,7 @@ from inferscale_jax.sampling import SamplingParams
 from inferscale_jax.scheduler import RequestOutput
 from inferscale_jax.segments import SegmentInfo
 from inferscale_jax.sessions import SessionInfo
+from inferscale_jax.structured import StructuredOutputs
 from inferscale_client import InferScale, InferScaleError
 
 __all__ = [
@@ -40,6 +41,7 @@ __all__ = [
     "SegmentInfo",
     "SegmentNotFound",
     "SessionInfo",
+    "StructuredOutputs",
     "SnapshotCorrupt",
     "SnapshotInUse",
     "SnapshotMismatch",

@@ -50,6 +50,7 @@ from inferscale_jax.kv_manager import KVManager, Seq
 from inferscale_jax.outputs import GenerationOutput, PromptScores
 from inferscale_jax.runner import ModelRunner, StepRow, freeze_heap
 from inferscale_jax.sampling import SamplingParams, request_key, tokenize_bad_words
+from inferscale_jax.structured import GrammarCompiler
 from inferscale_jax.scheduler import Request, RequestOutput, Scheduler
 from inferscale_jax import sessions
 from inferscale_jax.segment_updates import VersionResult, next_version
@@ -73,6 +74,7 @@ class Engine:
         engine shards them itself when ``config.tensor_parallel > 1``."""
         self.config = config = config or EngineConfig()
         self.cfg, self.params, self.tokenizer = cfg, params, tokenizer
+        self._grammars: GrammarCompiler | None = None
         self.dtype = jnp.dtype(config.dtype)
         s = config.page_size
         self.max_model_len = min(config.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
@@ -449,7 +451,9 @@ class Engine:
         self._counters["requests"] += 1
         rid = request_id or f"req-{self._counters['requests']}"
         key = request_key(sampling.seed)  # no seed: OS entropy, so processes never repeat a stream
-        req = Request(rid, tenant, tokens, chain, sampling, mode, key, arrival=t0, bad_words_ids=bad_words)
+        grammar = self.grammars.submit(sampling.structured_outputs) if sampling.structured_outputs else None
+        req = Request(rid, tenant, tokens, chain, sampling, mode, key, arrival=t0, bad_words_ids=bad_words,
+                      grammar=grammar)
         if sampling.prompt_logprobs is not None:
             req.prompt_logprobs = self._score(tokens, len(ids), sampling.prompt_logprobs)
             req.prompt_ids = ids
@@ -745,8 +749,17 @@ class Engine:
         """Where the segment's KV is now: "hbm", "host", "disk" or "recompute"."""
         return self.tiers.where(self.store.resolve(segment_id, tenant))
 
+    @property
+    def grammars(self) -> GrammarCompiler:
+        """The structured-output grammar compiler (structured.py), made on first use."""
+        if self._grammars is None:
+            self._grammars = GrammarCompiler(self.tokenizer, self.cfg.vocab_size, self.cfg.eos_token_ids)
+        return self._grammars
+
     def close(self) -> None:
         """Clean shutdown: a final snapshot if segments changed since the last one."""
+        if self._grammars is not None:
+            self._grammars.close()
         try:
             if self.persistence is not None:
                 self.persistence.close()

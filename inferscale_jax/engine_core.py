@@ -109,6 +109,8 @@ def pack_submit(request: dict) -> dict:
     sampling = out.get("sampling")
     if sampling is not None:
         out["sampling"] = {f.name: getattr(sampling, f.name) for f in dataclasses.fields(sampling)}
+        if sampling.structured_outputs is not None:
+            out["sampling"]["structured_outputs"] = dataclasses.asdict(sampling.structured_outputs)
     if out.get("segments"):
         out["segments"] = [s if isinstance(s, str) else ext(s) for s in out["segments"]]
     return out
@@ -116,11 +118,14 @@ def pack_submit(request: dict) -> dict:
 
 def unpack_submit(request: dict) -> dict:
     from inferscale_jax.sampling import SamplingParams
+    from inferscale_jax.structured import StructuredOutputs
 
     if isinstance(request.get("sampling"), dict):
         sp = request["sampling"]
         if sp.get("logit_bias") is not None:
             sp["logit_bias"] = {int(k): v for k, v in sp["logit_bias"].items()}
+        if sp.get("structured_outputs") is not None:
+            sp["structured_outputs"] = StructuredOutputs(**sp["structured_outputs"])
         request["sampling"] = SamplingParams(**sp)
     return request
 

@@ -43,6 +43,7 @@ from inferscale_jax.buckets import StepBuckets, StepKey, next_pow2
 from inferscale_jax.errors import EngineFault
 from inferscale_jax.kv_cache import AttnMeta, PagedKVCache, splice_fn
 from inferscale_jax.sampling import MAX_LOGPROBS, sample_tokens
+from inferscale_jax.structured import token_masks
 from models import ModelConfig, forward
 
 log = logging.getLogger("inferscale.runner")
@@ -100,6 +101,9 @@ class StepRow:
     # a sparse logit bias for this step's token (logit_bias, bad words, min_tokens: the scheduler's
     # ``Request.bias``): (token ids, values)
     bias: tuple[list[int], list[float]] | None = None
+    # the grammar's matcher of a constrained request whose next token this row samples
+    # (structured.py): the step masks the row's logits to the tokens it allows
+    matcher: object | None = None
 
     @property
     def cascade(self) -> bool:
@@ -146,7 +150,8 @@ class StepResult:
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "key", "precision", "filtered"), donate_argnames=("cache",))
-def _model_step(params, cache: PagedKVCache, ints, floats, shared=None, penalties=None, *, cfg: ModelConfig,
+def _model_step(params, cache: PagedKVCache, ints, floats, shared=None, penalties=None, token_mask=None, *,
+                cfg: ModelConfig,
                 key: StepKey, precision: str | None = None, filtered: bool = False):
     """One step over a flat token batch.  ``ints`` (int32, one host->device copy) is
     ``[tokens N | positions N | slots N | rows R x (W + 8)]`` with each row
@@ -155,7 +160,8 @@ def _model_step(params, cache: PagedKVCache, ints, floats, shared=None, penaltie
     [R, 2]`` float32 is (temperature, top_p).  penalties: None, or (gen_ids [R, Wg], prompt_ids
     [R, Wp] int32 (-1: padding), params [R, 4] float32 (presence, frequency, repetition, min_p),
     bias_ids [R, Wb] int32 (-1: padding), bias_vals [R, Wb] float32) when a row of the step has a
-    penalty, ``min_p`` or a logit bias (``sampling.apply_penalties``).
+    penalty, ``min_p`` or a logit bias (``sampling.apply_penalties``).  token_mask: None, or [R,
+    ceil(V / 32)] int32 allowed-token bits when a row of the step is constrained (structured.py).
     precision: the model's matmul precision (None: JAX's default).  filtered: some row has top-k
     or top-p (the sampler's vocabulary sort is compiled in; ``sampling.sample_tokens``)."""
     n, w = key.tokens, key.width
@@ -181,7 +187,7 @@ def _model_step(params, cache: PagedKVCache, ints, floats, shared=None, penaltie
         fed = jnp.where(src >= 0, tokens[last], -1)
         penalties = (jnp.concatenate([gen_ids, fed[:, None]], axis=1), prompt_ids, pen, bias_ids, bias_vals)
     tok, lp, top_ids, top_lp = sample_tokens(logits, floats[:, 0], top_k, floats[:, 1], row_keys, steps,
-                                             key.num_logprobs, penalties, filtered)
+                                             key.num_logprobs, penalties, filtered, token_mask)
     as_f32 = lambda x: jax.lax.bitcast_convert_type(x, jnp.float32)  # noqa: E731
     # one [R, 2 + 2n] float32 result: a single device->host copy per step
     packed = jnp.concatenate([as_f32(tok)[:, None], lp[:, None], as_f32(top_ids), top_lp], axis=1)
@@ -378,7 +384,7 @@ class ModelRunner:
         rows, num_logprobs, groups, src = plan.rows, plan.num_logprobs, plan.groups, plan.src
         assert src is None or (prev is not None and len(src) == len(rows))
         key, pen_key, host = self._pack(rows, num_logprobs, groups, src)
-        ints_d, floats_d, shared, penalties = self._to_device(host)
+        ints_d, floats_d, shared, penalties, token_mask = self._to_device(host)
         if self.stable_inputs:
             fed = dict(prev_ids=prev.sampled_ids(), tokens=key.tokens, width=key.width,
                        rows=key.rows) if src is not None else None
@@ -390,9 +396,9 @@ class ModelRunner:
             ints_d = self._helper(self._feed_key(key))(ints_d, prev.sampled_ids())
         exe = self.executables.get((key, pen_key, self.matmul_precision))
         if exe is None:
-            exe = self._compile(key, pen_key, (ints_d, floats_d, shared, penalties))
-        packed, self.cache = exe(self.params, self.cache, ints_d, floats_d, shared, penalties)
-        self._last = (exe, (ints_d, floats_d, shared, penalties))
+            exe = self._compile(key, pen_key, (ints_d, floats_d, shared, penalties, token_mask))
+        packed, self.cache = exe(self.params, self.cache, ints_d, floats_d, shared, penalties, token_mask)
+        self._last = (exe, (ints_d, floats_d, shared, penalties, token_mask))
         sampler = self._helper(("ids", key.rows, 2 + 2 * key.num_logprobs))
         return PendingStep(packed, len(rows), key.num_logprobs, num_logprobs, self.max_batch, sampler)
 
@@ -430,7 +436,7 @@ class ModelRunner:
 
     def _pack(self, rows: list[StepRow], num_logprobs: int, groups: list[int], src: list[int] | None):
         """The step's bucket, its penalty shape key and its host arrays (ints, floats, shared,
-        penalties), laid out as ``_model_step`` reads them."""
+        penalties, token_mask), laid out as ``_model_step`` reads them."""
         n = len(rows)
         s = self.page_size
         total = sum(len(r.tokens) for r in rows)
@@ -445,6 +451,10 @@ class ModelRunner:
                    if penalties is not None else ())
         if any(r.temperature > 0 and (r.top_k > 0 or r.top_p < 1.0) for r in rows):
             pen_key = (FILTERED,) + pen_key  # the sampler sorts the vocabulary: a variant of its own
+        constrained = [(r.matcher, i) for i, r in enumerate(rows) if r.matcher is not None]
+        token_mask = token_masks(constrained, b, self.cfg.vocab_size) if constrained else None
+        if token_mask is not None:
+            pen_key += ("mask",)  # the sampler masks the logits: a variant of its own
 
         ints = np.zeros((3 * t + b * (w + 8),), np.int32)
         tokens, positions, slots = ints[:t], ints[t:2 * t], ints[2 * t:3 * t]  # views
@@ -493,7 +503,7 @@ class ModelRunner:
         floats[:n] = float_l
         # padding tokens (flat index >= at) write into the null slot 0 at position 0
         shared = self._pack_groups(rows, groups, key) if groups else None
-        return key, pen_key, (ints, floats, shared, penalties)
+        return key, pen_key, (ints, floats, shared, penalties, token_mask)
 
     def _pack_groups(self, rows: list[StepRow], groups: list[int], key: StepKey) -> np.ndarray:
         """The group table as ``_model_step`` reads it: ``[G * Ps | G | R]`` int32 = each group's

@@ -62,6 +62,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from inferscale_jax.structured import StructuredOutputs
+
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256  # per stop string: each token decodes a tail window proportional to it
 MAX_STOP_TOKEN_IDS = 256
@@ -105,6 +107,8 @@ class SamplingParams:
     include_stop_str_in_output: bool = False  # text: keep the stop string that ended the output
     truncate_prompt_tokens: int | None = None  # keep only the prompt's last k tokens (segments kept)
     prompt_logprobs: int | None = None  # log-probs of the prompt's tokens + this many alternatives
+    # the output must match this grammar (a JSON schema, regex, choices, Lark / GBNF: structured.py)
+    structured_outputs: StructuredOutputs | None = None
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -200,6 +204,11 @@ class SamplingParams:
         if self.prompt_logprobs is not None and (not _is_int(self.prompt_logprobs)
                                                  or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS):
             bad("prompt_logprobs", self.prompt_logprobs, f"must be an integer in [0, {MAX_LOGPROBS}] or None")
+        if self.structured_outputs is not None:
+            if not isinstance(self.structured_outputs, StructuredOutputs):
+                bad("structured_outputs", f"<{type(self.structured_outputs).__name__}>",
+                    "must be a StructuredOutputs or None")
+            self.structured_outputs.validate()
 
 
 def step_bias(sampling: SamplingParams, generated: int, out_ids: list[int] | None, stop_ids,
@@ -276,10 +285,20 @@ def apply_penalties(logits: jax.Array, gen_ids: jax.Array, prompt_ids: jax.Array
     return logits
 
 
+def apply_token_mask(logits: jax.Array, mask: jax.Array) -> jax.Array:
+    """``logits`` [B, V] with the tokens ``mask`` [B, ceil(V / 32)] int32 does not allow set to
+    ``-inf`` (bit ``v % 32`` of word ``v // 32``: token ``v``; structured.py).  A row whose
+    mask allows nothing keeps its logits (the host ends such a request)."""
+    bits = (mask[:, :, None] >> jnp.arange(32, dtype=jnp.int32)) & 1  # [B, W, 32]
+    ok = bits.reshape(mask.shape[0], -1)[:, :logits.shape[1]] > 0
+    ok = ok | ~jnp.any(ok, axis=-1, keepdims=True)
+    return jnp.where(ok, logits, -jnp.inf)
+
+
 @functools.partial(jax.jit, static_argnames=("num_logprobs", "filtered"))
 def sample_tokens(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array,
                   keys: jax.Array, steps: jax.Array, num_logprobs: int = 0, penalties=None,
-                  filtered: bool = True):
+                  filtered: bool = True, token_mask=None):
     """Sample one token per row.
 
     ``filtered`` (static): whether any row may have top-k or top-p set; False skips the
@@ -291,7 +310,9 @@ def sample_tokens(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, t
     logits [B, V] float32; temperature/top_p [B] float32; top_k [B] int32 (0 = off);
     keys [B, 2] uint32 request keys; steps [B] int32 (folded into the key); penalties: None
     (no row has a penalty, ``min_p`` or a logit bias) or ``apply_penalties``'s arguments (gen_ids
-    [B, Wg], prompt_ids [B, Wp], params [B, 3 or 4], and optionally bias_ids [B, Wb], bias_vals [B, Wb]).
+    [B, Wg], prompt_ids [B, Wp], params [B, 3 or 4], and optionally bias_ids [B, Wb], bias_vals [B, Wb]);
+    token_mask: None (no row is constrained) or [B, ceil(V / 32)] int32 allowed-token bits
+    (``apply_token_mask``), applied after the penalties.
     Returns (tokens [B] int32, chosen_logprob [B] float32, top_ids [B, n], top_logprobs [B, n]);
     the log-probs are the raw logits' (module docstring).
     """
@@ -301,6 +322,8 @@ def sample_tokens(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, t
         logits = apply_penalties(logits, *penalties)  # what is sampled from; logprobs stay raw
         if penalties[2].shape[1] > 3:
             min_p = penalties[2][:, 3]  # [B]
+    if token_mask is not None:
+        logits = apply_token_mask(logits, token_mask)
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
 
     t = jnp.maximum(temperature, 1e-6)[:, None]

@@ -65,6 +65,7 @@ when finished); ``AsyncEngine`` turns them into per-request streams.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import logging
 import math
@@ -128,6 +129,8 @@ class Request:
     bad_words_ids: list[list[int]] = dataclasses.field(default_factory=list)
     prompt_logprobs: list | None = None  # per prompt token (``Engine.submit`` with prompt_logprobs)
     prompt_ids: list[int] | None = None  # the client's prompt ids (with prompt_logprobs)
+    # structured outputs (structured.py): its grammar's matcher, or a future of it while it compiles
+    grammar: object | None = None
 
     def __post_init__(self):
         sp = self.sampling
@@ -135,7 +138,13 @@ class Request:
         self.processed = sp.has_penalty or sp.has_bias or sp.min_p > 0
         # its next row's bias depends on its last generated token (a multi-token bad word), so that
         # token must be on the host before the row is built (no device feed)
-        self.needs_host_tail = any(len(w) > 1 for w in self.bad_words_ids)
+        self.needs_host_tail = any(len(w) > 1 for w in self.bad_words_ids) or self.grammar is not None
+
+    @property
+    def matcher(self):
+        """Its grammar's matcher once compiled (None: unconstrained, or still compiling)."""
+        g = self.grammar
+        return g if g is not None and not isinstance(g, concurrent.futures.Future) else None
 
     @property
     def prefilling(self) -> bool:
@@ -159,6 +168,9 @@ class Request:
             if sp.has_bias:
                 row.bias = step_bias(sp, step, None if fed else self.out_ids, self.stop_ids or (),
                                      self.bad_words_ids)
+        if self.grammar is not None and start + len(tokens) >= self.prefill_end:  # (a row that samples)
+            assert not fed, "a constrained row's previous token must be on the host"
+            row.matcher = self.matcher
         return row
 
 
@@ -212,6 +224,7 @@ class Scheduler:
         # overlapped decode: the decode step dispatched last, not yet read, and its requests
         # (step, [(request or node job, its row, whether the row samples the request's next token)])
         self.inflight: tuple[PendingStep, list[tuple]] | None = None
+        self.compiling: list[Request] = []  # requests whose grammar is compiling (structured.py)
 
     # -- queue ----------------------------------------------------------------------------
     def add(self, req: Request) -> None:
@@ -219,10 +232,30 @@ class Scheduler:
         sp = req.sampling
         req.stop_ids = frozenset(sp.stop_token_ids) | frozenset(() if sp.ignore_eos else self.cfg.eos_token_ids)
         self.requests[req.id] = req
-        self.waiting.append(req)
+        if isinstance(req.grammar, concurrent.futures.Future):
+            req.status = "compiling"  # its grammar compiles off this thread (structured.py)
+            self.compiling.append(req)
+        else:
+            self.waiting.append(req)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running or self.jobs)
+        return bool(self.waiting or self.running or self.jobs or self.compiling)
+
+    def _compiled(self) -> None:
+        """Queue the requests whose grammar finished compiling; fail those whose did not."""
+        if not self.running and not self.waiting and not self.jobs and self.inflight is None:
+            concurrent.futures.wait([r.grammar for r in self.compiling], timeout=0.01,
+                                    return_when=concurrent.futures.FIRST_COMPLETED)  # (nothing else to do)
+        for req in [r for r in self.compiling if r.grammar.done()]:
+            self.compiling.remove(req)
+            try:
+                req.grammar = req.grammar.result()
+            except Exception as err:  # noqa: BLE001 - a grammar that does not compile fails its request alone
+                self._fail(req, err if isinstance(err, ValueError) else ValueError(
+                    f"structured output does not compile: {type(err).__name__}: {err}"), self.failed)
+                continue
+            req.status = "waiting"
+            self.waiting.append(req)
 
     def drain(self) -> list[RequestOutput]:
         """Read the in-flight step (if any) and apply its results."""
@@ -235,11 +268,15 @@ class Scheduler:
             return None
         if req.status == "waiting":
             self.waiting.remove(req)
+        elif req.status == "compiling":
+            self.compiling.remove(req)
         return self._finish(req, "abort")
 
     # -- one iteration --------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         self._finished = []  # every request this step finishes (``finished_in_step``)
+        if self.compiling:
+            self._compiled()
         self._admit()
         outs, self.failed = self.failed, []
         if self.inflight is not None or self.running or any(j.seq is not None for j in self.jobs.values()):
@@ -736,6 +773,10 @@ class Scheduler:
         n = len(req.out_ids)
         if tok in req.stop_ids and n > sp.min_tokens:  # (the device banned them before min_tokens)
             return self._finish(req, "stop", [tok])
+        matcher = req.matcher
+        if matcher is not None and not matcher.consume_token(tok):
+            raise ValueError(f"structured output: the sampled token {tok} is outside the grammar "
+                             f"({matcher.get_error() or 'no token was allowed'})")
         if sp.stop and n >= sp.min_tokens:
             # only the tail can hold a stop string that this token completed: a string of L
             # characters spans at most 4 L byte-level tokens, so decoding is O(L) per token
@@ -748,6 +789,8 @@ class Scheduler:
                     at, hit = min(hits)
                     req.text = text[:at + len(hit)] if sp.include_stop_str_in_output else text[:at]
                     return self._finish(req, "stop", [tok])
+        if matcher is not None and matcher.is_stopped():  # the grammar is complete: nothing may follow
+            return self._finish(req, "stop", [tok])
         if len(req.out_ids) >= sp.max_tokens:
             return self._finish(req, "length", [tok])
         req.seq.tokens.append(tok)  # fed to the next decode step
