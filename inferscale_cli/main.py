@@ -363,6 +363,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--model-name", help=argparse.SUPPRESS)  # deprecated: one --served-model-name
     s.add_argument("--chat-template", metavar="FILE|TEMPLATE",
                    help="a Jinja chat template (a file, or the template text) replacing the tokenizer's")
+    s.add_argument("--tool-call-parser", choices=["llama3_json", "hermes", "mistral"],
+                   help="how chat tool calls are read from the model's output with tool_choice auto (default: by "
+                        "the model's architecture: Llama llama3_json, Mistral mistral, others hermes)")
     s.add_argument("--host", default="127.0.0.1", help="bind address (default: %(default)s)")
     s.add_argument("--port", type=port, default=8000, help="1-65535, bound before the model loads "
                    "(default: %(default)s)")

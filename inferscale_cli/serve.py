@@ -153,7 +153,8 @@ def _create_app(create_app, async_engine, keys, args, names: list[str], template
     return create_app(async_engine, api_keys=keys, max_body_bytes=args.max_body_bytes, max_waiting=args.max_waiting,
                       body_timeout_s=args.body_timeout, default_max_tokens=args.default_max_tokens,
                       model_names=names, log_requests=args.log_requests, chat_template=template,
-                      max_waiting_per_tenant=args.max_waiting_per_tenant)
+                      max_waiting_per_tenant=args.max_waiting_per_tenant,
+                      tool_call_parser=getattr(args, "tool_call_parser", None))
 
 
 def cmd_serve(args) -> int:

@@ -55,6 +55,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from inferscale_jax.async_engine import AsyncEngine
 from inferscale_jax.engine_rpc import AdminRequired, run_rpc
+from serving import tools
 from serving.auth import LOCAL, Principal, load_api_keys
 from serving.chat import check_template
 from serving.connections import GuardedH11Protocol
@@ -99,7 +100,7 @@ class ServerState:
     an exponential moving average), 1-60 s."""
 
     def __init__(self, async_engine, *, api_keys, max_waiting, model_names, default_max_tokens,
-                 chat_template=None, max_waiting_per_tenant=None):
+                 chat_template=None, max_waiting_per_tenant=None, tool_call_parser=None):
         self.async_engine = async_engine
         self.engine = async_engine.engine
         tok = getattr(self.engine, "tokenizer", None)
@@ -117,6 +118,10 @@ class ServerState:
         self.model_name = self.model_names[0]  # the name responses carry
         self.default_max_tokens = default_max_tokens
         self.chat_template = chat_template
+        if tool_call_parser is not None and tool_call_parser not in tools.PARSERS:
+            raise ValueError(f"tool_call_parser={tool_call_parser!r} is invalid: one of {tools.PARSERS}")
+        self._tool_parser = tool_call_parser
+        self._grammars = None
         self.metrics = ServerMetrics()
         self.pending = 0  # requests submitted but without a first token yet (generation.py, 2)
         self.started = int(time.time())
@@ -131,6 +136,23 @@ class ServerState:
         if rpc is not None:
             return await rpc(name, *args, **kwargs)
         return await self.async_engine.call(run_rpc, self.engine, name, args, kwargs)
+
+    @property
+    def tool_parser(self) -> str:
+        """How tool calls are read with ``tool_choice`` auto (serving/tools.py)."""
+        cfg = getattr(self.engine, "cfg", None)
+        return self._tool_parser or tools.default_parser(getattr(cfg, "architecture", ""))
+
+    @property
+    def grammars(self):
+        """This process's grammar compiler (inferscale_jax/structured.py): requests' schemas are
+        compiled here before queueing (serving/response_format.py), so a bad one is a 400."""
+        if self._grammars is None:
+            from inferscale_jax.structured import GrammarCompiler
+
+            cfg = self.engine.cfg
+            self._grammars = GrammarCompiler(self.tokenizer, cfg.vocab_size, cfg.eos_token_ids)
+        return self._grammars
 
     def decode(self, ids: list[int]) -> str:
         if self.tokenizer is None:
@@ -318,7 +340,7 @@ def create_app(engine_or_async_engine, *, api_keys=None, max_body_bytes: int = 2
                max_waiting: int | None = None, model_names: list[str] | str | None = None,
                model_name: str | None = None, default_max_tokens: int = 256, body_timeout_s: float = 30.0,
                chat_template: str | None = None, log_requests: bool = False,
-               max_waiting_per_tenant: int | None = None) -> FastAPI:
+               max_waiting_per_tenant: int | None = None, tool_call_parser: str | None = None) -> FastAPI:
     """The app.  ``engine_or_async_engine``: an ``Engine`` (wrapped in an ``AsyncEngine`` the app
     owns and shuts down) or an ``AsyncEngine`` (the caller owns it).  ``api_keys``: ``None``
     (one local tenant), a path to a JSON/TOML key file, a mapping, or ``ApiKeys``.
@@ -332,7 +354,8 @@ def create_app(engine_or_async_engine, *, api_keys=None, max_body_bytes: int = 2
     completely within this many seconds (else 408 and the connection is closed).
     ``chat_template``: a Jinja chat template replacing the tokenizer's (``--chat-template``);
     a template that cannot render raises ``ValueError`` here, before serving.  ``log_requests``:
-    one JSON log line per request.  Run it with ``uvicorn.run(app, ..., **UVICORN_OPTIONS)``."""
+    one JSON log line per request.  ``tool_call_parser``: how chat tool calls are read with
+    ``tool_choice`` auto (serving/tools.py; None: by the model's architecture).  Run it with ``uvicorn.run(app, ..., **UVICORN_OPTIONS)``."""
     if max_body_bytes < 1 or any(x is not None and x < 1 for x in (max_waiting, max_waiting_per_tenant)):
         raise ValueError(f"max_body_bytes={max_body_bytes}, max_waiting={max_waiting} and max_waiting_per_tenant="
                          f"{max_waiting_per_tenant} must be >= 1")
@@ -344,7 +367,7 @@ def create_app(engine_or_async_engine, *, api_keys=None, max_body_bytes: int = 2
     ae = AsyncEngine(engine_or_async_engine) if owned else engine_or_async_engine
     state = ServerState(ae, api_keys=load_api_keys(api_keys), max_waiting=max_waiting, model_names=names,
                         default_max_tokens=default_max_tokens, chat_template=chat_template,
-                        max_waiting_per_tenant=max_waiting_per_tenant)
+                        max_waiting_per_tenant=max_waiting_per_tenant, tool_call_parser=tool_call_parser)
     check_template(state.tokenizer, chat_template)
     engine = state.engine
     model_name = state.model_name

@@ -33,6 +33,7 @@ import dataclasses
 import re
 import secrets
 
+from serving import tools
 from serving.errors import APIError
 
 _MARK = re.compile("\ue000is-seg-([0-9]+)-([0-9a-f]{8})\ue001")
@@ -50,6 +51,7 @@ class ChatPrompt:
     placed: list[str]  # segment ids, in placeholder order
     nonce: str
     options: dict | None = None  # the request's chat_template_kwargs (the session save renders with them)
+    tools: list | None = None  # the request's tools (serving/tools.py; the session save renders with them)
 
 
 def _messages(req, nonce: str) -> tuple[list[dict], list[str]]:
@@ -68,6 +70,10 @@ def _messages(req, nonce: str) -> tuple[list[dict], list[str]]:
         d = {"role": m.role, "content": text}
         if m.name is not None:
             d["name"] = m.name
+        if m.tool_calls:
+            d["tool_calls"] = m.tool_calls
+        if m.tool_call_id is not None:
+            d["tool_call_id"] = m.tool_call_id
         out.append(d)
     if req.segments:
         marks = "\n\n".join(mark(sid) for sid in req.segments)
@@ -76,16 +82,19 @@ def _messages(req, nonce: str) -> tuple[list[dict], list[str]]:
             out.insert(0, {"role": "system", "content": marks})
         else:
             system["content"] = f"{system['content']}\n\n{marks}" if system["content"] else marks
-    return out, placed
+    return tools.template_messages(out), placed
 
 
 def _render(tok, messages: list[dict], generation_prompt: bool, template: str | None = None,
-            options: dict | None = None, continue_final: bool = False) -> str:
+            options: dict | None = None, continue_final: bool = False, tool_list: list | None = None) -> str:
     """The template's text for ``messages``; ``template``: the server's ``--chat-template`` (None:
-    the tokenizer's); ``options``: the request's ``chat_template_kwargs`` (template variables)."""
+    the tokenizer's); ``options``: the request's ``chat_template_kwargs`` (template variables);
+    ``tool_list``: the request's tools (serving/tools.py), rendered as the template does."""
     kwargs = dict(options or {})
     if continue_final:
         kwargs["continue_final_message"] = True
+    if tool_list:
+        kwargs["tools"] = tool_list
     try:
         return tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt,
                                        chat_template=template, **kwargs)
@@ -150,21 +159,23 @@ def require_template(tok, template: str | None = None) -> None:
                        "format", "no_chat_template")
 
 
-async def build(tok, req, tokenize, bos: list[int], template: str | None = None) -> ChatPrompt:
+async def build(tok, req, tokenize, bos: list[int], template: str | None = None,
+                tool_list: list | None = None) -> ChatPrompt:
     """The engine's chain items and prompt ids of a chat request (module docstring);
-    ``template``: the server's ``--chat-template`` (None: the tokenizer's)."""
+    ``template``: the server's ``--chat-template`` (None: the tokenizer's); ``tool_list``: the
+    request's checked tools."""
     require_template(tok, template)
     nonce = secrets.token_hex(4)
     messages, placed = _messages(req, nonce)
     text = _render(tok, messages, req.add_generation_prompt, template, req.chat_template_kwargs,
-                   req.continue_final_message)
+                   req.continue_final_message, tool_list)
     items, last = await _split(text, placed, nonce, tokenize, bos)
-    return ChatPrompt(items, last, messages, placed, nonce, req.chat_template_kwargs)
+    return ChatPrompt(items, last, messages, placed, nonce, req.chat_template_kwargs, tool_list)
 
 
 async def save_items(tok, prompt: ChatPrompt, reply: str, tokenize, bos: list[int],
                      template: str | None = None) -> tuple[list, list[int]]:
     """The session's content after this turn: the messages plus the reply, no generation prompt."""
     messages = [*prompt.messages, {"role": "assistant", "content": reply}]
-    text = _render(tok, messages, False, template, prompt.options)
+    text = _render(tok, messages, False, template, prompt.options, tool_list=prompt.tools)
     return await _split(text, prompt.placed, prompt.nonce, tokenize, bos)

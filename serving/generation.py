@@ -53,7 +53,8 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from inferscale_jax.sampling import SamplingParams
-from serving import chat
+from inferscale_jax.structured import StructuredOutputs
+from serving import chat, response_format, tools
 from serving.auth import Principal
 from serving.errors import APIError, from_engine, internal_error, invalid_field
 from serving.middleware import LOG_KEY
@@ -85,6 +86,11 @@ class Job:
     scores: list | None = None  # per prompt: engine PromptScores (filled before generation)
     score_only: bool = False  # max_tokens == 0: the prompt's scores, no generation
     ignored: list[str] = dataclasses.field(default_factory=list)  # x-inferscale-ignored-fields
+    # structured outputs: (the spec, the field that gave it), compiled before admission
+    structured: tuple | None = None
+    # chat tools (serving/tools.py): None (no tools / "none"), "auto", "required" or a function name
+    tool_choice: str | None = None
+    tool_parser: str = "hermes"
 
     @property
     def num_prompts(self) -> int:
@@ -106,7 +112,8 @@ def _check_model(state, model: str | None) -> None:
                        "(GET /v1/models)", "model_not_found", "model")
 
 
-def _sampling(req, max_tokens: int, logprobs: int | None, seed: int | None) -> SamplingParams:
+def _sampling(req, max_tokens: int, logprobs: int | None, seed: int | None,
+              structured: StructuredOutputs | None = None) -> SamplingParams:
     try:
         return SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
                               top_k=req.top_k, seed=seed, stop=list(req.stop or []),
@@ -117,15 +124,16 @@ def _sampling(req, max_tokens: int, logprobs: int | None, seed: int | None) -> S
                               bad_words=list(req.bad_words), skip_special_tokens=req.skip_special_tokens,
                               spaces_between_special_tokens=req.spaces_between_special_tokens,
                               include_stop_str_in_output=req.include_stop_str_in_output,
-                              truncate_prompt_tokens=req.truncate_prompt_tokens)
+                              truncate_prompt_tokens=req.truncate_prompt_tokens, structured_outputs=structured)
     except ValueError as e:
         raise from_engine(e) from None
 
 
 def _job(state, kind: str, req, principal: Principal, prompts: list[dict], max_tokens: int, logprobs,
-         echo: list[str] | None = None) -> Job:
+         echo: list[str] | None = None, structured: tuple | None = None) -> Job:
     """One submit per prompt and sample; ``max_tokens == 0`` (completions with echo or
-    prompt_logprobs) still builds them, as the scoring requests' arguments."""
+    prompt_logprobs) still builds them, as the scoring requests' arguments.  ``structured``:
+    (StructuredOutputs, the field that gave it) or None."""
     _check_model(state, req.model)
     if req.seed is not None and req.seed + req.n - 1 >= 2**63:
         raise invalid_field(f"seed={req.seed} is too large for n={req.n}: sample i uses seed + i, which must stay "
@@ -138,11 +146,12 @@ def _job(state, kind: str, req, principal: Principal, prompts: list[dict], max_t
             seed = None if req.seed is None else req.seed + i
             choice = p * req.n + i
             submits.append(dict(prompt, segments=list(req.segments), tenant=principal.tenant, mode=req.mode,
-                                sampling=_sampling(req, max(max_tokens, 1), logprobs, seed),
+                                sampling=_sampling(req, max(max_tokens, 1), logprobs, seed,
+                                                   structured[0] if structured else None),
                                 request_id=f"{rid}-{choice}" if many else rid))
     job = Job(kind, rid, submits, req.stream, req.include_usage, logprobs, list(req.stop or []), n=req.n,
               echo=echo or [], continuous_usage=req.continuous_usage, prompt_logprobs=req.prompt_logprobs,
-              score_only=max_tokens == 0, ignored=req.ignored_fields())
+              score_only=max_tokens == 0, ignored=req.ignored_fields(), structured=structured)
     echo_lp = kind == "completion" and req.echo and logprobs is not None
     if echo_lp or req.prompt_logprobs is not None:
         job.echo_logprobs = echo_lp
@@ -171,18 +180,33 @@ def completion_job(state, req: CompletionRequest, principal: Principal) -> Job:
             prompts.append(dict(prompt_token_ids=p))
             echo.append(_echo_ids(state, p) if req.echo else "")
     max_tokens = COMPLETION_DEFAULT_MAX_TOKENS if req.max_tokens is None else req.max_tokens
-    return _job(state, "completion", req, principal, prompts, max_tokens, req.logprobs, echo if req.echo else None)
+    for field in ("tools", "tool_choice"):
+        if getattr(req, field) not in (None, [], "none"):
+            raise invalid_field(f"{field} is a chat field: send it to /v1/chat/completions", field)
+    so, field = response_format.spec(req)
+    return _job(state, "completion", req, principal, prompts, max_tokens, req.logprobs, echo if req.echo else None,
+                structured=(so, field) if so is not None else None)
 
 
 async def chat_job(state, req: ChatCompletionRequest, principal: Principal) -> Job:
     """Segments placed inside the messages and the session (``chat.py``) become the submits' chain
     items, prompt ids and ``session``."""
     chat.require_template(state.tokenizer, state.chat_template)
-    prompt = await chat.build(state.tokenizer, req, _tokenizer(state), state.engine.bos_prefix, state.chat_template)
+    tool_list, choice = tools.check(req.tools, req.tool_choice)
+    so, field = response_format.spec(req)
+    forced = tools.grammar(tool_list, choice, req.parallel_tool_calls)
+    if forced is not None:
+        if so is not None:
+            raise invalid_field(f"tool_choice={req.tool_choice!r} constrains the output and so does {field}: send one "
+                                "of them", field)
+        so, field = forced, "tool_choice"
+    prompt = await chat.build(state.tokenizer, req, _tokenizer(state), state.engine.bos_prefix, state.chat_template,
+                              tool_list if choice is not None else None)
     max_tokens = req.max_completion_tokens or req.max_tokens or state.default_max_tokens
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     job = _job(state, "chat", req, principal, [dict(prompt_token_ids=prompt.prompt_token_ids, session=req.session)],
-               max_tokens, logprobs)
+               max_tokens, logprobs, structured=(so, field) if so is not None else None)
+    job.tool_choice, job.tool_parser = choice, state.tool_parser
     for sub in job.submits:
         sub["segments"] = list(prompt.segments)
     if req.session is not None:
@@ -305,6 +329,8 @@ async def run_job(state, request: Request, job: Job) -> Response:
                   mode=job.submits[0]["mode"], stream=job.stream)
     if len(job.submits) > 1:
         fields["n"] = len(job.submits)
+    if job.structured is not None:  # a 400 before it is queued (serving/response_format.py)
+        await response_format.check(state, *job.structured)
     admitted, tenant = job.num_prompts, job.submits[0]["tenant"]
     state.admit(admitted, tenant)
     streams: list = [None] * len(job.submits)
@@ -502,8 +528,9 @@ def _full_response(state, job: Job, outs: list) -> dict:
         if job.logprobs is not None and out.logprobs is not None:
             lp = _logprobs(state, job, out.token_ids, out.logprobs, 0 if job.echo_logprobs else len(echo))
         if job.kind == "chat":
-            choices.append({"index": i, "message": {"role": "assistant", "content": out.text}, "logprobs": lp,
-                            "finish_reason": out.finish_reason})
+            msg, calls = tools.message(out.text, job.tool_choice, job.tool_parser)
+            choices.append({"index": i, "message": msg, "logprobs": lp,
+                            "finish_reason": tools.finish_reason(out.finish_reason, job.tool_choice, calls)})
         else:
             extra = _prompt_fields(state, job, i)
             if "logprobs" in extra:
@@ -524,14 +551,16 @@ def _chunk_object(job: Job) -> str:
 
 def _chunk(state, job: Job, created: int, index: int, text: str | None, finish: str | None,
            role: bool = False, logprobs: dict | None = None, usage: dict | None = None,
-           extra: dict | None = None) -> str:
-    if text and not (role or finish or logprobs or usage or extra):  # the per-token chunk: no dict, one dumps
+           extra: dict | None = None, tool_calls: list | None = None) -> str:
+    if text and not (role or finish or logprobs or usage or extra or tool_calls):  # the per-token chunk: no dict, one dumps
         field = '"delta": {"content": %s}' if job.kind == "chat" else '"text": %s'
         return (f'data: {{"id": "{job.id}", "object": "{_chunk_object(job)}", "created": {created}, '
                 f'"model": {json.dumps(state.model_name, ensure_ascii=False)}, "choices": [{{"index": {index}, '
                 f'{field % json.dumps(text, ensure_ascii=False)}, "logprobs": null, "finish_reason": null}}]}}\n\n')
     if job.kind == "chat":
         delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
+        if tool_calls:
+            delta["tool_calls"] = tool_calls
         choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
     else:
         choice = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
@@ -555,6 +584,8 @@ class _Choice:
         if job.echo_logprobs and job.scores is not None:
             self.offset = sum(len(t) for t in _echo_logprobs(state, job, index)["tokens"])
         self.held: list[tuple[str, list[int]]] = []  # chunks waiting for their log-probs
+        # chat with tools: which text is content and which is tool calls (serving/tools.py)
+        self.tools = tools.Stream(job.tool_choice, job.tool_parser) if job.tool_choice is not None else None
 
     def usage(self) -> dict | None:
         if not self.job.continuous_usage:
@@ -582,10 +613,13 @@ class _Choice:
         return obj
 
     def _content(self, created: int, piece: str, logprobs: dict | None) -> list[str]:
-        if not piece and logprobs is None:
+        calls = None
+        if self.tools is not None:
+            piece, calls = self.tools.feed(piece)
+        if not piece and logprobs is None and not calls:
             return []
         return [_chunk(self.state, self.job, created, self.index, piece, None, logprobs=logprobs,
-                       usage=self.usage())]
+                       usage=self.usage(), tool_calls=calls)]
 
     def chunks(self, created: int, delta) -> list[str]:
         """The chunks for one delta: its text (``delta.text``, AsyncEngine's incremental
@@ -615,7 +649,13 @@ class _Choice:
                     pos += len(held_ids)
                     out += self._content(created, held_piece, lp)
                 self.held = []
-            out.append(_chunk(self.state, job, created, self.index, None, result.finish_reason, usage=self.usage()))
+            reason = result.finish_reason
+            if self.tools is not None:
+                piece, calls = self.tools.end()
+                if piece or calls:
+                    out.append(_chunk(self.state, job, created, self.index, piece, None, tool_calls=calls))
+                reason = tools.finish_reason(reason, job.tool_choice, self.tools.has_calls)
+            out.append(_chunk(self.state, job, created, self.index, None, reason, usage=self.usage()))
         return out
 
 

@@ -46,12 +46,16 @@ Parameters (C: ``/v1/completions``, Ch: ``/v1/chat/completions``):
  ``service_tier``,
  ``prompt_cache_key``,
  ``safety_identifier``,
- ``parallel_tool_calls``,
- ``priority``
- ``response_format``,           C Ch   only neutral: ``{"type": "text"}``, ``[]``, ``"none"``,
- ``tools``, ``tool_choice``,           ``best_of`` 1, ``suffix`` null (ignored); other values 400
- ``functions``,
- ``function_call``,
+ ``priority``,
+ ``guided_decoding_backend``
+ ``response_format``,           C Ch   structured outputs, enforced by a grammar on the device
+ ``structured_outputs``,               (serving/response_format.py): json_object, json_schema;
+ ``guided_json``, ``_regex``,          vLLM's json / regex / choice / grammar (Lark or GBNF)
+ ``_choice``, ``_grammar``
+ ``tools``, ``tool_choice``,    Ch     tool calling in the model family's format (serving/tools.py);
+ ``parallel_tool_calls``               messages: assistant ``tool_calls``, ``tool`` + ``tool_call_id``
+ ``functions``,                 C Ch   only neutral: ``[]``, ``"none"``, ``best_of`` 1, ``suffix``
+ ``function_call``,                    null (ignored); other values 400
  ``best_of``, ``suffix``
 =============================  =====  ==========================================================
 
@@ -114,13 +118,10 @@ class StreamOptions(_Strict):
 # Known OpenAI / vLLM fields that do not change the output: accepted, listed in the response
 # header x-inferscale-ignored-fields (docs/architecture.md, "Field policy").
 IGNORED_FIELDS = ("user", "store", "metadata", "service_tier", "prompt_cache_key", "safety_identifier",
-                  "parallel_tool_calls", "priority")
+                  "priority", "guided_decoding_backend")
 # Known fields accepted only with their neutral value (then listed as ignored); any other value is
 # a 400 saying the effect is not built.  name -> (is this value neutral?, what to send instead)
 _NEUTRAL = {
-    "response_format": (lambda v: v is None or v == {"type": "text"}, 'omit it or send {"type": "text"}'),
-    "tools": (lambda v: not v, "omit it or send []: tool calling is not implemented"),
-    "tool_choice": (lambda v: v in (None, "none"), 'omit it or send "none": tool calling is not implemented'),
     "functions": (lambda v: not v, "omit it or send []: function calling is not implemented"),
     "function_call": (lambda v: v in (None, "none"), 'omit it or send "none"'),
     "best_of": (lambda v: v in (None, 1), "omit it or send 1; n=... returns several samples"),
@@ -128,8 +129,7 @@ _NEUTRAL = {
     "use_beam_search": (lambda v: v in (None, False), "omit it or send false (beam search is not implemented)"),
 }
 # Known fields whose effect is not built: any value but null is a 400 saying so.
-UNSUPPORTED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs",
-                      "guided_decoding_backend", "chat_template", "documents", "mm_processor_kwargs", "audio",
+UNSUPPORTED_FIELDS = ("chat_template", "documents", "mm_processor_kwargs", "audio",
                       "modalities", "prediction", "reasoning_effort", "web_search_options")
 
 
@@ -167,22 +167,23 @@ class _Generation(_Strict):
     service_tier: str | None = None
     prompt_cache_key: str | None = None
     safety_identifier: str | None = None
-    parallel_tool_calls: bool | None = None
     priority: int | None = None
-    # accepted only when neutral (_NEUTRAL)
+    guided_decoding_backend: str | None = None
+    # structured outputs (serving/response_format.py) and tools (serving/tools.py)
     response_format: dict | None = None
+    structured_outputs: dict | None = None
+    guided_json: dict | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
     tools: list | None = None
     tool_choice: str | dict | None = None
+    parallel_tool_calls: bool | None = None
+    # accepted only when neutral (_NEUTRAL)
     functions: list | None = None
     function_call: str | dict | None = None
     use_beam_search: bool | None = None
     # known, not built (UNSUPPORTED_FIELDS)
-    guided_json: object = None
-    guided_regex: object = None
-    guided_choice: object = None
-    guided_grammar: object = None
-    structured_outputs: object = None
-    guided_decoding_backend: object = None
     chat_template: object = None
     documents: object = None
     mm_processor_kwargs: object = None
@@ -302,6 +303,8 @@ class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[Annotated[TextPart | SegmentPart, Field(discriminator="type")]] | None = None
     name: str | None = None
+    tool_calls: list[dict] | None = None  # an earlier assistant turn's calls (serving/tools.py)
+    tool_call_id: str | None = None  # a tool message: the call it answers
 
 
 class ChatCompletionRequest(_Generation):

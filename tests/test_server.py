@@ -356,9 +356,11 @@ def test_openai_client(server, http, ref):
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model="tiny", messages=messages, n=17)
     assert e.value.body["param"] == "n" and e.value.body["code"] == "invalid_field"
-    with pytest.raises(openai.BadRequestError) as e:
-        client.chat.completions.create(model="tiny", messages=messages, response_format={"type": "json_object"})
-    assert "unsupported field 'response_format'" in e.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as e:  # a schema that does not compile: 400 before it is queued
+        client.chat.completions.create(model="tiny", messages=messages, response_format={
+            "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object", "properties": {
+                "a": {"type": "strin"}}}}})
+    assert e.value.body["param"] == "response_format" and "strin" in e.value.body["message"]
     with pytest.raises(openai.BadRequestError):
         client.post("/segments", body={"id": "bad id", "text": "x"}, cast_to=object)
     # n samples through the client: indices 0..n-1

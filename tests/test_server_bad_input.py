@@ -87,9 +87,20 @@ CASES = [
     ("repetition_penalty > 2", "POST", C, {"prompt": "hi", "repetition_penalty": 2.5}, 400, "invalid_field"),
     ("best_of 2", "POST", C, {"prompt": "hi", "best_of": 2}, 400, "invalid_field"),
     ("suffix", "POST", C, {"prompt": "hi", "suffix": "end"}, 400, "invalid_field"),
-    ("guided_json", "POST", C, {"prompt": "hi", "guided_json": {"type": "object"}}, 400, "invalid_field"),
-    ("chat: response_format", "POST", CHAT, {"messages": OK_CHAT, "response_format": {"type": "json_object"}},
+    ("guided_regex that does not compile", "POST", C, {"prompt": "hi", "guided_regex": "[a-"}, 400,
+     "invalid_field"),
+    ("guided_json not a schema", "POST", C, {"prompt": "hi", "guided_json": [1, 2]}, 400, "invalid_field"),
+    ("two structured outputs", "POST", C, {"prompt": "hi", "guided_regex": "a+", "guided_choice": ["a"]}, 400,
+     "invalid_field"),
+    ("chat: response_format type", "POST", CHAT, {"messages": OK_CHAT, "response_format": {"type": "xml"}},
      400, "invalid_field"),
+    ("chat: json_schema without schema", "POST", CHAT, {"messages": OK_CHAT, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "x"}}}, 400, "invalid_field"),
+    ("chat: tool_choice names no tool", "POST", CHAT, {"messages": OK_CHAT, "tool_choice": {
+        "type": "function", "function": {"name": "g"}}, "tools": [
+        {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]}, 400, "invalid_field"),
+    ("tools on completions", "POST", C, {"prompt": "hi", "tools": [
+        {"type": "function", "function": {"name": "f"}}]}, 400, "invalid_field"),
     ("chat: tool_choice", "POST", CHAT, {"messages": OK_CHAT, "tool_choice": "auto"}, 400, "invalid_field"),
     ("chat: functions", "POST", CHAT, {"messages": OK_CHAT, "functions": [{"name": "f"}]}, 400, "invalid_field"),
     ("chat: echo", "POST", CHAT, {"messages": OK_CHAT, "echo": True}, 400, "invalid_field"),
@@ -105,7 +116,7 @@ CASES = [
     ("chat: messages not a list", "POST", CHAT, {"messages": "hi"}, 400, "invalid_field"),
     ("chat: unknown role", "POST", CHAT, {"messages": [{"role": "robot", "content": "hi"}]}, 400, "invalid_field"),
     ("chat: content number", "POST", CHAT, {"messages": [{"role": "user", "content": 3}]}, 400, "invalid_field"),
-    ("chat: tools unsupported", "POST", CHAT, {"messages": OK_CHAT, "tools": [{"type": "function"}]}, 400,
+    ("chat: tool without function", "POST", CHAT, {"messages": OK_CHAT, "tools": [{"type": "function"}]}, 400,
      "invalid_field"),
     ("chat: continue a user message", "POST", CHAT, {"messages": OK_CHAT, "continue_final_message": True,
                                                      "add_generation_prompt": False}, 400, "invalid_field"),
@@ -139,12 +150,15 @@ PARAMS = {"stream as string": "stream", "max_tokens negative": "max_tokens", "te
           "n = 17": "n", "max_tokens 10**30": "max_tokens", "seed + n overflows": "seed",
           "presence_penalty > 2": "presence_penalty",
           "repetition_penalty > 2": "repetition_penalty", "best_of 2": "best_of", "suffix": "suffix",
-          "logit_bias out of range": "logit_bias.5", "chat: response_format": "response_format", "chat: echo": "echo",
+          "logit_bias out of range": "logit_bias.5", "chat: response_format type": "response_format",
+          "chat: echo": "echo", "guided_regex that does not compile": "guided_regex",
+          "chat: json_schema without schema": "response_format", "chat: tool_choice names no tool": "tool_choice",
+          "chat: tool_choice": "tool_choice", "chat: tool without function": "tools[0]",
+          "tools on completions": "tools", "two structured outputs": "guided_choice",
           "segment: id with newline": "id", "segment: id with space": "id", "segment: id too long": "id"}
 # unsupported fields: rejected with a message that says so, naming the field
-UNSUPPORTED = {"unknown field": "foo", "typo max_token": "max_token", "chat: tools unsupported": "tools",
-               "best_of 2": "best_of", "suffix": "suffix", "guided_json": "guided_json",
-               "chat: response_format": "response_format", "chat: tool_choice": "tool_choice",
+UNSUPPORTED = {"unknown field": "foo", "typo max_token": "max_token",
+               "best_of 2": "best_of", "suffix": "suffix",
                "chat: functions": "functions", "chat: echo": "echo"}
 
 

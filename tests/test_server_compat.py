@@ -131,17 +131,16 @@ def test_continuous_usage_stats(http, ref):
 
 def test_field_policy(http):
     body = {"prompt": "hi", "max_tokens": 2, "store": False, "metadata": {"k": "v"}, "service_tier": "auto",
-            "prompt_cache_key": "x", "safety_identifier": "u1", "parallel_tool_calls": True, "user": "me",
+            "prompt_cache_key": "x", "safety_identifier": "u1", "user": "me", "guided_decoding_backend": "xgrammar",
             "tools": [], "tool_choice": "none", "response_format": {"type": "text"}}
     r = http.post(C, json=body)
     assert r.status_code == 200, r.text
     assert r.headers["x-inferscale-ignored-fields"].split(",") == sorted(
-        ["store", "metadata", "service_tier", "prompt_cache_key", "safety_identifier", "parallel_tool_calls",
-         "user", "tools", "tool_choice", "response_format"])
+        ["store", "metadata", "service_tier", "prompt_cache_key", "safety_identifier", "user",
+         "guided_decoding_backend"])
     r = http.post(C, json={"prompt": "hi", "max_tokens": 2})
     assert "x-inferscale-ignored-fields" not in r.headers
-    for field, value in (("response_format", {"type": "json_object"}), ("guided_regex", "a+"),
-                         ("tool_choice", "required")):
+    for field, value in (("chat_template", "{{ x }}"), ("reasoning_effort", "low")):
         r = http.post(CHAT, json={"messages": MSGS, field: value})
         err = r.json()["error"]
         assert r.status_code == 400 and err["param"] == field and "unsupported field" in err["message"]
