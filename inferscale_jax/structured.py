@@ -9,7 +9,9 @@ its token masks in Rust with the GIL released).  How a request goes:
 
 1. ``StructuredOutputs.grammar_text`` turns the request's spec into llguidance's grammar text.
    JSON is compact (``", "`` and ``": "`` between items, no other whitespace), so a model cannot
-   pad its answer with whitespace forever.
+   pad its answer with whitespace forever; an object schema that lists ``properties`` and says
+   nothing of ``additionalProperties`` admits only those properties (``closed``: what vLLM's
+   default grammar backend does, xgrammar's strict mode), so a model cannot invent keys forever.
 2. ``GrammarCompiler.submit`` (``Engine.submit``) returns a matcher for it: a copy of the cached
    compiled matcher when the same grammar was seen before (an LRU of ``cache_size`` entries), else
    a future from a small thread pool that compiles it, so a new schema never stalls the engine
@@ -98,7 +100,7 @@ class StructuredOutputs:
         import llguidance
 
         if self.json is not None or self.json_object:
-            schema = {"type": "object"} if self.json_object else (
+            schema = {"type": "object"} if self.json_object else closed(
                 self.json if isinstance(self.json, dict) else _loads(self.json))
             return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
         if self.regex is not None:
@@ -107,6 +109,20 @@ class StructuredOutputs:
             return llguidance.LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in self.choice))
         kind = "gbnf" if "::=" in self.grammar else "lark"
         return llguidance.grammar_from(kind, self.grammar)
+
+
+def closed(schema):
+    """``schema`` with ``"additionalProperties": false`` added to every object schema that lists
+    ``properties`` and does not say (module docstring, 1)."""
+    if isinstance(schema, list):
+        return [closed(x) for x in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: closed(v) if k not in ("enum", "const", "default", "examples") else v for k, v in schema.items()}
+    if isinstance(schema.get("properties"), dict) and not {"additionalProperties", "unevaluatedProperties",
+                                                           "patternProperties"} & set(schema):
+        out["additionalProperties"] = False
+    return out
 
 
 def _loads(text: str) -> dict:

@@ -446,3 +446,48 @@ def test_langchain_batch_and_chat(venv, server, ref, model_name, tmp_path):
              if " inferscale.server {" in x]
     assert any(ln.get("n", 1) == len(prompts) and ln["status"] == 200 for ln in lines), \
         "LangChain's OpenAI.batch did not arrive as one batched completions request"
+
+
+LANGCHAIN_TOOLS_SCRIPT = """
+import json, sys
+from typing import Literal
+from pydantic import BaseModel, Field
+from langchain_core.tools import tool
+from langchain_openai import ChatOpenAI
+url, model = sys.argv[1], sys.argv[2]
+
+
+class Ticket(BaseModel):
+    '''A support ticket.'''
+    title: str = Field(max_length=12)
+    priority: Literal["low", "high"]
+    hours: int = Field(ge=0, le=48)
+
+
+@tool
+def lookup_order(order_id: Literal["A1", "B2", "C3"], detail: bool) -> str:
+    '''Look an order up.'''
+    return "shipped"
+
+
+chat = ChatOpenAI(base_url=url + "/v1", api_key="unused", model=model, max_tokens=80, temperature=1.0, seed=3,
+                  max_retries=0)
+ticket = chat.with_structured_output(Ticket).invoke("My order is late")
+forced = chat.bind_tools([lookup_order], tool_choice="required").invoke("Where is order A1?")
+named = chat.bind_tools([lookup_order], tool_choice="lookup_order").invoke("Where is order B2?")
+print("RESULT " + json.dumps({"ticket": ticket.model_dump(), "forced": forced.tool_calls, "named": named.tool_calls}))
+"""
+
+
+def test_langchain_structured_output_and_bind_tools(venv, server, ref, model_name, tmp_path):
+    """LangChain's with_structured_output (json_schema) returns the model object; bind_tools with
+    tool_choice required or named returns calls whose arguments match the tool's schema."""
+    proc = run_client([os.path.join(venv, "bin", "python"), "-c", LANGCHAIN_TOOLS_SCRIPT, server.url, model_name],
+                      tmp_path, 300, server)
+    got = json.loads(proc.stdout.split("RESULT ", 1)[1])
+    t = got["ticket"]
+    assert len(t["title"]) <= 12 and t["priority"] in ("low", "high") and 0 <= t["hours"] <= 48, t
+    for calls in (got["forced"], got["named"]):
+        assert calls and all(c["name"] == "lookup_order" for c in calls), calls
+        assert all(c["args"]["order_id"] in ("A1", "B2", "C3") and isinstance(c["args"]["detail"], bool)
+                   for c in calls), calls

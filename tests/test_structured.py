@@ -166,3 +166,23 @@ def test_apply_token_mask_matches_llguidance_numpy_reference():
         apply_token_bitmask_inplace(want, mask)
         got = np.asarray(apply_token_mask(jnp.asarray(logits), jnp.asarray(mask)))
         np.testing.assert_array_equal(got, want)
+
+
+def test_objects_with_properties_are_closed_unless_the_schema_says_otherwise(engine):
+    """As vLLM's default backend: listed properties only, so a model cannot invent keys forever."""
+    from inferscale_jax.structured import closed
+
+    open_ = {"type": "object", "properties": {"a": {"enum": [1, 2]}}, "required": ["a"]}
+    for seed in range(3):
+        out = run(engine, max_tokens=40, temperature=1.0, seed=seed, structured_outputs=StructuredOutputs(json=open_))
+        assert set(json.loads(out.text)) <= {"a"}, out.text
+    nested = {"type": "object", "properties": {"x": {"type": "object", "properties": {"y": {"type": "integer"}}},
+                                               "z": {"type": "object", "additionalProperties": True,
+                                                     "properties": {"w": {"const": {"k": 1}}}}},
+              "$defs": {"d": {"properties": {"q": {}}}}}
+    got = closed(nested)
+    assert got["additionalProperties"] is False and got["properties"]["x"]["additionalProperties"] is False
+    assert got["properties"]["z"]["additionalProperties"] is True  # said explicitly: kept
+    assert got["properties"]["z"]["properties"]["w"]["const"] == {"k": 1}  # values are not schemas
+    assert got["$defs"]["d"]["additionalProperties"] is False
+    assert closed({"type": "object"}) == {"type": "object"}  # no properties listed: any object
