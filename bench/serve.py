@@ -105,6 +105,7 @@ import json
 import math
 import os
 import shlex
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -201,6 +202,8 @@ def parse_args(argv=None):
     g.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request (default: %(default)s)")
     g = p.add_argument_group("output")
     g.add_argument("--out", help="prefix of the .json/.md/.png results (default: bench/results/serve_<device>)")
+    g.add_argument("--work-dir", help="the server's key file and log (default: a temporary folder, removed after a "
+                   "run without errors)")
     g.add_argument("--device", help="device name for the report and the default --out (default: asked from jax)")
     args = p.parse_args(argv)
     if args.rates is None and args.concurrency is None:
@@ -981,7 +984,8 @@ def main(argv=None) -> int:
     prefix = os.path.abspath(args.out or os.path.join(BENCH, "results", f"serve_{device.split()[0]}"))
     os.makedirs(os.path.dirname(prefix), exist_ok=True)
     maker = TextMaker(load_tokenizer(model_dir))
-    workdir = tempfile.mkdtemp(prefix="inferscale-bench-serve-")
+    workdir = os.path.abspath(args.work_dir) if args.work_dir else tempfile.mkdtemp(prefix="inferscale-bench-serve-")
+    os.makedirs(workdir, exist_ok=True)
     tenant_names = [f"t{i}" for i in range(args.tenants)]
     runs = {}
     for via in args.mode:  # HTTP first: its server has exited before the in-process engine loads
@@ -1004,6 +1008,10 @@ def main(argv=None) -> int:
     report(summary, prefix)
     errors = sum(r["warmup"]["errors"] + sum(p["errors"] for p in r["points"]) for r in runs.values())
     log(f"[serve] done: {errors} errors; results {prefix}.json/.md/.png")
+    if errors == 0 and not args.work_dir:
+        shutil.rmtree(workdir, ignore_errors=True)
+    elif errors:
+        log(f"[serve] the server's log and key file: {workdir}")
     return 0 if errors == 0 else 1
 
 

@@ -138,7 +138,7 @@ class Request:
         self.processed = sp.has_penalty or sp.has_bias or sp.min_p > 0
         # its next row's bias depends on its last generated token (a multi-token bad word), so that
         # token must be on the host before the row is built (no device feed)
-        self.needs_host_tail = any(len(w) > 1 for w in self.bad_words_ids) or self.grammar is not None
+        self.needs_host_tail = any(len(w) > 1 for w in self.bad_words_ids)
 
     @property
     def matcher(self):
@@ -169,8 +169,7 @@ class Request:
                 row.bias = step_bias(sp, step, None if fed else self.out_ids, self.stop_ids or (),
                                      self.bad_words_ids)
         if self.grammar is not None and start + len(tokens) >= self.prefill_end:  # (a row that samples)
-            assert not fed, "a constrained row's previous token must be on the host"
-            row.matcher = self.matcher
+            row.matcher = self.matcher  # (fed: its mask is made once the fed token is applied: _step)
         return row
 
 
@@ -585,7 +584,7 @@ class Scheduler:
             owners.append(owner)
             src.append(-1)
             budget -= len(rows[-1].tokens)
-        pending, failure = None, None
+        pending, failure, defer = None, None, False
         entries = [(o, row, isinstance(o, Request) and row.start + len(row.tokens) >= o.prefill_end)
                    for o, row in zip(owners, rows)]
         if rows:
@@ -595,9 +594,13 @@ class Scheduler:
                 for i in members:
                     rows[i].group = gi
             feed = prev is not None and any(j >= 0 for j in src)
+            # a constrained row fed on the device: its mask needs the fed token applied to its
+            # grammar first, so the step's sampling waits for the in-flight step (its forward does not)
+            defer = feed and any(j >= 0 and o.grammar is not None for o, j in zip(owners, src))
+            plan = StepPlan(rows, nl, [k for k, _ in cascade], src if feed else None)
             try:
-                pending = self.runner.dispatch(StepPlan(rows, nl, [k for k, _ in cascade], src if feed else None),
-                                               prev[0] if feed else None)
+                pending = (self.runner.dispatch(plan, prev[0], defer_sample=True) if defer
+                           else self.runner.dispatch(plan, prev[0] if feed else None))
             except Exception as err:  # noqa: BLE001 - settled below, request by request
                 failure = err
             else:
@@ -613,6 +616,14 @@ class Scheduler:
             outs += self._apply_all(prev, res)
         if failure is not None:
             return outs + self._lost(failure)
+        if defer and pending is not None:  # the fed tokens are applied: the masks can be made
+            for owner, row, _ in entries:
+                if row.matcher is not None and owner.status != "running":
+                    row.matcher = None  # (ended by its fed token: this row's result is ignored)
+            try:
+                pending = self.runner.sample(pending)
+            except Exception as err:  # noqa: BLE001 - its results are lost: recompute
+                return outs + self._lost(err, (None, entries))
         if pending is not None:
             if not self.config.overlap_decode:
                 try:

@@ -24,8 +24,10 @@ its token masks in Rust with the GIL released).  How a request goes:
    allowed) computed on the host from its matcher, all rows at once in llguidance's thread pool;
    the step sends it to the device as one array and ``sampling.sample_tokens`` masks the logits
    with it (a separately compiled variant: steps without constrained rows pay nothing).  The
-   mask needs the row's previous token on the host, so a step with a constrained row reads the
-   in-flight step first (no device feed for that step; ``scheduler.py``).
+   mask needs the row's previous token on the host: when overlapped decode feeds that token on
+   the device, the step's forward pass is launched at once and its sampling waits (the scheduler
+   reads the in-flight step, applies its tokens to the matchers, then ``ModelRunner.sample``
+   makes the masks and samples the forward's logits).
 4. Each sampled token advances the matcher (``Scheduler._on_token``); when the grammar is
    complete and allows nothing more, the request finishes with ``stop``.
 

@@ -3,8 +3,10 @@ server with a tiny load: every figure of its JSON is there, nothing failed, warm
 read cached tokens, and percentiles are ordered.  No timing thresholds (speed is measured by the
 benchmark, not asserted here).  About 30-60 s on a 2-core CPU (server start and compiles included)."""
 
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 
@@ -31,9 +33,19 @@ def test_bench_serve_tiny_load(tmp_path, tmp_path_factory):
     cmd = [sys.executable, "-m", "inferscale_cli", "bench", "serve", "--rates", "4", "--num-requests", "4",
            "--max-tokens", "4", "--tenants", "2", "--segments-per-tenant", "1", "--segment-tokens", "48",
            "--question-tokens", "8", "--warmup-requests", "1", "--warmup-burst", "2", "--hbm-pages", "256",
-           "--seed", "3", "--device", "cpu", "--out", str(prefix)]
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
-    tail = f"\n--- output (tail) ---\n{proc.stdout[-4000:]}\n{proc.stderr[-3000:]}"
+           "--seed", "3", "--device", "cpu", "--out", str(prefix), "--work-dir", str(tmp_path / "work")]
+    # its own process group: a timeout takes the benchmark's server down with it
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=600)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)  # (a server left by a failed run)
+    tail = f"\n--- output (tail) ---\n{out[-4000:]}\n{err[-3000:]}"
     assert proc.returncode == 0, tail
     summary = json.loads(prefix.with_suffix(".json").read_text())
     assert (tmp_path / "serve_test.md").read_text().count("| 4 req/s |") == 4, tail  # the point + 3 kinds

@@ -186,3 +186,26 @@ def test_objects_with_properties_are_closed_unless_the_schema_says_otherwise(eng
     assert got["properties"]["z"]["properties"]["w"]["const"] == {"k": 1}  # values are not schemas
     assert got["$defs"]["d"]["additionalProperties"] is False
     assert closed({"type": "object"}) == {"type": "object"}  # no properties listed: any object
+
+
+def test_fed_constrained_rows_sample_after_their_masks_and_equal_the_unoverlapped_engine(engine):
+    """Overlapped decode feeds a constrained row's token on the device and samples that step only
+    once the token is applied to the grammar (runner.sample): no step waits for the one before,
+    and the tokens equal an engine that settles every step before the next (overlap off)."""
+    plain = Engine.from_pretrained(None, EngineConfig(dtype="float32", page_size=8, hbm_pages=256, prefill_chunk=32,
+                                                      overlap_decode=False))
+    reqs = [dict(prompt=p, sampling=SamplingParams(max_tokens=60, temperature=t, seed=s, structured_outputs=so))
+            for p, t, s, so in (("One:", 1.0, 41, StructuredOutputs(json=SCHEMA)), ("Two:", 0.0, None, None),
+                                ("Three:", 0.9, 42, StructuredOutputs(regex="[a-z]{4,30}")),
+                                ("Four:", 1.0, 43, None))]
+    calls = []
+    sample = engine.runner.sample
+    engine.runner.sample = lambda step: calls.append(len(step.rows)) or sample(step)
+    try:
+        got = [o.token_ids for o in engine.generate_batch(reqs)]
+    finally:
+        engine.runner.sample = sample
+    want = [o.token_ids for o in plain.generate_batch(reqs)]
+    plain.close()
+    assert got == want
+    assert len(calls) >= 10, calls  # the constrained steps were deferred, not settled
