@@ -6,9 +6,9 @@ A registered segment's KV lives in exactly one place:
 - **host**: one array ``[L, 2, Hkv, nb, S, D]`` (all layers, K and V, ``nb = page_bucket(n)``
   pages) in pinned host memory (``memory_kind="pinned_host"``, so host -> device is one DMA;
   backends without that memory kind keep a numpy array: same code path), with the xxh3-64
-  checksum of its bytes taken at demotion and checked at promotion (one pass at ~24 GiB/s on
-  the CPU machine: ~20 ms for a 4k-token segment of an 8B model's 512 MiB; a mismatch is an
-  integrity error like a damaged disk file below);
+  checksum of its bytes taken at demotion and checked at promotion (one pass over the bytes,
+  its rate in bench/NOTES.md, "Figures moved from code comments"; a mismatch is an integrity
+  error like a damaged disk file below);
 - **disk**: the same array's raw bytes in one file under ``disk_dir`` (a cache, not a
   persistence format: the folder is wiped at startup; snapshots are ``snapshot.py``'s job),
   with the xxh3-64 checksum of those bytes kept beside the entry: a read checks the size and

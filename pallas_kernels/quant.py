@@ -13,20 +13,13 @@ tile of one-byte values is converted to q's dtype (exact: int8 and e4m3 values a
 and goes straight to the tensor cores, and the scales multiply what the dots produce, since
 ``q . (s_j k_j) = s_j (q . k_j)`` and ``sum_j p_j (s_j v_j) = sum_j (p_j s_j) v_j``.  The multiply then
 touches the ``[rows, BK]`` scores and probabilities instead of the ``[BK, D]`` K and V tiles, and the
-convert-then-dot is the mixed-precision pattern Triton pipelines.  Measured on an H200 (bench/NOTES.md):
-int8 decode at batch 32 over 16k went from 1026 us (scales on the rows) to 684 us (both timed one call at
-a time), level with bf16 pages; timed back to back, int8 is 1.00-1.14x of bf16 at batch 32-128: it reads
-half the bytes at about half the bandwidth.  ``fold_scores`` / ``fold_probs`` are those two multiplies;
-``dequantize_rows`` (scales on the rows) is the other form, and ``scales_on_rows`` picks per page dtype:
-float8_e4m3fn pages take the rows form (the decode kernel's K and V, the ragged kernel's V), int8 pages
-the folded form.  On the H200 the e4m3 tile is the one the fold does not help: fp8 decode was 1.12x /
-1.17x / 1.26x faster with its scales on the rows in three runs (sessions 9, 10 and the back-to-back run
-of 2026-12-02, ``bench/results/kv_dtype.md``), and the ragged kernel on a 2048-token chunk over 16k 1.18x
-faster with fp8 V on the rows; int8 gains nothing from the rows form (0.83x / 0.85x of the fold in decode,
-0.99x in the ragged kernel), so it keeps the fold.  The rows form rounds each dequantized value to q's
-dtype: the decode kernel's own error against its reference on the same fp8 pages was 8.6e-3 / 1.1e-2 on
-the rows vs 4.9e-3 / 5.4e-3 folded, 14-21 times below what quantizing to e4m3 costs against bf16 pages
-(1.2e-1 / 2.3e-1).  The cascade kernel's shared-prefix part folds for both dtypes (its rows form was never
+convert-then-dot is the mixed-precision pattern Triton pipelines.  ``fold_scores`` / ``fold_probs`` are
+those two multiplies; ``dequantize_rows`` (scales on the rows) is the other form, and ``scales_on_rows``
+picks per page dtype, the form measured faster for each (bench/NOTES.md, "Compressed KV" and "Figures
+moved from code comments"): float8_e4m3fn pages take the rows form (the decode kernel's K and V, the
+ragged kernel's V), int8 pages the folded form.  The rows form rounds each dequantized value to q's dtype;
+that error stays more than an order of magnitude below what quantizing to e4m3 costs against bf16 pages
+(same NOTES entry).  The cascade kernel's shared-prefix part folds for both dtypes (its rows form was never
 measured); its suffix part is the decode kernel, so on fp8 pages the two parts take different forms -
 separate softmax partials merged by their log-sum-exp, each equal to the reference up to rounding.
 

@@ -359,8 +359,8 @@ def ragged_paged_attention(
     (``pallas_kernels/quant.py``).  ``v_rows=True`` dequantizes the V tile in registers instead (its
     scales on the rows; a prefill tile serves many query rows, so the multiply is cheap there, and the PV
     dot then reads a 16-bit operand, not a transposed 1-byte one); ``None`` picks per page dtype
-    (``quant.scales_on_rows``: on for float8_e4m3fn pages, 1.18x faster on the H200; off for int8, where it
-    gained nothing: bench/kv_dtype.py).
+    (``quant.scales_on_rows``: on for float8_e4m3fn pages, off for int8: the faster form of each,
+    bench/NOTES.md, "Figures moved from code comments").
 
     Knobs are static and default from ``N``, ``G = Hq // Hkv`` and the dtype, as in
     :func:`paged_prefill_attention` with ``N`` as the chunk length (H200 sweep,
