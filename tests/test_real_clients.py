@@ -470,7 +470,7 @@ def lookup_order(order_id: Literal["A1", "B2", "C3"], detail: bool) -> str:
     return "shipped"
 
 
-chat = ChatOpenAI(base_url=url + "/v1", api_key="unused", model=model, max_tokens=80, temperature=1.0, seed=3,
+chat = ChatOpenAI(base_url=url + "/v1", api_key="unused", model=model, max_tokens=300, temperature=1.0, seed=3,
                   max_retries=0)
 ticket = chat.with_structured_output(Ticket).invoke("My order is late")
 forced = chat.bind_tools([lookup_order], tool_choice="required").invoke("Where is order A1?")

@@ -64,7 +64,7 @@ def schema_format(schema=SCHEMA):
 
 @pytest.mark.parametrize("temperature,seed", [(0.0, None), (1.0, 7), (0.9, 8)])
 def test_json_schema_streamed_and_not(client, temperature, seed):
-    kw = dict(model="tiny", messages=MSGS, max_tokens=160, temperature=temperature, seed=seed,
+    kw = dict(model="tiny", messages=MSGS, max_tokens=400, temperature=temperature, seed=seed,
               response_format=schema_format())
     out = client.chat.completions.create(**kw)
     text = out.choices[0].message.content
@@ -73,14 +73,14 @@ def test_json_schema_streamed_and_not(client, temperature, seed):
     streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(stream=True, **kw)
                        if c.choices)
     assert streamed == text  # same seed (or greedy): the same tokens, streamed
-    done = client.completions.create(model="tiny", prompt="Reply:", max_tokens=160, temperature=temperature,
+    done = client.completions.create(model="tiny", prompt="Reply:", max_tokens=400, temperature=temperature,
                                      seed=seed, extra_body={"guided_json": SCHEMA})
     jsonschema.validate(json.loads(done.choices[0].text), SCHEMA)
 
 
 def test_parse_with_a_pydantic_model(client):
     for seed in (1, 2):
-        out = client.chat.completions.parse(model="tiny", messages=MSGS, max_tokens=80, temperature=1.0, seed=seed,
+        out = client.chat.completions.parse(model="tiny", messages=MSGS, max_tokens=300, temperature=1.0, seed=seed,
                                             response_format=Person)
         person = out.choices[0].message.parsed
         assert isinstance(person, Person) and person.role in ("admin", "user", "guest")
@@ -107,7 +107,7 @@ def test_json_object_regex_choice_and_grammar(client, http):
 
 def test_tool_choice_required_and_named(client):
     for seed in (1, 2, 3):
-        out = client.chat.completions.create(model="tiny", messages=MSGS, max_tokens=120, temperature=1.0, seed=seed,
+        out = client.chat.completions.create(model="tiny", messages=MSGS, max_tokens=300, temperature=1.0, seed=seed,
                                              tools=[WEATHER, REFUND], tool_choice="required")
         choice = out.choices[0]
         assert choice.finish_reason == "tool_calls" and choice.message.tool_calls, choice
@@ -115,10 +115,10 @@ def test_tool_choice_required_and_named(client):
             spec = {"get_weather": WEATHER, "refund": REFUND}[call.function.name]
             jsonschema.validate(json.loads(call.function.arguments), spec["function"]["parameters"])
             assert call.id.startswith("call_") and call.type == "function"
-    out = client.chat.completions.create(model="tiny", messages=MSGS, max_tokens=60, temperature=1.0, seed=4,
+    out = client.chat.completions.create(model="tiny", messages=MSGS, max_tokens=300, temperature=1.0, seed=4,
                                          tools=[WEATHER, REFUND], tool_choice="required", parallel_tool_calls=False)
     assert len(out.choices[0].message.tool_calls) == 1
-    out = client.chat.completions.create(model="tiny", messages=MSGS, max_tokens=60, temperature=0.0,
+    out = client.chat.completions.create(model="tiny", messages=MSGS, max_tokens=300, temperature=0.0,
                                          tools=[WEATHER, REFUND],
                                          tool_choice={"type": "function", "function": {"name": "refund"}})
     call = out.choices[0].message.tool_calls[0]
@@ -127,7 +127,7 @@ def test_tool_choice_required_and_named(client):
 
 
 def test_streamed_tool_calls_name_first_then_arguments(http):
-    body = {"messages": MSGS, "max_tokens": 60, "temperature": 0.0, "stream": True, "tools": [WEATHER, REFUND],
+    body = {"messages": MSGS, "max_tokens": 300, "temperature": 0.0, "stream": True, "tools": [WEATHER, REFUND],
             "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}
     with http.stream("POST", "/v1/chat/completions", json=body) as resp:
         events = sse_events(list(resp.iter_lines()))
@@ -163,7 +163,7 @@ def test_with_a_segment(client, http):
     r = http.post("/v1/segments", json={"id": "tool-docs", "text": "get_weather(city, unit) returns the weather."})
     assert r.status_code == 201, r.text
     for seed in (5, 6):
-        out = client.chat.completions.create(model="tiny", messages=MSGS, max_tokens=120, temperature=1.0, seed=seed,
+        out = client.chat.completions.create(model="tiny", messages=MSGS, max_tokens=300, temperature=1.0, seed=seed,
                                              tools=[WEATHER], tool_choice="required",
                                              extra_body={"segments": ["tool-docs"]})
         call = out.choices[0].message.tool_calls[0]

@@ -45,14 +45,14 @@ def run(engine, prompt="Describe the user:", **kw):
 
 @pytest.mark.parametrize("temperature,seed", [(0.0, None), (1.0, 1), (1.0, 2), (0.8, 3)])
 def test_json_schema_output_parses_and_validates(engine, temperature, seed):
-    out = run(engine, max_tokens=200, temperature=temperature, seed=seed,
+    out = run(engine, max_tokens=400, temperature=temperature, seed=seed,
               structured_outputs=StructuredOutputs(json=SCHEMA))
     assert out.finish_reason == "stop", out
     jsonschema.validate(json.loads(out.text), SCHEMA)
 
 
 def test_schema_as_text_json_object_regex_and_choice(engine):
-    out = run(engine, max_tokens=200, temperature=1.0, seed=4, structured_outputs=StructuredOutputs(
+    out = run(engine, max_tokens=400, temperature=1.0, seed=4, structured_outputs=StructuredOutputs(
         json=json.dumps(SCHEMA)))
     jsonschema.validate(json.loads(out.text), SCHEMA)
     out = run(engine, max_tokens=40, temperature=1.0, seed=5, structured_outputs=StructuredOutputs(
@@ -96,7 +96,7 @@ def test_constrained_and_unconstrained_rows_in_one_batch_equal_their_solo_runs(e
 
 
 def test_logprobs_stop_strings_n_and_segments_with_a_grammar(engine):
-    sp = dict(max_tokens=120, temperature=1.0, seed=21, structured_outputs=StructuredOutputs(json=SCHEMA))
+    sp = dict(max_tokens=400, temperature=1.0, seed=21, structured_outputs=StructuredOutputs(json=SCHEMA))
     out = run(engine, logprobs=2, **sp)
     assert len(out.logprobs) == len(out.token_ids)
     assert all(tok in lp for tok, lp in zip(out.token_ids, out.logprobs))  # raw log-probs of the sampled ids
