@@ -22,9 +22,10 @@ How a request with ``tools`` goes (vLLM's behaviour, which clients and agent fra
 4. The answer: ``message.tool_calls`` (``id``, ``type``, ``function.name``, ``function.arguments``
    as JSON text), ``content`` the text before the calls (null when none), ``finish_reason``
    ``tool_calls`` (``stop`` for a named function, as OpenAI answers).  Streaming (``Stream``) sends
-   content as it comes; a named function's arguments stream as they are generated (the first
-   chunk carries the call's ``id`` and ``name``); ``required`` and ``auto`` calls are sent when the
-   output ends (the name first, the arguments after), since a call is known only once parsed.
+   content as it comes; forced calls stream as they are generated: a named function's arguments,
+   and ``required``'s calls one by one (each call's ``id`` and ``name`` once its name is complete,
+   then its arguments in fragments); ``auto`` calls are sent when the output ends (the name
+   first, the arguments after), since a call is known only once parsed.
 """
 
 from __future__ import annotations
@@ -240,6 +241,10 @@ class Stream:
         self.named_id = call_id() if choice not in (None, "auto", "required") else None
         self.opened = False
         self.has_calls = False
+        # required: the calls found so far, and the one whose arguments stream now (``_required``)
+        self.calls: list[str] = []
+        self.pos = 0  # where the next call's head is searched
+        self.args: dict | None = None  # the open call: its arguments' scan state
 
     def feed(self, piece: str) -> tuple[str, list[dict]]:
         """(content to send now, tool-call deltas to send now)."""
@@ -253,6 +258,8 @@ class Stream:
             if piece:
                 deltas.append({"index": 0, "function": {"arguments": piece}})
             return "", deltas
+        if self.choice == "required":
+            return "", self._required()
         if self.tool_mode:
             return "", []
         if self.choice is None:
@@ -281,12 +288,11 @@ class Stream:
         """At the output's end: (content not sent yet, tool-call deltas)."""
         if self.named_id is not None:
             return "", ([] if self.opened else self.feed("")[1])
+        if self.choice == "required":
+            return "", self._required()
         if not self.tool_mode:
             return self._send(len(self.text)), []
-        if self.choice == "required":
-            calls = forced_calls(self.text, "required")
-        else:
-            calls = parse(self.text[self.sent:], self.parser)[1]
+        calls = parse(self.text[self.sent:], self.parser)[1]
         if not calls:
             return self._send(len(self.text)), []
         self.has_calls = True
@@ -296,6 +302,52 @@ class Stream:
                            "function": {"name": c["function"]["name"], "arguments": ""}})
             deltas.append({"index": k, "function": {"arguments": c["function"]["arguments"]}})
         return "", deltas
+
+
+    def _required(self) -> list[dict]:
+        """``required``'s output is ``[{"name": N, "parameters": {...}}, ...]`` exactly (its grammar,
+        compact JSON): each call's id and name go out once its name is complete, then its
+        arguments as they arrive, up to the end of their object."""
+        deltas = []
+        while True:
+            if self.args is None:
+                m = _CALL_HEAD.search(self.text, self.pos)
+                if m is None:
+                    return deltas
+                self.calls.append(call_id())
+                self.has_calls = True
+                deltas.append({"index": len(self.calls) - 1, "id": self.calls[-1], "type": "function",
+                               "function": {"name": json.loads(f'"{m.group(1)}"'), "arguments": ""}})
+                self.args = dict(start=m.end(), scan=m.end(), sent=m.end(), depth=0, in_str=False, esc=False)
+            a, end = self.args, None
+            for i in range(a["scan"], len(self.text)):
+                ch = self.text[i]
+                if a["in_str"]:
+                    if a["esc"]:
+                        a["esc"] = False
+                    elif ch == "\\":
+                        a["esc"] = True
+                    elif ch == '"':
+                        a["in_str"] = False
+                elif ch == '"':
+                    a["in_str"] = True
+                elif ch in "{[":
+                    a["depth"] += 1
+                elif ch in "}]":
+                    a["depth"] -= 1
+                    if a["depth"] == 0:
+                        end = i + 1
+                        break
+            a["scan"] = end if end is not None else len(self.text)
+            if a["scan"] > a["sent"]:
+                deltas.append({"index": len(self.calls) - 1, "function": {"arguments": self.text[a["sent"]:a["scan"]]}})
+                a["sent"] = a["scan"]
+            if end is None:
+                return deltas
+            self.args, self.pos = None, end
+
+
+_CALL_HEAD = re.compile(r'\{"name": "((?:[^"\\]|\\.)*)", "parameters": ')
 
 
 def _held(text: str, mark: str) -> int:

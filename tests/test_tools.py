@@ -148,3 +148,29 @@ def test_template_messages_turn_arguments_into_objects():
         {"role": "tool", "content": "42", "tool_call_id": "call_1"}]
     out = tools.template_messages(m)
     assert out[0]["tool_calls"][0]["function"]["arguments"] == {"x": 1} and out[1] == m[1]
+
+
+@pytest.mark.parametrize("step", [1, 2, 5, 1000])
+def test_required_calls_stream_one_by_one(step):
+    """Each call's id and name once its name is complete, then its arguments in fragments that
+    join to the whole arguments, braces and quotes inside strings included."""
+    calls = [{"name": "get_weather", "parameters": {"city": "a \"}{[\" \\\\ b", "unit": "c"}},
+             {"name": "get_time", "parameters": {}},
+             {"name": "get_weather", "parameters": {"city": "x", "n": {"deep": [1, {"k": "]"}]}}}]
+    text = json.dumps(calls)
+    s = tools.Stream("required", "hermes")
+    deltas = []
+    for i in range(0, len(text), step):
+        content, d = s.feed(text[i:i + step])
+        assert content == ""
+        deltas += d
+    deltas += s.end()[1]
+    got = merged(deltas)
+    assert [c["name"] for c in got] == ["get_weather", "get_time", "get_weather"]
+    assert [json.loads(c["arguments"]) for c in got] == [c["parameters"] for c in calls]
+    assert len({c["id"] for c in got}) == 3 and s.has_calls
+    if step < 10:
+        assert sum(1 for d in deltas if d["index"] == 0 and "name" not in d["function"]) > 2  # fragments
+    cut = tools.Stream("required", "hermes")  # cut by max_tokens inside the second call's arguments
+    d = cut.feed(text[:text.index('"x"')])[1] + cut.end()[1]
+    assert [c["name"] for c in merged(d)] == ["get_weather", "get_time", "get_weather"]
