@@ -54,8 +54,8 @@ def freeze_heap() -> None:
 
     The engine keeps a large, long-lived heap (jitted functions, tracing caches, the tokenizer);
     a full collection walks all of it and stalls a decode step (gen-2 passes every few hundred
-    steps; the stall measured: bench/NOTES.md, "Figures moved from code comments").  Frozen objects are still freed by reference
-    counting; only cycles among them are never collected - so the engine's parts never point back
+    steps; the stall measured: bench/NOTES.md, "Figures moved from code comments").  Frozen
+    objects are still freed by reference counting; only cycles among them are never collected - so the engine's parts never point back
     at it or at each other in a cycle (a dropped engine is freed), and a compile in the middle of serving can pin
     whatever cyclic garbage exists at that moment (bounded by the number of step buckets; warm
     the buckets before traffic to avoid it).  Called after engine construction and after each
@@ -453,8 +453,7 @@ class ModelRunner:
         """Sample a deferred step (``dispatch``): its constrained rows' masks are computed now,
         from their matchers as they stand."""
         key = step.key
-        constrained = [(r.matcher, i) for i, r in enumerate(step.rows) if r.matcher is not None]
-        mask = token_masks(constrained, key.rows, self.cfg.vocab_size) if constrained else None
+        mask = self._token_mask(step.rows, key.rows)
         pen_key = step.pen_key + (("mask",) if mask is not None else ())
         mask_d = None if mask is None else jax.device_put(mask, self.input_sharding)
         hk = ("sample", key, pen_key)
@@ -465,6 +464,11 @@ class ModelRunner:
         packed = exe(step.logits, step.ints, step.floats, step.penalties, mask_d)
         sampler = self._helper(("ids", key.rows, 2 + 2 * key.num_logprobs))
         return PendingStep(packed, len(step.rows), key.num_logprobs, step.num_logprobs, self.max_batch, sampler)
+
+    def _token_mask(self, rows: list[StepRow], b: int) -> np.ndarray | None:
+        """[b, ceil(V / 32)] allowed-token bits of the constrained rows (structured.py); None: none."""
+        constrained = [(r.matcher, i) for i, r in enumerate(rows) if r.matcher is not None]
+        return token_masks(constrained, b, self.cfg.vocab_size) if constrained else None
 
     def _stage(self, name: tuple, new: jax.Array, fed: dict | None = None) -> jax.Array:
         """``new`` (a fresh device copy of a step input) written into the persistent buffer
@@ -516,8 +520,7 @@ class ModelRunner:
                    if penalties is not None else ())
         if any(r.temperature > 0 and (r.top_k > 0 or r.top_p < 1.0) for r in rows):
             pen_key = (FILTERED,) + pen_key  # the sampler sorts the vocabulary: a variant of its own
-        constrained = [(r.matcher, i) for i, r in enumerate(rows) if r.matcher is not None]
-        token_mask = token_masks(constrained, b, self.cfg.vocab_size) if constrained and masks else None
+        token_mask = self._token_mask(rows, b) if masks else None
         if token_mask is not None:
             pen_key += ("mask",)  # the sampler masks the logits: a variant of its own
 
