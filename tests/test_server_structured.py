@@ -154,6 +154,12 @@ def test_tool_messages_go_back_into_the_conversation(client):
     out = client.chat.completions.create(model="tiny", messages=convo, max_tokens=8, temperature=0.0,
                                          tools=[WEATHER], tool_choice="auto")
     assert out.choices[0].message.content is not None or out.choices[0].message.tool_calls
+    alone = client.chat.completions.create(model="tiny", messages=MSGS, max_tokens=8, temperature=0.0,
+                                           tools=[WEATHER], tool_choice="auto")
+    tool_text = client.chat.completions.create(model="tiny", max_tokens=1, messages=[
+        {"role": "user", "content": "4 degrees, rain"}]).usage.prompt_tokens
+    # the tool's answer is in the prompt the template rendered: at least its own tokens more
+    assert out.usage.prompt_tokens >= alone.usage.prompt_tokens + tool_text - 4
     out = client.chat.completions.create(model="tiny", messages=convo, max_tokens=8, temperature=0.0,
                                          tools=[WEATHER], tool_choice="none")
     assert out.choices[0].message.tool_calls is None
