@@ -6,10 +6,11 @@ Sections (``--sections``, default both):
 - ``throughput``: B = 1 and 64 requests (64-token prompts, 128 output tokens each, greedy),
   submitted at once and stepped to the end; output tok/s over the steps in which every request
   decodes (the prefill steps are the same in both variants and left out), constrained / free.
-  The schema (``SCHEMA``) bounds every string and array but allows outputs longer than 128 tokens,
-  so the constrained rows run to ``max_tokens`` like the free ones.  Each variant runs once
-  untimed first (its executables compile).
-- ``ttft``: one request, ``max_tokens`` 1: its time from submit to its token, unconstrained, with
+  The schema (``LONG_SCHEMA``) asks for at least 256 array items, so every constrained row runs
+  to ``max_tokens`` like the free ones and the batch keeps its size.
+  Each variant runs once untimed first (its executables compile).
+- ``ttft`` (run first: its first constrained request compiles the masked prefill executable of its
+  bucket, reported apart): one request, ``max_tokens`` 1: its time from submit to its token, unconstrained, with
   a schema never seen before (a fresh enum value each time: the compile is on the path) and with
   the same schema again (cached).  Median of ``--reps``.
 
@@ -37,6 +38,12 @@ SCHEMA = {"type": "object", "properties": {
     "summary": {"type": "string", "maxLength": 40},
     "notes": {"type": "array", "items": {"type": "string", "maxLength": 32}, "maxItems": 64},
 }, "required": ["summary", "notes"]}
+# throughput's schema: at least 256 array items (>= 1 token each), so every constrained row runs to
+# max_tokens like the free ones and the batch keeps its size to the end (a random model closes
+# SCHEMA's object after a few dozen tokens)
+LONG_SCHEMA = {"type": "object", "properties": {
+    "notes": {"type": "array", "items": {"type": "string", "maxLength": 32}, "minItems": 256},
+}, "required": ["notes"]}
 RESULTS: dict = {}
 
 
@@ -75,7 +82,7 @@ def throughput(eng: Engine, args) -> None:
     rows = []
     for b in (1, 64) if not args.quick else (1, 8):
         got = {}
-        for name, spec in (("free", None), ("json schema", StructuredOutputs(json=SCHEMA))):
+        for name, spec in (("free", None), ("json schema", StructuredOutputs(json=LONG_SCHEMA))):
             run_batch(eng, prompts(eng, b, 64, 1), args.max_tokens, spec)  # compiles, untimed
             got[name] = run_batch(eng, prompts(eng, b, 64, 2), args.max_tokens, spec)
             report.log(f"B={b} {name}: {got[name]}")
@@ -99,7 +106,7 @@ def one(eng: Engine, spec) -> float:
 @report.section
 def ttft(eng: Engine, args) -> None:
     one(eng, None)
-    one(eng, StructuredOutputs(json=SCHEMA))  # compiles the masked step, untimed
+    first = one(eng, StructuredOutputs(json=SCHEMA))  # compiles the masked step's executables
     free = [one(eng, None) for _ in range(args.reps)]
     fresh = []
     for i in range(args.reps):
@@ -107,8 +114,11 @@ def ttft(eng: Engine, args) -> None:
         fresh.append(one(eng, StructuredOutputs(json=schema)))
     cached = [one(eng, StructuredOutputs(json=SCHEMA)) for _ in range(args.reps)]
     RESULTS["ttft"] = (median(free), median(fresh), median(cached))
-    report.table("Time to first token, one request (median)", ["unconstrained", "new schema", "cached schema"],
-                 [[f"{1e3 * median(free):.1f} ms", f"{1e3 * median(fresh):.1f} ms", f"{1e3 * median(cached):.1f} ms"]])
+    report.table("Time to first token, one request (median; the first constrained request of the process also "
+                 "compiles the masked step's executables for its bucket)",
+                 ["unconstrained", "new schema", "cached schema", "first constrained request"],
+                 [[f"{1e3 * median(free):.1f} ms", f"{1e3 * median(fresh):.1f} ms", f"{1e3 * median(cached):.1f} ms",
+                   f"{1e3 * first:.0f} ms"]])
 
 
 def plot(out: str) -> None:
@@ -132,7 +142,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", help="checkpoint folder (default: the embedded default model)")
     ap.add_argument("--out", default="bench/results")
-    ap.add_argument("--sections", default="throughput,ttft")
+    ap.add_argument("--sections", default="ttft,throughput")  # ttft first: its first constrained
+    # request is the process's first (the masked step's executables compile on its path)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--quick", action="store_true", help="CPU: small batches")

@@ -311,7 +311,12 @@ TUNE_SHAPES = {  # name -> step: (new tokens, kv length) per sequence
     "mixed": [(1, 4095)] * 63 + [(512, 4096)],
     "q64": [(64, 16384)],  # a question over an injected 16k segment (the engine's TTFT case)
     "q256": [(256, 16384)],
+    # bench/serve.py's closed loop at 256 clients: 28 questions of 64 tokens over a 4k segment beside 200
+    # decode rows whose shared prefix the cascade reads (their ragged part is the private suffix)
+    "serve": [(64, 4096)] * 28 + [(1, 100)] * 200,
 }
+# the serve shape also tries 256-row tiles (one 64-token question per program and kv head) and 128-key blocks
+SERVE_KNOBS = [(w, st, bkv, rws) for rws in (128, 256) for bkv in (64, 128) for w, st in ((4, 2), (8, 2), (8, 3))]
 
 
 @section
@@ -331,7 +336,12 @@ def tune(args):
     for name, step in shapes:
         kp, vp, sets = make_steps(step, nv=2, hq=hq, hkv=hkv, seed=len(step))
         results = []
-        for w, st, bkv, rws in knobs:
+        try:
+            sec, _ = time_calls(ragged_call(args.interpret), (kp, vp), sets, max(3, args.reps // 2))
+            rows.append([name, "default", "", "", "", us(sec)])
+        except Exception as e:  # noqa: BLE001
+            log(f"  {name} defaults: {str(e).splitlines()[0][:160]}")
+        for w, st, bkv, rws in (SERVE_KNOBS if name == "serve" else knobs):
             fn = ragged_call(args.interpret, num_warps=w, num_stages=st, block_kv=bkv,
                              block_q=max(1, rws // g))
             try:

@@ -85,7 +85,11 @@ request's whole time, ``[DONE]`` included; cached ratio = usage ``cached_tokens`
 ``prompt_tokens`` summed over the requests.  In-process the same with ``stream()``'s deltas for
 chunks (those with text), the call to ``stream()`` for the send and its final delta's metrics
 for the usage.  Per point: requests/s and output tokens/s over the wall time from the first
-request sent to the last one done.  A request is an error when its status is not 200, its stream
+request sent to the last one done; with ``--concurrency``, also the *steady* output tokens/s, over the
+window in which every client is busy (from the first request's end to the last request's send; each
+request's tokens spread evenly over its decode), which leaves out the first wave's start-up and the
+last requests' tail (empty when each client sends few requests: ``--num-requests`` 8 x C gives a
+window of several waves).  A request is an error when its status is not 200, its stream
 has an error event or no usage, or the connection fails (in-process: ``stream()`` raises).  A p99
 over fewer than 1000 samples is indicative only (the ``n`` of each figure says how many).
 
@@ -303,6 +307,7 @@ class Result:
     cached_tokens: int = 0
     completion_tokens: int = 0
     register: float | None = None
+    start: float | None = None  # perf_counter at send (the steady window, ``steady_throughput``)
 
 
 # ---------------------------------------------------------------- server and client
@@ -441,6 +446,7 @@ class Client(Via):
             body["segments"] = [spec.segment]
         usage, times = None, []
         t0 = time.perf_counter()
+        res.start = t0
         async with self.http.stream("POST", "/v1/completions", json=body, headers=self.headers[spec.tenant]) as r:
             if r.status_code != 200:
                 res.error = f"HTTP {r.status_code}: {(await r.aread()).decode(errors='replace')[:300]}"
@@ -556,6 +562,7 @@ class InProcess(Via):
         segments = [spec.segment] if spec.segment is not None else []
         final, times = None, []
         t0 = time.perf_counter()
+        res.start = t0
         async for delta in self.ae.stream(prompt=spec.prompt, segments=segments, tenant=spec.tenant,
                                           sampling=sampling):
             if delta.text:
@@ -668,6 +675,25 @@ def ratio(a: int, b: int) -> float | None:
     return a / b if b else None
 
 
+def steady_throughput(ok: list[Result]) -> float | None:
+    """Output tok/s while every client of a closed loop is busy: from the first request's end (the
+    first wave's start-up is over) to the last request's send (clients go idle after it).  Each
+    request's tokens count spread evenly over its decode (first token to end), pro rata to the
+    part inside the window.  None when the window is empty (too few requests per client)."""
+    timed = [r for r in ok if r.start is not None and r.e2e is not None and r.ttft is not None]
+    if not timed:
+        return None
+    lo, hi = min(r.start + r.e2e for r in timed), max(r.start for r in timed)
+    if hi - lo <= 0:
+        return None
+    tokens = 0.0
+    for r in timed:
+        a, b = r.start + r.ttft, r.start + r.e2e
+        inside = max(0.0, min(b, hi) - max(a, lo))
+        tokens += r.completion_tokens * (inside / (b - a) if b > a else float(lo <= a <= hi))
+    return tokens / (hi - lo)
+
+
 def summarize(results: list[Result], wall_s: float) -> dict:
     ok = [r for r in results if r.ok]
     out = {
@@ -676,6 +702,7 @@ def summarize(results: list[Result], wall_s: float) -> dict:
         "wall_s": wall_s,
         "request_throughput": len(ok) / wall_s if wall_s > 0 else None,
         "output_throughput": sum(r.completion_tokens for r in ok) / wall_s if wall_s > 0 else None,
+        "steady_output_throughput": steady_throughput(ok),
         "ttft_ms": dist([r.ttft for r in ok if r.ttft is not None]),
         "itl_ms": dist([x for r in ok for x in r.itl]),
         "tpot_ms": dist([r.tpot for r in ok if r.tpot is not None]),
@@ -753,10 +780,11 @@ def report(summary: dict, prefix: str) -> None:
                f"{1 - cfg['warm'] - cfg['cold']:.2f}; {per_point}, seed {cfg['seed']}. Definitions: bench/serve.py "
                "docstring; p99 over fewer than 1000 samples (the `n` column) is indicative only.", ""])
     rows = via_points(summary)
-    head = ["load", "via", "n", "errors", "req/s", "out tok/s"] + (["HTTP / inproc tok/s"] if both else []) + [
+    head = ["load", "via", "n", "errors", "req/s", "out tok/s", "steady tok/s"] + (["HTTP / inproc tok/s"] if both else []) + [
         "TTFT", "ITL", "TPOT p50", "E2E", "cached ratio", "compiles"]
     table("Latency (ms, p50 / p90 / p99) and throughput per load point", head, [
-        [load_label(p), via, p["completed"], p["errors"], num(p["request_throughput"]), num(p["output_throughput"], 1)]
+        [load_label(p), via, p["completed"], p["errors"], num(p["request_throughput"]), num(p["output_throughput"], 1),
+         num(p.get("steady_output_throughput"), 1)]
         + ([num(ratio_of[i]["http_over_inproc"], 3) if via == "http" else ""] if both else [])
         + [fmt(p["ttft_ms"]), fmt(p["itl_ms"]), fmt(p["tpot_ms"], "p50"), fmt(p["e2e_ms"]), num(p["cached_ratio"], 3),
            "n/a" if p["compiles"] is None else p["compiles"]] for via, i, p in rows])
