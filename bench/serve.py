@@ -166,6 +166,7 @@ def parse_args(argv=None):
     g.add_argument("--in-process", action="store_true", help="same as --mode inproc")
     g.add_argument("--url", help="benchmark this running server (default: start `inferscale serve` on a free "
                    "127.0.0.1 port)")
+    g.add_argument("--server-pid", type=int, help="with --url: that server's process id, for the CPU column")
     g.add_argument("--api-keys", metavar="FILE", help="with --url: the server's key file (JSON/TOML); its "
                    "non-admin keys are the tenants, an admin key reads /v1/stats (default: no auth)")
     g.add_argument("--model", help="HF checkpoint folder the server (or the in-process engine) serves; its "
@@ -204,6 +205,11 @@ def parse_args(argv=None):
     g.add_argument("--warmup-burst", type=int, default=8, help="the largest burst of mixed warm-up requests "
                    "sent at once; bursts of 2, 4, ... up to it run first (default: %(default)s)")
     g.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request (default: %(default)s)")
+    g.add_argument("--switch-interval", type=float, help="in-process via: sys.setswitchinterval(SECONDS) in this "
+                   "process, whose engine thread shares the GIL with the clients' event loop (Python's default 0.005)")
+    g.add_argument("--client-procs", type=int, default=1, help="HTTP closed loops: spread the clients over this many "
+                   "benchmark processes (one Python process parsing 256 SSE streams can be the limit; the table's "
+                   "CPU column says) (default: %(default)s)")
     g = p.add_argument_group("output")
     g.add_argument("--out", help="prefix of the .json/.md/.png results (default: bench/results/serve_<device>)")
     g.add_argument("--work-dir", help="the server's key file and log (default: a temporary folder, removed after a "
@@ -407,6 +413,8 @@ class Client(Via):
 
     def __init__(self, url: str, keys: dict | None, n_tenants: int, timeout: float, connections: int):
         self.url = url.rstrip("/")
+        self.keys = keys
+        self.server_pid: int | None = None  # the server started here (its CPU is reported per point)
         if keys:
             users = [(k, v) for k, v in keys.items() if isinstance(v, str) or not v.get("admin")]
             admins = [k for k, v in keys.items() if isinstance(v, dict) and v.get("admin")]
@@ -524,6 +532,8 @@ class InProcess(Via):
 
         if not logging.getLogger().handlers:  # the engine's warnings (e.g. a compile after warm-up), as serve logs
             logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        if args.switch_interval:
+            sys.setswitchinterval(args.switch_interval)
         ns = serve_namespace(args)
         self.config = serve_engine_config(ns)
         self.tenants, self.sampling_params = list(tenants), SamplingParams
@@ -661,6 +671,82 @@ async def closed_loop(client: Via, specs: list[Spec], args, concurrency: int):
     return results, time.perf_counter() - t0
 
 
+CLIENT_WORKER = "--client-worker"  # argv[1] of a --client-procs process (stdin: its JSON job)
+
+
+def client_worker() -> int:
+    """A ``--client-procs`` process: its JSON job on stdin (url, keys, the options, its requests, its
+    clients), its results as JSON on stdout.  JSON, not pickle: this script's classes live under a
+    different module name in each process (``__main__`` here, ``inferscale bench serve``'s otherwise)."""
+    job = json.load(sys.stdin)
+    args = argparse.Namespace(**job["args"])
+    specs = [Spec(**d) for d in job["specs"]]
+
+    async def go():
+        client = Client(job["url"], job["keys"], args.tenants, args.request_timeout, 2 * job["concurrency"])
+        try:
+            return await closed_loop(client, specs, args, job["concurrency"])
+        finally:
+            await client.aclose()
+    cpu0 = time.process_time()
+    results, wall = asyncio.run(go())
+    json.dump({"results": [dataclasses.asdict(r) for r in results], "wall": wall,
+               "cpu": time.process_time() - cpu0}, sys.stdout)
+    return 0
+
+
+async def closed_loop_procs(client: "Client", specs: list[Spec], args, concurrency: int):
+    """``closed_loop`` over ``--client-procs`` processes (this script, ``client_worker``; clients and
+    requests dealt round-robin): (results, wall seconds, the processes' CPU seconds).  ``perf_counter``
+    is the system's monotonic clock on Linux, so every process's send times share one axis."""
+    k = max(1, min(args.client_procs, concurrency))
+    opts = {key: v for key, v in vars(args).items() if isinstance(v, (str, int, float, bool, list, type(None)))}
+    jobs = [json.dumps({"url": client.url, "keys": client.keys, "args": opts, "concurrency": concurrency // k + (i < concurrency % k),
+                        "specs": [dataclasses.asdict(sp) for sp in specs[i::k]]}) for i in range(k)]
+
+    async def one(job: str):
+        proc = await asyncio.create_subprocess_exec(sys.executable, os.path.abspath(__file__), CLIENT_WORKER,
+                                                    stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE)
+        out, _ = await proc.communicate(job.encode())
+        if proc.returncode != 0:
+            raise RuntimeError(f"a --client-procs process exited with {proc.returncode}")
+        return json.loads(out)
+
+    got = await asyncio.gather(*(one(job) for job in jobs))
+    results = [Result(**d) for g in got for d in g["results"]]
+    # from the first send to the last end (the processes' start-up is not the server's time)
+    timed = [r for r in results if r.start is not None]
+    wall = (max(r.start + (r.e2e or 0.0) for r in timed) - min(r.start for r in timed)) if timed else max(
+        g["wall"] for g in got)
+    return results, wall, sum(g["cpu"] for g in got)
+
+
+def process_cpu(pid: int | None) -> dict:
+    """CPU seconds (user + system) of the process ``pid`` and, apart, of its descendants (the engine core
+    and any more API servers of ``inferscale serve``); {} without psutil or a pid."""
+    if pid is None:
+        return {}
+    try:
+        import psutil
+
+        proc = psutil.Process(pid)
+        own = sum(proc.cpu_times()[:2])
+        kids = 0.0
+        for child in proc.children(recursive=True):
+            try:
+                kids += sum(child.cpu_times()[:2])
+            except psutil.Error:
+                pass
+        return {"server": own, "server_children": kids}
+    except Exception:  # noqa: BLE001 - the figures stand without it
+        return {}
+
+
+def cpu_share(before: dict, after: dict, wall: float) -> dict:
+    """Per role, CPU seconds / wall seconds (1.0 = one core busy the whole point)."""
+    return {k: (after[k] - before[k]) / wall for k in after if k in before and wall > 0}
+
+
 # ---------------------------------------------------------------- figures
 
 def dist(xs: list[float], scale: float = 1e3) -> dict | None:
@@ -743,6 +829,14 @@ def num(x, digits: int = 2) -> str:
     return "n/a" if x is None else f"{x:.{digits}f}"
 
 
+def cpu_cell(p: dict) -> str:
+    """The point's CPU use in cores (bench processes / server / the server's children)."""
+    c = p.get("cpu") or {}
+    procs = p.get("client_procs", 1)
+    bench = num(c.get("bench")) + (f" ({procs} procs)" if procs > 1 else "")
+    return " / ".join([bench, num(c.get("server")), num(c.get("server_children"))])
+
+
 def load_label(p: dict) -> str:
     return f"{p['rate']:g} req/s" if p["mode"] == "rate" else f"{p['concurrency']} clients"
 
@@ -781,13 +875,13 @@ def report(summary: dict, prefix: str) -> None:
                "docstring; p99 over fewer than 1000 samples (the `n` column) is indicative only.", ""])
     rows = via_points(summary)
     head = ["load", "via", "n", "errors", "req/s", "out tok/s", "steady tok/s"] + (["HTTP / inproc tok/s"] if both else []) + [
-        "TTFT", "ITL", "TPOT p50", "E2E", "cached ratio", "compiles"]
+        "TTFT", "ITL", "TPOT p50", "E2E", "cached ratio", "compiles", "CPU cores: bench / server / its children"]
     table("Latency (ms, p50 / p90 / p99) and throughput per load point", head, [
         [load_label(p), via, p["completed"], p["errors"], num(p["request_throughput"]), num(p["output_throughput"], 1),
          num(p.get("steady_output_throughput"), 1)]
         + ([num(ratio_of[i]["http_over_inproc"], 3) if via == "http" else ""] if both else [])
         + [fmt(p["ttft_ms"]), fmt(p["itl_ms"]), fmt(p["tpot_ms"], "p50"), fmt(p["e2e_ms"]), num(p["cached_ratio"], 3),
-           "n/a" if p["compiles"] is None else p["compiles"]] for via, i, p in rows])
+           "n/a" if p["compiles"] is None else p["compiles"], cpu_cell(p)] for via, i, p in rows])
     table("By request kind (ms, p50 / p90 / p99; register = the cold segment's registration)", [
         "load", "via", "kind", "n", "errors", "TTFT", "E2E", "register", "cached ratio"], [
         [load_label(p), via, kind, k["requests"], k["errors"], fmt(k["ttft_ms"]), fmt(k["e2e_ms"]),
@@ -918,13 +1012,21 @@ async def bench(args, client: Via, maker: TextMaker) -> dict:
             prng = np.random.default_rng([args.seed, i])
             specs = make_specs(point_requests(args, mode, x), None, args, tenants, warm, maker, prng, f"p{i}")
             before = await client.stats()
+            server_pid = getattr(client, "server_pid", None)
+            cpu0 = {"bench": time.process_time(), **process_cpu(server_pid)}
+            procs_cpu = 0.0
             if mode == "rate":
                 results, wall = await poisson(client, specs, args, x, prng)
+            elif client.via == "http" and args.client_procs > 1:
+                results, wall, procs_cpu = await closed_loop_procs(client, specs, args, x)
             else:
                 results, wall = await closed_loop(client, specs, args, x)
+            cpu1 = {"bench": time.process_time() + procs_cpu, **process_cpu(server_pid)}
             after = await client.stats()
             p = {"mode": mode, "rate": x if mode == "rate" else None, "concurrency": x if mode != "rate" else None,
-                 **summarize(results, wall),
+                 **summarize(results, wall), "cpu": cpu_share(cpu0, cpu1, wall),
+                 **({"steady_output_throughput": None} if mode == "rate" else {}),  # (no closed-loop window)
+                 "client_procs": args.client_procs if client.via == "http" and mode != "rate" else 1,
                  "compiles": after["compiles"] - before["compiles"] if before and after else None}
             points.append(p)
             log(f"[serve] {client.via} {load_label(p)}: {p['completed']}/{p['requests']} ok, "
@@ -958,6 +1060,7 @@ def run_http(args, maker: TextMaker, workdir: str, tenant_names: list[str]) -> d
             ready_s = time.monotonic() - t0
             log(f"[serve] server ready in {ready_s:.0f} s at {url}")
         client = Client(url, keys, args.tenants, args.request_timeout, connections)
+        client.server_pid = server.proc.pid if server is not None else args.server_pid
         figures = asyncio.run(bench(args, client, maker))
     finally:
         if server is not None:
@@ -1044,4 +1147,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(client_worker() if sys.argv[1:2] == [CLIENT_WORKER] else main())

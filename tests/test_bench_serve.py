@@ -16,7 +16,7 @@ DIST_KEYS = {"p50", "p90", "p99", "mean", "n"}
 POINT_KEYS = {"mode", "rate", "concurrency", "requests", "completed", "errors", "error_samples", "wall_s",
               "request_throughput", "output_throughput", "ttft_ms", "itl_ms", "tpot_ms", "e2e_ms", "register_ms",
               "prompt_tokens", "cached_tokens", "completion_tokens", "cached_ratio", "tokens_per_chunk",
-              "by_kind", "compiles"}
+              "by_kind", "compiles", "steady_output_throughput", "cpu", "client_procs"}
 KIND_KEYS = {"requests", "errors", "ttft_ms", "e2e_ms", "register_ms", "prompt_tokens", "cached_tokens",
              "cached_ratio"}
 
@@ -59,6 +59,8 @@ def test_bench_serve_tiny_load(tmp_path, tmp_path_factory):
     assert point["completion_tokens"] == 4 * 4  # ignore_eos: every request makes max_tokens
     assert point["request_throughput"] > 0 and point["output_throughput"] > 0
     assert isinstance(point["compiles"], int) and point["compiles"] >= 0
+    assert point["steady_output_throughput"] is None  # (a Poisson point has no closed-loop window)
+    assert point["cpu"]["bench"] > 0 and point["client_procs"] == 1
     for key in ("ttft_ms", "itl_ms", "tpot_ms", "e2e_ms"):
         assert set(point[key]) == DIST_KEYS and ordered(point[key]), (key, point[key])
     assert point["ttft_ms"]["n"] == point["e2e_ms"]["n"] == 4
@@ -73,3 +75,20 @@ def test_bench_serve_tiny_load(tmp_path, tmp_path_factory):
     assert kinds["warm"]["cached_ratio"] > 0 and kinds["warm"]["cached_tokens"] >= 2 * 48 - 2 * 16
     assert kinds["cold"]["register_ms"]["n"] == 1 and kinds["warm"]["register_ms"] is None
     assert 0 < point["cached_ratio"] < 1
+
+
+def test_steady_window_counts_tokens_while_every_client_is_busy():
+    """bench/serve.py's steady output tok/s: from the first request's end to the last one's send,
+    each request's tokens spread over its decode; None when that window is empty."""
+    import runpy
+
+    serve = runpy.run_path(os.path.join(REPO, "bench", "serve.py"), run_name="serve_under_test")
+    Result, steady = serve["Result"], serve["steady_throughput"]
+
+    def res(start, ttft, e2e, tokens):
+        return Result("warm", ok=True, start=start, ttft=ttft, e2e=e2e, completion_tokens=tokens)
+    # two clients: requests end at 2 and 3; the last sends are at 2 and 3 -> window [2, 3]
+    rs = [res(0.0, 0.0, 2.0, 20), res(0.0, 1.0, 3.0, 20), res(2.0, 0.0, 2.0, 20), res(3.0, 0.0, 2.0, 20)]
+    # inside [2, 3]: 0 of the first, half of the second (decode 1..3), half of the third (2..4), none of the last
+    assert steady(rs) == (0 + 10 + 10 + 0) / 1.0
+    assert steady(rs[:2]) is None  # everyone sent once: the last send (0) is before the first end (2)
