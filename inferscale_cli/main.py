@@ -8,7 +8,7 @@ tokenizer files); without it, the embedded default model is used (built locally 
     inferscale precompute CORPUS --snapshot-dir DIR   a corpus -> segments + snapshot (precompute.py)
     inferscale demo                      KV injection vs full prefill: TTFT and identical outputs
     inferscale serve [--port N] [--api-keys FILE] [--snapshot-dir DIR]   the HTTP server (serving/)
-    inferscale bench serve [OPTIONS]     the serving benchmark (bench/serve.py; a source checkout)
+    inferscale bench serve [OPTIONS]     the serving benchmark (bench/serving/serve.py; a source checkout)
     inferscale --version                 the package version (inferscale_jax/_version.py)
 
 What ``main`` does at the boundary, for every command:
@@ -282,16 +282,16 @@ def cmd_serve(args) -> int:
 
 
 def cmd_bench(args) -> int:
-    """``bench NAME ...``: ``bench/NAME.py`` of the source tree, its ``main`` given the remaining
+    """``bench NAME ...``: ``bench/serving/NAME.py`` of the source tree, its ``main`` given the remaining
     arguments.  bench/ is no installed package: it is found beside this package's folder."""
     import runpy
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    script = os.path.join(root, "bench", f"{args.benchmark}.py")
+    script = os.path.join(root, "bench", "serving", f"{args.benchmark}.py")
     if not os.path.isfile(script):
         raise FileNotFoundError(f"{script} is missing: the benchmarks live in the bench/ folder of the source "
                                 "tree, which an installed package does not include; run this command from a "
-                                f"checkout of the repository (or run bench/{args.benchmark}.py there)")
+                                f"checkout of the repository (or run bench/serving/{args.benchmark}.py there)")
     return runpy.run_path(script, run_name="inferscale_bench")["main"](args.args)
 
 
@@ -447,7 +447,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(fn=cmd_serve)
 
     s = add("bench", help="run a benchmark of the source tree's bench/ folder (serve: the HTTP server under "
-                          "load, bench/serve.py; results as bench/NOTES.md describes)")
+                          "load, bench/serving/serve.py; results as bench/NOTES.md describes)")
     s.add_argument("benchmark", choices=["serve"], help="which benchmark")
     s.add_argument("args", nargs=argparse.REMAINDER, help="its options (inferscale bench serve --help)")
     s.set_defaults(fn=cmd_bench)

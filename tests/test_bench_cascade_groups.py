@@ -1,4 +1,4 @@
-"""bench/cascade_groups.py runs end to end in its --smoke mode (tiny shapes, interpret mode)."""
+"""bench/kernels/cascade_groups.py runs end to end in its --smoke mode (tiny shapes, interpret mode)."""
 
 import os
 import subprocess
@@ -8,7 +8,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_smoke_run_writes_the_report(tmp_path):
-    proc = subprocess.run([sys.executable, os.path.join(REPO, "bench", "cascade_groups.py"), "--smoke",
+    proc = subprocess.run([sys.executable, os.path.join(REPO, "bench", "kernels", "cascade_groups.py"), "--smoke",
                            "--out", str(tmp_path)], cwd=REPO, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = (tmp_path / "cascade_groups.md").read_text()

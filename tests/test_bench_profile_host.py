@@ -1,4 +1,4 @@
-"""bench/profile_host.py runs as documented on a tiny local checkpoint and reports what it claims:
+"""bench/tools/profile_host.py runs as documented on a tiny local checkpoint and reports what it claims:
 per-step wall time, the host's share, the output rate and both cProfile tables; with ``--per-call``
 each part of a step and the device's cadence."""
 
@@ -16,14 +16,14 @@ ARGS = ["--concurrency", "4", "--segments", "2", "--segment-tokens", "48", "--qu
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
     path = tmp_path_factory.mktemp("profile_host") / "tiny"
-    subprocess.run([sys.executable, "bench/make_checkpoint.py", str(path), "--quick"], cwd=REPO, check=True,
+    subprocess.run([sys.executable, "bench/tools/make_checkpoint.py", str(path), "--quick"], cwd=REPO, check=True,
                    capture_output=True, timeout=300)
     return path
 
 
 def profile(ckpt, out, *extra: str) -> str:
     """Run the script as documented on the tiny checkpoint; its report."""
-    run = subprocess.run([sys.executable, "bench/profile_host.py", "--model", str(ckpt), *ARGS, *extra,
+    run = subprocess.run([sys.executable, "bench/tools/profile_host.py", "--model", str(ckpt), *ARGS, *extra,
                           "--out", str(out)], cwd=REPO, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     return out.read_text()

@@ -1,14 +1,14 @@
-"""bench/report.py's code_version: every benchmark report names the commit it measured."""
+"""bench/lib/report.py's code_version: every benchmark report names the commit it measured."""
 
 import os
 import shutil
 import subprocess
 import sys
 
-BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench")
+BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench", "lib")
 sys.path.insert(0, BENCH)
 
-import report  # noqa: E402  (bench/report.py)
+import report  # noqa: E402  (bench/lib/report.py)
 
 
 def test_code_version_takes_the_commit_from_the_environment(monkeypatch):

@@ -1,4 +1,4 @@
-"""The serving benchmark (``bench/serve.py``) run through ``inferscale bench serve`` against a real
+"""The serving benchmark (``bench/serving/serve.py``) run through ``inferscale bench serve`` against a real
 server with a tiny load: every figure of its JSON is there, nothing failed, warm-segment requests
 read cached tokens, and percentiles are ordered.  No timing thresholds (speed is measured by the
 benchmark, not asserted here).  About 30-60 s on a 2-core CPU (server start and compiles included)."""

@@ -1,4 +1,4 @@
-"""The serving benchmark's in-process via (``bench/serve.py --in-process``: the same workload through
+"""The serving benchmark's in-process via (``bench/serving/serve.py --in-process``: the same workload through
 ``AsyncEngine`` in the benchmark's own process): its options, that ``--context`` changes only the
 context of the same drawn requests, and a tiny closed-loop run whose JSON has every figure, no
 error, and warm requests reading cached tokens.  No timing thresholds.  About 30-50 s on a 2-core CPU."""
@@ -16,7 +16,7 @@ from server_util import REPO, cache_dir
 
 
 def load_bench():
-    spec = importlib.util.spec_from_file_location("bench_serve_under_test", os.path.join(REPO, "bench", "serve.py"))
+    spec = importlib.util.spec_from_file_location("bench_serve_under_test", os.path.join(REPO, "bench", "serving", "serve.py"))
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses look their module up
     spec.loader.exec_module(module)

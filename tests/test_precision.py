@@ -3,7 +3,7 @@
 On a CPU every float32 dot is exact whatever the precision says, so these tests read the
 lowered step instead: the dots of a "highest" step carry ``precision = [HIGHEST, HIGHEST]``,
 those of a "default" step ``[DEFAULT, DEFAULT]`` (the model's weight dots; the reference
-attention kernels ask for HIGHEST on their own).  The GPU effect is bench/precision.py's."""
+attention kernels ask for HIGHEST on their own).  The GPU effect is bench/engine/precision.py's."""
 
 import re
 

@@ -137,7 +137,7 @@ def test_config_rejects_a_budget_below_a_chunk():
 
 
 def test_replay_last_reruns_the_step_and_leaves_the_kv_as_it_was():
-    """``ModelRunner.replay_last`` (device-only step timing in bench/engine.py): the same step again
+    """``ModelRunner.replay_last`` (device-only step timing in bench/engine/engine_bench.py): the same step again
     on the same inputs writes the same K/V into the same slots."""
     e = make_engine()
     pages = e.kv.allocate(3)

@@ -1,4 +1,4 @@
-"""The soak test (``bench/soak.py``) for one minute (the long runs are ``bench/soak.py`` itself): the real ``inferscale serve`` under mixed
+"""The soak test (``bench/serving/soak.py``) for one minute (the long runs are ``bench/serving/soak.py`` itself): the real ``inferscale serve`` under mixed
 tenants, streaming with disconnects, segment churn racing completions, periodic snapshots and a
 two ``kill -9`` + restarts, with damage injected every 8 s (a disk-tier file or a snapshot's data
 flipped; the registry's write-ahead log deleted, cut or flipped at each kill).  Passes only when the soak's own checks pass (no 5xx, no greedy
@@ -18,7 +18,7 @@ def test_soak_one_minute(tmp_path, tmp_path_factory):
     cache = os.environ.get("INFERSCALE_CACHE") or cache_dir(tmp_path_factory)
     out, work = tmp_path / "out", tmp_path / "work"
     env = dict(os.environ, INFERSCALE_CACHE=cache, JAX_PLATFORMS=os.environ.get("JAX_PLATFORMS", "cpu"))
-    proc = subprocess.run([sys.executable, os.path.join(REPO, "bench", "soak.py"), "--minutes", "1", "--seed", "0",
+    proc = subprocess.run([sys.executable, os.path.join(REPO, "bench", "serving", "soak.py"), "--minutes", "1", "--seed", "0",
                            "--kills", "2", "--damage-every", "8", "--host-pages", "8", "--out", str(out),
                            "--workdir", str(work)],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=900)

@@ -1,0 +1,82 @@
+#!/usr/bin/env bash
+# Rerun the README's benchmark figures on one H200 at the current code, in parts that each fit one
+# 10-minute call of a lent GPU machine (each step has its own time limit, so one slow step cannot
+# take the others' results with it):
+#
+#     INFERSCALE_COMMIT=$(git rev-parse --short HEAD) bench/tools/rerun_h200.sh PART RESULTS_DIR [TARBALL]
+#
+#   1  kernels: ceilings, paged decode vs jax's paged_attention (B=32 over 4k / 32k, B=128 over 4k),
+#      prefill vs cuDNN's causal path, splice, KV write, cascade (bench/kernels/kernels.py abcdef); the ragged
+#      kernel (bench/kernels/ragged.py); compressed-KV kernels (bench/kernels/kv_dtype.py a); int8 tier promotion
+#   2  engine (bench/engine/engine_bench.py abcdeg): TTFT injected / full / question alone, the HF peer (StaticCache +
+#      torch.compile), decode at batch 1, injection modes, decode over one shared 4k segment
+#   3  engine arrivals (engine_bench.py f), serving steps (steps.py: warm-up, decode steps, shared burst),
+#      tiers with bf16 pages (promotion, snapshot restore, TTFT by tier)
+#   4  compilation cache cold vs warm, float32 precision vs HF, private 4k contexts in 40 GB of KV
+#      (bf16 then int8 pages)
+#   5  compressed-KV quality: train the small LM on 2048-token windows (bench/tools/train_small_lm.py, stopped
+#      after 150 s of steps), then bench/kernels/kv_dtype.py sections b and c on it
+#
+# Each step writes its tables under RESULTS_DIR/<step>/ and its console log to RESULTS_DIR/<step>.log;
+# after each step RESULTS_DIR is packed into TARBALL when given (what a cut call still returns).
+set -uo pipefail
+part=${1:?part 1-5}
+res=${2:?results folder}
+tarball=${3:-}
+mkdir -p "$res"
+export PYTHONUNBUFFERED=1
+export INFERSCALE_CACHE=${INFERSCALE_CACHE:-/tmp/inferscale-cache}
+
+step() {  # step NAME SECONDS SCRIPT ARGS...  (the script's --out is RESULTS_DIR/NAME)
+    local name=$1 limit=$2 script=$3
+    shift 3
+    step_as "$name" "$limit" "$script" "$@" --out "$res/$name"
+}
+
+step_as() {  # step_as NAME SECONDS SCRIPT ARGS...  (ARGS name the output themselves)
+    local name=$1 limit=$2 script=$3
+    shift 3
+    echo "=== $name: python $script $* ($(date +%T), limit ${limit} s)"
+    timeout "$limit" python3 "$script" "$@" > "$res/$name.log" 2>&1
+    local rc=$?
+    tail -n 25 "$res/$name.log"
+    echo "=== $name rc=$rc ($(date +%T))"
+    [ -n "$tarball" ] && tar czf "$tarball" -C "$res" .
+    return 0
+}
+
+nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,memory.used --format=csv || true
+case "$part" in
+1)
+    step kernels 220 bench/kernels/kernels.py --sections abcdef --decode-shapes 32x4096,32x32768,128x4096
+    step ragged 110 bench/kernels/ragged.py
+    step kv_dtype 110 bench/kernels/kv_dtype.py --sections a
+    step tiers_int8 50 bench/engine/tier_moves.py --kv-dtype int8 --sections ab
+    ;;
+2)
+    step engine 520 bench/engine/engine_bench.py --sections abcdeg --e-modes plain,cascade --e-batches 8,32,128
+    ;;
+3)
+    step arrivals 200 bench/engine/engine_bench.py --sections f
+    step steps 220 bench/engine/steps.py --sections warmup,decode,throughput
+    step tiers 80 bench/engine/tier_moves.py
+    ;;
+4)
+    step compile_cache 130 bench/engine/cold_warm_start.py
+    step precision 90 bench/engine/precision.py
+    XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 step private_bf16 100 bench/engine/engine_bench.py --sections e --e-modes private \
+        --e-batches 32,64 --kv-budget-gb 40 --kv-dtype bfloat16
+    XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 step private_int8 120 bench/engine/engine_bench.py --sections e --e-modes private \
+        --e-batches 32,64,128 --kv-budget-gb 40 --kv-dtype int8
+    ;;
+5)
+    # the checkpoint stays out of RESULTS_DIR (tens of MB); its summary comes back
+    step_as small_lm 240 bench/tools/train_small_lm.py /tmp/small-lm --seq 2048 --batch 16 --steps 900 --max-seconds 150
+    cp /tmp/small-lm/train.md "$res/small_lm_train.md" 2>/dev/null
+    step quality 150 bench/kernels/kv_dtype.py --sections bc --model /tmp/small-lm
+    ;;
+*)
+    echo "unknown part $part" >&2
+    exit 2
+    ;;
+esac
