@@ -227,7 +227,7 @@ def _write_and_attend(q: jax.Array, k: jax.Array, v: jax.Array, k_pages: jax.Arr
         out = _attend(q.astype(jnp.dtype(compute_dtype)), kq, vq, positions, meta, impl, (ks, vs))
         return out, kq, vq, (ks, vs)
     dtype = k_pages.dtype
-    # the kernels' own scatter where there is one (faster than XLA's: bench/kernels.py); the TPU one is DMAs
+    # the kernels' own scatter where there is one (faster than XLA's: bench/kernels/kernels.py); the TPU one is DMAs
     write = {"pallas": write_kv_pallas, "pallas_tpu": write_kv_tpu}.get(impl, write_kv)
     kp, vp = write(k_pages, v_pages, k.reshape(b * t, hkv, d).astype(dtype),
                    v.reshape(b * t, hkv, d).astype(dtype), meta.slots)

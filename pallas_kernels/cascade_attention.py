@@ -420,7 +420,7 @@ def grouped_cascade_decode_attention(
         q, k_pages, v_pages, group_pages, group_lens, row_group, suffix_table, suffix_lens, k_scale, v_scale)
     common.check_power_of_two("page_size", s)
     common.check_power_of_two("head_dim", d, common.MIN_DOT_DIM)
-    # single-group defaults from the H200 sweep (bench/NOTES.md, `bench/kernels.py --sections f
+    # single-group defaults from the H200 sweep (bench/NOTES.md, `bench/kernels/kernels.py --sections f
     # --tune`): 128-row tiles won at B*Gq = 32, 128 and 512 (even 3/4 padding: the tile is
     # matmul-bound only at large B*Gq); 8 warps / 3 stages while one row block covers the batch
     if block_rows is None:

@@ -232,12 +232,12 @@ def paged_decode_attention(
     ``[Hkv, P, S]`` float32; a gathered tile is converted to q's dtype and the scales multiply the
     scores and probabilities (``fold_scales=True``, quant.py) or multiply the rows (``False``);
     ``None`` picks per page dtype (``quant.scales_on_rows``: rows for float8_e4m3fn, folded for int8;
-    folded with ``v_transposed``), as measured on the H200 (``bench/kv_dtype.py``).  ``k_major=True`` computes the
+    folded with ``v_transposed``), as measured on the H200 (``bench/kernels/kv_dtype.py``).  ``k_major=True`` computes the
     scores as ``k @ q^T`` (K the untransposed row operand, as a 1-byte tile's conversion may prefer; a
     knob to measure, bench/NOTES.md), the same values.  ``v_transposed=True`` takes ``v_pages`` as
     ``[Hkv, P, D, S]`` (each page's V stored token-contiguous, so the PV dot's operand is contiguous along
     its contraction, as K's is) and needs one page per block: a layout experiment for 1-byte pages
-    (``bench/kv_dtype.py`` section v), not the engine's layout.  Where ``S == D`` the two layouts have one
+    (``bench/kernels/kv_dtype.py`` section v), not the engine's layout.  Where ``S == D`` the two layouts have one
     shape, so the check cannot tell them apart: the caller says which it passes.
     """
     v_usual = v_pages  # what the checks see: V in the usual layout

@@ -16,7 +16,7 @@ Two implementations with one contract:
   The tail of the last block re-writes token ``N - 1`` (same slot, same value) instead of
   masking, which is exact both on the GPU and in interpret mode.  Outputs alias the pages.
 
-``bench/kernels.py`` times both; keep whichever is faster as the engine's choice.
+``bench/kernels/kernels.py`` times both; keep whichever is faster as the engine's choice.
 """
 
 from __future__ import annotations

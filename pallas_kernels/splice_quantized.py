@@ -4,7 +4,7 @@ The same move as ``splice.py`` (``K[dst] = rope(K[src], shift)``, ``V[dst] = V[s
 contract) on pages whose rows are 1-byte codes with a scale per (token, kv head)
 (``pallas_kernels/quant.py``).  A key that moves by a nonzero shift is dequantized, rotated in fp32 and
 quantized again with a fresh scale, in registers, in one kernel: its added error is the second
-rounding (``bench/kv_dtype.py`` section s measures it).  A zero shift and every V row copy the codes and
+rounding (``bench/kernels/kv_dtype.py`` section s measures it).  A zero shift and every V row copy the codes and
 scales bit for bit.
 
 Kernel: as ``splice._splice_kernel`` - grid ``(cdiv(N, T), 1, Hkv / heads_per_program)``, a program

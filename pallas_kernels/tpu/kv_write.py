@@ -16,7 +16,7 @@ pages only the N rows move.  Tokens past N in the last block start nothing.
 
 Two tokens with one slot (padding in the null page) race; whichever lands is irrelevant, as in the
 GPU kernel.  A first real-TPU run should time this against the XLA scatter (``write_kv``), which
-is the better choice if the per-token DMAs' issue cost dominates (bench/kernels.py times both).
+is the better choice if the per-token DMAs' issue cost dominates (bench/kernels/kernels.py times both).
 """
 
 from __future__ import annotations
