@@ -44,7 +44,6 @@ import os
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.45")  # leave room for torch (HF peer)
 
-import argparse  # noqa: E402
 import datetime  # noqa: E402
 import shlex  # noqa: E402
 import sys  # noqa: E402
@@ -64,7 +63,8 @@ from batch_decode import batch_decode  # noqa: E402  (bench/engine/batch_decode.
 from common import EngineBench, ms, ratio  # noqa: E402  (bench/lib/common.py)
 from hf_peer import hf_peer, hf_reuse  # noqa: E402  (bench/engine/hf_peer.py)
 from injection_modes import modes  # noqa: E402  (bench/engine/injection_modes.py)
-from report import FAILURES, MD, code_version, log, pyplot, table, write_md  # noqa: E402  (bench/lib/report.py)
+from report import FAILURES, MD, code_version, log, pyplot, save_plot, table, write_md  # noqa: E402  (bench/lib/report.py)
+from sections import parser, run_sections  # noqa: E402  (bench/lib/sections.py)
 from ttft import Q, ttft  # noqa: E402  (bench/engine/ttft.py)
 
 
@@ -204,10 +204,7 @@ def plot_batch(R, args, plt, dev):
     ax.set_title(f"Decode throughput, {dev.device_kind}, {'tiny model' if args.quick else 'Llama-3-8B shape bf16'}")
     ax.legend(fontsize=7)
     ax.grid(True, which="both", alpha=0.3)
-    fig.tight_layout()
-    png = os.path.join(args.out, "engine_batch.png")
-    fig.savefig(png, dpi=120)
-    log(f"wrote {png}")
+    save_plot(fig, args.out, "engine_batch.png")
 
 
 def write_report(R, args, total_s):
@@ -275,16 +272,11 @@ def write_report(R, args, total_s):
     ax.set_ylabel("TTFT (ms, log scale)")
     ax.set_title(f"TTFT, {dev.device_kind}, {'tiny model' if args.quick else 'Llama-3-8B shape bf16'}")
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    png = os.path.join(args.out, "engine.png")
-    fig.savefig(png, dpi=120)
-    log(f"wrote {png}")
+    save_plot(fig, args.out, "engine.png")
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", default=os.path.join("bench", "results"))
-    ap.add_argument("--quick", action="store_true", help="tiny model, runs on CPU")
+    ap = parser(__doc__, "tiny model, runs on CPU")
     ap.add_argument("--sections", default="abcdefg",
                     help="subset of a (ceilings), b (our TTFT), c (HF), d (decode), e (shared vs private context "
                          "decode at batch B), f (TTFT under Poisson arrivals), g (compose/blend vs exact)")
@@ -306,24 +298,21 @@ def main():
     ap.add_argument("--no-hf-child", action="store_true", help="do not retry the HF peer in a child process")
     args = ap.parse_args()
     args.s = settings(args)
-    b = args.bench = EngineBench(args.quick, args.s, base_config(args), log, FAILURES)
-    log(f"devices: {jax.devices()}  jax {jax.__version__}  sections {args.sections}  settings {args.s}")
-    t0 = time.time()
-    if any(c in args.sections for c in "abdeg"):
-        bandwidth(b)
-    if "b" in args.sections:
-        ttft(b)
-    if "c" in args.sections:
-        hf_peer(b, no_child=args.no_hf_child)
-    if "d" in args.sections:
-        decode(b)
-    if "f" in args.sections:
-        arrivals(b)
-    if "g" in args.sections:
-        modes(b)
-    if "e" in args.sections:
-        batch_decode(b, modes=tuple(args.e_modes.split(",")), profile_step=args.profile_step)
-    b.drop_engine()
+    args.bench = EngineBench(args.quick, args.s, base_config(args), log, FAILURES)
+
+    def on_bench(fn, **kw):
+        return lambda a: fn(a.bench, **kw)
+
+    plan = [("abdeg", on_bench(bandwidth)), ("b", on_bench(ttft)), ("c", on_bench(hf_peer, no_child=args.no_hf_child)),
+            ("d", on_bench(decode)), ("f", on_bench(arrivals)), ("g", on_bench(modes)),
+            ("e", on_bench(batch_decode, modes=tuple(args.e_modes.split(",")), profile_step=args.profile_step)),
+            (None, lambda a: a.bench.drop_engine())]
+    return run_sections(args, plan, summary, note=f"sections {args.sections}  settings {args.s}")
+
+
+def summary(args, t0):
+    """Write the report, then print the summary the lead sees."""
+    b = args.bench
     total = time.time() - t0
     R = b.R
     write_report(R, args, total)
@@ -348,10 +337,7 @@ def main():
           ["L", "ours inj", "ours full", "question", "HF full", "HF reuse", "inj/q", "HFfull/inj",
            "HFreuse/inj"], summary_rows(R, args), md=False)
     table("Targets", ["target", "ours", "peer / ceiling", "ratio", "goal", "verdict"], targets(R, args), md=False)
-    if FAILURES:
-        log("\nFAILURES:\n  " + "\n  ".join(FAILURES))
-        sys.exit(1)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -33,7 +33,6 @@ Writes ``tiers.md`` (and ``tiers.png`` when matplotlib is importable) to ``--out
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import gc
 import os
@@ -53,7 +52,8 @@ sys.path[:0] = [ROOT, os.path.join(ROOT, "bench", "lib")]  # the engine's packag
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from common import model_config, shape  # noqa: E402  (bench/lib/common.py)
-from report import FAILURES, MD, code_version, log, pyplot, section, table, write_md  # noqa: E402  (bench/lib/report.py)
+from report import FAILURES, MD, code_version, log, pyplot, save_plot, section, table, write_md  # noqa: E402  (bench/lib/report.py)
+from sections import parser, run_sections  # noqa: E402  (bench/lib/sections.py)
 
 R: dict = {}
 RNG = np.random.default_rng(1234)
@@ -339,18 +339,13 @@ def write_report(args, total_s):
         ax2.set_ylabel("TTFT ms")
         ax2.set_title(f"TTFT, {args.s['L']}-token segment in ...")
         fig.suptitle(f"{dev.device_kind}, {'small model' if args.quick else 'Llama-3-8B shape bf16'}")
-        fig.tight_layout()
-        png = os.path.join(args.out, "tiers.png")
-        fig.savefig(png, dpi=120)
-        log(f"wrote {png}")
+        save_plot(fig, args.out, "tiers.png")
     except Exception:  # noqa: BLE001 - the report is written already
         log("tiers.png failed:\n" + traceback.format_exc())
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", default=os.path.join("bench", "results"))
-    ap.add_argument("--quick", action="store_true", help="small model, runs on CPU")
+    ap = parser(__doc__, "small model, runs on CPU")
     ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"),
                     help="KV and weight dtype (CPU: XLA's bf16 scatter is emulated and slow; float32 is not)")
     ap.add_argument("--kv-dtype", default=None, choices=("int8", "float8_e4m3fn"),
@@ -361,14 +356,8 @@ def main():
     args.s = settings(args.quick)
     args.s["dtype"] = args.dtype
     args.s["kv_dtype"] = args.kv_dtype
-    log(f"devices: {jax.devices()}  jax {jax.__version__}  settings {args.s}")
-    t0 = time.time()
-    setup(args)
-    for key, fn in (("a", ceilings), ("b", promotion), ("d", ttft), ("c", restore)):
-        if key in args.sections:
-            fn(args)
-    write_report(args, time.time() - t0)
-    return 1 if FAILURES else 0
+    plan = [(None, setup), ("a", ceilings), ("b", promotion), ("d", ttft), ("c", restore)]
+    return run_sections(args, plan, lambda a, t0: write_report(a, time.time() - t0), note=f"settings {args.s}")
 
 
 if __name__ == "__main__":

@@ -33,7 +33,6 @@ Writes ``tp.md`` to ``--out``.
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import time
@@ -46,6 +45,7 @@ import jax.numpy as jnp  # noqa: E402
 from common import (LLAMA3_8B, LLAMA3_70B, TINY, copy_bandwidth, greedy, median, model_config, ms,  # noqa: E402
                     ratio, read_bandwidth, step_read_bytes, timed_generate, timed_reps)
 from report import finish, log, section, table  # noqa: E402  (bench/lib/report.py)
+from sections import parser, run_sections  # noqa: E402  (bench/lib/sections.py)
 
 Q = 64
 R: dict = {}
@@ -217,26 +217,15 @@ def small(args):
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", default=os.path.join("bench", "results"))
-    ap.add_argument("--quick", action="store_true", help="tiny shapes (works on CPU host devices)")
+    ap = parser(__doc__, "tiny shapes (works on CPU host devices)")
     ap.add_argument("--sections", default="abcd")
     ap.add_argument("--load-layers", type=int, default=8, help="section d: layers of the 70B-shaped checkpoint")
     ap.add_argument("--load-dir", default=None, help="section d: where the checkpoint is written (default: tmp)")
     args = ap.parse_args()
-    log(f"devices: {jax.devices()}  jax {jax.__version__}")
-    t0 = time.time()
-    if "a" in args.sections or "b" in args.sections:
-        ceilings(args)
-    if "b" in args.sections:
-        large(args)
-    if "c" in args.sections:
-        small(args)
-    if "d" in args.sections:
-        loading(args)
-    finish(args.out, "tp.md", f"Tensor-parallel benchmark ({'quick, tiny shapes' if args.quick else '70B and 8B shapes, random bf16'})",
-           t0, ROOT)
+    title = f"Tensor-parallel benchmark ({'quick, tiny shapes' if args.quick else '70B and 8B shapes, random bf16'})"
+    plan = [("ab", ceilings), ("b", large), ("c", small), ("d", loading)]
+    return run_sections(args, plan, lambda a, t0: finish(a.out, "tp.md", title, t0, ROOT))
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

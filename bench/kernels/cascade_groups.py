@@ -56,7 +56,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 sys.path[:0] = [ROOT, os.path.join(ROOT, "bench", "lib")]  # the engine's packages; bench/lib/ (report, common)
 from common import read_bandwidth  # noqa: E402
 from kernels import check, time_calls  # noqa: E402
-from report import finish, log, pyplot, section, table  # noqa: E402
+from report import finish, log, pyplot, save_plot, section, table  # noqa: E402
 from inferscale_jax import kv_cache  # noqa: E402
 from inferscale_jax.buckets import StepBuckets  # noqa: E402
 from pallas_kernels.cascade_attention import (  # noqa: E402
@@ -301,10 +301,7 @@ def plot(out_dir):
     ax.set_ylabel("us per call (log)")
     ax.set_title(f"Cascade decode over N shared segments ({jax.devices()[0].device_kind})", fontsize=9)
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    png = os.path.join(out_dir, "cascade_groups.png")
-    fig.savefig(png, dpi=120)
-    log(f"wrote {png}")
+    save_plot(fig, out_dir, "cascade_groups.png")
 
 
 def load_old(path):

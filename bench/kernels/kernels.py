@@ -66,7 +66,6 @@ script exit non-zero after writing the report (``kernels.md`` and ``kernels.png`
 
 from __future__ import annotations
 
-import argparse
 import functools
 import math
 import os
@@ -81,7 +80,8 @@ sys.path[:0] = [ROOT, os.path.join(ROOT, "bench", "lib")]  # the engine's packag
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from common import H200_BF16_PEAK, matmul_ceiling, parse_shapes, read_bandwidth  # noqa: E402  (bench/lib/common.py)
-from report import FAILURES, MD, code_version, log, pyplot, section, table, write_md  # noqa: E402  (bench/lib/report.py)
+from report import FAILURES, MD, code_version, log, pyplot, save_plot, section, table, write_md  # noqa: E402  (bench/lib/report.py)
+from sections import parser, run_sections  # noqa: E402  (bench/lib/sections.py)
 import numpy as np  # noqa: E402
 
 from pallas_kernels.decode_attention import (  # noqa: E402
@@ -830,16 +830,11 @@ def write_report(args):
     ax.set_title("Paged decode attention (32/8 heads, d=128, page 16, bf16)")
     ax.axhline(0.75, color="gray", lw=0.8, ls=":")
     ax.legend(fontsize=7, ncol=2)
-    fig.tight_layout()
-    png = os.path.join(args.out, "kernels.png")
-    fig.savefig(png, dpi=120)
-    log(f"wrote {png}")
+    save_plot(fig, args.out, "kernels.png")
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", default=os.path.join("bench", "results"))
-    ap.add_argument("--quick", action="store_true", help="tiny shapes (works on CPU)")
+    ap = parser(__doc__, "tiny shapes (works on CPU)")
     ap.add_argument("--tune", action="store_true", help="also sweep the decode and prefill knobs")
     ap.add_argument("--sections", default=None,
                     help="subset of a,b,c,d,e,f,t to run (default abcde; at on a TPU; f, cascade "
@@ -855,33 +850,16 @@ def main():
         args.sections = "at" if jax.default_backend() == "tpu" else "abcde"
     args.reps = args.reps or (2 if args.quick else 10)
     args.copy_bw = args.read_bw = args.ceiling_bw = args.mm_flops = None
-    log(f"devices: {jax.devices()}  jax {jax.__version__}  interpret={args.interpret}")
-    t0 = time.time()
-    if any(s in args.sections for s in "abcdft"):  # the ceilings the later sections divide by
-        copy_bandwidth(args)
-    if "b" in args.sections:
-        decode(args)
-        if args.tune:
-            decode_tune(args)
-    if "c" in args.sections:
-        prefill(args)
-        if args.tune:
-            prefill_tune(args)
-    if "d" in args.sections:
-        splice(args)
-    if "e" in args.sections:
-        kv_write(args)
-    if "f" in args.sections:
-        cascade(args)
-    if "t" in args.sections:
-        tpu_kernels(args)
+    plan = [("abcdft", copy_bandwidth),  # the ceilings the later sections divide by
+            ("b", decode), ("b" if args.tune else "", decode_tune), ("c", prefill), ("c" if args.tune else "", prefill_tune),
+            ("d", splice), ("e", kv_write), ("f", cascade), ("t", tpu_kernels)]
+    return run_sections(args, plan, report, note=f"interpret={args.interpret}")
+
+
+def report(args, t0):
     MD.append(f"total time: {time.time() - t0:.0f} s")
     write_report(args)
-    if FAILURES:
-        log("\nFAILURES:\n  " + "\n  ".join(FAILURES))
-        sys.exit(1)
-    log(f"all checks passed ({time.time() - t0:.0f} s)")
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

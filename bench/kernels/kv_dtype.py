@@ -38,7 +38,6 @@ Writes ``kv_dtype.md`` to ``--out``.
 
 from __future__ import annotations
 
-import argparse
 import math
 import os
 import sys
@@ -52,6 +51,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from common import back_to_back, copy_bandwidth, parse_shapes, read_bandwidth  # noqa: E402  (bench/lib/common.py)
 from report import FAILURES, MD, finish, log, section, table  # noqa: E402  (bench/lib/report.py)
+from sections import parser, run_sections  # noqa: E402  (bench/lib/sections.py)
 
 from pallas_kernels.quant import scales_on_rows  # noqa: E402
 
@@ -524,9 +524,7 @@ def model_for(args):
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", default=os.path.join("bench", "results"))
-    ap.add_argument("--quick", action="store_true", help="tiny shapes (CPU: interpret mode)")
+    ap = parser(__doc__, "tiny shapes (CPU: interpret mode)")
     ap.add_argument("--sections", default="abc")
     ap.add_argument("--model", default=None, help="sections b, c: an HF checkpoint folder (default: random weights)")
     ap.add_argument("--lengths", default=None, help="section b: segment lengths, e.g. 512,1024,2048")
@@ -540,19 +538,9 @@ def main():
                          "kernels' error from the quantization's)")
     ap.add_argument("--name", default="kv_dtype.md", help="the report's file name in --out")
     args = ap.parse_args()
-    t0 = time.time()
-    if "a" in args.sections:
-        kernels(args)
-    if "b" in args.sections:
-        quality(args)
-    if "c" in args.sections:
-        modes_quality(args)
-    if "s" in args.sections:
-        splice_error(args)
-    if "v" in args.sections:
-        v_layout(args)
-    finish(args.out, args.name, "Compressed KV benchmark", t0, ROOT)
+    plan = [("a", kernels), ("b", quality), ("c", modes_quality), ("s", splice_error), ("v", v_layout)]
+    return run_sections(args, plan, lambda a, t0: finish(a.out, a.name, "Compressed KV benchmark", t0, ROOT))
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

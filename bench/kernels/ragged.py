@@ -34,7 +34,6 @@ the median over repetitions of the whole executable divided by R.  Ratios are sp
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import functools
 import os
@@ -48,7 +47,8 @@ import numpy as np
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository
 sys.path[:0] = [ROOT, os.path.join(ROOT, "bench", "lib")]  # the engine's packages; bench/lib/ (report, common)
 from kernels import check, fits, time_calls  # noqa: E402
-from report import FAILURES, MD, code_version, log, pyplot, section, table, write_md  # noqa: E402
+from report import FAILURES, MD, code_version, log, pyplot, save_plot, section, table, write_md  # noqa: E402
+from sections import parser, run_sections  # noqa: E402  (bench/lib/sections.py)
 from pallas_kernels.decode_attention import paged_decode_attention  # noqa: E402
 from pallas_kernels.prefill_attention import paged_prefill_attention  # noqa: E402
 from pallas_kernels.ragged_attention import (  # noqa: E402
@@ -388,39 +388,27 @@ def write_report(args, argv):
     ax.set_xlabel("speed ratio: other time / ragged time (> 1 = ragged faster; dotted: 0.9)")
     ax.set_title(f"Ragged paged attention ({dev.device_kind}, bf16, d=128, page 16)",
                  fontsize=9)
-    fig.tight_layout()
-    png = os.path.join(args.out, "ragged.png")
-    fig.savefig(png, dpi=120)
-    log(f"wrote {png}")
+    save_plot(fig, args.out, "ragged.png")
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", default=os.path.join("bench", "results"))
-    ap.add_argument("--quick", action="store_true", help="tiny shapes (works on CPU)")
+    ap = parser(__doc__, "tiny shapes (works on CPU)")
     ap.add_argument("--tune", action="store_true", help="also sweep the knobs")
     ap.add_argument("--sections", default="0123", help="subset of 0,1,2,3 to run")
     ap.add_argument("--tune-shapes", default="prefill,decode,mixed",
                     help=f"--tune: the shapes swept, comma separated, of {','.join(TUNE_SHAPES)}")
     ap.add_argument("--reps", type=int, default=None)
-    argv = sys.argv[1:]
     args = ap.parse_args()
     args.interpret = jax.default_backend() != "gpu"
     args.reps = args.reps or (2 if args.quick else 10)
-    log(f"devices: {jax.devices()}  jax {jax.__version__}  interpret={args.interpret}")
-    t0 = time.time()
-    for key, fn in (("0", correctness), ("1", prefill), ("2", decode), ("3", mixed)):
-        if key in args.sections:
-            fn(args)
-    if args.tune:
-        tune(args)
+    plan = [("0", correctness), ("1", prefill), ("2", decode), ("3", mixed), (None if args.tune else "", tune)]
+    return run_sections(args, plan, report, note=f"interpret={args.interpret}")
+
+
+def report(args, t0):
     MD.append(f"total time: {time.time() - t0:.0f} s")
-    write_report(args, argv)
-    if FAILURES:
-        log("\nFAILURES:\n  " + "\n  ".join(FAILURES))
-        sys.exit(1)
-    log(f"all checks passed ({time.time() - t0:.0f} s)")
+    write_report(args, sys.argv[1:])
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

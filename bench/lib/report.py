@@ -114,3 +114,12 @@ def section(fn):
             MD.extend([f"## {fn.__name__}: FAILED", "", "```", tb, "```", ""])
         log(f"({fn.__name__}: {time.time() - t0:.0f} s)")
     return run
+
+
+def save_plot(fig, out_dir: str, name: str) -> str:
+    """Lay out ``fig``, write it to ``out_dir/name`` (PNG, 120 dpi); return the path."""
+    fig.tight_layout()
+    path = os.path.join(out_dir, name)
+    fig.savefig(path, dpi=120)
+    log(f"wrote {path}")
+    return path

@@ -1,0 +1,51 @@
+"""The two ends of a benchmark's main: its options parser, and running its sections to the report.
+
+Most benchmarks end their ``main`` the same way: log the devices, run the sections the
+``--sections`` letters name (each a ``report.section``, so a failure is reported and the run goes
+on), write the report, exit non-zero when a check failed.  ``run_sections`` is that tail, and
+``parser`` the start (the options every benchmark has)::
+
+    ap = parser(__doc__, "tiny shapes (CPU)")
+    ...
+    plan = [("ab", ceilings), ("b", large), ("c", small)]
+    sys.exit(run_sections(args, plan, lambda a, t0: finish(a.out, "x.md", "X", t0, ROOT)))
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+from report import FAILURES, log  # bench/lib/report.py
+
+
+def run_sections(args, plan, report, *, chosen: str | None = None, note: str = "") -> int:
+    """Log the devices (and ``note``); run each ``(keys, fn)`` of ``plan`` in order as ``fn(args)``
+    when a letter of ``keys`` is in ``chosen`` (default ``args.sections``; ``keys`` None: always,
+    ``""``: never, e.g. a ``--tune`` step not asked for); then ``report(args, t0)`` writes the report
+    (``t0``: the ``time.time()`` before the first section).  Returns the exit status: 1, the failures
+    listed last, when a check failed; else 0."""
+    import jax
+
+    log(f"devices: {jax.devices()}  jax {jax.__version__}" + (f"  {note}" if note else ""))
+    chosen = args.sections if chosen is None else chosen
+    t0 = time.time()
+    for keys, fn in plan:
+        if keys is None or any(k in chosen for k in keys):
+            fn(args)
+    report(args, t0)
+    if FAILURES:
+        log("\nFAILURES:\n  " + "\n  ".join(FAILURES))
+        return 1
+    log(f"all checks passed ({time.time() - t0:.0f} s)")
+    return 0
+
+
+def parser(doc: str, quick_help: str) -> argparse.ArgumentParser:
+    """The options parser of a benchmark whose docstring is ``doc``, with the options every one has:
+    ``--out`` (the report's folder, default ``bench/results``) and ``--quick`` (tiny shapes; ``quick_help``)."""
+    ap = argparse.ArgumentParser(description=doc.split("\n")[0])
+    ap.add_argument("--out", default=os.path.join("bench", "results"))
+    ap.add_argument("--quick", action="store_true", help=quick_help)
+    return ap
