@@ -78,11 +78,11 @@ def test_bench_serve_tiny_load(tmp_path, tmp_path_factory):
 
 
 def test_steady_window_counts_tokens_while_every_client_is_busy():
-    """bench/serve.py's steady output tok/s: from the first request's end to the last one's send,
+    """bench/serving/serve.py's steady output tok/s: from the first request's end to the last one's send,
     each request's tokens spread over its decode; None when that window is empty."""
     import runpy
 
-    serve = runpy.run_path(os.path.join(REPO, "bench", "serve.py"), run_name="serve_under_test")
+    serve = runpy.run_path(os.path.join(REPO, "bench", "serving", "serve.py"), run_name="serve_under_test")
     Result, steady = serve["Result"], serve["steady_throughput"]
 
     def res(start, ttft, e2e, tokens):
