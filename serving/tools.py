@@ -22,10 +22,13 @@ How a request with ``tools`` goes (vLLM's behaviour, which clients and agent fra
 4. The answer: ``message.tool_calls`` (``id``, ``type``, ``function.name``, ``function.arguments``
    as JSON text), ``content`` the text before the calls (null when none), ``finish_reason``
    ``tool_calls`` (``stop`` for a named function, as OpenAI answers).  Streaming (``Stream``) sends
-   content as it comes; forced calls stream as they are generated: a named function's arguments,
-   and ``required``'s calls one by one (each call's ``id`` and ``name`` once its name is complete,
-   then its arguments in fragments); ``auto`` calls are sent when the output ends (the name
-   first, the arguments after), since a call is known only once parsed.
+   content as it comes; calls stream as they are generated: a named function's arguments, and
+   ``required``'s and ``auto``'s calls one by one (each call's ``id`` and ``name`` once its head
+   ``{"name": N, "parameters": {`` is complete, then its arguments in fragments).  ``auto`` holds
+   content back from the first character that may begin a call (``{``, ``[TOOL_CALLS]``,
+   ``<tool_call>``); a call written another way (arguments first, arguments as a string) is sent
+   whole when the output ends, once parsed; text that looked like a call but parses as none is
+   sent then as content.
 """
 
 from __future__ import annotations
@@ -241,7 +244,7 @@ class Stream:
         self.named_id = call_id() if choice not in (None, "auto", "required") else None
         self.opened = False
         self.has_calls = False
-        # required: the calls found so far, and the one whose arguments stream now (``_required``)
+        # required / auto: the calls found so far, and the one whose arguments stream now (``_calls``)
         self.calls: list[str] = []
         self.pos = 0  # where the next call's head is searched
         self.args: dict | None = None  # the open call: its arguments' scan state
@@ -259,24 +262,24 @@ class Stream:
                 deltas.append({"index": 0, "function": {"arguments": piece}})
             return "", deltas
         if self.choice == "required":
-            return "", self._required()
-        if self.tool_mode:
-            return "", []
+            return "", self._calls(_CALL_HEAD)
+        if self.tool_mode:  # auto, in its calls: each one streams once its head is complete
+            return "", self._calls(_AUTO_HEAD)
         if self.choice is None:
             return self._send(len(self.text)), []
         if self.parser == "hermes":
             at = self.text.find(self.START["hermes"])
             if at >= 0:
-                self.tool_mode = True
-                return self._send(at), []
+                self.tool_mode, self.pos = True, at
+                return self._send(at), self._calls(_AUTO_HEAD)
             return self._send(len(self.text) - _held(self.text, self.START["hermes"])), []
         head = self.text.lstrip()
         if not head:
             return "", []
         marks = ("{", "<|python_tag|>") if self.parser == "llama3_json" else ("[", "[TOOL_CALLS]")
         if any(head.startswith(m) or m.startswith(head) for m in marks):
-            self.tool_mode = True
-            return "", []
+            self.tool_mode, self.pos = True, self.sent
+            return "", self._calls(_AUTO_HEAD)
         return self._send(len(self.text)), []
 
     def _send(self, upto: int) -> str:
@@ -289,9 +292,11 @@ class Stream:
         if self.named_id is not None:
             return "", ([] if self.opened else self.feed("")[1])
         if self.choice == "required":
-            return "", self._required()
+            return "", self._calls(_CALL_HEAD)
         if not self.tool_mode:
             return self._send(len(self.text)), []
+        if self.calls:  # auto, streamed call by call: the rest of the last one
+            return "", self._calls(_AUTO_HEAD)
         calls = parse(self.text[self.sent:], self.parser)[1]
         if not calls:
             return self._send(len(self.text)), []
@@ -304,14 +309,17 @@ class Stream:
         return "", deltas
 
 
-    def _required(self) -> list[dict]:
-        """``required``'s output is ``[{"name": N, "parameters": {...}}, ...]`` exactly (its grammar,
-        compact JSON): each call's id and name go out once its name is complete, then its
-        arguments as they arrive, up to the end of their object."""
+    def _calls(self, head: re.Pattern) -> list[dict]:
+        """Calls as they are generated: each call's id and name go out once its ``head`` (``{"name":
+        N, "parameters": `` up to its arguments' ``{``) is complete, then its arguments as they
+        arrive, up to the end of their object.  ``required``'s output is ``[{"name": N,
+        "parameters": {...}}, ...]`` exactly (its grammar, compact JSON: ``_CALL_HEAD``); ``auto``'s
+        calls are the model's own JSON (``_AUTO_HEAD``: any spacing, ``parameters`` or ``arguments``,
+        the name first; a call written otherwise is parsed whole at the end)."""
         deltas = []
         while True:
             if self.args is None:
-                m = _CALL_HEAD.search(self.text, self.pos)
+                m = head.search(self.text, self.pos)
                 if m is None:
                     return deltas
                 self.calls.append(call_id())
@@ -348,6 +356,7 @@ class Stream:
 
 
 _CALL_HEAD = re.compile(r'\{"name": "((?:[^"\\]|\\.)*)", "parameters": ')
+_AUTO_HEAD = re.compile(r'\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"(?:parameters|arguments)"\s*:\s*(?=\{)')
 
 
 def _held(text: str, mark: str) -> int:

@@ -174,3 +174,42 @@ def test_required_calls_stream_one_by_one(step):
     cut = tools.Stream("required", "hermes")  # cut by max_tokens inside the second call's arguments
     d = cut.feed(text[:text.index('"x"')])[1] + cut.end()[1]
     assert [c["name"] for c in merged(d)] == ["get_weather", "get_time", "get_weather"]
+
+
+@pytest.mark.parametrize("parser,text,content", [
+    ("hermes", 'Let me look. <tool_call>\n{"name": "get_weather", "arguments": {"city": "O\\"}slo"}}\n</tool_call>\n'
+               '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>', "Let me look. "),
+    ("llama3_json", '<|python_tag|>{"name": "get_weather", "parameters": {"city": "O\\"}slo"}}; '
+                    '{"name" : "get_time" , "parameters" : {}}', ""),
+    ("mistral", '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "O\\"}slo"}}, '
+                '{"name": "get_time", "arguments": {}}]', ""),
+])
+def test_auto_calls_stream_as_generated(parser, text, content):
+    """auto: a call's id and name go out once its head is complete, its arguments before the output
+    ends (fragments), and the deltas join to what the non-streamed answer parses."""
+    s = tools.Stream("auto", parser)
+    got_content, deltas, before_end = "", [], None
+    for i in range(0, len(text), 4):
+        c, d = s.feed(text[i:i + 4])
+        got_content += c
+        deltas += d
+    before_end = list(deltas)
+    c, d = s.end()
+    got_content += c
+    deltas += d
+    assert got_content == content and s.has_calls
+    want = tools.parse(text, parser)[1]
+    got = merged(deltas)
+    assert [c["name"] for c in got] == [w["function"]["name"] for w in want] == ["get_weather", "get_time"]
+    assert [json.loads(c["arguments"]) for c in got] == [json.loads(w["function"]["arguments"]) for w in want]
+    # streamed: the first call was complete (name and arguments) before the output ended
+    first = merged([d for d in before_end if d["index"] == 0])
+    assert first and json.loads(first[0]["arguments"]) == {"city": 'O"}slo'}
+    assert sum(1 for d in before_end if d["index"] == 0 and "name" not in d["function"]) > 1
+
+
+def test_auto_call_with_arguments_first_is_sent_whole_at_the_end():
+    s = tools.Stream("auto", "llama3_json")
+    content, deltas = feed_all(s, ['{"parameters": {"city": "Z"}, ', '"name": "get_weather"}'])
+    assert content == "" and s.has_calls
+    assert [(c["name"], json.loads(c["arguments"])) for c in merged(deltas)] == [("get_weather", {"city": "Z"})]
