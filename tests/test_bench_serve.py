@@ -25,12 +25,14 @@ def ordered(d: dict) -> bool:
     return d["p50"] <= d["p90"] <= d["p99"]
 
 
-def test_bench_serve_tiny_load(tmp_path, tmp_path_factory):
+def run_bench(tmp_path, tmp_path_factory, *load: str) -> tuple[str, str]:
+    """``inferscale bench serve`` as a user types it, with the tiny load options and ``load``:
+    (the results prefix, the output's tail); fails the test when it exits non-zero."""
     cache = os.environ.get("INFERSCALE_CACHE") or cache_dir(tmp_path_factory)
     env = dict(os.environ, INFERSCALE_CACHE=cache, JAX_PLATFORMS=os.environ.get("JAX_PLATFORMS", "cpu"),
                JAX_COMPILATION_CACHE_DIR=os.path.join(cache, "jax-compile-cache"))
     prefix = tmp_path / "serve_test"
-    cmd = [sys.executable, "-m", "inferscale_cli", "bench", "serve", "--rates", "4", "--num-requests", "4",
+    cmd = [sys.executable, "-m", "inferscale_cli", "bench", "serve", *load,
            "--max-tokens", "4", "--tenants", "2", "--segments-per-tenant", "1", "--segment-tokens", "48",
            "--question-tokens", "8", "--warmup-requests", "1", "--warmup-burst", "2", "--hbm-pages", "256",
            "--seed", "3", "--device", "cpu", "--out", str(prefix), "--work-dir", str(tmp_path / "work")]
@@ -47,6 +49,11 @@ def test_bench_serve_tiny_load(tmp_path, tmp_path_factory):
             os.killpg(proc.pid, signal.SIGKILL)  # (a server left by a failed run)
     tail = f"\n--- output (tail) ---\n{out[-4000:]}\n{err[-3000:]}"
     assert proc.returncode == 0, tail
+    return prefix, tail
+
+
+def test_bench_serve_tiny_load(tmp_path, tmp_path_factory):
+    prefix, tail = run_bench(tmp_path, tmp_path_factory, "--rates", "4", "--num-requests", "4")
     summary = json.loads(prefix.with_suffix(".json").read_text())
     assert (tmp_path / "serve_test.md").read_text().count("| 4 req/s |") == 4, tail  # the point + 3 kinds
     assert summary["device"] == "cpu" and summary["texts_inexact"] == 0, tail
@@ -75,6 +82,19 @@ def test_bench_serve_tiny_load(tmp_path, tmp_path_factory):
     assert kinds["warm"]["cached_ratio"] > 0 and kinds["warm"]["cached_tokens"] >= 2 * 48 - 2 * 16
     assert kinds["cold"]["register_ms"]["n"] == 1 and kinds["warm"]["register_ms"] is None
     assert 0 < point["cached_ratio"] < 1
+
+
+def test_bench_serve_closed_loop_over_client_processes(tmp_path, tmp_path_factory):
+    """``--client-procs 2``: the clients of a closed loop in two benchmark processes, every request
+    counted once, the CPU of both processes and the server's reported."""
+    prefix, tail = run_bench(tmp_path, tmp_path_factory, "--concurrency", "2", "--num-requests", "6",
+                             "--client-procs", "2", "--warm", "1.0", "--cold", "0")
+    [point] = json.loads(prefix.with_suffix(".json").read_text())["points"]
+    assert point["concurrency"] == 2 and point["client_procs"] == 2, tail
+    assert point["requests"] == point["completed"] == 6 and point["errors"] == 0, point["error_samples"]
+    assert point["completion_tokens"] == 6 * 4 and point["ttft_ms"]["n"] == 6
+    assert point["cpu"]["bench"] > 0 and point["cpu"]["server"] > 0, point["cpu"]
+    assert "(2 procs)" in prefix.with_suffix(".md").read_text()
 
 
 def test_steady_window_counts_tokens_while_every_client_is_busy():

@@ -89,7 +89,10 @@ request sent to the last one done; with ``--concurrency``, also the *steady* out
 window in which every client is busy (from the first request's end to the last request's send; each
 request's tokens spread evenly over its decode), which leaves out the first wave's start-up and the
 last requests' tail (empty when each client sends few requests: ``--num-requests`` 8 x C gives a
-window of several waves).  A request is an error when its status is not 200, its stream
+window of several waves).  An HTTP closed loop's clients run in ``--client-procs`` processes (default
+one per 64 clients): a single Python process reading 256 SSE streams held the figure down.  Each point
+also records the CPU cores each side used (the benchmark's processes, the server, the server's
+children: the engine core and any more API servers).  A request is an error when its status is not 200, its stream
 has an error event or no usage, or the connection fails (in-process: ``stream()`` raises).  A p99
 over fewer than 1000 samples is indicative only (the ``n`` of each figure says how many).
 
@@ -209,9 +212,10 @@ def parse_args(argv=None):
     g.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request (default: %(default)s)")
     g.add_argument("--switch-interval", type=float, help="in-process via: sys.setswitchinterval(SECONDS) in this "
                    "process, whose engine thread shares the GIL with the clients' event loop (Python's default 0.005)")
-    g.add_argument("--client-procs", type=int, default=1, help="HTTP closed loops: spread the clients over this many "
-                   "benchmark processes (one Python process parsing 256 SSE streams can be the limit; the table's "
-                   "CPU column says) (default: %(default)s)")
+    g.add_argument("--client-procs", type=int, default=None, help="HTTP closed loops: spread the clients over this "
+                   "many benchmark processes (default: one per 64 clients: one Python process reading 256 SSE "
+                   "streams was the limit, 9.4k vs 11.8k tok/s with 4, bench/NOTES.md run AG; the table's CPU column "
+                   "shows each side's use)")
     g = p.add_argument_group("output")
     g.add_argument("--out", help="prefix of the .json/.md/.png results (default: bench/results/serve_<device>)")
     g.add_argument("--work-dir", help="the server's key file and log (default: a temporary folder, removed after a "
@@ -673,6 +677,12 @@ async def closed_loop(client: Via, specs: list[Spec], args, concurrency: int):
     return results, time.perf_counter() - t0
 
 
+def client_procs(args, concurrency: int) -> int:
+    """Benchmark processes of an HTTP closed loop of ``concurrency`` clients (``--client-procs``)."""
+    k = args.client_procs if args.client_procs else -(-int(concurrency) // 64)
+    return max(1, min(k, int(concurrency)))
+
+
 CLIENT_WORKER = "--client-worker"  # argv[1] of a --client-procs process (stdin: its JSON job)
 
 
@@ -701,7 +711,7 @@ async def closed_loop_procs(client: "Client", specs: list[Spec], args, concurren
     """``closed_loop`` over ``--client-procs`` processes (this script, ``client_worker``; clients and
     requests dealt round-robin): (results, wall seconds, the processes' CPU seconds).  ``perf_counter``
     is the system's monotonic clock on Linux, so every process's send times share one axis."""
-    k = max(1, min(args.client_procs, concurrency))
+    k = client_procs(args, concurrency)
     opts = {key: v for key, v in vars(args).items() if isinstance(v, (str, int, float, bool, list, type(None)))}
     jobs = [json.dumps({"url": client.url, "keys": client.keys, "args": opts, "concurrency": concurrency // k + (i < concurrency % k),
                         "specs": [dataclasses.asdict(sp) for sp in specs[i::k]]}) for i in range(k)]
@@ -1019,7 +1029,7 @@ async def bench(args, client: Via, maker: TextMaker) -> dict:
             procs_cpu = 0.0
             if mode == "rate":
                 results, wall = await poisson(client, specs, args, x, prng)
-            elif client.via == "http" and args.client_procs > 1:
+            elif client.via == "http" and client_procs(args, x) > 1:
                 results, wall, procs_cpu = await closed_loop_procs(client, specs, args, x)
             else:
                 results, wall = await closed_loop(client, specs, args, x)
@@ -1028,7 +1038,7 @@ async def bench(args, client: Via, maker: TextMaker) -> dict:
             p = {"mode": mode, "rate": x if mode == "rate" else None, "concurrency": x if mode != "rate" else None,
                  **summarize(results, wall), "cpu": cpu_share(cpu0, cpu1, wall),
                  **({"steady_output_throughput": None} if mode == "rate" else {}),  # (no closed-loop window)
-                 "client_procs": args.client_procs if client.via == "http" and mode != "rate" else 1,
+                 "client_procs": client_procs(args, x) if client.via == "http" and mode != "rate" else 1,
                  "compiles": after["compiles"] - before["compiles"] if before and after else None}
             points.append(p)
             log(f"[serve] {client.via} {load_label(p)}: {p['completed']}/{p['requests']} ok, "
