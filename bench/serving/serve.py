@@ -321,6 +321,17 @@ class Result:
     register: float | None = None
     start: float | None = None  # perf_counter at send (the steady window, ``steady_throughput``)
 
+    def timed(self, t0: float, times: list[float]) -> None:
+        """A completed request: its chunks' arrival ``times`` (text chunks) since the send at ``t0``
+        (TTFT, ITL, TPOT over ``completion_tokens``, set before)."""
+        self.chunks = len(times)
+        if times:
+            self.ttft = times[0] - t0
+            self.itl = np.diff(times).tolist()
+            if self.completion_tokens > 1:
+                self.tpot = (times[-1] - times[0]) / (self.completion_tokens - 1)
+        self.ok = True
+
 
 # ---------------------------------------------------------------- server and client
 
@@ -486,13 +497,7 @@ class Client(Via):
         res.prompt_tokens = usage["prompt_tokens"]
         res.completion_tokens = usage["completion_tokens"]
         res.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
-        res.chunks = len(times)
-        if times:
-            res.ttft = times[0] - t0
-            res.itl = np.diff(times).tolist()
-            if res.completion_tokens > 1:
-                res.tpot = (times[-1] - times[0]) / (res.completion_tokens - 1)
-        res.ok = True
+        res.timed(t0, times)
 
     async def aclose(self) -> None:
         await self.http.aclose()
@@ -592,13 +597,7 @@ class InProcess(Via):
         m = final.metrics
         res.prompt_tokens, res.cached_tokens = m.prompt_tokens, m.cached_tokens
         res.completion_tokens = m.generated_tokens
-        res.chunks = len(times)
-        if times:
-            res.ttft = times[0] - t0
-            res.itl = np.diff(times).tolist()
-            if res.completion_tokens > 1:
-                res.tpot = (times[-1] - times[0]) / (res.completion_tokens - 1)
-        res.ok = True
+        res.timed(t0, times)
 
     async def aclose(self) -> None:
         pass
