@@ -49,3 +49,16 @@ def parser(doc: str, quick_help: str) -> argparse.ArgumentParser:
     ap.add_argument("--out", default=os.path.join("bench", "results"))
     ap.add_argument("--quick", action="store_true", help=quick_help)
     return ap
+
+
+def closed_loop_parser(doc: str, warm_steps: int) -> argparse.ArgumentParser:
+    """The options of the tools that drive ``Engine.step`` in a closed loop of clients over shared
+    segments (``bench/tools/profile_host.py``, ``profile_graph.py``): the model, ``--quick``, the
+    workload (clients, segments, their tokens, question and answer tokens) and the warm-up steps."""
+    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    ap.add_argument("--model", help="HF checkpoint folder (default: the embedded default model)")
+    ap.add_argument("--quick", action="store_true", help="the embedded default model, small segments (CPU)")
+    for flag, value in (("--concurrency", 256), ("--segments", 8), ("--segment-tokens", 4096),
+                        ("--question-tokens", 64), ("--max-tokens", 64), ("--warm-steps", warm_steps)):
+        ap.add_argument(flag, type=int, default=value, help="(default: %(default)s)")
+    return ap

@@ -44,7 +44,6 @@ markdown report, with each part's floor (bytes / 4.3 TB/s or FLOPs / 790 TFLOP/s
 
 from __future__ import annotations
 
-import argparse
 import collections
 import csv
 import glob
@@ -53,7 +52,6 @@ import json
 import os
 import random
 import re
-import shutil
 import statistics
 import sys
 import time
@@ -580,9 +578,6 @@ class Classifier:
             out += self._inner(sub, depth + 1)
         return out
 
-    def _types(self, comp_instrs: list[dict]) -> dict[str, str]:
-        return {i["name"]: i["type"] for i in comp_instrs}
-
     def _types(self, comp: str) -> dict[str, str]:
         if comp not in self._type_cache:
             self._type_cache[comp] = {i["name"]: i["type"] for i in self.comps.get(comp, [])}
@@ -1043,16 +1038,10 @@ def analyze(raw: str, ncu_csv: str | None, ncu_raw: str | None = None, top: int 
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", help="HF checkpoint folder (default: the embedded default model)")
-    ap.add_argument("--quick", action="store_true", help="the embedded default model, small segments (CPU)")
+    from sections import closed_loop_parser  # bench/lib/sections.py
+
+    ap = closed_loop_parser(__doc__, warm_steps=150)
     ap.add_argument("--mode", choices=["trace", "ncu"], default="trace")
-    ap.add_argument("--concurrency", type=int, default=256)
-    ap.add_argument("--segments", type=int, default=8)
-    ap.add_argument("--segment-tokens", type=int, default=4096)
-    ap.add_argument("--question-tokens", type=int, default=64)
-    ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--warm-steps", type=int, default=150)
     ap.add_argument("--mixed-captures", type=int, default=3, help="mixed steps held and replayed")
     ap.add_argument("--decode-reps", type=int, default=8, help="replays of the decode step under the tool")
     ap.add_argument("--mixed-reps", type=int, default=5, help="replays of each mixed step under the tool")

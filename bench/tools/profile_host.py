@@ -15,7 +15,6 @@ step (``ModelRunner.collect``) is the device's share.
 
 from __future__ import annotations
 
-import argparse
 import cProfile
 import gc
 import io
@@ -132,15 +131,9 @@ class PartTimer:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", help="HF checkpoint folder (default: the embedded default model)")
-    ap.add_argument("--quick", action="store_true", help="the embedded default model, small segments (CPU)")
-    ap.add_argument("--concurrency", type=int, default=256)
-    ap.add_argument("--segments", type=int, default=8)
-    ap.add_argument("--segment-tokens", type=int, default=4096)
-    ap.add_argument("--question-tokens", type=int, default=64)
-    ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--warm-steps", type=int, default=200)
+    from sections import closed_loop_parser  # bench/lib/sections.py
+
+    ap = closed_loop_parser(__doc__, warm_steps=200)
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--top", type=int, default=30, help="functions listed (default: %(default)s)")
     ap.add_argument("--no-overlap", action="store_true",
