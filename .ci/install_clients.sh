@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Create (or reuse) the venv with the real clients that tests/test_real_clients.py drives:
+# Create (or reuse) the venv with the real clients that tests/server/test_real_clients.py drives:
 #   .ci/install_clients.sh VENV
 # then run the tests with INFERSCALE_CLIENTS_VENV=VENV.  Pinned versions; idempotent: a VENV that
 # already holds bin/lm_eval and bin/guidellm at these versions is left as it is.

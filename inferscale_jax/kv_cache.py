@@ -97,7 +97,7 @@ def resolve_impl(requested: str, head_dim: int, page_size: int, dtype, kv_dtype=
 def splice_fn(impl: str, quantized: bool):
     """The splice (K/V between slots, K re-rotated) of a cache: the impl's kernel or the reference.
     Compressed pages dequantize, rotate and quantize again: in one Pallas kernel for "pallas" (it must
-    stay bit-identical to the jnp form: tests/test_kernels_splice.py; its speed: bench/results/kv_dtype.md),
+    stay bit-identical to the jnp form: tests/kernels/test_kernels_splice.py; its speed: bench/results/kv_dtype.md),
     else the jnp form."""
     if quantized:
         return splice_kv_quantized if impl == "pallas" else splice_kv_quantized_ref

@@ -4,7 +4,7 @@ against the contract of docs/architecture.md ("HTTP API", "Tenancy and security"
 Usage (from the repository root, INFERSCALE_CACHE set)::
 
     python bench/serving/soak.py                                  # 30 minutes, writes bench/results/soak.md
-    python bench/serving/soak.py --minutes 1 --out /tmp/soak      # what tests/test_soak.py runs
+    python bench/serving/soak.py --minutes 1 --out /tmp/soak      # what tests/persistence/test_soak.py runs
 
 Life of a run:
 

@@ -1,0 +1,1 @@
+"""Model, loader, sampling, scheduler, page pool, prefix cache and structured outputs."""

@@ -1,0 +1,85 @@
+"""Checkpoint loading: sharded files, dtype conversion, and clear errors."""
+
+import json
+import os
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from safetensors.numpy import load_file, save_file
+
+from tests.support.hf_tiny import build_hf_model
+from models import CheckpointError, ModelConfig, UnsupportedModelError, load_params, to_hf_tensors
+
+
+
+def test_sharded_checkpoint_loads_like_single_file(tmp_path):
+    single, sharded = str(tmp_path / "single"), str(tmp_path / "sharded")
+    build_hf_model("qwen2_bias", single)
+    build_hf_model("qwen2_bias", sharded, max_shard_size="100KB")
+    assert os.path.exists(os.path.join(sharded, "model.safetensors.index.json"))
+    assert len([f for f in os.listdir(sharded) if f.endswith(".safetensors")]) > 1
+    cfg = ModelConfig.from_pretrained(single)
+    a = to_hf_tensors(cfg, load_params(single, cfg, jnp.float32))
+    b = to_hf_tensors(cfg, load_params(sharded, cfg, jnp.float32))
+    assert a.keys() == b.keys()
+    for k in a:
+        np.testing.assert_array_equal(a[k], b[k], err_msg=k)
+
+
+def test_params_equal_file_tensors(tmp_path):
+    build_hf_model("llama", str(tmp_path))
+    cfg = ModelConfig.from_pretrained(tmp_path)
+    ours = to_hf_tensors(cfg, load_params(str(tmp_path), cfg, jnp.float32))
+    ref = load_file(str(tmp_path / "model.safetensors"))
+    for k, v in ours.items():
+        np.testing.assert_array_equal(v, ref[k], err_msg=k)
+
+
+@pytest.mark.parametrize("stored,wanted", [(torch.bfloat16, jnp.float32), (torch.float32, jnp.bfloat16)])
+def test_dtype_conversion(tmp_path, stored, wanted):
+    build_hf_model("llama", str(tmp_path), dtype=stored)
+    cfg = ModelConfig.from_pretrained(tmp_path)
+    params = load_params(str(tmp_path), cfg, wanted)
+    assert {x.dtype for x in jax_leaves(params)} == {jnp.dtype(wanted)}
+    ref = load_file(str(tmp_path / "model.safetensors"))
+    ours = to_hf_tensors(cfg, params)
+    for k in ("model.embed_tokens.weight", "model.layers.0.self_attn.q_proj.weight"):
+        np.testing.assert_allclose(ours[k].astype(np.float32), ref[k].astype(np.float32), rtol=1e-2, atol=1e-3)
+
+
+def jax_leaves(tree):
+    import jax
+    return jax.tree_util.tree_leaves(tree)
+
+
+def test_missing_tensor_is_named(tmp_path):
+    build_hf_model("llama", str(tmp_path))
+    path = str(tmp_path / "model.safetensors")
+    tensors = load_file(path)
+    del tensors["model.layers.1.mlp.up_proj.weight"]
+    save_file(tensors, path, metadata={"format": "pt"})
+    cfg = ModelConfig.from_pretrained(tmp_path)
+    with pytest.raises(CheckpointError, match=r"model\.layers\.1\.mlp\.up_proj\.weight.*missing"):
+        load_params(str(tmp_path), cfg)
+
+
+def test_wrong_shape_is_named(tmp_path):
+    build_hf_model("llama", str(tmp_path))
+    path = str(tmp_path / "model.safetensors")
+    tensors = load_file(path)
+    tensors["model.layers.0.self_attn.k_proj.weight"] = np.zeros((5, 64), np.float32)
+    save_file(tensors, path, metadata={"format": "pt"})
+    cfg = ModelConfig.from_pretrained(tmp_path)
+    with pytest.raises(CheckpointError, match=r"k_proj\.weight.*\(5, 64\).*expected"):
+        load_params(str(tmp_path), cfg)
+
+
+def test_unsupported_architecture_and_rope_are_named(tmp_path):
+    build_hf_model("llama", str(tmp_path))
+    d = json.loads((tmp_path / "config.json").read_text())
+    with pytest.raises(UnsupportedModelError, match="GPT2LMHeadModel"):
+        ModelConfig.from_hf_dict({**d, "architectures": ["GPT2LMHeadModel"]})
+    with pytest.raises(UnsupportedModelError, match="yarn"):
+        ModelConfig.from_hf_dict({**d, "rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}})

@@ -1,0 +1,1 @@
+"""Engine and AsyncEngine behaviour: streaming, overlap, warm-up, sessions, tiers, faults."""

@@ -1,0 +1,39 @@
+"""The persistent compilation cache: a second engine in a new process loads the step executables
+the first one compiled (JAX's own cache-hit counter, no timing)."""
+
+import json
+import os
+import subprocess
+import sys
+
+from tests.support import REPO
+
+CHILD = r"""
+import json, sys
+sys.path.insert(0, {root!r})
+from inferscale_jax import EngineConfig, SamplingParams
+from tests.support.tiny_engine import make_engine
+e = make_engine(compilation_cache_dir={cache!r})
+out = e.generate(prompt_token_ids=[5, 6, 7], sampling=SamplingParams(max_tokens=3, temperature=0.0))
+s = e.stats()
+print(json.dumps(dict(hits=s["compile_cache_hits"], misses=s["compile_cache_misses"], dir=s["compile_cache_dir"],
+                      tokens=out.token_ids)))
+"""
+
+
+def _run(tmp_path, cache):
+    code = CHILD.format(root=REPO, cache=cache)
+    env = {**os.environ, "INFERSCALE_CACHE": str(tmp_path / "home")}
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600,
+                         cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-3000:]
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+def test_a_second_process_hits_the_compilation_cache(tmp_path):
+    first = _run(tmp_path, "./jit-cache")  # a relative folder, as a user would type it
+    assert first["dir"] == str(tmp_path / "jit-cache") and first["misses"] > 0
+    assert os.listdir(tmp_path / "jit-cache")
+    second = _run(tmp_path, "./jit-cache")
+    assert second["hits"] >= first["misses"] - 1 and second["tokens"] == first["tokens"]
+    assert second["misses"] < first["misses"]

@@ -1,0 +1,93 @@
+"""Warm-up sets and stopping a warm-up (``buckets.py``, ``Engine.warmup``).
+
+- the ``small`` set is decode steps of the smallest row bucket over the narrow widths and mixed
+  steps of up to ``SMALL_TOKENS`` tokens, without log-probs or cascade; ``auto`` is ``small`` on the
+  CPU; an unknown set name is a ``ValueError`` naming it;
+- a bucket outside the small set compiles on first use, counted, logged at INFO (no warning); a
+  compile of a bucket the set holds would be a warning;
+- ``stop_warmup()`` from another thread (here: the progress callback) ends the warm-up after the
+  compiles in flight, and a later ``warmup`` returns at once.
+"""
+
+import logging
+
+import pytest
+
+from inferscale_jax import SamplingParams
+from inferscale_jax.buckets import SMALL_TOKENS, StepBuckets
+from tests.support.tiny_engine import make_engine
+
+
+def test_small_set_is_small_and_inside_the_full_one():
+    b = StepBuckets(max_rows=64, max_tokens=2048, max_pages_per_seq=256, min_table_pages=4, num_logprobs=20)
+    small, full = b.warmup_keys("small"), b.warmup_keys("all")
+    assert set(small) < set(full) and len(small) == 5, small
+    assert all(not k.num_logprobs and not k.shared for k in small)
+    assert {k.rows for k in small if not k.ragged} == {8} and {k.width for k in small if not k.ragged} == {4, 32}
+    assert sorted(k.tokens for k in small if k.ragged) == [32, 64, SMALL_TOKENS]
+    assert not any(k.num_logprobs for k in b.warmup_keys("all", logprobs=False))
+    with pytest.raises(ValueError, match="'everything'"):
+        b.warmup_keys("everything")
+
+
+def test_auto_is_small_on_the_cpu_and_later_buckets_compile_quietly(caplog):
+    e = make_engine(pages=128, max_batch=8, max_num_batched_tokens=256)
+    with pytest.raises(ValueError, match="buckets='some'"):
+        e.warmup(buckets="some")
+    info = e.warmup(progress_bar=False)
+    assert info["buckets"] == len(e.runner.buckets.warmup_keys("small")) and not info["stopped"]
+    assert e.stats()["warm"] and e.stats()["compiles_after_warmup"] == 0
+    with caplog.at_level(logging.INFO, logger="inferscale.runner"):
+        # log-probs: steps with the log-prob columns, outside the small set
+        out = e.generate(prompt_token_ids=list(range(1, 40)),
+                         sampling=SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True, logprobs=1))
+    assert out.finish_reason == "length"
+    assert e.stats()["compiles_after_warmup"] >= 1
+    assert any("outside the warm-up set" in r.getMessage() for r in caplog.records if r.levelno == logging.INFO)
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
+
+
+def test_stop_warmup_ends_it_after_the_compiles_in_flight():
+    e = make_engine(pages=128, max_batch=8, max_num_batched_tokens=256)
+    total = len(e.runner.buckets.warmup_keys("all"))
+    seen = []
+
+    def progress(done, n):
+        seen.append(done)
+        e.stop_warmup()  # as serve's shutdown does, from another thread
+
+    info = e.warmup(progress, buckets="all", progress_bar=False)
+    assert info["stopped"] and 1 <= info["buckets"] < total, (info, total)
+    again = e.warmup(buckets="all", progress_bar=False)
+    assert again["stopped"] and again["buckets"] == info["buckets"]  # nothing new was started
+
+
+def test_an_error_in_the_warmup_starts_no_more_compiles(monkeypatch):
+    """An exception during the warm-up (Ctrl-C in precompute) cancels the compiles not started:
+    the pool's exit waits only for the one running (one worker; each compile takes 2 s here, and
+    the interrupt comes while the fourth bucket lowers)."""
+    import time
+
+    e = make_engine(pages=128, max_batch=8, max_num_batched_tokens=256)
+    lower, started = e.runner._lower, []
+
+    class Slow:
+        def __init__(self, lowered):
+            self.lowered = lowered
+
+        def compile(self):
+            started.append(1)
+            time.sleep(2)
+            return self.lowered.compile()
+
+    def lower_then_interrupt(key, args):
+        if len(lowered) == 3:
+            raise KeyboardInterrupt
+        lowered.append(key)
+        return Slow(lower(key, args))
+
+    lowered = []
+    monkeypatch.setattr(e.runner, "_lower", lower_then_interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        e.runner.warmup(e.runner.buckets.warmup_keys("all"), workers=1)
+    assert len(lowered) == 3 and len(started) == 1, (lowered, started)

@@ -1,0 +1,1 @@
+"""The Pallas kernels (interpret mode on the CPU) against their references."""

@@ -1,0 +1,1 @@
+"""Several processes or devices: jax.distributed, the engine core process, tensor parallel."""

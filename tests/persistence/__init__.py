@@ -1,0 +1,1 @@
+"""The registry, its journal, snapshots, restore and the soak test."""

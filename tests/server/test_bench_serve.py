@@ -1,0 +1,114 @@
+"""The serving benchmark (``bench/serving/serve.py``) run through ``inferscale bench serve`` against a real
+server with a tiny load: every figure of its JSON is there, nothing failed, warm-segment requests
+read cached tokens, and percentiles are ordered.  No timing thresholds (speed is measured by the
+benchmark, not asserted here).  About 30-60 s on a 2-core CPU (server start and compiles included)."""
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+
+from tests.support.server_util import REPO, cache_dir
+
+DIST_KEYS = {"p50", "p90", "p99", "mean", "n"}
+POINT_KEYS = {"mode", "rate", "concurrency", "requests", "completed", "errors", "error_samples", "wall_s",
+              "request_throughput", "output_throughput", "ttft_ms", "itl_ms", "tpot_ms", "e2e_ms", "register_ms",
+              "prompt_tokens", "cached_tokens", "completion_tokens", "cached_ratio", "tokens_per_chunk",
+              "by_kind", "compiles", "steady_output_throughput", "cpu", "client_procs"}
+KIND_KEYS = {"requests", "errors", "ttft_ms", "e2e_ms", "register_ms", "prompt_tokens", "cached_tokens",
+             "cached_ratio"}
+
+
+def ordered(d: dict) -> bool:
+    return d["p50"] <= d["p90"] <= d["p99"]
+
+
+def run_bench(tmp_path, tmp_path_factory, *load: str) -> tuple[str, str]:
+    """``inferscale bench serve`` as a user types it, with the tiny load options and ``load``:
+    (the results prefix, the output's tail); fails the test when it exits non-zero."""
+    cache = os.environ.get("INFERSCALE_CACHE") or cache_dir(tmp_path_factory)
+    env = dict(os.environ, INFERSCALE_CACHE=cache, JAX_PLATFORMS=os.environ.get("JAX_PLATFORMS", "cpu"),
+               JAX_COMPILATION_CACHE_DIR=os.path.join(cache, "jax-compile-cache"))
+    prefix = tmp_path / "serve_test"
+    cmd = [sys.executable, "-m", "inferscale_cli", "bench", "serve", *load,
+           "--max-tokens", "4", "--tenants", "2", "--segments-per-tenant", "1", "--segment-tokens", "48",
+           "--question-tokens", "8", "--warmup-requests", "1", "--warmup-burst", "2", "--hbm-pages", "256",
+           "--seed", "3", "--device", "cpu", "--out", str(prefix), "--work-dir", str(tmp_path / "work")]
+    # its own process group: a timeout takes the benchmark's server down with it
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=600)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)  # (a server left by a failed run)
+    tail = f"\n--- output (tail) ---\n{out[-4000:]}\n{err[-3000:]}"
+    assert proc.returncode == 0, tail
+    return prefix, tail
+
+
+def test_bench_serve_tiny_load(tmp_path, tmp_path_factory):
+    prefix, tail = run_bench(tmp_path, tmp_path_factory, "--rates", "4", "--num-requests", "4")
+    summary = json.loads(prefix.with_suffix(".json").read_text())
+    assert (tmp_path / "serve_test.md").read_text().count("| 4 req/s |") == 4, tail  # the point + 3 kinds
+    assert summary["device"] == "cpu" and summary["texts_inexact"] == 0, tail
+    assert summary["warmup"]["errors"] == 0 and summary["warmup"]["compiles"] > 0, tail
+
+    [point] = summary["points"]
+    assert set(point) == POINT_KEYS, tail
+    assert point["mode"] == "rate" and point["rate"] == 4.0 and point["concurrency"] is None
+    assert point["requests"] == point["completed"] == 4 and point["errors"] == 0, point["error_samples"]
+    assert point["completion_tokens"] == 4 * 4  # ignore_eos: every request makes max_tokens
+    assert point["request_throughput"] > 0 and point["output_throughput"] > 0
+    assert isinstance(point["compiles"], int) and point["compiles"] >= 0
+    assert point["steady_output_throughput"] is None  # (a Poisson point has no closed-loop window)
+    assert point["cpu"]["bench"] > 0 and point["client_procs"] == 1
+    for key in ("ttft_ms", "itl_ms", "tpot_ms", "e2e_ms"):
+        assert set(point[key]) == DIST_KEYS and ordered(point[key]), (key, point[key])
+    assert point["ttft_ms"]["n"] == point["e2e_ms"]["n"] == 4
+    assert point["ttft_ms"]["p50"] <= point["e2e_ms"]["p50"]
+
+    # default mix 0.5 / 0.25 / 0.25 of 4 requests: 2 warm, 1 cold, 1 without a segment
+    kinds = point["by_kind"]
+    assert {k: v["requests"] for k, v in kinds.items()} == {"warm": 2, "cold": 1, "none": 1}
+    for kind in kinds.values():
+        assert set(kind) == KIND_KEYS and kind["errors"] == 0
+    # a warm request's prompt is its 48-token segment (cached) + an 8-token question
+    assert kinds["warm"]["cached_ratio"] > 0 and kinds["warm"]["cached_tokens"] >= 2 * 48 - 2 * 16
+    assert kinds["cold"]["register_ms"]["n"] == 1 and kinds["warm"]["register_ms"] is None
+    assert 0 < point["cached_ratio"] < 1
+
+
+def test_bench_serve_closed_loop_over_client_processes(tmp_path, tmp_path_factory):
+    """``--client-procs 2``: the clients of a closed loop in two benchmark processes, every request
+    counted once, the CPU of both processes and the server's reported."""
+    prefix, tail = run_bench(tmp_path, tmp_path_factory, "--concurrency", "2", "--num-requests", "6",
+                             "--client-procs", "2", "--warm", "1.0", "--cold", "0")
+    [point] = json.loads(prefix.with_suffix(".json").read_text())["points"]
+    assert point["concurrency"] == 2 and point["client_procs"] == 2, tail
+    assert point["requests"] == point["completed"] == 6 and point["errors"] == 0, point["error_samples"]
+    assert point["completion_tokens"] == 6 * 4 and point["ttft_ms"]["n"] == 6
+    assert point["cpu"]["bench"] > 0 and point["cpu"]["server"] > 0, point["cpu"]
+    assert "(2 procs)" in prefix.with_suffix(".md").read_text()
+
+
+def test_steady_window_counts_tokens_while_every_client_is_busy():
+    """bench/serving/serve.py's steady output tok/s: from the first request's end to the last one's send,
+    each request's tokens spread over its decode; None when that window is empty."""
+    import runpy
+
+    serve = runpy.run_path(os.path.join(REPO, "bench", "serving", "serve.py"), run_name="serve_under_test")
+    Result, steady = serve["Result"], serve["steady_throughput"]
+
+    def res(start, ttft, e2e, tokens):
+        return Result("warm", ok=True, start=start, ttft=ttft, e2e=e2e, completion_tokens=tokens)
+    # two clients: requests end at 2 and 3; the last sends are at 2 and 3 -> window [2, 3]
+    rs = [res(0.0, 0.0, 2.0, 20), res(0.0, 1.0, 3.0, 20), res(2.0, 0.0, 2.0, 20), res(3.0, 0.0, 2.0, 20)]
+    # inside [2, 3]: 0 of the first, half of the second (decode 1..3), half of the third (2..4), none of the last
+    assert steady(rs) == (0 + 10 + 10 + 0) / 1.0
+    assert steady(rs[:2]) is None  # everyone sent once: the last send (0) is before the first end (2)
