@@ -69,8 +69,8 @@ class Progress:
 def demo_pool_pages(kb_tokens: int, max_tokens: int, page_size: int = 16) -> int:
     """KV pages for a demo engine on the CPU: the segment and one request (knowledge base, a
     question of up to 64 tokens, the answer) twice over, plus the null page.  The CPU cannot
-    donate buffers, so each step copies the whole pool: the engine's 64 MiB CPU default made
-    every decode step of the default model ~7x slower than this."""
+    donate buffers, so each step copies the whole pool: the pool is sized to the demo, not the
+    engine's CPU default, which would make every decode step copy far more than it reads."""
     return 2 * -(-(kb_tokens + 64 + max_tokens) // page_size) + 1
 
 

@@ -116,7 +116,7 @@ def _choose_blocks(chunk, group, head_dim, itemsize, block_q, block_kv, num_warp
     """Fill in defaults and check block sizes; returns (block_q, rows, block_kv, warps, stages).
 
     bf16 defaults come from the H200 sweep in bench/NOTES.md: chunks >= 1024 use 128-row tiles,
-    block_kv 64, 4 warps, 2 stages (342 TFLOP/s at T=2048 over 16k); chunks 256..1023 use 64-row
+    block_kv 64, 4 warps, 2 stages (bench/NOTES.md, run 2); chunks 256..1023 use 64-row
     tiles with the same rest; chunks < 256 (split-KV path) keep 128 rows, 8 warps, 3 stages.
     fp32 (IEEE, no tensor cores: a correctness path) gets smaller tiles to limit spilling.
     """
