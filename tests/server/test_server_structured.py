@@ -185,3 +185,50 @@ def test_bad_schemas_are_400_naming_the_field(http):
         err = r.json()["error"]
         assert r.status_code == 400 and err["param"] == param, r.text
     assert http.get("/health").status_code == 200
+
+
+def test_a_grammar_that_compiles_too_long_is_a_400(monkeypatch):
+    """The API's compile check is bounded: past ``COMPILE_TIMEOUT_S`` the request is a 400 naming the
+    field (the engine never sees it), and the event loop was not blocked meanwhile."""
+    import asyncio
+    import threading
+    import time
+
+    from inferscale_jax.structured import StructuredOutputs
+    from serving import response_format
+    from serving.errors import APIError
+
+    release = threading.Event()
+
+    class SlowGrammars:
+        def check(self, so):
+            release.wait(5.0)  # a compile that takes "forever"
+
+    class State:
+        grammars = SlowGrammars()
+
+    monkeypatch.setattr(response_format, "COMPILE_TIMEOUT_S", 0.2)
+
+    async def go():
+        ticks = 0
+
+        async def ticker():
+            nonlocal ticks
+            while True:
+                await asyncio.sleep(0.01)
+                ticks += 1
+        t = asyncio.create_task(ticker())
+        t0 = time.perf_counter()
+        try:
+            await response_format.check(State(), StructuredOutputs(regex="a+"), "guided_regex")
+        except APIError as e:
+            return e, time.perf_counter() - t0, ticks
+        finally:
+            t.cancel()
+            release.set()
+        return None, time.perf_counter() - t0, ticks
+
+    e, took, ticks = asyncio.run(go())
+    assert isinstance(e, APIError) and e.status == 400 and e.param == "guided_regex"
+    assert "guided_regex" in e.message and "did not compile within 0.2 s" in e.message
+    assert took < 2.0 and ticks >= 5  # answered at the bound; the loop ran meanwhile
