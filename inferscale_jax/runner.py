@@ -65,7 +65,6 @@ def freeze_heap() -> None:
 
 
 FILTERED = "top-k/top-p"  # in an executable's key: the sampler sorts the vocabulary (sampling.py)
-FORWARD = "forward only"  # in an executable's key: the forward pass alone, sampled later (dispatch, defer_sample)
 
 
 def penalty_width(n: int) -> int:
@@ -150,11 +149,11 @@ class StepResult:
         return self.tokens.tolist()
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "key", "precision", "filtered", "sample"),
+@functools.partial(jax.jit, static_argnames=("cfg", "key", "precision", "filtered"),
                    donate_argnames=("cache",))
-def _model_step(params, cache: PagedKVCache, ints, floats, shared=None, penalties=None, token_mask=None, *,
+def _model_step(params, cache: PagedKVCache, ints, floats, shared=None, penalties=None, *,
                 cfg: ModelConfig,
-                key: StepKey, precision: str | None = None, filtered: bool = False, sample: bool = True):
+                key: StepKey, precision: str | None = None, filtered: bool = False):
     """One step over a flat token batch.  ``ints`` (int32, one host->device copy) is
     ``[tokens N | positions N | slots N | rows R x (W + 8)]`` with each row
     ``[page table W | q_len, kv_len, top_k, sample step, key (2 x uint32 bits), source, last]``
@@ -162,12 +161,13 @@ def _model_step(params, cache: PagedKVCache, ints, floats, shared=None, penaltie
     [R, 2]`` float32 is (temperature, top_p).  penalties: None, or (gen_ids [R, Wg], prompt_ids
     [R, Wp] int32 (-1: padding), params [R, 4] float32 (presence, frequency, repetition, min_p),
     bias_ids [R, Wb] int32 (-1: padding), bias_vals [R, Wb] float32) when a row of the step has a
-    penalty, ``min_p`` or a logit bias (``sampling.apply_penalties``).  token_mask: None, or [R,
-    ceil(V / 32)] int32 allowed-token bits when a row of the step is constrained (structured.py).
+    penalty, ``min_p`` or a logit bias (``sampling.apply_penalties``).
     precision: the model's matmul precision (None: JAX's default).  filtered: some row has top-k
     or top-p (the sampler's vocabulary sort is compiled in; ``sampling.sample_tokens``).
-    sample=False: the forward pass alone, returning the rows' logits [R, V] float32 for
-    ``_sample_step`` (a step whose masks wait for the step before: ``ModelRunner.dispatch``)."""
+    Returns (packed samples, the rows' logits [R, V] float32, cache).  The logits are the lm-head
+    matmul's own output (written to memory either way); a step with constrained rows samples them
+    again with its masks in ``_sample_step`` (``ModelRunner.sample``), so structured outputs need
+    no variant of this executable (one would compile the whole model again, on the engine thread)."""
     n, w = key.tokens, key.width
     tokens, positions, slots = ints[:n], ints[n:2 * n], ints[2 * n:3 * n]
     rows = ints[3 * n:].reshape(key.rows, w + 8)
@@ -181,10 +181,8 @@ def _model_step(params, cache: PagedKVCache, ints, floats, shared=None, penaltie
                                    group_lens=shared[g * ps:g * ps + g], row_group=shared[g * ps + g:])
     logits, cache = forward(params, cfg, tokens[None], positions[None], cache, meta, last[None],
                             precision=precision)
-    logits = logits[0]  # [R, V]
-    if not sample:
-        return logits.astype(jnp.float32), cache
-    return _sample_rows(logits, ints, floats, penalties, token_mask, key, filtered), cache
+    logits = logits[0]  # [R, V] float32
+    return _sample_rows(logits, ints, floats, penalties, None, key, filtered), logits, cache
 
 
 def _sample_rows(logits, ints, floats, penalties, token_mask, key: StepKey, filtered: bool):
@@ -210,7 +208,7 @@ def _sample_rows(logits, ints, floats, penalties, token_mask, key: StepKey, filt
 
 @functools.partial(jax.jit, static_argnames=("key", "filtered"))
 def _sample_step(logits, ints, floats, penalties=None, token_mask=None, *, key: StepKey, filtered: bool = False):
-    """A deferred step's sampling (``_model_step(sample=False)``'s logits), once its masks are known."""
+    """A step's sampling again on its logits (``_model_step``'s), with its constrained rows' masks."""
     return _sample_rows(logits, ints, floats, penalties, token_mask, key, filtered)
 
 
@@ -367,7 +365,7 @@ class ModelRunner:
         t0 = time.perf_counter()
         out = None
         for _ in range(times):
-            out, self.cache = exe(self.params, self.cache, *args)
+            out, _, self.cache = exe(self.params, self.cache, *args)
         jax.block_until_ready((out, self.cache))
         return (time.perf_counter() - t0) / times
 
@@ -418,14 +416,15 @@ class ModelRunner:
         one-token row) feeds the id that row ``j`` of the step ``prev`` sampled, read on the
         device (its host token is ignored).
 
-        ``defer_sample``: launch the forward pass only and return a ``DeferredStep``; ``sample``
-        then samples it once the host knows its rows' masks (a constrained row fed on the device:
-        its grammar's mask needs the token the step before sampled; structured.py), while the
-        device computes the forward pass meanwhile."""
+        Rows with a grammar (``row.matcher``, structured.py) are sampled again from the step's
+        logits with their masks (``sample``, a small executable of its own): at once, or, with
+        ``defer_sample``, when the caller calls ``sample`` - a constrained row fed on the device
+        needs the token the step before sampled applied to its grammar first, which the host does
+        while the device computes this step."""
         rows, num_logprobs, groups, src = plan.rows, plan.num_logprobs, plan.groups, plan.src
         assert src is None or (prev is not None and len(src) == len(rows))
-        key, pen_key, host = self._pack(rows, num_logprobs, groups, src, masks=not defer_sample)
-        ints_d, floats_d, shared, penalties, token_mask = self._to_device(host)
+        key, pen_key, host = self._pack(rows, num_logprobs, groups, src)
+        ints_d, floats_d, shared, penalties = self._to_device(host)
         if self.stable_inputs:
             fed = dict(prev_ids=prev.sampled_ids(), tokens=key.tokens, width=key.width,
                        rows=key.rows) if src is not None else None
@@ -435,17 +434,14 @@ class ModelRunner:
                 shared = self._stage(("shared",) + shared.shape, shared)
         elif src is not None:
             ints_d = self._helper(self._feed_key(key))(ints_d, prev.sampled_ids())
-        if defer_sample:
-            exe = self.executables.get((key, (FORWARD,), self.matmul_precision))
-            if exe is None:
-                exe = self._compile(key, (FORWARD,), (ints_d, floats_d, shared, None, None))
-            logits, self.cache = exe(self.params, self.cache, ints_d, floats_d, shared, None, None)
-            return DeferredStep(logits, ints_d, floats_d, penalties, rows, key, pen_key, num_logprobs)
         exe = self.executables.get((key, pen_key, self.matmul_precision))
         if exe is None:
-            exe = self._compile(key, pen_key, (ints_d, floats_d, shared, penalties, token_mask))
-        packed, self.cache = exe(self.params, self.cache, ints_d, floats_d, shared, penalties, token_mask)
-        self._last = (exe, (ints_d, floats_d, shared, penalties, token_mask))
+            exe = self._compile(key, pen_key, (ints_d, floats_d, shared, penalties))
+        packed, logits, self.cache = exe(self.params, self.cache, ints_d, floats_d, shared, penalties)
+        self._last = (exe, (ints_d, floats_d, shared, penalties))
+        if any(r.matcher is not None for r in rows):
+            deferred = DeferredStep(logits, ints_d, floats_d, penalties, rows, key, pen_key, num_logprobs)
+            return deferred if defer_sample else self.sample(deferred)
         sampler = self._helper(("ids", key.rows, 2 + 2 * key.num_logprobs))
         return PendingStep(packed, len(rows), key.num_logprobs, num_logprobs, self.max_batch, sampler)
 
@@ -454,13 +450,15 @@ class ModelRunner:
         from their matchers as they stand."""
         key = step.key
         mask = self._token_mask(step.rows, key.rows)
-        pen_key = step.pen_key + (("mask",) if mask is not None else ())
+        pen_key = step.pen_key + (("mask",) if mask is not None else ())  # (rows whose grammar ended: none)
         mask_d = None if mask is None else jax.device_put(mask, self.input_sharding)
-        hk = ("sample", key, pen_key)
+        # the sampler reads only the rows' layout: one executable serves every cascade / ragged variant
+        skey = dataclasses.replace(key, shared=0, groups=0, ragged=False)
+        hk = ("sample", skey, pen_key)
         exe = self.helpers.get(hk)
-        if exe is None:
+        if exe is None:  # (small: the sampler alone, compiled on first use)
             exe = self.helpers[hk] = _sample_step.lower(step.logits, step.ints, step.floats, step.penalties, mask_d,
-                                                        key=key, filtered=FILTERED in pen_key).compile()
+                                                        key=skey, filtered=FILTERED in pen_key).compile()
         packed = exe(step.logits, step.ints, step.floats, step.penalties, mask_d)
         sampler = self._helper(("ids", key.rows, 2 + 2 * key.num_logprobs))
         return PendingStep(packed, len(step.rows), key.num_logprobs, step.num_logprobs, self.max_batch, sampler)
@@ -502,10 +500,9 @@ class ModelRunner:
             exe = self.helpers[hk] = self._lower_helper(hk).compile()
         return exe
 
-    def _pack(self, rows: list[StepRow], num_logprobs: int, groups: list[int], src: list[int] | None,
-              masks: bool = True):
+    def _pack(self, rows: list[StepRow], num_logprobs: int, groups: list[int], src: list[int] | None):
         """The step's bucket, its penalty shape key and its host arrays (ints, floats, shared,
-        penalties, token_mask), laid out as ``_model_step`` reads them."""
+        penalties), laid out as ``_model_step`` reads them."""
         n = len(rows)
         s = self.page_size
         total = sum(len(r.tokens) for r in rows)
@@ -520,9 +517,6 @@ class ModelRunner:
                    if penalties is not None else ())
         if any(r.temperature > 0 and (r.top_k > 0 or r.top_p < 1.0) for r in rows):
             pen_key = (FILTERED,) + pen_key  # the sampler sorts the vocabulary: a variant of its own
-        token_mask = self._token_mask(rows, b) if masks else None
-        if token_mask is not None:
-            pen_key += ("mask",)  # the sampler masks the logits: a variant of its own
 
         ints = np.zeros((3 * t + b * (w + 8),), np.int32)
         tokens, positions, slots = ints[:t], ints[t:2 * t], ints[2 * t:3 * t]  # views
@@ -571,7 +565,7 @@ class ModelRunner:
         floats[:n] = float_l
         # padding tokens (flat index >= at) write into the null slot 0 at position 0
         shared = self._pack_groups(rows, groups, key) if groups else None
-        return key, pen_key, (ints, floats, shared, penalties, token_mask)
+        return key, pen_key, (ints, floats, shared, penalties)
 
     def _pack_groups(self, rows: list[StepRow], groups: list[int], key: StepKey) -> np.ndarray:
         """The group table as ``_model_step`` reads it: ``[G * Ps | G | R]`` int32 = each group's
@@ -600,14 +594,14 @@ class ModelRunner:
         """The step's host arrays, committed to the runner's device (as the executables expect)."""
         return tuple(None if x is None else jax.device_put(x, self.input_sharding) for x in host)
 
-    def _lower(self, key: StepKey, args: tuple, filtered: bool = False, sample: bool = True):
+    def _lower(self, key: StepKey, args: tuple, filtered: bool = False):
         return _model_step.lower(self.params, self.cache, *args, cfg=self.cfg, key=key,
-                                 precision=self.matmul_precision, filtered=filtered, sample=sample)
+                                 precision=self.matmul_precision, filtered=filtered)
 
     def _compile(self, key: StepKey, pen_key: tuple, args: tuple):
         """Compile (or load from the persistent cache) the step of one bucket, now."""
         self._note_bucket((key, pen_key, self.matmul_precision))
-        exe = self._lower(key, args, FILTERED in pen_key, FORWARD not in pen_key).compile()
+        exe = self._lower(key, args, FILTERED in pen_key).compile()
         self.executables[(key, pen_key, self.matmul_precision)] = exe
         freeze_heap()
         return exe

@@ -22,12 +22,14 @@ its token masks in Rust with the GIL released).  How a request goes:
 3. Each step, every constrained row that samples gets its allowed-token bitmask (``token_masks``:
    ``[rows, ceil(V / 32)]`` int32, bit ``v % 32`` of word ``v // 32`` set when token ``v`` is
    allowed) computed on the host from its matcher, all rows at once in llguidance's thread pool;
-   the step sends it to the device as one array and ``sampling.sample_tokens`` masks the logits
-   with it (a separately compiled variant: steps without constrained rows pay nothing).  The
-   mask needs the row's previous token on the host: when overlapped decode feeds that token on
-   the device, the step's forward pass is launched at once and its sampling waits (the scheduler
-   reads the in-flight step, applies its tokens to the matchers, then ``ModelRunner.sample``
-   makes the masks and samples the forward's logits).
+   the step's own executable runs unchanged (it also returns the rows' logits), and a small
+   sampling executable (``ModelRunner.sample``, compiled on first use per row bucket) samples
+   those logits again with the mask sent as one array (``sampling.apply_token_mask``): no
+   variant of the model's step is ever compiled for structured outputs, and steps without
+   constrained rows pay nothing.  The mask needs the row's previous token on the host: when
+   overlapped decode feeds that token on the device, the step is launched at once and its
+   sampling waits (the scheduler reads the in-flight step, applies its tokens to the matchers,
+   then ``ModelRunner.sample`` makes the masks and samples the step's logits).
 4. Each sampled token advances the matcher (``Scheduler._on_token``); when the grammar is
    complete and allows nothing more, the request finishes with ``stop``.
 

@@ -9,8 +9,8 @@ Sections (``--sections``, default both):
   The schema (``LONG_SCHEMA``) asks for at least 256 array items, so every constrained row runs
   to ``max_tokens`` like the free ones and the batch keeps its size.
   Each variant runs once untimed first (its executables compile).
-- ``ttft`` (run first: its first constrained request compiles the masked prefill executable of its
-  bucket, reported apart): one request, ``max_tokens`` 1: its time from submit to its token, unconstrained, with
+- ``ttft`` (run first: its first constrained request compiles the masked sampler of its bucket,
+  reported apart): one request, ``max_tokens`` 1: its time from submit to its token, unconstrained, with
   a schema never seen before (a fresh enum value each time: the compile is on the path) and with
   the same schema again (cached).  Median of ``--reps``.
 
@@ -106,7 +106,7 @@ def one(eng: Engine, spec) -> float:
 @report.section
 def ttft(eng: Engine, args) -> None:
     one(eng, None)
-    first = one(eng, StructuredOutputs(json=SCHEMA))  # compiles the masked step's executables
+    first = one(eng, StructuredOutputs(json=SCHEMA))  # compiles the masked sampler
     free = [one(eng, None) for _ in range(args.reps)]
     fresh = []
     for i in range(args.reps):
@@ -115,7 +115,7 @@ def ttft(eng: Engine, args) -> None:
     cached = [one(eng, StructuredOutputs(json=SCHEMA)) for _ in range(args.reps)]
     RESULTS["ttft"] = (median(free), median(fresh), median(cached))
     report.table("Time to first token, one request (median; the first constrained request of the process also "
-                 "compiles the masked step's executables for its bucket)",
+                 "compiles the masked sampler for its bucket)",
                  ["unconstrained", "new schema", "cached schema", "first constrained request"],
                  [[f"{1e3 * median(free):.1f} ms", f"{1e3 * median(fresh):.1f} ms", f"{1e3 * median(cached):.1f} ms",
                    f"{1e3 * first:.0f} ms"]])
@@ -143,7 +143,7 @@ def main() -> None:
     ap.add_argument("--model", help="checkpoint folder (default: the embedded default model)")
     ap.add_argument("--out", default="bench/results")
     ap.add_argument("--sections", default="ttft,throughput")  # ttft first: its first constrained
-    # request is the process's first (the masked step's executables compile on its path)
+    # request is the process's first (the masked sampler compiles on its path)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--quick", action="store_true", help="CPU: small batches")

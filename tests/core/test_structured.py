@@ -209,3 +209,24 @@ def test_fed_constrained_rows_sample_after_their_masks_and_equal_the_unoverlappe
     plain.close()
     assert got == want
     assert len(calls) >= 10, calls  # the constrained steps were deferred, not settled
+
+
+def test_structured_outputs_compile_no_step_of_the_model():
+    """A constrained request runs the step executables an unconstrained one compiled: its masks
+    are applied by the small sampling executable, never by a variant of the model's step (that
+    would compile the whole model again, on the engine thread, stalling every stream)."""
+    eng = Engine.from_pretrained(None, EngineConfig(dtype="float32", page_size=8, hbm_pages=256, prefill_chunk=32))
+    try:
+        prompts = ["Describe the user:", "Two words:", "Name a colour please"]
+        free = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+        eng.generate_batch([dict(prompt=p, sampling=free) for p in prompts])  # this shape's buckets compile
+        steps = set(eng.runner.executables)
+        compiles = eng.runner.compiles
+        so = StructuredOutputs(regex=r"[a-z ]{24}")  # (every row runs to max_tokens, as the free ones)
+        tied = SamplingParams(max_tokens=24, temperature=0.0, structured_outputs=so)
+        outs = eng.generate_batch([dict(prompt=p, sampling=tied) for p in prompts])
+        assert all(re.fullmatch(r"[a-z ]{1,24}", o.text) for o in outs), [o.text for o in outs]
+        assert set(eng.runner.executables) == steps and eng.runner.compiles == compiles
+        assert any(k[0] == "sample" for k in eng.runner.helpers)  # the masks' sampler
+    finally:
+        eng.close()
