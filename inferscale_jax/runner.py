@@ -251,9 +251,10 @@ def _sampled_ids(packed, *, size: int):
 
 @dataclasses.dataclass
 class DeferredStep:
-    """A dispatched forward pass whose sampling waits for its rows' masks (``dispatch`` with
-    ``defer_sample``; ``ModelRunner.sample`` finishes it): its logits and sampling inputs, on
-    the device."""
+    """A dispatched step whose constrained rows' sampling waits for their masks (``dispatch`` with
+    ``defer_sample``; ``ModelRunner.sample`` finishes it): its unmasked samples, its logits and
+    sampling inputs, on the device."""
+    packed: jax.Array  # the step's own samples (kept when no row needs a mask after all)
     logits: jax.Array  # [B, V] float32
     ints: jax.Array
     floats: jax.Array
@@ -440,7 +441,7 @@ class ModelRunner:
         packed, logits, self.cache = exe(self.params, self.cache, ints_d, floats_d, shared, penalties)
         self._last = (exe, (ints_d, floats_d, shared, penalties))
         if any(r.matcher is not None for r in rows):
-            deferred = DeferredStep(logits, ints_d, floats_d, penalties, rows, key, pen_key, num_logprobs)
+            deferred = DeferredStep(packed, logits, ints_d, floats_d, penalties, rows, key, pen_key, num_logprobs)
             return deferred if defer_sample else self.sample(deferred)
         sampler = self._helper(("ids", key.rows, 2 + 2 * key.num_logprobs))
         return PendingStep(packed, len(rows), key.num_logprobs, num_logprobs, self.max_batch, sampler)
@@ -449,10 +450,14 @@ class ModelRunner:
         """Sample a deferred step (``dispatch``): its constrained rows' masks are computed now,
         from their matchers as they stand."""
         key = step.key
+        sampler = self._helper(("ids", key.rows, 2 + 2 * key.num_logprobs))
         mask = self._token_mask(step.rows, key.rows)
-        pen_key = step.pen_key + (("mask",) if mask is not None else ())  # (rows whose grammar ended: none)
-        mask_d = None if mask is None else jax.device_put(mask, self.input_sharding)
-        # the sampler reads only the rows' layout: one executable serves every cascade / ragged variant
+        if mask is None:  # every constrained row was ended by its fed token: the step's own samples stand
+            return PendingStep(step.packed, len(step.rows), key.num_logprobs, step.num_logprobs, self.max_batch, sampler)
+        pen_key = step.pen_key + ("mask",)
+        mask_d = jax.device_put(mask, self.input_sharding)
+        # the sampler reads the rows' layout (rows, tokens, table width, log-probs) and the sampling
+        # options: one executable serves every cascade / ragged variant of a shape
         skey = dataclasses.replace(key, shared=0, groups=0, ragged=False)
         hk = ("sample", skey, pen_key)
         exe = self.helpers.get(hk)
@@ -460,7 +465,6 @@ class ModelRunner:
             exe = self.helpers[hk] = _sample_step.lower(step.logits, step.ints, step.floats, step.penalties, mask_d,
                                                         key=skey, filtered=FILTERED in pen_key).compile()
         packed = exe(step.logits, step.ints, step.floats, step.penalties, mask_d)
-        sampler = self._helper(("ids", key.rows, 2 + 2 * key.num_logprobs))
         return PendingStep(packed, len(step.rows), key.num_logprobs, step.num_logprobs, self.max_batch, sampler)
 
     def _token_mask(self, rows: list[StepRow], b: int) -> np.ndarray | None:

@@ -23,7 +23,7 @@ its token masks in Rust with the GIL released).  How a request goes:
    ``[rows, ceil(V / 32)]`` int32, bit ``v % 32`` of word ``v // 32`` set when token ``v`` is
    allowed) computed on the host from its matcher, all rows at once in llguidance's thread pool;
    the step's own executable runs unchanged (it also returns the rows' logits), and a small
-   sampling executable (``ModelRunner.sample``, compiled on first use per row bucket) samples
+   sampling executable (``ModelRunner.sample``, compiled on first use per step shape) samples
    those logits again with the mask sent as one array (``sampling.apply_token_mask``): no
    variant of the model's step is ever compiled for structured outputs, and steps without
    constrained rows pay nothing.  The mask needs the row's previous token on the host: when

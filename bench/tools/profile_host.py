@@ -61,11 +61,11 @@ class PartTimer:
         threading.Thread(target=self._watch, daemon=True).start()
         timed_dispatch = self._wrap(runner.dispatch, "runner.dispatch (all)")
 
-        def watched(plan, prev=None):
+        def watched(plan, prev=None, **kw):
             self.step_kinds["decode" if all(len(r.tokens) == 1 for r in plan.rows) else "mixed"] += 1
-            pending = timed_dispatch(plan, prev)
+            pending = timed_dispatch(plan, prev, **kw)
             self.queued.append(time.perf_counter())
-            self._todo.put(pending.packed)
+            self._todo.put(pending.packed)  # (a deferred step's: its unmasked samples, the same step's end)
             return pending
 
         runner.dispatch = watched
