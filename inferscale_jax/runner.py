@@ -55,10 +55,10 @@ def freeze_heap() -> None:
     The engine keeps a large, long-lived heap (jitted functions, tracing caches, the tokenizer);
     a full collection walks all of it and stalls a decode step (gen-2 passes every few hundred
     steps; the stall measured: bench/NOTES.md, "Figures moved from code comments").  Frozen
-    objects are still freed by reference counting; only cycles among them are never collected - so the engine's parts never point back
-    at it or at each other in a cycle (a dropped engine is freed), and a compile in the middle of serving can pin
-    whatever cyclic garbage exists at that moment (bounded by the number of step buckets; warm
-    the buckets before traffic to avoid it).  Called after engine construction and after each
+    objects are still freed by reference counting; only cycles among them are never collected - so
+    the engine's parts never point back at it or at each other in a cycle (a dropped engine is
+    freed), and a compile in the middle of serving can pin whatever cyclic garbage exists at that
+    moment (bounded by the number of step buckets; warm the buckets before traffic to avoid it).  Called after engine construction and after each
     new compile (whose tracing leaves a burst of new long-lived objects)."""
     gc.collect()
     gc.freeze()

@@ -308,7 +308,6 @@ class Stream:
             deltas.append({"index": k, "function": {"arguments": c["function"]["arguments"]}})
         return "", deltas
 
-
     def _calls(self, head: re.Pattern) -> list[dict]:
         """Calls as they are generated: each call's id and name go out once its ``head`` (``{"name":
         N, "parameters": `` up to its arguments' ``{``) is complete, then its arguments as they

@@ -235,10 +235,14 @@ def parse_args(argv=None):
            args.question_tokens), ("--max-tokens", args.max_tokens), ("--num-requests", args.num_requests)) if v < 1]
     bad += [f"--rates {r}" for r in args.rates or () if not r > 0]
     bad += [f"--concurrency {c}" for c in args.concurrency or () if c < 1]
+    bad += [f"--client-procs {args.client_procs}"] if args.client_procs is not None and args.client_procs < 1 else []
+    bad += [f"--switch-interval {args.switch_interval}"] if args.switch_interval is not None and not (
+        args.switch_interval > 0) else []
     if not (0 <= args.warm and 0 <= args.cold and args.warm + args.cold <= 1):
         bad.append(f"--warm {args.warm} --cold {args.cold} (each >= 0, together <= 1)")
     if bad:
-        p.error("out of range: " + ", ".join(bad) + "; counts, rates and concurrency must be positive")
+        p.error("out of range: " + ", ".join(bad) + "; counts, rates, concurrency, client processes and the switch "
+                "interval must be positive")
     return args
 
 
@@ -678,7 +682,7 @@ async def closed_loop(client: Via, specs: list[Spec], args, concurrency: int):
 
 def client_procs(args, concurrency: int) -> int:
     """Benchmark processes of an HTTP closed loop of ``concurrency`` clients (``--client-procs``)."""
-    k = args.client_procs if args.client_procs else -(-int(concurrency) // 64)
+    k = args.client_procs or -(-int(concurrency) // 64)
     return max(1, min(k, int(concurrency)))
 
 
