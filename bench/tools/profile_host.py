@@ -146,6 +146,9 @@ def main() -> None:
     ap.add_argument("--fresh-inputs", action="store_true",
                     help="ModelRunner.stable_inputs off: fresh device buffers for the step's inputs every step "
                          "(the default refills persistent ones)")
+    ap.add_argument("--gc-threshold", type=int,
+                    help="the young generation's GC threshold for the timed steps (Python's default: 700; "
+                         "bench/NOTES.md, run AH)")
     ap.add_argument("--out", help="write the report (markdown) here too")
     args = ap.parse_args()
     if args.quick:
@@ -191,6 +194,9 @@ def main() -> None:
 
     t = time.perf_counter()
     run(args.warm_steps)
+    if args.gc_threshold:
+        gc.set_threshold(args.gc_threshold, *gc.get_threshold()[1:])
+    print(f"young GC threshold: {gc.get_threshold()[0]}", flush=True)
     parts = PartTimer(engine) if args.per_call else None
     warm_s = time.perf_counter() - t
     rows_seen.clear()
