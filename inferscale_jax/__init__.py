@@ -16,7 +16,7 @@ from inferscale_jax.errors import (EngineFault, PoolExhausted, RequestTooLong, S
                                    SnapshotCorrupt, SnapshotInUse, SnapshotMismatch, StorageError)
 from inferscale_jax.outputs import GenerationOutput, RequestMetrics
 from inferscale_jax.sampling import SamplingParams
-from inferscale_jax.scheduler import RequestOutput
+from inferscale_jax.request import RequestOutput
 from inferscale_jax.segments import SegmentInfo
 from inferscale_jax.sessions import SessionInfo
 from inferscale_jax.structured import StructuredOutputs

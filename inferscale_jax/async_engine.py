@@ -41,7 +41,7 @@ from typing import Any, AsyncIterator, Callable
 from inferscale_jax.detokenize import Deltas, IncrementalDetokenizer
 from inferscale_jax.errors import EngineFault
 from inferscale_jax.outputs import GenerationOutput
-from inferscale_jax.scheduler import RequestOutput
+from inferscale_jax.request import RequestOutput
 from inferscale_jax.tokenizer import encode_text
 
 log = logging.getLogger("inferscale.async")

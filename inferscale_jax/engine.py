@@ -51,7 +51,8 @@ from inferscale_jax.outputs import GenerationOutput, PromptScores
 from inferscale_jax.runner import ModelRunner, StepRow, freeze_heap
 from inferscale_jax.sampling import SamplingParams, request_key, tokenize_bad_words
 from inferscale_jax.structured import GrammarCompiler
-from inferscale_jax.scheduler import Request, RequestOutput, Scheduler
+from inferscale_jax.request import Request, RequestOutput
+from inferscale_jax.scheduler import Scheduler
 from inferscale_jax import sessions
 from inferscale_jax.segment_updates import VersionResult, next_version
 from inferscale_jax.sessions import SessionInfo

@@ -51,7 +51,7 @@ from inferscale_jax.tiers import Tiers
 from models import ModelConfig
 
 if TYPE_CHECKING:
-    from inferscale_jax.scheduler import Request
+    from inferscale_jax.request import Request
 
 
 @dataclasses.dataclass

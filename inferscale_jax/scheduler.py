@@ -66,7 +66,6 @@ when finished); ``AsyncEngine`` turns them into per-request streams.
 from __future__ import annotations
 
 import concurrent.futures
-import dataclasses
 import logging
 import math
 import time
@@ -74,21 +73,20 @@ from collections import Counter
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-import numpy as np
-
 from inferscale_jax.buckets import MAX_GROUPS
 from inferscale_jax.config import EngineConfig
 from inferscale_jax.errors import EngineFault, PoolExhausted, RequestTooLong, SegmentNotFound
 from inferscale_jax.fair_queue import FairQueue
 from inferscale_jax.outputs import GenerationOutput, RequestMetrics
+from inferscale_jax.request import NodeJob, Request, RequestOutput, RequestStatus
 from inferscale_jax.runner import PendingStep, StepPlan, StepRow
-from inferscale_jax.sampling import MAX_LOGPROBS, SamplingParams, step_bias
+from inferscale_jax.sampling import MAX_LOGPROBS, SamplingParams
 from inferscale_jax.segments import SESSION_PREFIX, ChainNode, Segment, SegmentStore
 from inferscale_jax.tracing import RequestTrace
 from models import ModelConfig
 
 if TYPE_CHECKING:
-    from inferscale_jax.kv_manager import KVManager, Seq
+    from inferscale_jax.kv_manager import KVManager
     from inferscale_jax.runner import ModelRunner
 
 log = logging.getLogger("inferscale.scheduler")
@@ -96,109 +94,6 @@ LOOKAHEAD = 8  # waiting requests considered for resident-first admission
 # cascade decode pays off once the step's groups save this many token reads per layer (the sum of
 # (rows - 1) x shared tokens, see _cascade_groups); evidence: bench/NOTES.md, "Cascade (shared-prefix) decode"
 CASCADE_MIN_SAVED_TOKENS = 16384
-
-
-@dataclasses.dataclass
-class Request:
-    id: str
-    tenant: str
-    prompt_tokens: list[int]  # bos + segment tokens + prompt
-    chain: list[Segment]
-    sampling: SamplingParams
-    mode: str
-    key: np.ndarray  # [2] uint32
-    arrival: float
-    status: str = "waiting"  # waiting | node (on a node job) | running | finished
-    seq: Seq | None = None  # its pages while running (kv_manager.Seq)
-    job: NodeJob | None = None  # the node job it waits on (status "node")
-    chain_computed: int = 0  # tokens of chain nodes computed for it (not counted as cached)
-    prefill_end: int = 0  # seq.computed reaches this when the (re)admitted prompt is computed
-    nodes: list[ChainNode] = dataclasses.field(default_factory=list)
-    out_ids: list[int] = dataclasses.field(default_factory=list)
-    logprobs: list[dict[int, float]] = dataclasses.field(default_factory=list)
-    cached_tokens: int | None = None
-    ttft_s: float | None = None
-    t_first: float = 0.0
-    finish_reason: str | None = None
-    text: str | None = None
-    preemptions: int = 0
-    stop_ids: frozenset | None = None  # stop token ids + EOS unless ignore_eos (set at the first token)
-    trace: RequestTrace | None = None  # spans and the JSON log line (tracing.py)
-
-    # bad words as token ids (``sampling.tokenize_bad_words``, set by ``Engine.submit``)
-    bad_words_ids: list[list[int]] = dataclasses.field(default_factory=list)
-    prompt_logprobs: list | None = None  # per prompt token (``Engine.submit`` with prompt_logprobs)
-    prompt_ids: list[int] | None = None  # the client's prompt ids (with prompt_logprobs)
-    # structured outputs (structured.py): its grammar's matcher, or a future of it while it compiles
-    grammar: object | None = None
-
-    def __post_init__(self):
-        sp = self.sampling
-        self.penalty = sp.has_penalty  # (read per row per step)
-        self.processed = sp.has_penalty or sp.has_bias or sp.min_p > 0
-        # its next row's bias depends on its last generated token (a multi-token bad word), so that
-        # token must be on the host before the row is built (no device feed)
-        self.needs_host_tail = any(len(w) > 1 for w in self.bad_words_ids)
-
-    @property
-    def matcher(self):
-        """Its grammar's matcher once compiled (None: unconstrained, or still compiling)."""
-        g = self.grammar
-        return g if g is not None and not isinstance(g, concurrent.futures.Future) else None
-
-    @property
-    def prefilling(self) -> bool:
-        return self.seq is not None and self.seq.computed < self.prefill_end
-
-    @property
-    def wants_logprobs(self) -> bool:
-        return self.sampling.logprobs is not None
-
-    def row(self, tokens: list[int], start: int, fed: bool = False) -> StepRow:
-        """Its step row; ``fed``: its token is the in-flight step's sample, read on the device
-        (so it samples its generated token ``len(out_ids) + 1``)."""
-        sp = self.sampling
-        step = len(self.out_ids) + fed
-        row = StepRow(tokens, start, self.seq.pages, sp.temperature, sp.top_k, sp.top_p, self.key, step)
-        if self.processed:  # the lists themselves: the runner copies them when it packs the step
-            row.presence_penalty, row.frequency_penalty = float(sp.presence_penalty), float(sp.frequency_penalty)
-            row.repetition_penalty = float(sp.repetition_penalty)
-            row.output_ids, row.prompt_ids = self.out_ids, self.prompt_tokens
-            row.min_p = float(sp.min_p)
-            if sp.has_bias:
-                row.bias = step_bias(sp, step, None if fed else self.out_ids, self.stop_ids or (),
-                                     self.bad_words_ids)
-        if self.grammar is not None and start + len(tokens) >= self.prefill_end:  # (a row that samples)
-            row.matcher = self.matcher  # (fed: its mask is made once the fed token is applied: _step)
-        return row
-
-
-@dataclasses.dataclass
-class NodeJob:
-    """A missing chain node computed as prefill rows for the requests waiting on it (module
-    docstring, 2).  It holds one reader on ``parent`` while it exists and one reference on each
-    of ``seq``'s pages until the node takes them over (or the job is dropped)."""
-    key: tuple  # the node's chain-index key (namespace, uids)
-    chain: list[Segment]
-    parent: ChainNode
-    waiters: list[Request] = dataclasses.field(default_factory=list)
-    seq: Seq | None = None  # its pages once allocated (kv_manager.Seq)
-    wants_logprobs = False
-
-    def row(self, tokens: list[int], start: int) -> StepRow:
-        return StepRow(tokens, start, self.seq.pages)
-
-
-@dataclasses.dataclass
-class RequestOutput:
-    request_id: str
-    new_token_ids: list[int]
-    finished: bool
-    output: GenerationOutput | None = None
-    error: Exception | None = None  # set when the request could not be served
-    text: str = ""  # the text these ids add (``AsyncEngine.stream`` fills it; the engine leaves it "")
-    logprobs: list[dict[int, float]] | None = None  # per new id, when the request asked for logprobs
-    prompt_tokens: int = 0  # the request's whole sequence (segments + prompt); usage before the end
 
 
 class Scheduler:
@@ -232,7 +127,7 @@ class Scheduler:
         req.stop_ids = frozenset(sp.stop_token_ids) | frozenset(() if sp.ignore_eos else self.cfg.eos_token_ids)
         self.requests[req.id] = req
         if isinstance(req.grammar, concurrent.futures.Future):
-            req.status = "compiling"  # its grammar compiles off this thread (structured.py)
+            req.status = RequestStatus.COMPILING  # its grammar compiles off this thread (structured.py)
             self.compiling.append(req)
         else:
             self.waiting.append(req)
@@ -253,7 +148,7 @@ class Scheduler:
                 self._fail(req, err if isinstance(err, ValueError) else ValueError(
                     f"structured output does not compile: {type(err).__name__}: {err}"), self.failed)
                 continue
-            req.status = "waiting"
+            req.status = RequestStatus.WAITING
             self.waiting.append(req)
 
     def drain(self) -> list[RequestOutput]:
@@ -263,11 +158,11 @@ class Scheduler:
 
     def abort(self, request_id: str) -> RequestOutput | None:
         req = self.requests.get(request_id)
-        if req is None or req.status == "finished":
+        if req is None or req.status == RequestStatus.FINISHED:
             return None
-        if req.status == "waiting":
+        if req.status == RequestStatus.WAITING:
             self.waiting.remove(req)
-        elif req.status == "compiling":
+        elif req.status == RequestStatus.COMPILING:
             self.compiling.remove(req)
         return self._finish(req, "abort")
 
@@ -349,7 +244,7 @@ class Scheduler:
                 if not self._provision_jobs():
                     return
                 continue
-            req.status = "running"
+            req.status = RequestStatus.RUNNING
             self.running.append(req)
             if running is not None:
                 running[req.tenant] += 1
@@ -362,7 +257,7 @@ class Scheduler:
             job = self.jobs[key] = NodeJob(key, chain, parent)
             parent.readers += 1
         job.waiters.append(req)
-        req.job, req.status = job, "node"
+        req.job, req.status = job, RequestStatus.NODE
 
     def _provision_jobs(self) -> bool:
         """Pages for the node jobs that have none yet, oldest first.  False when one must wait
@@ -411,7 +306,7 @@ class Scheduler:
     def _requeue(self, reqs: list[Request]) -> None:
         """Back to the head of the waiting queue, in their order, for admission next step."""
         for req in reversed(reqs):
-            req.status = "waiting"
+            req.status = RequestStatus.WAITING
             self.waiting.appendleft(req)
 
     def _fail_job(self, job: NodeJob, err: Exception, outs: list[RequestOutput]) -> None:
@@ -536,7 +431,7 @@ class Scheduler:
         grow = [r for r in self.running if not r.prefilling and id(r) not in ending
                 and (len(r.seq.tokens) - 1 + (id(r) in pend)) // s >= len(r.seq.pages)]
         for req in sorted(grow, key=lambda r: r.arrival) if len(grow) > 1 else grow:
-            if req.status != "running" or id(req) in ending:
+            if req.status != RequestStatus.RUNNING or id(req) in ending:
                 continue  # (preempted while making room for an older request)
             seq = req.seq
             pos = len(seq.tokens) - 1 + (id(req) in pend)
@@ -552,7 +447,7 @@ class Scheduler:
                             if lost:
                                 return outs
                             prev, pend, ending = None, {}, set()
-                            if req.status != "running":
+                            if req.status != RequestStatus.RUNNING:
                                 break  # it finished with the drained token
                             continue
                         victim = max(self.running, key=lambda r: r.arrival)
@@ -562,7 +457,7 @@ class Scheduler:
         rows, owners, src = [], [], []
         prefilling = []
         for req in self.running:  # decode rows first: every decoding request, one token
-            if req.status != "running" or id(req) in ending:
+            if req.status != RequestStatus.RUNNING or id(req) in ending:
                 continue
             if req.prefilling:
                 prefilling.append(req)
@@ -618,7 +513,7 @@ class Scheduler:
             return outs + self._lost(failure)
         if defer and pending is not None:  # the fed tokens are applied: the masks can be made
             for owner, row, _ in entries:
-                if row.matcher is not None and owner.status != "running":
+                if row.matcher is not None and owner.status != RequestStatus.RUNNING:
                     row.matcher = None  # (ended by its fed token: this row's result is ignored)
             try:
                 pending = self.runner.sample(pending)
@@ -676,7 +571,7 @@ class Scheduler:
             owner.seq.computed = start
         self.runner.check_device(err)
         s = self.config.page_size
-        decoding = sorted((r for r in self.running if not r.prefilling and r.status == "running"),
+        decoding = sorted((r for r in self.running if not r.prefilling and r.status == RequestStatus.RUNNING),
                           key=lambda r: r.arrival)
         for req in list(decoding):  # the page of the position each one feeds (a failed step may not have it)
             if (len(req.seq.tokens) - 1) // s >= len(req.seq.pages):
@@ -687,7 +582,7 @@ class Scheduler:
                     decoding.remove(req)
         owners: list[Request | NodeJob] = list(decoding)
         rows = [r.row([r.seq.tokens[-1]], len(r.seq.tokens) - 1) for r in decoding]
-        for owner in self._prefill_work([r for r in self.running if r.prefilling and r.status == "running"]):
+        for owner in self._prefill_work([r for r in self.running if r.prefilling and r.status == RequestStatus.RUNNING]):
             rows.append(self._chunk_row(owner))
             owners.append(owner)
         log.warning("a step failed (%s: %s); running the %d rows of the next one one at a time",
@@ -719,7 +614,7 @@ class Scheduler:
                 self._complete_job(owner)
             return []
         req = owner
-        if req.status != "running":
+        if req.status != RequestStatus.RUNNING:
             return []  # finished by the step before (this row was computed for nothing) or aborted
         self.kv.register_full_pages(req.seq, upto)
         if upto < req.prefill_end:
@@ -827,7 +722,7 @@ class Scheduler:
 
     def _preempt(self, req: Request) -> None:
         self._release(req)
-        req.status = "waiting"
+        req.status = RequestStatus.WAITING
         req.preemptions += 1
         self.preemptions += 1
         self.waiting.appendleft(req)
@@ -835,7 +730,7 @@ class Scheduler:
     def _finish(self, req: Request, reason: str, new: list[int] | None = None,
                 error: Exception | None = None) -> RequestOutput:
         self._release(req)
-        req.status, req.finish_reason = "finished", reason
+        req.status, req.finish_reason = RequestStatus.FINISHED, reason
         self.requests.pop(req.id, None)
         now = time.perf_counter()
         n = len(req.out_ids)

@@ -60,7 +60,7 @@ class CoreClient:
         leads the shutdown).  Raises the core's own error if it could not build its engine."""
         import zmq
 
-        from inferscale_jax.scheduler import RequestOutput
+        from inferscale_jax.request import RequestOutput
 
         self._RequestOutput = RequestOutput
         self.address, self.alive, self.index = address, alive, index

@@ -110,3 +110,26 @@ def test_a_missing_node_is_computed_once_while_others_decode(overlap):
     assert all(any(n == 1 for _, n, _ in s) for s in beside)  # `busy` decoded in every one of those steps
     assert got[a] == expected(61, 4) and got[b] == expected(62, 4) and got[busy] == expected(2, 30)
     assert_only_nodes_hold_pages(e)
+
+
+def test_requests_move_through_the_documented_states():
+    """``request.py``'s diagram: WAITING -> RUNNING -> FINISHED, a preempted request back to
+    WAITING and on to RUNNING again; every status is a ``RequestStatus`` that still reads as its
+    name (the stats count by it)."""
+    from inferscale_jax.request import RequestStatus
+    e = fake_engine(pages=20, max_batch=8)  # (as the preemption test: the newest requests are preempted)
+    ids = [e.submit(prompt_token_ids=[i + 1] * 8, sampling=sp(40)) for i in range(4)]
+    reqs = {r.id: r for r in e.scheduler.waiting}
+    assert set(reqs) == set(ids)
+    seen = {i: [RequestStatus.WAITING] for i in ids}
+    while e.has_unfinished():
+        e.step()
+        for i, r in reqs.items():
+            assert isinstance(r.status, RequestStatus)
+            if seen[i][-1] != r.status:
+                seen[i].append(r.status)
+    W, R, F = RequestStatus.WAITING, RequestStatus.RUNNING, RequestStatus.FINISHED
+    assert all(s[0] == W and s[-1] == F and s[-2] == R for s in seen.values()), seen
+    assert any(s == [W, R, W, R, F] for s in seen.values()), seen  # (at least one preempted once)
+    assert all(set(s) == {W, R, F} for s in seen.values()), seen
+    assert R == "running" and str(R) == "running" and f"{W}" == "waiting"
