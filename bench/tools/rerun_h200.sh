@@ -16,6 +16,13 @@
 #      (bf16 then int8 pages)
 #   5  compressed-KV quality: train the small LM on 2048-token windows (bench/tools/train_small_lm.py, stopped
 #      after 150 s of steps), then bench/kernels/kv_dtype.py sections b and c on it
+#   6  serving at scale (the README's serving table): 8 segments of 4096 tokens, 64-token questions, 64 tokens,
+#      C = 64 / 256 through HTTP (clients in one process per 64) and in-process (bench/serving/serve.py)
+#   7  where the served loop loses to the bare one: the engine loop alone at C = 64 / 256
+#      (bench/tools/profile_host.py --per-call), then HTTP at C = 256 with two API-server processes, and
+#      in-process with a 0.5 ms GIL switch interval
+# Parts 6 and 7 write the 8B checkpoint to /tmp/llama8b first when it is missing (~35 s); it stays out of
+# the repository, whose copy on the machine loses files that .gitignore does not cover (bench/NOTES.md, run AH).
 #
 # Each step writes its tables under RESULTS_DIR/<step>/ and its console log to RESULTS_DIR/<step>.log;
 # after each step RESULTS_DIR is packed into TARBALL when given (what a cut call still returns).
@@ -43,6 +50,10 @@ step_as() {  # step_as NAME SECONDS SCRIPT ARGS...  (ARGS name the output themse
     echo "=== $name rc=$rc ($(date +%T))"
     [ -n "$tarball" ] && tar czf "$tarball" -C "$res" .
     return 0
+}
+
+ckpt() {  # the 8B-shaped random checkpoint, once per machine
+    [ -f /tmp/llama8b/tokenizer.json ] || step_as checkpoint 90 bench/tools/make_checkpoint.py /tmp/llama8b
 }
 
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,memory.used --format=csv || true
@@ -74,6 +85,23 @@ case "$part" in
     step_as small_lm 240 bench/tools/train_small_lm.py /tmp/small-lm --seq 2048 --batch 16 --steps 900 --max-seconds 150
     cp /tmp/small-lm/train.md "$res/small_lm_train.md" 2>/dev/null
     step quality 150 bench/kernels/kv_dtype.py --sections bc --model /tmp/small-lm
+    ;;
+6)
+    ckpt
+    serve=(bench/serving/serve.py --model /tmp/llama8b --tenants 1 --segments-per-tenant 8 --segment-tokens 4096
+           --question-tokens 64 --max-tokens 64 --warm 1.0 --cold 0 --num-requests 1024)
+    step serve 520 "${serve[@]}" --concurrency 64,256 --mode http,inproc
+    ;;
+7)
+    ckpt
+    for c in 64 256; do
+        step_as "loop_c$c" 130 bench/tools/profile_host.py --model /tmp/llama8b --concurrency $c --warm-steps 150 \
+            --steps 100 --no-profile --per-call --out "$res/loop_c$c.md"
+    done
+    serve=(bench/serving/serve.py --model /tmp/llama8b --tenants 1 --segments-per-tenant 8 --segment-tokens 4096
+           --question-tokens 64 --max-tokens 64 --warm 1.0 --cold 0 --num-requests 1024 --concurrency 256)
+    step serve_api2 200 "${serve[@]}" --mode http --serve-args "--api-server-count 2"
+    step serve_switch 110 "${serve[@]}" --mode inproc --switch-interval 0.0005
     ;;
 *)
     echo "unknown part $part" >&2
