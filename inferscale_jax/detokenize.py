@@ -71,10 +71,17 @@ class Deltas:
     """A stream's outputs as they arrive on its queue, each with its ``text`` (``detok``), until
     the finished one; an exception put on the queue is raised.  ``done`` says whether the stream
     ended (finished or failed), so a caller leaving early knows to abort the request.  The one
-    delta loop of ``AsyncEngine.stream`` and of the API server's ``CoreClient.stream``."""
+    delta loop of ``AsyncEngine.stream`` and of the API server's ``CoreClient.stream``.
+
+    A consumer that falls behind (the engine's steps come faster than it reads: 256 streams in one
+    API process) gets every output already waiting merged into one delta - the ids in order, their
+    log-probs, the last one's end - so it catches up with one chunk instead of one per token, as
+    vLLM's output collector does; a consumer that keeps up gets one delta per engine step.  An
+    exception waiting behind outputs is raised on the next read, after them."""
 
     def __init__(self, queue, detok: IncrementalDetokenizer):
         self.queue, self.detok, self.done = queue, detok, False
+        self._error: BaseException | None = None  # read behind merged outputs: raised next
 
     def __aiter__(self) -> "Deltas":
         return self
@@ -82,12 +89,30 @@ class Deltas:
     async def __anext__(self):
         if self.done:
             raise StopAsyncIteration
+        if self._error is not None:
+            self.done = True
+            raise self._error
         item = await self.queue.get()
         if isinstance(item, BaseException):
             self.done = True
             raise item
+        while not item.finished and not self.queue.empty():
+            nxt = self.queue.get_nowait()
+            if isinstance(nxt, BaseException):
+                self._error = nxt
+                break
+            item = merge_outputs(item, nxt)
         # each output object is this stream's alone: its text is set in place (no copy per token)
         item.text = (self.detok.finish(item.output.text) if item.finished and item.output is not None
                      else self.detok.push(item.new_token_ids))
         self.done = item.finished
         return item
+
+
+def merge_outputs(a, b):
+    """``a`` (a ``RequestOutput``, this stream's own) extended in place by the next one, ``b``."""
+    a.new_token_ids = list(a.new_token_ids) + list(b.new_token_ids)
+    a.logprobs = a.logprobs + b.logprobs if a.logprobs is not None and b.logprobs is not None else None
+    a.finished, a.output, a.error = b.finished, b.output, b.error
+    a.prompt_tokens = b.prompt_tokens or a.prompt_tokens
+    return a

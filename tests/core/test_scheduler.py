@@ -142,7 +142,10 @@ def test_async_stream_is_incremental_and_cancel_frees_pages():
 
     async def main():
         deltas = [d async for d in aeng.stream(prompt_token_ids=[3, 4, 5], sampling=sp)]
-        assert len(deltas) == 12 and deltas[-1].finished and not deltas[0].finished
+        # one delta per step while the reader keeps up (outputs waiting for a lagging reader are
+        # merged: detokenize.Deltas), so more than one, each with tokens
+        assert 1 < len(deltas) <= 12 and all(d.new_token_ids for d in deltas)
+        assert deltas[-1].finished and not deltas[0].finished
         assert [t for d in deltas for t in d.new_token_ids] == expected.token_ids
         assert deltas[-1].output.token_ids == expected.token_ids
 

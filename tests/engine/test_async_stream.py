@@ -2,6 +2,7 @@
 tokenized before the engine loop sees the request."""
 
 import asyncio
+import copy
 import threading
 
 import pytest
@@ -103,3 +104,57 @@ def test_deltas_carry_their_tokens_logprobs(engine):
     streamed = [lp for d in deltas for lp in (d.logprobs or [])]
     assert streamed == out.logprobs and len(streamed) == len(out.token_ids)
     assert all(len(d.logprobs) == len(d.new_token_ids) for d in deltas if d.new_token_ids)
+
+
+def _outputs(engine, prompt, sp):
+    """The engine's own per-step outputs of one request (``Engine.step``), and its final output."""
+    rid = engine.submit(prompt=prompt, sampling=sp)
+    outs = []
+    while engine.has_unfinished():
+        outs += [o for o in engine.step() if o.request_id == rid]
+    return outs, outs[-1].output
+
+
+@pytest.mark.parametrize("error_at", [None, 7])
+def test_a_lagging_reader_gets_the_waiting_outputs_merged(engine, error_at):
+    """``Deltas``: outputs already on the queue when the reader comes back are one delta (ids in
+    order, their log-probs, the text they make); a reader that keeps up gets one delta per output;
+    an exception queued behind outputs is raised after them."""
+    from inferscale_jax.detokenize import Deltas
+
+    sp = SamplingParams(max_tokens=14, temperature=1.0, seed=9, logprobs=2, stop=["\n\n"])
+    outs, final = _outputs(engine, "Q: Ünïcödé and the warranty? A:", sp)
+    assert len(outs) >= 10 and final.token_ids
+    if error_at is not None:
+        outs = outs[:error_at] + [RuntimeError("lost")]
+
+    async def read():
+        q = asyncio.Queue()
+        put = lambda o: q.put_nowait(copy.copy(o))  # noqa: E731 - (a merge extends its first output in place)
+        deltas = Deltas(q, IncrementalDetokenizer(engine.tokenizer, sp.stop, sp))
+        put(outs[0])
+        got = [await deltas.__anext__()]  # kept up: one output, one delta
+        for o in outs[1:-3]:  # then it lags: all of these wait on the queue
+            put(o)
+        got.append(await deltas.__anext__())
+        for o in outs[-3:]:  # and keeps up again
+            put(o)
+            try:
+                got.append(await deltas.__anext__())
+            except RuntimeError as e:
+                got.append(e)
+        return got
+
+    got = asyncio.run(read())
+    assert got[0].new_token_ids == outs[0].new_token_ids
+    merged = got[1]
+    assert merged.new_token_ids == [t for o in outs[1:-3] for t in o.new_token_ids]
+    assert merged.logprobs == [lp for o in outs[1:-3] for lp in o.logprobs]
+    assert len(merged.new_token_ids) >= 2 and not merged.finished
+    if error_at is None:
+        assert len(got) == 5 and got[-1].finished and got[-1].output is final
+        assert [t for d in got for t in d.new_token_ids] == final.token_ids
+        assert [lp for d in got for lp in d.logprobs] == final.logprobs
+        assert "".join(d.text for d in got) == final.text
+    else:  # the two outputs before the error, then the error itself
+        assert [type(g) for g in got[2:]] == [type(outs[0])] * 2 + [RuntimeError]
