@@ -96,12 +96,17 @@ class Deltas:
         if isinstance(item, BaseException):
             self.done = True
             raise item
+        waiting = []
         while not item.finished and not self.queue.empty():
             nxt = self.queue.get_nowait()
             if isinstance(nxt, BaseException):
                 self._error = nxt
                 break
-            item = merge_outputs(item, nxt)
+            waiting.append(nxt)
+            if nxt.finished:
+                break
+        if waiting:
+            item = merge_outputs(item, waiting)
         # each output object is this stream's alone: its text is set in place (no copy per token)
         item.text = (self.detok.finish(item.output.text) if item.finished and item.output is not None
                      else self.detok.push(item.new_token_ids))
@@ -109,10 +114,20 @@ class Deltas:
         return item
 
 
-def merge_outputs(a, b):
-    """``a`` (a ``RequestOutput``, this stream's own) extended in place by the next one, ``b``."""
-    a.new_token_ids = list(a.new_token_ids) + list(b.new_token_ids)
-    a.logprobs = a.logprobs + b.logprobs if a.logprobs is not None and b.logprobs is not None else None
-    a.finished, a.output, a.error = b.finished, b.output, b.error
-    a.prompt_tokens = b.prompt_tokens or a.prompt_tokens
-    return a
+def merge_outputs(first, rest: list):
+    """``first`` (a ``RequestOutput``, this stream's own) extended in place by the outputs after it:
+    their ids and log-probs appended (log-probs None when any of them has none: the API server then
+    takes them from the final output), the last one's end (``finished``, ``output``, ``error``)."""
+    ids, lps = list(first.new_token_ids), first.logprobs
+    lps = None if lps is None else list(lps)
+    for o in rest:
+        ids.extend(o.new_token_ids)
+        if lps is not None and o.logprobs is not None:
+            lps.extend(o.logprobs)
+        else:
+            lps = None
+        first.prompt_tokens = o.prompt_tokens or first.prompt_tokens
+    last = rest[-1]
+    first.new_token_ids, first.logprobs = ids, lps
+    first.finished, first.output, first.error = last.finished, last.output, last.error
+    return first

@@ -3,7 +3,7 @@ missing chain node computed for the requests waiting on it), ``RequestOutput`` (
 back per request) and ``RequestStatus``, the states a request moves through:
 
     WAITING --admitted--> RUNNING --last token, a stop, an abort--> FINISHED
-    WAITING --admitted, its chain node missing--> NODE --the node computed, requeued--> WAITING
+    WAITING --admitted, its chain node missing--> NODE --the node computed (or its job dropped)--> WAITING
     RUNNING --preempted (its pages are needed)--> WAITING
     COMPILING --its grammar compiled (structured.py)--> WAITING   (a constrained request starts here)
     (an abort or an error finishes a request from any state)

@@ -27,7 +27,7 @@
 # Each step writes its tables under RESULTS_DIR/<step>/ and its console log to RESULTS_DIR/<step>.log;
 # after each step RESULTS_DIR is packed into TARBALL when given (what a cut call still returns).
 set -uo pipefail
-part=${1:?part 1-5}
+part=${1:?part 1-7}
 res=${2:?results folder}
 tarball=${3:-}
 mkdir -p "$res"
@@ -53,7 +53,8 @@ step_as() {  # step_as NAME SECONDS SCRIPT ARGS...  (ARGS name the output themse
 }
 
 ckpt() {  # the 8B-shaped random checkpoint, once per machine
-    [ -f /tmp/llama8b/tokenizer.json ] || step_as checkpoint 90 bench/tools/make_checkpoint.py /tmp/llama8b
+    # (its index is written last: a cut run leaves none, and the next part builds it again)
+    [ -f /tmp/llama8b/model.safetensors.index.json ] || step_as checkpoint 60 bench/tools/make_checkpoint.py /tmp/llama8b
 }
 
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,memory.used --format=csv || true
@@ -90,18 +91,18 @@ case "$part" in
     ckpt
     serve=(bench/serving/serve.py --model /tmp/llama8b --tenants 1 --segments-per-tenant 8 --segment-tokens 4096
            --question-tokens 64 --max-tokens 64 --warm 1.0 --cold 0 --num-requests 1024)
-    step serve 520 "${serve[@]}" --concurrency 64,256 --mode http,inproc
+    step serve 500 "${serve[@]}" --concurrency 64,256 --mode http,inproc
     ;;
 7)
     ckpt
     for c in 64 256; do
-        step_as "loop_c$c" 130 bench/tools/profile_host.py --model /tmp/llama8b --concurrency $c --warm-steps 150 \
+        step_as "loop_c$c" 120 bench/tools/profile_host.py --model /tmp/llama8b --concurrency $c --warm-steps 150 \
             --steps 100 --no-profile --per-call --out "$res/loop_c$c.md"
     done
     serve=(bench/serving/serve.py --model /tmp/llama8b --tenants 1 --segments-per-tenant 8 --segment-tokens 4096
            --question-tokens 64 --max-tokens 64 --warm 1.0 --cold 0 --num-requests 1024 --concurrency 256)
-    step serve_api2 200 "${serve[@]}" --mode http --serve-args "--api-server-count 2"
-    step serve_switch 110 "${serve[@]}" --mode inproc --switch-interval 0.0005
+    step serve_api2 180 "${serve[@]}" --mode http --serve-args "--api-server-count 2"
+    step serve_switch 100 "${serve[@]}" --mode inproc --switch-interval 0.0005
     ;;
 *)
     echo "unknown part $part" >&2

@@ -115,30 +115,40 @@ def _outputs(engine, prompt, sp):
     return outs, outs[-1].output
 
 
-@pytest.mark.parametrize("error_at", [None, 7])
-def test_a_lagging_reader_gets_the_waiting_outputs_merged(engine, error_at):
+@pytest.mark.parametrize("case", ["lag in the middle", "lag to the end", "error behind outputs"])
+def test_a_lagging_reader_gets_the_waiting_outputs_merged(engine, case):
     """``Deltas``: outputs already on the queue when the reader comes back are one delta (ids in
-    order, their log-probs, the text they make); a reader that keeps up gets one delta per output;
-    an exception queued behind outputs is raised after them."""
+    order, their log-probs, the text they make; a finished one ends it); a reader that keeps up
+    gets one delta per output; an exception queued behind outputs is raised on the next read."""
     from inferscale_jax.detokenize import Deltas
 
     sp = SamplingParams(max_tokens=14, temperature=1.0, seed=9, logprobs=2, stop=["\n\n"])
     outs, final = _outputs(engine, "Q: Ünïcödé and the warranty? A:", sp)
-    assert len(outs) >= 10 and final.token_ids
-    if error_at is not None:
-        outs = outs[:error_at] + [RuntimeError("lost")]
+    assert len(outs) >= 10 and final.token_ids and outs[-1].finished
+    # the reader takes one output, then lags over `batch` (all on the queue at its next read), then
+    # keeps up with the rest one by one
+    batch = {"lag in the middle": slice(1, -3), "lag to the end": slice(1, None),
+             "error behind outputs": slice(1, 6)}[case]
+    feed = outs[:6] + [RuntimeError("lost")] if case == "error behind outputs" else list(outs)
+    lagged = feed[batch] + ([feed[6]] if case == "error behind outputs" else [])
+    after = feed[batch.stop:] if batch.stop is not None and case != "error behind outputs" else []
 
     async def read():
         q = asyncio.Queue()
         put = lambda o: q.put_nowait(copy.copy(o))  # noqa: E731 - (a merge extends its first output in place)
         deltas = Deltas(q, IncrementalDetokenizer(engine.tokenizer, sp.stop, sp))
-        put(outs[0])
-        got = [await deltas.__anext__()]  # kept up: one output, one delta
-        for o in outs[1:-3]:  # then it lags: all of these wait on the queue
+        put(feed[0])
+        got = [await deltas.__anext__()]
+        for o in lagged:
             put(o)
-        got.append(await deltas.__anext__())
-        for o in outs[-3:]:  # and keeps up again
-            put(o)
+        for o in [None] + after:
+            if o is not None:
+                put(o)
+            try:
+                got.append(await deltas.__anext__())
+            except RuntimeError as e:
+                got.append(e)
+        if case == "error behind outputs":  # the error comes on the read after the merged delta
             try:
                 got.append(await deltas.__anext__())
             except RuntimeError as e:
@@ -146,15 +156,16 @@ def test_a_lagging_reader_gets_the_waiting_outputs_merged(engine, error_at):
         return got
 
     got = asyncio.run(read())
-    assert got[0].new_token_ids == outs[0].new_token_ids
-    merged = got[1]
-    assert merged.new_token_ids == [t for o in outs[1:-3] for t in o.new_token_ids]
-    assert merged.logprobs == [lp for o in outs[1:-3] for lp in o.logprobs]
-    assert len(merged.new_token_ids) >= 2 and not merged.finished
-    if error_at is None:
-        assert len(got) == 5 and got[-1].finished and got[-1].output is final
-        assert [t for d in got for t in d.new_token_ids] == final.token_ids
-        assert [lp for d in got for lp in d.logprobs] == final.logprobs
-        assert "".join(d.text for d in got) == final.text
-    else:  # the two outputs before the error, then the error itself
-        assert [type(g) for g in got[2:]] == [type(outs[0])] * 2 + [RuntimeError]
+    merged_from = [o for o in lagged if not isinstance(o, BaseException)]
+    assert got[0].new_token_ids == outs[0].new_token_ids and not got[0].finished
+    assert got[1].new_token_ids == [t for o in merged_from for t in o.new_token_ids]
+    assert got[1].logprobs == [lp for o in merged_from for lp in o.logprobs]
+    assert len(got[1].new_token_ids) >= 4
+    if case == "error behind outputs":
+        assert len(got) == 3 and not got[1].finished and isinstance(got[2], RuntimeError)
+        return
+    assert len(got) == 2 + len(after) and got[-1].finished and got[-1].output is final
+    assert got[1].finished == (case == "lag to the end")
+    assert [t for d in got for t in d.new_token_ids] == final.token_ids
+    assert [lp for d in got for lp in d.logprobs] == final.logprobs
+    assert "".join(d.text for d in got) == final.text
