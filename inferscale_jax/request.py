@@ -119,8 +119,8 @@ class Request:
 
 @dataclasses.dataclass
 class NodeJob:
-    """A missing chain node computed as prefill rows for the requests waiting on it (module
-    docstring, 2).  It holds one reader on ``parent`` while it exists and one reference on each
+    """A missing chain node computed as prefill rows for the requests waiting on it (scheduler.py's
+    module docstring, 2).  It holds one reader on ``parent`` while it exists and one reference on each
     of ``seq``'s pages until the node takes them over (or the job is dropped)."""
     key: tuple  # the node's chain-index key (namespace, uids)
     chain: list[Segment]

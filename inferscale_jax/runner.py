@@ -58,8 +58,9 @@ def freeze_heap() -> None:
     objects are still freed by reference counting; only cycles among them are never collected - so
     the engine's parts never point back at it or at each other in a cycle (a dropped engine is
     freed), and a compile in the middle of serving can pin whatever cyclic garbage exists at that
-    moment (bounded by the number of step buckets; warm the buckets before traffic to avoid it).  Called after engine construction and after each
-    new compile (whose tracing leaves a burst of new long-lived objects)."""
+    moment (bounded by the number of step buckets; warm the buckets before traffic to avoid it).
+    Called after engine construction and after each new compile (whose tracing leaves a burst of
+    new long-lived objects)."""
     gc.collect()
     gc.freeze()
 
@@ -453,7 +454,8 @@ class ModelRunner:
         sampler = self._helper(("ids", key.rows, 2 + 2 * key.num_logprobs))
         mask = self._token_mask(step.rows, key.rows)
         if mask is None:  # every constrained row was ended by its fed token: the step's own samples stand
-            return PendingStep(step.packed, len(step.rows), key.num_logprobs, step.num_logprobs, self.max_batch, sampler)
+            return PendingStep(step.packed, len(step.rows), key.num_logprobs, step.num_logprobs, self.max_batch,
+                               sampler)
         pen_key = step.pen_key + ("mask",)
         mask_d = jax.device_put(mask, self.input_sharding)
         # the sampler reads the rows' layout (rows, tokens, table width, log-probs) and the sampling

@@ -125,34 +125,34 @@ def test_a_lagging_reader_gets_the_waiting_outputs_merged(engine, case):
     sp = SamplingParams(max_tokens=14, temperature=1.0, seed=9, logprobs=2, stop=["\n\n"])
     outs, final = _outputs(engine, "Q: Ünïcödé and the warranty? A:", sp)
     assert len(outs) >= 10 and final.token_ids and outs[-1].finished
-    # the reader takes one output, then lags over `batch` (all on the queue at its next read), then
-    # keeps up with the rest one by one
-    batch = {"lag in the middle": slice(1, -3), "lag to the end": slice(1, None),
-             "error behind outputs": slice(1, 6)}[case]
-    feed = outs[:6] + [RuntimeError("lost")] if case == "error behind outputs" else list(outs)
-    lagged = feed[batch] + ([feed[6]] if case == "error behind outputs" else [])
-    after = feed[batch.stop:] if batch.stop is not None and case != "error behind outputs" else []
+    # the reader takes the first output, then lags: `lagged` is all on the queue at its next read;
+    # then it keeps up with `after`, one output per read
+    lost = RuntimeError("lost")
+    lagged, after = {"lag in the middle": (outs[1:-3], outs[-3:]), "lag to the end": (outs[1:], []),
+                     "error behind outputs": (outs[1:6] + [lost], [])}[case]
 
     async def read():
         q = asyncio.Queue()
-        put = lambda o: q.put_nowait(copy.copy(o))  # noqa: E731 - (a merge extends its first output in place)
+        def put(o):  # (a copy: a merge extends its first output in place)
+            q.put_nowait(o if isinstance(o, BaseException) else copy.copy(o))
         deltas = Deltas(q, IncrementalDetokenizer(engine.tokenizer, sp.stop, sp))
-        put(feed[0])
-        got = [await deltas.__anext__()]
+
+        async def next_delta():
+            try:
+                return await deltas.__anext__()
+            except RuntimeError as e:
+                return e
+
+        put(outs[0])
+        got = [await next_delta()]
         for o in lagged:
             put(o)
-        for o in [None] + after:
-            if o is not None:
-                put(o)
-            try:
-                got.append(await deltas.__anext__())
-            except RuntimeError as e:
-                got.append(e)
+        got.append(await next_delta())
+        for o in after:
+            put(o)
+            got.append(await next_delta())
         if case == "error behind outputs":  # the error comes on the read after the merged delta
-            try:
-                got.append(await deltas.__anext__())
-            except RuntimeError as e:
-                got.append(e)
+            got.append(await next_delta())
         return got
 
     got = asyncio.run(read())
@@ -162,7 +162,7 @@ def test_a_lagging_reader_gets_the_waiting_outputs_merged(engine, case):
     assert got[1].logprobs == [lp for o in merged_from for lp in o.logprobs]
     assert len(got[1].new_token_ids) >= 4
     if case == "error behind outputs":
-        assert len(got) == 3 and not got[1].finished and isinstance(got[2], RuntimeError)
+        assert len(got) == 3 and not got[1].finished and got[2] is lost
         return
     assert len(got) == 2 + len(after) and got[-1].finished and got[-1].output is final
     assert got[1].finished == (case == "lag to the end")
