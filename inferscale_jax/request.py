@@ -54,6 +54,7 @@ class Request:
     arrival: float
     status: RequestStatus = RequestStatus.WAITING
     seq: Seq | None = None  # its pages while running (kv_manager.Seq)
+    slot: int = -1  # its row in the runner's page tables while it decodes (page_tables.py)
     job: NodeJob | None = None  # the node job it waits on (status "node")
     chain_computed: int = 0  # tokens of chain nodes computed for it (not counted as cached)
     prefill_end: int = 0  # seq.computed reaches this when the (re)admitted prompt is computed
@@ -83,6 +84,9 @@ class Request:
         # its next row's bias depends on its last generated token (a multi-token bad word), so that
         # token must be on the host before the row is built (no device feed)
         self.needs_host_tail = any(len(w) > 1 for w in self.bad_words_ids)
+        # after its first, each token needs only the stop-id and max_tokens checks (no log-probs, stop
+        # strings, grammar or min_tokens): the scheduler handles it inline (_apply_all)
+        self.plain = sp.logprobs is None and not sp.stop and self.grammar is None and not sp.min_tokens
 
     @property
     def matcher(self):
@@ -103,7 +107,8 @@ class Request:
         (so it samples its generated token ``len(out_ids) + 1``)."""
         sp = self.sampling
         step = len(self.out_ids) + fed
-        row = StepRow(tokens, start, self.seq.pages, sp.temperature, sp.top_k, sp.top_p, self.key, step)
+        row = StepRow(tokens, start, self.seq.pages, sp.temperature, sp.top_k, sp.top_p, self.key, step,
+                      slot=self.slot)
         if self.processed:  # the lists themselves: the runner copies them when it packs the step
             row.presence_penalty, row.frequency_penalty = float(sp.presence_penalty), float(sp.frequency_penalty)
             row.repetition_penalty = float(sp.repetition_penalty)

@@ -42,6 +42,7 @@ import numpy as np
 from inferscale_jax.buckets import StepBuckets, StepKey, next_pow2
 from inferscale_jax.errors import EngineFault
 from inferscale_jax.kv_cache import AttnMeta, PagedKVCache, splice_fn
+from inferscale_jax.page_tables import PageTables
 from inferscale_jax.sampling import MAX_LOGPROBS, sample_tokens
 from inferscale_jax.structured import token_masks
 from models import ModelConfig, forward
@@ -90,6 +91,7 @@ class StepRow:
     key: np.ndarray | None = None  # [2] uint32 request key
     sample_step: int = 0  # index of the token being sampled (folded into the key)
     group: int = -1  # cascade: the row's group in StepPlan.groups (its first pages are shared); -1: none
+    slot: int = -1  # the request's row in the runner's page tables (page_tables.py); -1: none
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
@@ -313,6 +315,7 @@ class ModelRunner:
         self.prefill_chunk = prefill_chunk
         self.max_tokens = max_num_batched_tokens or max(max_batch, 4 * prefill_chunk)
         self.max_pages_per_seq = max_pages_per_seq
+        self.tables = PageTables(max_batch, max_pages_per_seq)  # running requests' page tables, by slot
         self.buckets = StepBuckets(max_rows=max_batch, max_tokens=self.max_tokens,
                                    max_pages_per_seq=max_pages_per_seq, min_table_pages=min_table_pages,
                                    num_logprobs=MAX_LOGPROBS, narrow_mixed=cache.impl == "ref")
@@ -508,14 +511,23 @@ class ModelRunner:
 
     def _pack(self, rows: list[StepRow], num_logprobs: int, groups: list[int], src: list[int] | None):
         """The step's bucket, its penalty shape key and its host arrays (ints, floats, shared,
-        penalties), laid out as ``_model_step`` reads them."""
+        penalties), laid out as ``_model_step`` reads them.
+
+        Per-row values are gathered with one pass each and written with numpy; the page tables
+        of one-token rows with a slot (``StepRow.slot``) come from the persistent ``tables`` in one
+        gather, every other row's from its page list."""
         n = len(rows)
         s = self.page_size
-        total = sum(len(r.tokens) for r in rows)
-        assert max(len(r.tokens) for r in rows) <= self.prefill_chunk
-        need_pages = max(-(-(r.start + len(r.tokens)) // s) - (groups[r.group] if r.group >= 0 else 0)
-                         for r in rows)
-        key = self.buckets.key(n, total, need_pages, num_logprobs, max(groups, default=0), len(groups))
+        lens = np.fromiter((len(r.tokens) for r in rows), np.int32, n)
+        starts = np.fromiter((r.start for r in rows), np.int32, n)
+        assert lens.max() <= self.prefill_chunk
+        own = np.asarray(groups + [0], np.int32)[np.fromiter((r.group for r in rows), np.int32, n)]  # (-1: 0)
+        ends = starts + lens
+        his = -(-ends // s)  # pages past this step's tokens are not read
+        count = his - own  # table entries of each row (its leading ``own`` pages: the group's prefix)
+        at = np.cumsum(lens) - lens  # flat index of each row's first token
+        total = int(at[-1] + lens[-1])
+        key = self.buckets.key(n, total, int(count.max()), num_logprobs, max(groups, default=0), len(groups))
         self.buckets.count(key, n, total)
         b, t, w = key.rows, key.tokens, key.width
         penalties = self._pack_penalties(rows, b) if any(r.has_penalty for r in rows) else None
@@ -535,41 +547,49 @@ class ModelRunner:
         meta[:, 6] = -1  # token source: the host (>= 0: a row of the previous step, on the device)
         if src is not None:
             meta[:n, 6] = src
-        vocab = self.cfg.vocab_size
+        meta[:n, 0] = lens
+        meta[:n, 1] = ends - own * s
+        meta[:n, 2] = np.minimum(np.fromiter((r.top_k for r in rows), np.int64, n), self.cfg.vocab_size)
+        meta[:n, 3] = np.fromiter((r.sample_step for r in rows), np.int32, n)
+        meta[:n, 7] = at + lens - 1  # the row's last token: its logits are sampled
+        zero_key = (0, 0)
+        meta[:n, 4:6].view(np.uint32)[:] = [zero_key if r.key is None else r.key for r in rows]
         floats = np.zeros((b, 2), np.float32)
         floats[:, 1] = 1.0  # top_p
-        keys = meta[:, 4:6].view(np.uint32)
-        # per-row Python is host time on every step: gather plain lists, then one numpy copy each
-        one_at, tok_l, pos_l, slot_l, meta_l, last_l, key_l, float_l = [], [], [], [], [], [], [], []
-        zero_key = (0, 0)
-        at = 0  # flat index of the row's first token
-        for i, r in enumerate(rows):
-            m, start, pages = len(r.tokens), r.start, r.pages
-            end = start + m
-            own = groups[r.group] if r.group >= 0 else 0  # leading pages read through the group's prefix
-            hi = -(-end // s)  # pages past this step's tokens are not read
-            table[i, :hi - own] = pages[own:hi]
-            if m == 1:  # one-token rows: gathered, written with one numpy copy each below
-                one_at.append(at)
-                tok_l.append(r.tokens[0])
-                pos_l.append(start)
-                slot_l.append(pages[start // s] * s + start % s)
-            else:  # a chunk (never a cascade row): its slots from its table row, in numpy
-                pos = np.arange(start, end, dtype=np.int32)
-                tokens[at:at + m] = r.tokens
-                positions[at:at + m] = pos
-                slots[at:at + m] = table[i, pos // s] * s + pos % s
-            at += m
-            last_l.append(at - 1)  # the row's last token: its logits are sampled
-            meta_l.append((m, end - own * s, min(r.top_k, vocab), r.sample_step))
-            key_l.append(zero_key if r.key is None else r.key)
-            float_l.append((r.temperature, r.top_p))
-        tokens[one_at], positions[one_at], slots[one_at] = tok_l, pos_l, slot_l
-        meta[:n, :4] = meta_l
-        meta[:n, 7] = last_l
-        keys[:n] = key_l
-        floats[:n] = float_l
-        # padding tokens (flat index >= at) write into the null slot 0 at position 0
+        floats[:n] = [(r.temperature, r.top_p) for r in rows]
+        # rows from the persistent tables: one-token rows with a slot (decode rows of requests)
+        tabled = self.tables
+        fast = [i for i, r in enumerate(rows) if r.slot >= 0 and len(r.tokens) == 1]
+        if fast:
+            sync, written = tabled.sync, tabled.n
+            for i in fast:
+                r = rows[i]
+                if written[r.slot] != len(r.pages):
+                    sync(r.slot, r.pages)
+            f = np.asarray(fast, np.int32)
+            fslots = np.fromiter((rows[i].slot for i in fast), np.int32, len(fast))
+            fcount = count[f]
+            used = int(fcount.max())  # (a cascade bucket's table is as wide as the longest sequence)
+            table[f, :used] = tabled.gather(fslots, own[f], fcount, used)
+            fat, pos = at[f], starts[f]
+            tokens[fat] = [rows[i].tokens[0] for i in fast]
+            positions[fat] = pos
+            slots[fat] = tabled.table[fslots, pos // s] * s + pos % s
+        if len(fast) < n:  # every other row: from its page list
+            is_fast = set(fast)
+            for i, r in enumerate(rows):
+                if i in is_fast:
+                    continue
+                m, start, pages, a = int(lens[i]), r.start, r.pages, int(at[i])
+                table[i, :count[i]] = pages[int(own[i]):int(his[i])]
+                if m == 1:
+                    tokens[a], positions[a], slots[a] = r.tokens[0], start, pages[start // s] * s + start % s
+                    continue
+                pos = np.arange(start, start + m, dtype=np.int32)  # a chunk (never a cascade row)
+                tokens[a:a + m] = r.tokens
+                positions[a:a + m] = pos
+                slots[a:a + m] = table[i, pos // s] * s + pos % s
+        # padding tokens (flat index >= total) write into the null slot 0 at position 0
         shared = self._pack_groups(rows, groups, key) if groups else None
         return key, pen_key, (ints, floats, shared, penalties)
 

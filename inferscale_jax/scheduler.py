@@ -456,12 +456,15 @@ class Scheduler:
                             break
         rows, owners, src = [], [], []
         prefilling = []
+        tables = self.runner.tables
         for req in self.running:  # decode rows first: every decoding request, one token
             if req.status != RequestStatus.RUNNING or id(req) in ending:
                 continue
             if req.prefilling:
                 prefilling.append(req)
                 continue
+            if req.slot < 0:  # its first decode row: its page table gets a persistent row
+                req.slot = tables.add()
             j = pend.get(id(req))
             if j is None:
                 pos = len(req.seq.tokens) - 1  # the last sampled token, not yet in the cache
@@ -601,7 +604,26 @@ class Scheduler:
         if self.kv.debug_checks:
             self.kv.check_invariants()
         outs = []
-        for i, (owner, row, _) in enumerate(entries):
+        toks = res.token_list
+        s = self.config.page_size
+        register = self.kv.register_full_pages
+        running = RequestStatus.RUNNING
+        for i, (owner, row, samples) in enumerate(entries):
+            # the common row, inline: a plain request's (``Request.plain``) token after its first,
+            # which neither stops nor ends it - what ``_apply`` and ``_on_token`` do for it, in
+            # that order, without their per-row calls
+            if samples and owner.__class__ is Request and owner.plain and owner.status is running:
+                req, tok = owner, toks[i]
+                out_ids, seq = req.out_ids, req.seq
+                if (out_ids and req.ttft_s is not None and tok not in req.stop_ids
+                        and len(out_ids) + 1 < req.sampling.max_tokens):
+                    upto = row.start + len(row.tokens)
+                    if upto // s > seq.first_own:  # (a page may have filled)
+                        register(seq, upto)
+                    out_ids.append(tok)
+                    seq.tokens.append(tok)  # fed to the next decode step
+                    outs.append(RequestOutput(req.id, [tok], False, prompt_tokens=len(req.prompt_tokens)))
+                    continue
             outs += self._apply(owner, row, res, i)
         return outs
 
@@ -714,6 +736,9 @@ class Scheduler:
         if req.seq is not None:
             self.kv.release(req.seq.pages)
             req.seq = None
+        if req.slot >= 0:
+            self.runner.tables.remove(req.slot)
+            req.slot = -1
         for node in req.nodes:
             node.readers -= 1
         req.nodes = []
