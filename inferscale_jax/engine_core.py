@@ -168,6 +168,22 @@ class EngineCore:
             [rid, list(new_ids), logprobs, prompt_tokens, bool(finished or error is not None),
              None if output is None else ext(output), None if error is None else ext(portable_error(error))])
 
+    def entries(self, outs) -> None:
+        """``entry`` for each of a step's outputs; a stream's plain token (not its last, no
+        log-probs) is appended inline, without the call: one per stream per step."""
+        owner, out = self.owner, self.out
+        for o in outs:
+            if o.finished or o.error is not None or o.logprobs is not None:
+                self.entry(o.request_id, o.new_token_ids, o.finished, logprobs=o.logprobs,
+                           prompt_tokens=o.prompt_tokens, output=o.output, error=o.error)
+                continue
+            ident = owner.get(o.request_id)
+            if ident is not None:
+                batch = out.get(ident)
+                if batch is None:
+                    batch = out[ident] = []
+                batch.append([o.request_id, o.new_token_ids, None, o.prompt_tokens, False, None, None])
+
     def flush(self) -> None:
         out, self.out = self.out, {}
         for ident, entries in out.items():
@@ -328,9 +344,7 @@ class EngineCore:
                 except Exception as e:  # noqa: BLE001 - module docstring, "Failures"
                     self.on_step_error(e)
                 else:
-                    for o in outs:
-                        self.entry(o.request_id, o.new_token_ids, o.finished, logprobs=o.logprobs,
-                                   prompt_tokens=o.prompt_tokens, output=o.output, error=o.error)
+                    self.entries(outs)
                 self.flush()
 
     def on_step_error(self, e: Exception) -> None:

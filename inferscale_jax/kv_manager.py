@@ -83,6 +83,7 @@ class KVManager:
         self.tiers = Tiers(cfg, config, dtype, self.pool, self.store, self.prefix_cache, runner,
                            fingerprint=fingerprint, bos_prefix=bos_prefix)
         self.debug_checks = False  # tests: check page accounting after every device step
+        self._shared_keys: dict[tuple, tuple] = {}  # Seq.shared_key interned: equal keys, one tuple
 
     def root(self, namespace: str) -> bytes:
         """The prefix-cache hash chain's seed of a namespace (a tenant, or the public one:
@@ -144,6 +145,9 @@ class KVManager:
                 self.pool.decref(reversed(pages))
                 raise
         key = tuple(pages[:k or len(hits)])
+        if len(self._shared_keys) >= 4096:  # (a bound: a key not interned only costs an equality test)
+            self._shared_keys.clear()
+        key = self._shared_keys.setdefault(key, key)
         return Seq(root, list(tokens), pages, hashes, first_own=k + len(hits), computed=pos, cached=pos,
                     shared_key=key, shared_hash=hash(key))
 

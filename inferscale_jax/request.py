@@ -138,7 +138,7 @@ class NodeJob:
         return StepRow(tokens, start, self.seq.pages)
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)
 class RequestOutput:
     request_id: str
     new_token_ids: list[int]

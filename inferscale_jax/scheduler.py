@@ -666,10 +666,18 @@ class Scheduler:
         for same_hash in by_hash.values():
             if len(same_hash) < 2:
                 continue
-            by_key: dict[tuple, list[int]] = {}  # (hash collisions: split by the pages themselves)
+            # (hash collisions: split by the pages themselves; the keys of one node's sequences are
+            # one interned tuple (KVManager.prepare), so the check is an identity test, not a hash)
+            by_key: list[tuple[tuple, list[int]]] = []
             for i in same_hash:
-                by_key.setdefault(decoding[i].seq.shared_key, []).append(i)
-            groups += [((len(m) - 1) * len(key), len(key), m) for key, m in by_key.items() if len(m) >= 2]
+                key = decoding[i].seq.shared_key
+                for known, members in by_key:
+                    if key is known or key == known:
+                        members.append(i)
+                        break
+                else:
+                    by_key.append((key, [i]))
+            groups += [((len(m) - 1) * len(key), len(key), m) for key, m in by_key if len(m) >= 2]
         groups.sort(key=lambda x: -x[0])
         groups = groups[:MAX_GROUPS]
         if sum(saved for saved, _, _ in groups) * self.config.page_size < max(1, CASCADE_MIN_SAVED_TOKENS):
