@@ -434,7 +434,10 @@ class Engine:
         chain = [self._chain_element(item, tenant) for item in segments]
         if not ids and not chain:
             raise ValueError("prompt is empty and no segments are named: give at least one token")
-        tokens = list(self.bos_prefix) + [t for seg in chain for t in seg.token_ids] + ids
+        tokens = list(self.bos_prefix)
+        for seg in chain:
+            tokens += seg.token_ids  # (a list's extend: no Python loop over a segment's tokens)
+        tokens += ids
         bad_words = (tokenize_bad_words(sampling.bad_words, lambda t: self._encode(t, "bad_words"))
                      if sampling.bad_words else [])
         if session is not None:
@@ -481,7 +484,10 @@ class Engine:
         if not ids:
             raise ValueError("prompt is empty: prompt log-probs need at least one prompt token")
         chain = [self._chain_element(item, tenant) for item in segments]
-        tokens = list(self.bos_prefix) + [t for seg in chain for t in seg.token_ids] + ids
+        tokens = list(self.bos_prefix)
+        for seg in chain:
+            tokens += seg.token_ids  # (a list's extend: no Python loop over a segment's tokens)
+        tokens += ids
         self._check_fits(len(tokens), "request", detail=f" ({len(tokens)} prompt tokens)")
         ranks: list = []
         return PromptScores(ids, self._score(tokens, len(ids), num_logprobs, ranks), ranks, len(tokens))

@@ -428,8 +428,10 @@ class Scheduler:
             prev, pend, ending = None, {}, set()
         # requests whose fed token starts a new page (the position it feeds: its last token's, or
         # the in-flight one's), oldest first: an allocation may preempt the newest
-        grow = [r for r in self.running if not r.prefilling and id(r) not in ending
-                and (len(r.seq.tokens) - 1 + (id(r) in pend)) // s >= len(r.seq.pages)]
+        # (the first test is the last one's bound, cheap and false for most rows: the position fed
+        # is at most len(tokens))
+        grow = [r for r in self.running if len(r.seq.tokens) // s >= len(r.seq.pages) and not r.prefilling
+                and id(r) not in ending and (len(r.seq.tokens) - 1 + (id(r) in pend)) // s >= len(r.seq.pages)]
         for req in sorted(grow, key=lambda r: r.arrival) if len(grow) > 1 else grow:
             if req.status != RequestStatus.RUNNING or id(req) in ending:
                 continue  # (preempted while making room for an older request)
