@@ -62,3 +62,24 @@ def closed_loop_parser(doc: str, warm_steps: int) -> argparse.ArgumentParser:
                         ("--question-tokens", 64), ("--max-tokens", 64), ("--warm-steps", warm_steps)):
         ap.add_argument(flag, type=int, default=value, help="(default: %(default)s)")
     return ap
+
+
+def closed_loop_clients(engine, args):
+    """The closed loop's workload on ``engine`` (``closed_loop_parser``'s options): registers
+    ``args.segments`` segments of random tokens and returns ``submit()``, which submits one client's
+    next request (a fresh question naming a random segment, greedy, ``ignore_eos``)."""
+    import random
+
+    from inferscale_jax import SamplingParams
+
+    vocab = engine.cfg.vocab_size
+    rng = random.Random(0)
+    for i in range(args.segments):
+        engine.register_segment(f"seg{i}", token_ids=[rng.randrange(10, vocab) for _ in range(args.segment_tokens)])
+    sp = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
+
+    def submit() -> None:
+        engine.submit(prompt_token_ids=[rng.randrange(10, vocab) for _ in range(args.question_tokens)],
+                      segments=[f"seg{rng.randrange(args.segments)}"], sampling=sp)
+
+    return submit

@@ -4,7 +4,7 @@ The serving workload of ``profile_host.py`` (C clients in a closed loop over sha
 request a fresh question naming one segment) runs through the real scheduler, page manager and
 the runner's packing (``ModelRunner._pack``: the step's host arrays, laid out as the device reads
 them), but no step goes to a device: a model-free runner "samples" a token that depends only on
-its position, the way ``tests/support/fake_runner.py`` does.  So the figure is the Python the
+its position (``tests/support/fake_runner.py``).  So the figure is the Python the
 host spends per step on scheduling, packing and results - the part of ``profile_host.py``'s
 "host time per step" that does not depend on the accelerator - and it can be compared before and
 after a change on the CPU machine (bench/NOTES.md, "Host time without a device").
@@ -23,55 +23,37 @@ import gc
 import io
 import os
 import pstats
-import random
 import sys
 import time
 
 import jax
-import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository
 sys.path[:0] = [ROOT, os.path.join(ROOT, "bench", "lib")]
 
-from inferscale_jax import Engine, EngineConfig, SamplingParams  # noqa: E402
-from inferscale_jax.runner import ModelRunner, PendingStep, StepResult  # noqa: E402
+from inferscale_jax import Engine, EngineConfig  # noqa: E402
 from models import ModelConfig, RopeConfig, init_params  # noqa: E402
+from tests.support.fake_runner import FakeRunner  # noqa: E402
 
 
-def token_at(pos: int, vocab: int) -> int:
-    return (7 * pos + 3) % (vocab - 1) + 1
+class HostOnlyRunner(FakeRunner):
+    """The tests' model-free runner (``tests/support/fake_runner.py``: ids from the rows'
+    positions, no device), but each step is packed first as the real runner packs it (bucket,
+    host arrays: ``ModelRunner._pack``), its time kept in ``pack_s``."""
 
-
-class HostOnlyRunner(ModelRunner):
-    """The engine's runner with the device left out: ``dispatch`` packs the step as the real one
-    does (bucket, host arrays) and returns ids from the rows' positions; ``collect`` reads them."""
-
-    def __init__(self, real: ModelRunner):
-        self.__dict__.update(real.__dict__)
+    def __init__(self, real):
+        super().__init__(real)
         self.pack_s = 0.0
 
     def dispatch(self, plan, prev=None, defer_sample=False):
         t = time.perf_counter()
         self._pack(plan.rows, plan.num_logprobs, plan.groups, plan.src)
         self.pack_s += time.perf_counter() - t
-        vocab = self.cfg.vocab_size
-        ids = np.array([token_at(r.start + len(r.tokens) - 1, vocab) for r in plan.rows], np.int32)
-        return PendingStep(ids, len(plan.rows), 0, plan.num_logprobs, self.max_batch)
-
-    def collect(self, pending):
-        n, k = pending.n, pending.num_logprobs
-        return StepResult(np.asarray(pending.packed), np.zeros(n, np.float32), np.zeros((n, k), np.int32),
-                          np.zeros((n, k), np.float32))
-
-    def copy_pages(self, src, dst):
-        pass
-
-    def splice(self, src_slots, dst_slots, shift):
-        pass
+        return super().dispatch(plan, prev)
 
 
 def main() -> None:
-    from sections import closed_loop_parser  # bench/lib/sections.py
+    from sections import closed_loop_clients, closed_loop_parser  # bench/lib/sections.py
 
     ap = closed_loop_parser(__doc__, warm_steps=100)
     ap.add_argument("--steps", type=int, default=200)
@@ -90,14 +72,7 @@ def main() -> None:
     engine = Engine(init_params(cfg, jax.random.PRNGKey(0), scale=0.5), cfg, None, config)
     fake = HostOnlyRunner(engine.runner)
     engine.runner = engine.kv.runner = engine.tiers.runner = engine.scheduler.runner = fake
-    rng = random.Random(0)
-    for i in range(args.segments):
-        engine.register_segment(f"seg{i}", token_ids=[rng.randrange(10, vocab) for _ in range(args.segment_tokens)])
-    sp = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
-
-    def submit() -> None:
-        engine.submit(prompt_token_ids=[rng.randrange(10, vocab) for _ in range(args.question_tokens)],
-                      segments=[f"seg{rng.randrange(args.segments)}"], sampling=sp)
+    submit = closed_loop_clients(engine, args)
 
     for _ in range(args.concurrency):
         submit()

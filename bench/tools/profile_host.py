@@ -21,7 +21,6 @@ import io
 import os
 import pstats
 import queue
-import random
 import sys
 import threading
 import time
@@ -31,7 +30,7 @@ import numpy as np
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository
 sys.path[:0] = [ROOT, os.path.join(ROOT, "bench", "lib")]  # the engine's packages; bench/lib/ (report, common)
 
-from inferscale_jax import Engine, EngineConfig, SamplingParams  # noqa: E402
+from inferscale_jax import Engine, EngineConfig  # noqa: E402
 
 
 class PartTimer:
@@ -131,7 +130,7 @@ class PartTimer:
 
 
 def main() -> None:
-    from sections import closed_loop_parser  # bench/lib/sections.py
+    from sections import closed_loop_clients, closed_loop_parser  # bench/lib/sections.py
 
     ap = closed_loop_parser(__doc__, warm_steps=200)
     ap.add_argument("--steps", type=int, default=200)
@@ -157,16 +156,7 @@ def main() -> None:
     engine = Engine.from_pretrained(args.model, config)
     if args.fresh_inputs:
         engine.runner.stable_inputs = False
-    vocab = engine.cfg.vocab_size
-    rng = random.Random(0)
-    for i in range(args.segments):
-        engine.register_segment(f"seg{i}", token_ids=[rng.randrange(10, vocab) for _ in range(args.segment_tokens)])
-    sp = dict(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
-
-    def submit() -> None:
-        engine.submit(prompt_token_ids=[rng.randrange(10, vocab) for _ in range(args.question_tokens)],
-                      segments=[f"seg{rng.randrange(args.segments)}"], sampling=SamplingParams(**sp))
-
+    submit = closed_loop_clients(engine, args)
     for _ in range(args.concurrency):
         submit()
     rows_seen: list[int] = []
