@@ -45,6 +45,8 @@ import jax.numpy as jnp
 from inferscale_jax import compile_cache, scoring, sharding
 from inferscale_jax.config import EngineConfig
 from inferscale_jax.errors import EngineFault, PoolExhausted, RequestTooLong
+from inferscale_jax.exe_store import ExecutableStore, exe_store_wanted
+from inferscale_jax.exe_store import fingerprint as exe_fingerprint
 from inferscale_jax.kv_cache import PagedKVCache, page_bytes
 from inferscale_jax.kv_manager import KVManager, Seq
 from inferscale_jax.outputs import GenerationOutput, PromptScores
@@ -110,6 +112,10 @@ class Engine:
                                   inv_freq=inv_freq(cfg.rope, cfg.head_dim),
                                   min_table_pages=config.min_table_pages,
                                   matmul_precision=config.resolved_matmul_precision)
+        if self.compilation_cache_dir is not None and exe_store_wanted(self.runner.device.platform):
+            # compiled steps by bucket: a warm start skips tracing (exe_store.py)
+            self.runner.exe_store = ExecutableStore(self.compilation_cache_dir, exe_fingerprint(
+                self.runner.params, cache, run_cfg, sorted(cache.k[0].sharding.device_set, key=lambda d: d.id)))
         self.bos_prefix: list[int] = []
         if tokenizer is not None and getattr(tokenizer, "bos_token_id", None) is not None:
             if tokenizer("a").input_ids[:1] == [tokenizer.bos_token_id]:
@@ -621,6 +627,10 @@ class Engine:
 
     _warmup_stopped = False  # set by stop_warmup: a running or later warmup returns early
 
+    def _stored(self) -> int:
+        """Step executables loaded from the executable store so far (exe_store.py)."""
+        return self.runner.exe_store.loads if self.runner.exe_store is not None else 0
+
     def warmup(self, progress=None, *, serving: bool = True, buckets: str = "auto",
                progress_bar: bool = True) -> dict:
         """Compile the step buckets of a warm-up set now (``buckets.py``: decode, cascade and
@@ -649,7 +659,7 @@ class Engine:
         if buckets == "auto":
             buckets = "small" if self.runner.device.platform == "cpu" else "all"
         t0 = time.perf_counter()
-        before, hits0 = self.runner.compiles, compile_cache.counts()["hits"]
+        before, hits0, stored0 = self.runner.compiles, compile_cache.counts()["hits"], self._stored()
         b = self.runner.buckets
         cascade = self.config.cascade_decode and serving
         keys = b.warmup_keys(buckets, cascade=cascade, logprobs=serving)
@@ -660,7 +670,8 @@ class Engine:
         def step(done: int, total: int) -> None:
             bar.total = total
             bar.update(done - bar.n)
-            bar.set_postfix_str(f"{compile_cache.counts()['hits'] - hits0} from the compile cache", refresh=True)
+            bar.set_postfix_str(f"{compile_cache.counts()['hits'] - hits0} from the compile cache, "
+                                f"{self._stored() - stored0} stored", refresh=True)
             if progress is not None:
                 progress(done, total)
 
@@ -673,8 +684,9 @@ class Engine:
         freeze_heap()
         took = time.perf_counter() - t0
         compiled = self.runner.compiles - before
-        log.info("warm-up: %d %s step buckets ready (%d compiled or loaded, %d from the compile cache) in %.1f s%s",
-                 done, buckets, compiled, compile_cache.counts()["hits"] - hits0, took,
+        log.info("warm-up: %d %s step buckets ready (%d compiled or loaded: %d from the compile cache, %d stored "
+                 "executables) in %.1f s%s", done, buckets, compiled, compile_cache.counts()["hits"] - hits0,
+                 self._stored() - stored0, took,
                  " (stopped)" if self._warmup_stopped else "")
         return {"buckets": done, "compiled": compiled, "seconds": took, "stopped": self._warmup_stopped}
 

@@ -342,6 +342,7 @@ class ModelRunner:
         self.input_sharding = (jax.sharding.SingleDeviceSharding(self.device) if cache.mesh is None
                                else jax.sharding.NamedSharding(cache.mesh, jax.sharding.PartitionSpec()))
         self.fault: EngineFault | None = None  # set when the device failed: nothing more can run
+        self.exe_store = None  # compiled steps on disk by bucket (exe_store.py; set by the engine)
 
     def _note_bucket(self, key: tuple) -> bool:
         """Count a new bucket (its step compiles now); True when it is new."""
@@ -625,10 +626,16 @@ class ModelRunner:
                                  precision=self.matmul_precision, filtered=filtered)
 
     def _compile(self, key: StepKey, pen_key: tuple, args: tuple):
-        """Compile (or load from the persistent cache) the step of one bucket, now."""
-        self._note_bucket((key, pen_key, self.matmul_precision))
-        exe = self._lower(key, args, FILTERED in pen_key).compile()
-        self.executables[(key, pen_key, self.matmul_precision)] = exe
+        """Compile (or load from the executable store or the persistent cache) the step of one
+        bucket, now."""
+        full = (key, pen_key, self.matmul_precision)
+        self._note_bucket(full)
+        exe = self.exe_store.load(full) if self.exe_store is not None else None
+        if exe is None:
+            exe = self._lower(key, args, FILTERED in pen_key).compile()
+            if self.exe_store is not None:
+                self.exe_store.save(full, exe)
+        self.executables[full] = exe
         freeze_heap()
         return exe
 
@@ -688,10 +695,17 @@ class ModelRunner:
                                      for hk in (self._feed_key(key), ("ids", key.rows, 2 + 2 * key.num_logprobs))
                                      if hk not in self.helpers))
 
-        def record(fut, key) -> None:
+        store = self.exe_store
+
+        def record(fut, key, exe=None) -> None:
             nonlocal done
-            self._note_bucket((key, (), self.matmul_precision))
-            self.executables[(key, (), self.matmul_precision)] = fut.result()
+            full = (key, (), self.matmul_precision)
+            self._note_bucket(full)
+            if exe is None:
+                exe = fut.result()
+                if store is not None:
+                    store.save(full, exe)
+            self.executables[full] = exe
             done += 1
             if progress is not None:
                 progress(done, len(plans))
@@ -702,6 +716,10 @@ class ModelRunner:
                 for key, rows in todo:
                     if stop():
                         break
+                    exe = store.load((key, (), self.matmul_precision)) if store is not None else None
+                    if exe is not None:  # (no tracing: exe_store.py)
+                        record(None, key, exe)
+                        continue
                     _, _, host = self._pack(rows, key.num_logprobs, self._padding_groups(key), None)
                     futures[pool.submit(self._lower(key, self._to_device(host)).compile)] = key
                 small = {pool.submit(self._lower_helper(hk).compile): hk for hk in helpers if not stop()}
@@ -711,7 +729,7 @@ class ModelRunner:
                                                                 return_when=concurrent.futures.FIRST_COMPLETED)
                     for fut in finished:
                         record(fut, futures[fut])
-                all_done = not pending and len(futures) == len(todo)
+                all_done = not pending and not stop()
             finally:
                 if not all_done:  # stopped or raising: cancel what has not started (the pool's exit
                     for fut in (*futures, *small):  # waits for the running ones)

@@ -1,0 +1,140 @@
+"""Compiled step executables kept on disk by the engine's own key, so a warm start skips tracing.
+
+JAX's persistent compilation cache (``compile_cache.py``) saves XLA's compile, but a process still
+traces and lowers each step bucket to find its cache entry: about a third of a second per bucket
+for an 8B model, ~30 s for the ~90 buckets ``Engine.warmup`` compiles on a GPU.  This store keeps
+each step's *compiled executable* (``jax.experimental.serialize_executable``) under a name derived
+from what determines it without tracing:
+
+- the bucket (``StepKey``), the penalty / sampler variant and the matmul precision;
+- a fingerprint of everything else the program depends on: the source of the packages that build
+  it (``inferscale_jax``, ``models``, ``pallas_kernels``), the jax / jaxlib versions, ``XLA_FLAGS``
+  and the jax options that change a program (x64, default matmul precision), the backend and its
+  devices, the model config, and the tree, shapes, dtypes and shardings of the weights and the KV
+  cache.
+
+So a warm start loads each executable (``load``) instead of tracing it; any change to the code,
+the model or the devices names a new folder, and a stale executable is never found.  Each entry is
+checked when saved: the payload is loaded back once, and one that cannot be (an executable the CPU
+backend loaded from JAX's cache serializes to a payload that names a missing function) is not
+kept.  Every failure here only costs the time the store would have saved: ``load`` returns None,
+``save`` logs and keeps nothing.  The folder sits beside JAX's cache (``<cache>/inferscale-
+executables/<fingerprint>/``), one file per bucket, written atomically.
+
+Engines keep a store on accelerators (``exe_store_wanted``; ``INFERSCALE_EXE_STORE=0`` / ``1`` turns
+it off / on anywhere).  Loading an executable runs code from the file (``pickle``): the folder must be as trusted as the
+engine's own installation, as JAX's cache folder already is.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import pickle
+import tempfile
+import threading
+
+import jax
+from jax.experimental import serialize_executable
+
+log = logging.getLogger("inferscale.exe_store")
+SOURCE_PACKAGES = ("inferscale_jax", "models", "pallas_kernels")
+
+
+def exe_store_wanted(platform: str) -> bool:
+    """Whether an engine on ``platform`` keeps a store: ``INFERSCALE_EXE_STORE=1`` / ``0`` says so;
+    unset, on accelerators only (on the CPU tracing a step is cheap, and an executable the CPU
+    backend loaded from JAX's cache does not serialize)."""
+    env = os.environ.get("INFERSCALE_EXE_STORE", "")
+    return env == "1" if env in ("0", "1") else platform != "cpu"
+
+
+def source_digest() -> str:
+    """sha256 over the ``.py`` files of the packages that build the step (path and bytes)."""
+    import importlib
+
+    h = hashlib.sha256()
+    for name in SOURCE_PACKAGES:
+        root = os.path.dirname(importlib.import_module(name).__file__)
+        for folder, dirs, files in os.walk(root):
+            dirs.sort()
+            for f in sorted(files):
+                if f.endswith(".py"):
+                    path = os.path.join(folder, f)
+                    h.update(os.path.relpath(path, root).encode())
+                    with open(path, "rb") as fh:
+                        h.update(fh.read())
+    return h.hexdigest()
+
+
+def _avals(tree) -> list[str]:
+    return [f"{x.shape}|{x.dtype}|{getattr(x, 'sharding', None)}" for x in jax.tree_util.tree_leaves(tree)]
+
+
+def fingerprint(params, cache, cfg, devices) -> str:
+    """What a step executable depends on besides its bucket (module docstring)."""
+    import jaxlib
+
+    flags = [os.environ.get("XLA_FLAGS", ""), jax.config.jax_enable_x64, jax.config.jax_default_matmul_precision]
+    parts = [source_digest(), jax.__version__, jaxlib.__version__, repr(flags), repr(cfg),
+             repr([(d.platform, d.device_kind, d.id, d.process_index) for d in devices]),
+             getattr(devices[0].client, "platform_version", ""),
+             repr(jax.tree_util.tree_structure((params, cache))), *_avals(params), *_avals(cache)]
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:32]
+
+
+class ExecutableStore:
+    """One engine's folder of compiled steps (module docstring)."""
+
+    def __init__(self, cache_dir: str, fp: str):
+        self.folder = os.path.join(cache_dir, "inferscale-executables", fp)
+        self.loads = self.saves = self.failures = 0
+        self._lock = threading.Lock()
+
+    def _path(self, key: tuple) -> str:
+        return os.path.join(self.folder, hashlib.sha256(repr(key).encode()).hexdigest()[:40] + ".exe")
+
+    def load(self, key: tuple):
+        """The compiled executable saved for ``key``, or None (none saved, or it did not load)."""
+        path = self._path(key)
+        try:
+            with open(path, "rb") as f:
+                saved_key, payload, in_tree, out_tree = pickle.load(f)
+            if saved_key != repr(key):
+                return None
+            exe = serialize_executable.deserialize_and_load(payload, in_tree, out_tree)
+        except FileNotFoundError:
+            return None
+        except Exception as err:  # noqa: BLE001 - a bad entry costs a compile, never a request
+            log.warning("compiled step %s did not load from %s (%s: %s); compiling it", key[0], path,
+                        type(err).__name__, err)
+            with self._lock:
+                self.failures += 1
+            return None
+        with self._lock:
+            self.loads += 1
+        return exe
+
+    def save(self, key: tuple, exe) -> bool:
+        """Keep ``exe`` (a ``jax.stages.Compiled``) for ``key`` if it serializes and loads back."""
+        try:
+            payload, in_tree, out_tree = serialize_executable.serialize(exe)
+            serialize_executable.deserialize_and_load(payload, in_tree, out_tree)  # the check
+            os.makedirs(self.folder, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=self.folder, suffix=".tmp")
+            try:
+                with os.fdopen(fd, "wb") as f:
+                    pickle.dump((repr(key), payload, in_tree, out_tree), f, protocol=pickle.HIGHEST_PROTOCOL)
+                os.replace(tmp, self._path(key))
+            except BaseException:
+                os.unlink(tmp)
+                raise
+        except Exception as err:  # noqa: BLE001 - the store is an optimization
+            log.debug("compiled step %s not stored (%s: %s)", key[0], type(err).__name__, err)
+            with self._lock:
+                self.failures += 1
+            return False
+        with self._lock:
+            self.saves += 1
+        return True

@@ -1,0 +1,121 @@
+"""The executable store (``exe_store.py``): compiled steps kept by bucket, so a warm start skips tracing.
+
+- a second process with the same store loads every warmed bucket without tracing one, and
+  generates the same tokens as the process that compiled them;
+- a corrupt entry, or one saved under another key, is not used: the step compiles and the
+  output is unchanged;
+- the fingerprint changes with the model, the weights' dtype and the source; the switch reads
+  ``INFERSCALE_EXE_STORE`` and defaults to accelerators only.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import pytest
+
+from inferscale_jax import SamplingParams
+from inferscale_jax import exe_store
+from inferscale_jax.exe_store import ExecutableStore, exe_store_wanted, fingerprint
+from tests.support.tiny_engine import CFG, make_engine
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+CHILD = r"""
+import json, sys, jax
+from inferscale_jax import Engine, EngineConfig, SamplingParams
+from models import init_params
+from tests.support.tiny_engine import CFG
+traced = []
+from inferscale_jax.runner import ModelRunner
+real = ModelRunner._lower
+ModelRunner._lower = lambda self, *a, **k: (traced.append(1), real(self, *a, **k))[1]
+e = Engine(init_params(CFG, jax.random.PRNGKey(0), scale=0.5), CFG, None,
+           EngineConfig(dtype="float32", page_size=8, hbm_pages=64, prefill_chunk=16,
+                        compilation_cache_dir=sys.argv[1]))
+e.warmup()
+outs = e.generate_batch([dict(prompt_token_ids=[5, 6, 7, 8, 9, 10, 11, 12, 13], sampling=SamplingParams(
+    max_tokens=10, temperature=0.0, ignore_eos=True)), dict(prompt_token_ids=[3] * 20, sampling=SamplingParams(
+    max_tokens=6, temperature=0.8, seed=3))])
+st = e.runner.exe_store
+print(json.dumps(dict(loads=st.loads, saves=st.saves, failures=st.failures, traced=len(traced),
+                      buckets=len(e.runner.executables), tokens=[o.token_ids for o in outs])))
+"""
+
+
+def child(cache_dir: str) -> dict:
+    env = dict(os.environ, INFERSCALE_EXE_STORE="1", PYTHONPATH=ROOT)
+    out = subprocess.run([sys.executable, "-c", CHILD, cache_dir], env=env, capture_output=True, text=True,
+                         timeout=300, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_a_second_process_loads_every_step_without_tracing_and_outputs_match(tmp_path):
+    cold = child(str(tmp_path))
+    assert cold["loads"] == 0 and cold["saves"] == cold["buckets"] >= 3 and cold["failures"] == 0
+    assert cold["traced"] == cold["buckets"]
+    warm = child(str(tmp_path))
+    assert warm["loads"] == warm["buckets"] == cold["buckets"] and warm["saves"] == 0
+    assert warm["traced"] == 0  # (nothing traced: every step came from the store)
+    assert warm["tokens"] == cold["tokens"]
+
+
+def compile_one(e):
+    """Run one greedy request on ``e`` (its steps compile or load on first use)."""
+    return e.generate_batch([dict(prompt_token_ids=[4, 5, 6, 7], sampling=SamplingParams(
+        max_tokens=5, temperature=0.0, ignore_eos=True))])[0].token_ids
+
+
+def with_store(tmp_path):
+    e = make_engine(pages=64)
+    r = e.runner
+    r.exe_store = ExecutableStore(str(tmp_path), fingerprint(r.params, r.cache, r.cfg, [r.device]))
+    return e
+
+
+def test_a_corrupt_entry_is_not_used(tmp_path, caplog):
+    first = with_store(tmp_path)
+    want = compile_one(first)
+    store = first.runner.exe_store
+    assert store.saves >= 1
+    for name in os.listdir(store.folder):
+        with open(os.path.join(store.folder, name), "wb") as f:
+            f.write(b"not a pickle")
+    second = with_store(tmp_path)
+    assert compile_one(second) == want
+    assert second.runner.exe_store.loads == 0 and second.runner.exe_store.failures >= 1
+    assert "did not load" in caplog.text
+
+
+def test_an_entry_saved_under_another_key_is_not_returned(tmp_path):
+    e = with_store(tmp_path)
+    compile_one(e)
+    store = e.runner.exe_store
+    key = next(iter(e.runner.executables))
+    other = (key[0], ("another variant",), key[2])
+    os.replace(store._path(key), store._path(other))  # a file whose name says `other`, holding `key`
+    assert store.load(other) is None and store.load(key) is None
+    assert store.save(key, e.runner.executables[key]) and store.load(key) is not None
+
+
+def test_the_fingerprint_follows_the_model_dtype_and_source(monkeypatch):
+    e = make_engine(pages=64)
+    r = e.runner
+    base = fingerprint(r.params, r.cache, r.cfg, [r.device])
+    assert fingerprint(r.params, r.cache, r.cfg, [r.device]) == base
+    import dataclasses
+    assert fingerprint(r.params, r.cache, dataclasses.replace(CFG, rms_norm_eps=1e-6), [r.device]) != base
+    half = jax.tree_util.tree_map(lambda x: x.astype("bfloat16"), r.params)
+    assert fingerprint(half, r.cache, r.cfg, [r.device]) != base
+    monkeypatch.setattr(exe_store, "source_digest", lambda: "edited")
+    assert fingerprint(r.params, r.cache, r.cfg, [r.device]) != base
+
+
+@pytest.mark.parametrize("env, platform, want", [("", "cpu", False), ("", "gpu", True), ("0", "gpu", False),
+                                                 ("1", "cpu", True), ("yes", "cpu", False)])
+def test_the_switch(monkeypatch, env, platform, want):
+    monkeypatch.setenv("INFERSCALE_EXE_STORE", env)
+    assert exe_store_wanted(platform) is want
