@@ -113,7 +113,7 @@ class Engine:
                                   min_table_pages=config.min_table_pages,
                                   matmul_precision=config.resolved_matmul_precision)
         if self.compilation_cache_dir is not None and exe_store_wanted(self.runner.device.platform):
-            # compiled steps by bucket: a warm start skips tracing (exe_store.py)
+            # compiled steps by bucket, opt-in (exe_store.py: slower than tracing on the H200)
             self.runner.exe_store = ExecutableStore(self.compilation_cache_dir, exe_fingerprint(
                 self.runner.params, cache, run_cfg, sorted(cache.k[0].sharding.device_set, key=lambda d: d.id)))
         self.bos_prefix: list[int] = []

@@ -21,8 +21,9 @@ kept.  Every failure here only costs the time the store would have saved: ``load
 ``save`` logs and keeps nothing.  The folder sits beside JAX's cache (``<cache>/inferscale-
 executables/<fingerprint>/``), one file per bucket, written atomically.
 
-Engines keep a store on accelerators (``exe_store_wanted``; ``INFERSCALE_EXE_STORE=0`` / ``1`` turns
-it off / on anywhere).  Loading an executable runs code from the file (``pickle``): the folder must be as trusted as the
+Measured on one H200 (bench/NOTES.md, run AI): it works (92 buckets loaded, the same tokens), but
+loading an 8B step from the store took ~0.7 s against ~0.4 s for tracing it and loading it from
+JAX's cache, so engines keep no store unless ``INFERSCALE_EXE_STORE=1`` (``exe_store_wanted``).  Loading an executable runs code from the file (``pickle``): the folder must be as trusted as the
 engine's own installation, as JAX's cache folder already is.
 """
 
@@ -43,11 +44,14 @@ SOURCE_PACKAGES = ("inferscale_jax", "models", "pallas_kernels")
 
 
 def exe_store_wanted(platform: str) -> bool:
-    """Whether an engine on ``platform`` keeps a store: ``INFERSCALE_EXE_STORE=1`` / ``0`` says so;
-    unset, on accelerators only (on the CPU tracing a step is cheap, and an executable the CPU
-    backend loaded from JAX's cache does not serialize)."""
-    env = os.environ.get("INFERSCALE_EXE_STORE", "")
-    return env == "1" if env in ("0", "1") else platform != "cpu"
+    """Whether an engine on ``platform`` keeps a store: only with ``INFERSCALE_EXE_STORE=1``.
+
+    Off by default on every backend, because on the H200 loading was slower than what it skips:
+    a warm ``Engine.warmup()`` of 92 buckets took 63.9 s from the store against 38.0 s tracing
+    each step into JAX's cache (jax 0.11.2; bench/NOTES.md, run AI).  On the CPU an executable
+    the backend loaded from JAX's cache does not serialize."""
+    del platform  # (kept for a backend where the store pays: the decision is per platform)
+    return os.environ.get("INFERSCALE_EXE_STORE", "") == "1"
 
 
 def source_digest() -> str:
