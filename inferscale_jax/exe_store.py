@@ -9,7 +9,7 @@ from what determines it without tracing:
 - the bucket (``StepKey``), the penalty / sampler variant and the matmul precision;
 - a fingerprint of everything else the program depends on: the source of the packages that build
   it (``inferscale_jax``, ``models``, ``pallas_kernels``), the jax / jaxlib versions, ``XLA_FLAGS``
-  and the jax options that change a program (x64, default matmul precision), the backend and its
+  and every jax option (``jax.config.values``: the PRNG, the partitioner, x64, ...), the backend and its
   devices, the model config, and the tree, shapes, dtypes and shardings of the weights and the KV
   cache.
 
@@ -80,7 +80,9 @@ def fingerprint(params, cache, cfg, devices) -> str:
     """What a step executable depends on besides its bucket (module docstring)."""
     import jaxlib
 
-    flags = [os.environ.get("XLA_FLAGS", ""), jax.config.jax_enable_x64, jax.config.jax_default_matmul_precision]
+    # every jax option (PRNG implementation, partitioner, x64, matmul precision ... can change the
+    # program; the few that name folders or log settings cost only a spurious miss)
+    flags = [os.environ.get("XLA_FLAGS", ""), sorted((k, repr(v)) for k, v in jax.config.values.items())]
     parts = [source_digest(), jax.__version__, jaxlib.__version__, repr(flags), repr(cfg),
              repr([(d.platform, d.device_kind, d.id, d.process_index) for d in devices]),
              getattr(devices[0].client, "platform_version", ""),

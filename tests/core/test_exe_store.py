@@ -4,7 +4,7 @@
   generates the same tokens as the process that compiled them;
 - a corrupt entry, or one saved under another key, is not used: the step compiles and the
   output is unchanged;
-- the fingerprint changes with the model, the weights' dtype and the source; the store is on
+- the fingerprint changes with the model, the weights' dtype, a jax option and the source; the store is on
   only with ``INFERSCALE_EXE_STORE=1`` (off by default: slower than tracing on the H200).
 """
 
@@ -101,7 +101,7 @@ def test_an_entry_saved_under_another_key_is_not_returned(tmp_path):
     assert store.save(key, e.runner.executables[key]) and store.load(key) is not None
 
 
-def test_the_fingerprint_follows_the_model_dtype_and_source(monkeypatch):
+def test_the_fingerprint_follows_the_model_dtype_jax_options_and_source(monkeypatch):
     e = make_engine(pages=64)
     r = e.runner
     base = fingerprint(r.params, r.cache, r.cfg, [r.device])
@@ -110,6 +110,12 @@ def test_the_fingerprint_follows_the_model_dtype_and_source(monkeypatch):
     assert fingerprint(r.params, r.cache, dataclasses.replace(CFG, rms_norm_eps=1e-6), [r.device]) != base
     half = jax.tree_util.tree_map(lambda x: x.astype("bfloat16"), r.params)
     assert fingerprint(half, r.cache, r.cfg, [r.device]) != base
+    was = jax.config.jax_threefry_partitionable  # a jax option that changes the sampler's program
+    jax.config.update("jax_threefry_partitionable", not was)
+    try:
+        assert fingerprint(r.params, r.cache, r.cfg, [r.device]) != base
+    finally:
+        jax.config.update("jax_threefry_partitionable", was)
     monkeypatch.setattr(exe_store, "source_digest", lambda: "edited")
     assert fingerprint(r.params, r.cache, r.cfg, [r.device]) != base
 
