@@ -18,7 +18,8 @@
 #      after 150 s of steps), then bench/kernels/kv_dtype.py sections b and c on it
 #   6  serving at scale (the README's serving table): 8 segments of 4096 tokens, 64-token questions, 64 tokens,
 #      C = 64 / 256 through HTTP (clients in one process per 64) and in-process (bench/serving/serve.py)
-#   7  where the served loop loses to the bare one: the engine loop alone at C = 64 / 256
+#   7  where the served loop loses to the bare one: the engine loop's host time with no device
+#      (bench/tools/host_loop.py, on this machine's CPU), the engine loop alone at C = 64 / 256
 #      (bench/tools/profile_host.py --per-call), then HTTP at C = 256 with two API-server processes, and
 #      in-process with a 0.5 ms GIL switch interval
 # Parts 6 and 7 write the 8B checkpoint to /tmp/llama8b first when it is missing (~35 s); it stays out of
@@ -94,6 +95,7 @@ case "$part" in
     step serve 500 "${serve[@]}" --concurrency 64,256 --mode http,inproc
     ;;
 7)
+    JAX_PLATFORMS=cpu step_as host_loop 60 bench/tools/host_loop.py --out "$res/host_loop.md"  # (the host alone)
     ckpt
     for c in 64 256; do
         step_as "loop_c$c" 120 bench/tools/profile_host.py --model /tmp/llama8b --concurrency $c --warm-steps 150 \
