@@ -727,6 +727,11 @@ class Engine:
             "node_jobs": len(self.scheduler.jobs),
             "tenants": self.scheduler.tenant_counts(),
             "preemptions": self.scheduler.preemptions,
+            # device steps dispatched, with their rows (all, decode) and tokens, summed
+            "steps": self.scheduler.steps,
+            "step_rows": self.scheduler.step_rows,
+            "step_decode_rows": self.scheduler.step_decode_rows,
+            "step_tokens": self.scheduler.step_tokens,
             "attention_impl": self.runner.cache.impl,
             "kv_dtype": self.config.kv_dtype or self.config.dtype,
             "kv_bytes_per_token": self.tiers.page_nbytes // self.config.page_size,  # all layers, K and V (+ scales)

@@ -113,6 +113,8 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.jobs: dict[tuple, NodeJob] = {}  # node jobs by node key, oldest first
         self.preemptions = 0
+        # steps dispatched, their rows (all / decode) and tokens: a served loop's batch shape (stats())
+        self.steps = self.step_rows = self.step_decode_rows = self.step_tokens = 0
         self.failed: list[RequestOutput] = []  # admission failures, reported by the next step
         self._finished: list[RequestOutput] = []  # the final outputs of the current step
         # overlapped decode: the decode step dispatched last, not yet read, and its requests
@@ -506,6 +508,10 @@ class Scheduler:
             else:
                 for owner, row in zip(owners, rows):
                     owner.seq.computed = row.start + len(row.tokens)
+                self.steps += 1
+                self.step_rows += len(rows)
+                self.step_decode_rows += decode_rows
+                self.step_tokens += self.runner.max_tokens - budget
         if prev is not None:  # the device is busy with `pending` meanwhile
             self.inflight = None
             try:

@@ -393,6 +393,18 @@ class Server:
         stop_process(self.proc)
 
 
+def engine_steps(before: dict | None, after: dict | None, wall: float) -> dict | None:
+    """The engine's steps over a point from its stats before and after: how many, the wall time per
+    step, and the mean rows (all, decode) and tokens per step (None without stats or steps)."""
+    if not before or not after or "steps" not in after:
+        return None
+    n = after["steps"] - before["steps"]
+    if n <= 0:
+        return None
+    per = {k: (after[f"step_{k}"] - before[f"step_{k}"]) / n for k in ("rows", "decode_rows", "tokens")}
+    return {"steps": n, "step_ms": 1e3 * wall / n, **per}
+
+
 def keys_from_file(path: str) -> dict:
     """An ``inferscale serve --api-keys`` file (JSON or TOML): key -> tenant or {tenant, admin}."""
     with open(path, "rb") as f:
@@ -1042,12 +1054,17 @@ async def bench(args, client: Via, maker: TextMaker) -> dict:
                  **summarize(results, wall), "cpu": cpu_share(cpu0, cpu1, wall),
                  **({"steady_output_throughput": None} if mode == "rate" else {}),  # (no closed-loop window)
                  "client_procs": client_procs(args, x) if client.via == "http" and mode != "rate" else 1,
-                 "compiles": after["compiles"] - before["compiles"] if before and after else None}
+                 "compiles": after["compiles"] - before["compiles"] if before and after else None,
+                 "engine_steps": engine_steps(before, after, wall)}
             points.append(p)
             log(f"[serve] {client.via} {load_label(p)}: {p['completed']}/{p['requests']} ok, "
                 f"{num(p['request_throughput'])} req/s, {num(p['output_throughput'], 1)} tok/s, "
                 f"TTFT {fmt(p['ttft_ms'])} ms, ITL {fmt(p['itl_ms'])} ms, E2E {fmt(p['e2e_ms'])} ms, "
                 f"cached {num(p['cached_ratio'], 3)}, compiles {p['compiles']}")
+            if p["engine_steps"]:
+                e = p["engine_steps"]
+                log(f"[serve] {client.via} engine: {e['steps']} steps, {e['step_ms']:.2f} ms each, rows "
+                    f"{e['rows']:.1f} ({e['decode_rows']:.1f} decode), tokens {e['tokens']:.1f} per step")
         return {"warmup": warmup, "points": points}
     finally:
         for t, sid in registered:

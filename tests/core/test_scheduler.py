@@ -417,3 +417,28 @@ def test_fair_queue_counts_and_picks():
         q.append(r)
     assert q.pick(Counter(a=3), 8, ready, cap=3).tenant == "b"  # a at its cap: passed over
     assert q.pick(Counter(a=3, b=3), 8, ready, cap=3) is None  # everyone at the cap: nothing
+
+
+def test_stats_count_the_steps_dispatched():
+    """stats()' step counters equal the plans the runner was given: steps, rows, decode rows
+    (one token, not a prompt chunk) and tokens."""
+    engine = make_engine()
+    register(engine)
+    plans = []
+    orig = engine.runner.dispatch
+
+    def dispatch(plan, *a, **k):
+        plans.append([(len(r.tokens), r.slot >= 0) for r in plan.rows])  # (a decode row has a slot)
+        return orig(plan, *a, **k)
+    engine.runner.dispatch = dispatch
+    before = engine.stats()
+    engine.generate_batch(mixed_requests(np.random.default_rng(4), 12))
+    after = engine.stats()
+    assert after["steps"] - before["steps"] == len(plans) > 0
+    assert after["step_rows"] - before["step_rows"] == sum(len(p) for p in plans)
+    assert after["step_tokens"] - before["step_tokens"] == sum(n for p in plans for n, _ in p)
+    decode = after["step_decode_rows"] - before["step_decode_rows"]
+    assert decode == sum(d for p in plans for _, d in p)
+    assert 0 < decode < after["step_rows"] - before["step_rows"]
+    generated = after["generated_tokens"] - before["generated_tokens"]
+    assert decode <= generated  # each decode row samples one token (the first comes from the prefill)
