@@ -24,8 +24,9 @@ then describe its own suffix only; any other row's, its whole context.  One laun
 block of that group's members, the suffixes go through the decode kernel, and the two merge by
 their log-sum-exps (``"ref"``: the kernel's jnp reference, same semantics).  Decode steps and
 mixed steps both carry groups: in a mixed step the group rows are its one-token decode rows, the
-ragged kernel runs over every row as usual (a group row seeing only its suffix) and the grouped
-cascade, in the same jitted step, gives each group row's token instead (``_mixed_cascade``).
+ragged kernel runs over every row as usual (a group row seeing only its suffix, its log-sum-exp
+kept) and the grouped kernel's shared part, in the same jitted step, adds each group row's shared
+prefix, merged by the two log-sum-exps (``_mixed``): each suffix is read once.
 
 ``impl`` picks the kernels, here and nowhere else (:func:`resolve_impl`, at construction):
 ``"pallas"`` the GPU (Triton-style) kernels of ``pallas_kernels/``, ``"pallas_tpu"`` the Mosaic TPU
@@ -57,7 +58,9 @@ from jax.sharding import Mesh, PartitionSpec
 from models.config import ModelConfig
 from models.dense_cache import dense_attention
 from pallas_kernels.cascade_attention import (grouped_cascade_decode_attention,
-                                              grouped_cascade_decode_attention_ref)
+                                              grouped_cascade_decode_attention_ref,
+                                              grouped_shared_prefix_attention,
+                                              grouped_shared_prefix_attention_ref, merge_lse)
 from pallas_kernels.decode_attention import paged_decode_attention, paged_decode_attention_ref
 from pallas_kernels.kv_write import write_kv, write_kv_pallas, write_kv_quantized, write_kv_quantized_pallas
 from pallas_kernels.quant import SCALE_BYTES, dequantize_pages, is_quantized
@@ -243,11 +246,7 @@ def _attend(q, kp, vp, positions, meta: AttnMeta, impl: str, scales=(None, None)
     elif impl == "pallas_tpu":  # one TPU kernel for mixed, decode and cascade steps
         out = ragged_paged_attention_tpu(q[0], kp, vp, *_as_ragged(meta, kp.shape[2]))[None]
     elif meta.ragged:  # q [1, N]: the flat tokens of a mixed step
-        fn = ragged_paged_attention if pallas else ragged_paged_attention_ref
-        out = fn(q[0], kp, vp, meta.page_table, meta.cu_q_lens, meta.kv_lens, **sc)  # [N, Hq, D]
-        if meta.group_pages is not None:  # its decode rows in cascade groups: their tokens from the cascade
-            out = _mixed_cascade(q[0], kp, vp, out, meta, pallas, sc)
-        out = out[None]  # [1, N, Hq, D]
+        out = _mixed(q[0], kp, vp, meta, pallas, sc)[None]  # [1, N, Hq, D]
     elif meta.group_pages is not None:  # q [1, R]: one token per row, cascade groups
         fn = grouped_cascade_decode_attention if pallas else grouped_cascade_decode_attention_ref
         out = fn(q[0], kp, vp, meta.group_pages, meta.group_lens, meta.row_group, meta.page_table,
@@ -259,21 +258,28 @@ def _attend(q, kp, vp, positions, meta: AttnMeta, impl: str, scales=(None, None)
 
 
 MIXED_BLOCK_ROWS = 64  # the shared part's row blocks in a mixed step (its group count is not known statically)
+MIXED_REAL_GROUPS = 16  # the shared part's split count in a mixed step assumes at most this many real groups
 
 
-def _mixed_cascade(q, kp, vp, out, meta: AttnMeta, pallas: bool, sc: dict):
-    """A mixed step's group rows (one-token decode rows, ``row_group >= 0``) through the grouped
-    cascade: ``out [N, Hq, D]`` (the ragged kernel's, which saw only their suffix pages) with each
-    group row's token replaced by its cascade result.  The cascade runs over every row of the step
-    with the others' suffix lengths set to 0, so they cost no reads."""
+def _mixed(q, kp, vp, meta: AttnMeta, pallas: bool, sc: dict):
+    """A mixed step's attention ``[N, Hq, D]``: the ragged kernel over every row, and when the
+    step has cascade groups, each group row's (one-token decode row, ``row_group >= 0``) shared
+    prefix through the grouped kernel's shared part alone, merged with the ragged kernel's result
+    for that row (which saw only its suffix pages) by their log-sum-exps.  So a group row's suffix
+    is read once, by the ragged kernel."""
+    ragged = ragged_paged_attention if pallas else ragged_paged_attention_ref
+    if meta.group_pages is None or 0 in meta.group_pages.shape:
+        return ragged(q, kp, vp, meta.page_table, meta.cu_q_lens, meta.kv_lens, **sc)
+    out, lse = ragged(q, kp, vp, meta.page_table, meta.cu_q_lens, meta.kv_lens, return_lse=True, **sc)
     n = q.shape[0]
     rg = meta.row_group  # [R]
     in_group = rg >= 0
-    last = meta.cu_q_lens[1:] - 1  # [R] each row's last token (a group row's only one)
-    fn = grouped_cascade_decode_attention if pallas else grouped_cascade_decode_attention_ref
-    knobs = dict(block_rows=MIXED_BLOCK_ROWS) if pallas else {}
-    rows = fn(q[jnp.clip(last, 0, n - 1)], kp, vp, meta.group_pages, meta.group_lens, rg, meta.page_table,
-              jnp.where(in_group, meta.kv_lens, 0), **knobs, **sc)  # [R, Hq, D]
+    last = jnp.clip(meta.cu_q_lens[1:] - 1, 0, n - 1)  # [R] each row's last token (a group row's only one)
+    shared = grouped_shared_prefix_attention if pallas else grouped_shared_prefix_attention_ref
+    # the bucket pads the group table (up to 64 groups); the split count follows the real ones
+    knobs = dict(block_rows=MIXED_BLOCK_ROWS, real_groups=MIXED_REAL_GROUPS) if pallas else {}
+    o_sh, lse_sh = shared(q[last], kp, vp, meta.group_pages, meta.group_lens, rg, **knobs, **sc)  # [R, Hq(, D)]
+    rows, _ = merge_lse(o_sh, lse_sh, out[last], lse[last])
     return out.at[jnp.where(in_group, last, n)].set(rows.astype(out.dtype), mode="drop")
 
 

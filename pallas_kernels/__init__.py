@@ -8,6 +8,8 @@ kernels, on the same layout and beside the same references: :mod:`pallas_kernels
 from pallas_kernels.cascade_attention import (
     grouped_cascade_decode_attention,
     grouped_cascade_decode_attention_ref,
+    grouped_shared_prefix_attention,
+    grouped_shared_prefix_attention_ref,
     shared_prefix_decode_attention,
     shared_prefix_decode_attention_ref,
 )
@@ -21,6 +23,8 @@ from pallas_kernels.splice_quantized import splice_kv_quantized, splice_kv_quant
 __all__ = [
     "grouped_cascade_decode_attention",
     "grouped_cascade_decode_attention_ref",
+    "grouped_shared_prefix_attention",
+    "grouped_shared_prefix_attention_ref",
     "paged_decode_attention",
     "paged_decode_attention_ref",
     "paged_prefill_attention",

@@ -276,13 +276,16 @@ def _shared_kernel(
              jnp.zeros((rows,), jnp.float32), slots_of(0))
     carry = lax.fori_loop(0, n_full, functools.partial(body, masked=False), carry)
     o, m, l, _ = lax.fori_loop(n_full, n_total, functools.partial(body, masked=True), carry)
-    o_ref[...] = o
-    m_ref[...] = m
-    l_ref[...] = l
+
+    @pl.when(shared_len_ref[0] > 0)  # an unused block (or an empty prefix) stores nothing: no reader
+    def _():
+        o_ref[...] = o
+        m_ref[...] = m
+        l_ref[...] = l
 
 
 def _shared_part(q, k_pages, v_pages, group_pages, group_lens, row_group, k_scale, v_scale, *, sm_scale,
-                 block_rows, block_kv, num_splits, num_warps, num_stages, interpret):
+                 block_rows, block_kv, num_splits, num_warps, num_stages, interpret, real_groups=None):
     """(o_shared [B, Hq, D] fp32 normalised, lse_shared [B, Hq] fp32 natural log, -inf outside
     every group) of every group's shared prefix, in one launch."""
     b, hq, d = q.shape
@@ -298,7 +301,7 @@ def _shared_part(q, k_pages, v_pages, group_pages, group_lens, row_group, k_scal
     qp = jnp.zeros((hkv, rows_p, d), q.dtype).at[:, idx].set(qr, mode="drop")  # [Hkv, Rp, D]
     max_blocks = pl.cdiv(ps * s, block_kv)
     if num_splits is None:  # programs that hold rows: ~ the rows' blocks, at least one per group
-        busy = max(pl.cdiv(b * gq, block_rows), min(g, b))
+        busy = max(pl.cdiv(b * gq, block_rows), min(g if real_groups is None else real_groups, b))
         num_splits = 1 if interpret else auto_num_splits(busy * hkv, max_blocks)
     if num_splits < 1:
         common._fail("num_splits", num_splits, ">= 1 (or None for auto)")
@@ -336,13 +339,15 @@ def _shared_part(q, k_pages, v_pages, group_pages, group_lens, row_group, k_scal
         name=f"cascade_shared_g{g}_r{block_rows}_bk{block_kv}_sp{num_splits}",
     )(block_lens, block_pages, qp, k_pages.reshape(hkv, p * s, d), v_pages.reshape(hkv, p * s, d), *scales)
     at = jnp.minimum(idx, rows_p - 1)  # [B*Gq] (rows outside every group: masked below)
+    # rows whose block stored its partials (a block of length 0 stores nothing: its rows hold garbage)
+    stored = (idx < rows_p) & (block_lens[at // block_rows] > 0)  # [B*Gq]
     o, m, l = o[:, :, at], m[:, :, at], l[:, :, at]  # [Hkv, NS, B*Gq(, D)]: the requests' rows only
     m_max = jnp.max(m, axis=1)  # [Hkv, B*Gq]
     w = jnp.exp2(m - m_max[:, None])  # [Hkv, NS, B*Gq]
     l_tot = jnp.sum(l * w, axis=1)  # [Hkv, B*Gq]
     o_tot = jnp.sum(o * w[..., None], axis=1)  # [Hkv, B*Gq, D]
-    has = (l_tot > 0) & (idx < rows_p)[None, :]
-    o_sh = o_tot / jnp.where(has, l_tot, 1.0)[..., None]
+    has = stored[None, :] & (l_tot > 0)
+    o_sh = jnp.where(has[..., None], o_tot / jnp.where(has, l_tot, 1.0)[..., None], 0.0)
     lse = jnp.where(has, (m_max + jnp.log2(jnp.where(has, l_tot, 1.0))) * _LN2, -jnp.inf)
 
     def per_row(x):  # [Hkv, B*Gq, ...] -> [B, Hq, ...]
@@ -363,6 +368,103 @@ def merge_lse(o_a, lse_a, o_b, lse_b):
     o = o / jnp.where(tot > 0, tot, 1.0)[..., None]
     lse = jnp.where(tot > 0, mx + jnp.log(jnp.where(tot > 0, tot, 1.0)), -jnp.inf)
     return o, lse
+
+
+@functools.partial(jax.jit, static_argnames=(
+    "sm_scale", "block_rows", "block_kv", "num_splits", "num_warps", "num_stages", "interpret", "real_groups"))
+def _shared_only(q, k_pages, v_pages, group_pages, group_lens, row_group, k_scale, v_scale, **kw):
+    return _shared_part(q, k_pages, v_pages, group_pages, group_lens, row_group, k_scale, v_scale, **kw)
+
+
+def grouped_shared_prefix_attention(
+    q: jax.Array,  # [B, Hq, D]
+    k_pages: jax.Array,  # [Hkv, P, S, D]
+    v_pages: jax.Array,  # [Hkv, P, S, D]
+    group_pages: jax.Array,  # [G, Ps] int32
+    group_lens: jax.Array,  # [G] int32
+    row_group: jax.Array,  # [B] int32, -1: no group
+    *,
+    sm_scale: float | None = None,
+    block_rows: int | None = None,
+    block_kv: int | None = None,
+    num_splits: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+    interpret: bool | None = None,
+    real_groups: int | None = None,
+    k_scale: jax.Array | None = None,
+    v_scale: jax.Array | None = None,
+) -> tuple[jax.Array, jax.Array]:  # o [B, Hq, D] float32, lse [B, Hq] float32
+    """The shared part alone (algorithm steps 1-3): each row's attention over its group's shared
+    prefix only, normalised, with its natural-log log-sum-exp; zeros and ``-inf`` for a row outside
+    every group or with an empty prefix.  A caller that has the suffix part's output and lse from
+    elsewhere merges the two with :func:`merge_lse` (the engine's mixed steps take the suffix from
+    the ragged kernel).  Knobs as :func:`grouped_cascade_decode_attention`'s shared part;
+    ``real_groups`` (a bound on the groups that hold rows, when the table is padded to a bucket)
+    sizes the automatic split count from the groups that exist, not the padding."""
+    b, hq, hkv, gq, p, s, d, g, ps, mp = check_grouped_inputs(
+        q, k_pages, v_pages, group_pages, group_lens, row_group, jnp.zeros((q.shape[0], 1), jnp.int32),
+        jnp.zeros((q.shape[0],), jnp.int32), k_scale, v_scale)
+    common.check_power_of_two("page_size", s)
+    common.check_power_of_two("head_dim", d, common.MIN_DOT_DIM)
+    if 0 in group_pages.shape:
+        return jnp.zeros(q.shape, jnp.float32), jnp.full(q.shape[:2], -jnp.inf, jnp.float32)
+    block_rows = default_block_rows(b, gq, g, q.dtype) if block_rows is None else block_rows
+    common.check_power_of_two("block_rows", block_rows, common.MIN_DOT_DIM)
+    block_kv = 64 if block_kv is None else block_kv
+    common.check_power_of_two("block_kv", block_kv, common.MIN_DOT_DIM)
+    one_block = g <= 1 and b * gq <= block_rows
+    num_warps = (8 if one_block else 4) if num_warps is None else num_warps
+    num_stages = (3 if one_block else 2) if num_stages is None else num_stages
+    sm_scale = 1.0 / math.sqrt(d) if sm_scale is None else float(sm_scale)
+    interpret = common.default_interpret() if interpret is None else interpret
+    return _shared_only(q, k_pages, v_pages, group_pages, group_lens, row_group, k_scale, v_scale,
+                        sm_scale=sm_scale, block_rows=block_rows, block_kv=block_kv, num_splits=num_splits,
+                        num_warps=num_warps, num_stages=num_stages, interpret=interpret, real_groups=real_groups)
+
+
+def grouped_shared_prefix_attention_ref(
+    q: jax.Array,  # [B, Hq, D]
+    k_pages: jax.Array,  # [Hkv, P, S, D]
+    v_pages: jax.Array,  # [Hkv, P, S, D]
+    group_pages: jax.Array,  # [G, Ps] int32
+    group_lens: jax.Array,  # [G] int32
+    row_group: jax.Array,  # [B] int32, -1: no group
+    *,
+    sm_scale: float | None = None,
+    k_scale: jax.Array | None = None,
+    v_scale: jax.Array | None = None,
+    **unused_knobs,
+) -> tuple[jax.Array, jax.Array]:
+    """Pure-jnp reference of :func:`grouped_shared_prefix_attention`: per row, gather its group's
+    shared tokens, mask, fp32 softmax; (o [B, Hq, D] float32, lse [B, Hq] natural log)."""
+    del unused_knobs
+    b, hq, hkv, gq, p, s, d, g, ps, _ = check_grouped_inputs(
+        q, k_pages, v_pages, group_pages, group_lens, row_group, jnp.zeros((q.shape[0], 1), jnp.int32),
+        jnp.zeros((q.shape[0],), jnp.int32), k_scale, v_scale)
+    if 0 in group_pages.shape:
+        return jnp.zeros(q.shape, jnp.float32), jnp.full(q.shape[:2], -jnp.inf, jnp.float32)
+    sm_scale = 1.0 / math.sqrt(d) if sm_scale is None else float(sm_scale)
+    hi = lax.Precision.HIGHEST
+    rg = row_group.astype(jnp.int32)
+    in_group = (rg >= 0) & (rg < g)
+    rg_c = jnp.clip(rg, 0, g - 1)
+    n = jnp.where(in_group, group_lens.astype(jnp.int32)[rg_c], 0)  # [B]
+    valid = jnp.arange(ps * s)[None, :] < n[:, None]  # [B, Ps*S]
+
+    def gather(pages, scale):  # [B, Hkv, Ps*S, D] fp32, invalid rows 0 (unused slots may hold NaN)
+        x = gather_pages(pages, scale, group_pages.astype(jnp.int32)[rg_c]).reshape(hkv, b, ps * s, d)
+        return jnp.where(valid[:, None, :, None], jnp.swapaxes(x, 0, 1), 0.0)
+    k, v = gather(k_pages, k_scale), gather(v_pages, v_scale)
+    logits = jnp.einsum("bhgd,bhtd->bhgt", q.reshape(b, hkv, gq, d).astype(jnp.float32), k, precision=hi) * sm_scale
+    logits = jnp.where(valid[:, None, None, :], logits, -jnp.inf)
+    mx = jnp.max(logits, axis=-1, keepdims=True, initial=-1e30)
+    e = jnp.exp(logits - mx)
+    tot = jnp.sum(e, axis=-1, keepdims=True)
+    has = tot > 0
+    o = jnp.einsum("bhgt,bhtd->bhgd", e / jnp.where(has, tot, 1.0), v, precision=hi)
+    lse = jnp.where(has, mx + jnp.log(jnp.where(has, tot, 1.0)), -jnp.inf)
+    return o.reshape(b, hq, d), lse.reshape(b, hq)
 
 
 @functools.partial(jax.jit, static_argnames=(

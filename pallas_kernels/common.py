@@ -101,14 +101,19 @@ def num_sms(default: int = 132) -> int:
     return int(getattr(dev, "core_count", 0) or default) if dev.platform == "gpu" else default
 
 
-def merge_splits(o_part: jax.Array, lse: jax.Array, dtype) -> jax.Array:
+def merge_splits(o_part: jax.Array, lse: jax.Array, dtype, return_lse: bool = False):
     """Merge split-KV partial outputs: ``o_part [splits, ..., D]`` (normalised per split) and
     ``lse [splits, ...]`` (log2-sum-exp per row, ``-inf`` for an empty split) ->
-    ``sum_s o_s 2^lse_s / sum_s 2^lse_s`` in ``dtype``; rows empty in every split give 0."""
+    ``sum_s o_s 2^lse_s / sum_s 2^lse_s`` in ``dtype``; rows empty in every split give 0.
+    ``return_lse``: also the merged log2-sum-exp ``[...]`` (``-inf`` for rows empty in every split)."""
     lse_max = lse.max(axis=0)
-    w = jnp.exp2(lse - jnp.where(jnp.isfinite(lse_max), lse_max, 0.0))  # empty split: 0
+    shift = jnp.where(jnp.isfinite(lse_max), lse_max, 0.0)
+    w = jnp.exp2(lse - shift)  # empty split: 0
     denom = w.sum(axis=0)
-    return ((w[..., None] * o_part).sum(axis=0) / jnp.where(denom > 0, denom, 1.0)[..., None]).astype(dtype)
+    out = ((w[..., None] * o_part).sum(axis=0) / jnp.where(denom > 0, denom, 1.0)[..., None]).astype(dtype)
+    if not return_lse:
+        return out
+    return out, jnp.where(denom > 0, shift + jnp.log2(jnp.where(denom > 0, denom, 1.0)), -jnp.inf)
 
 
 def check_scales(k_pages: jax.Array, k_scale, v_scale) -> bool:

@@ -82,6 +82,7 @@ from pallas_kernels import common
 from pallas_kernels.prefill_attention import _LOG2E, _MASK, _PREC, _choose_blocks, _next_pow2
 from pallas_kernels.quant import dequantize_rows, fold_probs, fold_scores, gather_pages, pv_dtype, scales_on_rows
 
+_LN2 = math.log(2.0)  # return_lse: base-2 log-sum-exp * ln 2 = natural log
 _MIN_SPLIT_KEYS = 256  # kv_splits=None: at least this much KV capacity per split
 _SPLITS_PER_SM = 2  # kv_splits=None: aim for about this many programs per SM
 _MAX_PARTIAL_BYTES = 8 << 20  # kv_splits=None: fp32 partials <= 8 MiB (their write + merge ~4 us)
@@ -262,7 +263,7 @@ def _attend(meta, page_table_ref, q_ref, k_ref, v_ref, o_ref, lse_refs, scale_re
 def _ragged_kernel(meta_ref, page_table_ref, q_ref, k_ref, v_ref, *refs, quantized, num_blocks, tiles, **kw):
     """meta_ref [NB * 5] int32; page_table_ref [R * max_pages]; q_ref / o_ref [N * Hq, D];
     k_ref / v_ref [P * S, D] (this kv head); refs: (ks_ref, vs_ref [P * S] fp32 when quantized),
-    o_ref, then () or (lse [N * Hq] fp32,) when split."""
+    o_ref, then () or (lse [N * Hq] fp32, log2-sum-exp) when split or asked for (``return_lse``)."""
     scale_refs, (o_ref, *lse_refs) = (refs[:2], refs[2:]) if quantized else ((), refs)
     blk = num_blocks - 1 - pl.program_id(1)  # last blocks (longest loops) first
     # program ids are read here, outside the cond (interpret mode cannot read them inside)
@@ -281,9 +282,9 @@ def _ragged_kernel(meta_ref, page_table_ref, q_ref, k_ref, v_ref, *refs, quantiz
 
 
 @functools.partial(jax.jit, static_argnames=(
-    "sm_scale", "block_q", "tiles", "num_warps", "num_stages", "kv_splits", "interpret", "v_rows"))
+    "sm_scale", "block_q", "tiles", "num_warps", "num_stages", "kv_splits", "interpret", "v_rows", "return_lse"))
 def _ragged(q, k_pages, v_pages, page_table, cu_q_lens, kv_lens, k_scale, v_scale, *, sm_scale, block_q, tiles,
-            num_warps, num_stages, kv_splits, interpret, v_rows):
+            num_warps, num_stages, kv_splits, interpret, v_rows, return_lse=False):
     num_tokens, num_q_heads, head_dim = q.shape  # [N, Hq, D]
     num_kv_heads, num_pages, page_size, _ = k_pages.shape  # [Hkv, P, S, D]
     num_rows, max_pages = page_table.shape  # [R, max_pages]
@@ -307,6 +308,9 @@ def _ragged(q, k_pages, v_pages, page_table, cu_q_lens, kv_lens, k_scale, v_scal
     else:
         out_shape = [jax.ShapeDtypeStruct((n_rows, head_dim), q.dtype)]
         out_specs = [whole(n_rows, head_dim)]
+        if return_lse:  # each token row's log2-sum-exp beside its output
+            out_shape.append(jax.ShapeDtypeStruct((n_rows,), jnp.float32))
+            out_specs.append(whole(n_rows))
     quantized = k_scale is not None
     scales, scale_specs = (), []
     if quantized:  # each head's [P*S] scales, whole
@@ -327,11 +331,16 @@ def _ragged(q, k_pages, v_pages, page_table, cu_q_lens, kv_lens, k_scale, v_scal
         interpret=interpret,
         name=f"ragged_paged_attention_bq{block_q}_bkv{tiles[-1][2]}_g{group}_s{kv_splits}",
     )(meta, page_table.astype(jnp.int32).reshape(-1), q_rows, k_slots, v_slots, *scales)
+    lse = None
     if split:  # [splits, N*Hq, D], [splits, N*Hq] -> merged (padding rows: all zero)
-        out = common.merge_splits(*outs, q.dtype)
+        merged = common.merge_splits(*outs, q.dtype, return_lse=return_lse)
+        out, lse = merged if return_lse else (merged, None)
     else:
-        (out,) = outs
-    return out.reshape(num_tokens, num_q_heads, head_dim)
+        out, lse = outs if return_lse else (outs[0], None)
+    out = out.reshape(num_tokens, num_q_heads, head_dim)
+    if not return_lse:
+        return out
+    return out, (lse * _LN2).reshape(num_tokens, num_q_heads)  # natural log, -inf: no keys
 
 
 def ragged_paged_attention(
@@ -352,8 +361,12 @@ def ragged_paged_attention(
     k_scale: jax.Array | None = None,
     v_scale: jax.Array | None = None,
     v_rows: bool | None = None,
-) -> jax.Array:  # [N, Hq, D], q.dtype; padding tokens: zeros
+    return_lse: bool = False,
+) -> jax.Array | tuple[jax.Array, jax.Array]:  # [N, Hq, D], q.dtype; padding tokens: zeros
     """Causal attention of a flat batch of decode rows and prefill chunks (see module doc).
+    ``return_lse=True`` returns ``(out, lse)``, ``lse [N, Hq] float32`` each query's natural-log
+    log-sum-exp of its scaled scores (``-inf`` for padding tokens): what a caller needs to merge this
+    output with attention over more keys (the engine's mixed steps: a decode row's shared prefix).
     Compressed pages (int8 / float8_e4m3fn): ``k_scale`` / ``v_scale [Hkv, P, S]`` float32, each
     gathered tile converted to q's dtype, the scales folded into scores and probabilities
     (``pallas_kernels/quant.py``).  ``v_rows=True`` dequantizes the V tile in registers instead (its
@@ -399,11 +412,17 @@ def ragged_paged_attention(
     if kv_splits < 1:
         common._fail("kv_splits", kv_splits, ">= 1 (1 = no split-KV)")
     if num_tokens == 0 or num_rows == 0:
-        return jnp.zeros_like(q)
+        return _empty(q, return_lse)
     sm_scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else float(sm_scale)
     return _ragged(q, k_pages, v_pages, page_table, cu_q_lens, kv_lens, k_scale, v_scale, sm_scale=sm_scale,
                    block_q=block_q, tiles=tiles, num_warps=num_warps, num_stages=num_stages,
-                   kv_splits=int(kv_splits), interpret=interpret, v_rows=v_rows)
+                   kv_splits=int(kv_splits), interpret=interpret, v_rows=v_rows, return_lse=return_lse)
+
+
+def _empty(q, return_lse: bool):
+    """The result for no tokens or no rows: zeros (and ``-inf`` log-sum-exps)."""
+    out = jnp.zeros_like(q)
+    return (out, jnp.full(q.shape[:2], -jnp.inf, jnp.float32)) if return_lse else out
 
 
 def ragged_paged_attention_ref(
@@ -417,19 +436,22 @@ def ragged_paged_attention_ref(
     sm_scale: float | None = None,
     k_scale: jax.Array | None = None,
     v_scale: jax.Array | None = None,
-) -> jax.Array:  # [N, Hq, D]
+    return_lse: bool = False,
+) -> jax.Array | tuple[jax.Array, jax.Array]:  # [N, Hq, D] (, lse [N, Hq])
     """Pure-jnp reference, token by token: each token finds its row and position, gathers
     its row's pages densely and runs a masked fp32 softmax (padding tokens: zeros).  Tokens
     go through ``lax.map`` in batches, so the gathered K/V stay within ``_REF_CHUNK_BYTES``.
     Compressed pages are dequantized to float32 as gathered: the exact values the quantized pages hold
     (the kernel folds the scales into scores and probabilities instead: equal up to rounding).
+    ``return_lse``: also each query's natural-log log-sum-exp (``-inf`` without keys).
     """
     num_tokens, num_rows, _, _, _, _, head_dim = check_ragged_inputs(
         q, k_pages, v_pages, page_table, cu_q_lens, kv_lens, k_scale, v_scale)
     if num_tokens == 0 or num_rows == 0:
-        return jnp.zeros_like(q)
+        return _empty(q, return_lse)
     sm_scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else float(sm_scale)
-    return _ref(q, k_pages, v_pages, page_table, cu_q_lens, kv_lens, k_scale, v_scale, sm_scale=sm_scale)
+    out, lse = _ref(q, k_pages, v_pages, page_table, cu_q_lens, kv_lens, k_scale, v_scale, sm_scale=sm_scale)
+    return (out, lse) if return_lse else out
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale",))
@@ -459,11 +481,15 @@ def _ref(q, k_pages, v_pages, page_table, cu_q_lens, kv_lens, k_scale, v_scale, 
         qf = qt.astype(jnp.float32).reshape(num_kv_heads, group, head_dim)
         s = jnp.einsum("hgd,hld->hgl", qf, k, precision=hi) * sm_scale
         s = jnp.where(vis, s, -jnp.inf)
-        e = jnp.exp(s - jnp.max(s, axis=-1, keepdims=True, initial=-1e30))
-        p_ = e / jnp.maximum(e.sum(axis=-1, keepdims=True), 1e-30)  # no keys: all zero
-        return jnp.einsum("hgl,hld->hgd", p_, v, precision=hi).reshape(num_q_heads, head_dim)
+        mx = jnp.max(s, axis=-1, keepdims=True, initial=-1e30)
+        e = jnp.exp(s - mx)
+        tot = e.sum(axis=-1, keepdims=True)
+        p_ = e / jnp.maximum(tot, 1e-30)  # no keys: all zero
+        lse = jnp.where(tot > 0, mx + jnp.log(jnp.where(tot > 0, tot, 1.0)), -jnp.inf)  # [Hkv, G, 1]
+        return (jnp.einsum("hgl,hld->hgd", p_, v, precision=hi).reshape(num_q_heads, head_dim),
+                lse.reshape(num_q_heads))
 
     per_token = 2 * num_kv_heads * capacity * head_dim * 4  # gathered K and V, fp32
     batch = max(1, min(num_tokens, _REF_CHUNK_BYTES // per_token))
-    out = lax.map(one_token, (q, row, pos, kv, real), batch_size=batch)  # [N, Hq, D]
-    return out.astype(q.dtype)
+    out, lse = lax.map(one_token, (q, row, pos, kv, real), batch_size=batch)  # [N, Hq, D], [N, Hq]
+    return out.astype(q.dtype), lse

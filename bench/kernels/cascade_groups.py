@@ -318,6 +318,7 @@ def main():
     ap.add_argument("--old", default=None, help="an older copy of pallas_kernels/cascade_attention.py to add")
     ap.add_argument("--reps", type=int, default=None)
     ap.add_argument("--no-mixed", dest="mixed", action="store_false", help="leave out the mixed-step section")
+    ap.add_argument("--no-groups", dest="groups", action="store_false", help="leave out the decode-step section")
     ap.add_argument("--rows", help="row counts B, comma-separated (default: 64,256)")
     ap.add_argument("--segments", help="shared segment counts N, comma-separated (default: 1,8,64)")
     ap.add_argument("--knobs", nargs="*", default=[], help="more multi variants, each 'bk=128,w=8,st=3,sp=4,ssp=2' "
@@ -334,7 +335,8 @@ def main():
     log(f"devices: {jax.devices()}  jax {jax.__version__}  interpret={jax.default_backend() != 'gpu'}")
     args.ceiling = read_bandwidth(64 << 20 if args.smoke else 2 << 30, reps=cfg["reps"])
     log(f"read ceiling {args.ceiling / 1e9:.1f} GB/s")
-    groups(args, cfg, load_old(args.old) if args.old else None)
+    if args.groups:
+        groups(args, cfg, load_old(args.old) if args.old else None)
     if args.mixed:
         mixed(args, cfg)
     plot(args.out)

@@ -212,6 +212,53 @@ def test_kernel_matches_ref(dtype, Hq, Hkv, D, S, q_lens, cached, pad, kw):
         assert (out == 0).all()
 
 
+def dense_lse_f64(q, k_seq, cu, sm_scale):
+    """Per token and q head: the natural-log log-sum-exp of its visible scaled scores (numpy
+    float64; -inf for padding tokens)."""
+    N, Hq, _ = q.shape
+    lse = np.full((N, Hq), -np.inf)
+    for r in range(len(cu) - 1):
+        a, b = int(cu[r]), int(cu[r + 1])
+        n, L = b - a, k_seq[r].shape[1]
+        if n == 0:
+            continue
+        k = np.repeat(k_seq[r], Hq // k_seq[r].shape[0], axis=0)
+        s = np.einsum("nhd,hld->hnl", q[a:b], k) * sm_scale
+        visible = np.arange(L)[None, :] <= (L - n + np.arange(n))[:, None]
+        s = np.where(visible[None], s, -np.inf)
+        mx = s.max(-1, keepdims=True)
+        lse[a:b] = (mx + np.log(np.exp(s - mx).sum(-1, keepdims=True)))[..., 0].T
+    return lse
+
+
+def test_ref_lse_matches_float64_dense():
+    """return_lse: the reference's log-sum-exps against numpy float64; its output is unchanged."""
+    args, (q, k_seq, _) = make_case(q_lens=[10, 1, 0, 7, 1], cached=[0, 40, 5, 17, 0], pad=3, Hq=8, Hkv=2,
+                                    D=32, S=16, dtype=jnp.float32)
+    out, lse = ragged_paged_attention_ref(*args, sm_scale=0.3, return_lse=True)
+    assert lse.shape == q.shape[:2] and lse.dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(lse), dense_lse_f64(q, k_seq, np.asarray(args[4]), 0.3),
+                               atol=1e-5, rtol=1e-5)
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(ragged_paged_attention_ref(*args, sm_scale=0.3)))
+
+
+@pytest.mark.parametrize("case", [0, 1, 3, 8, 9, 12])  # both dtypes, GQA 3, forced splits, all padding
+def test_kernel_lse_matches_ref(case):
+    """return_lse=True (unsplit and split-KV): the kernel's log-sum-exps equal the reference's,
+    -inf for padding tokens, and its output equals the plain call's."""
+    dtype, Hq, Hkv, D, S, q_lens, cached, pad, kw = CASES[case]
+    args, _ = make_case(q_lens=q_lens, cached=cached, pad=pad, Hq=Hq, Hkv=Hkv, D=D, S=S, dtype=dtype)
+    out, lse = ragged_paged_attention(*args, return_lse=True, **kw)
+    np.testing.assert_array_equal(np.asarray(out.astype(jnp.float32)),
+                                  np.asarray(ragged_paged_attention(*args, **kw).astype(jnp.float32)))
+    check_output(out, args, dtype)
+    _, ref = ragged_paged_attention_ref(*args, return_lse=True)
+    lse, ref = np.asarray(lse), np.asarray(ref)
+    n = int(np.asarray(args[4])[-1])
+    assert (lse[n:] == -np.inf).all() and np.isfinite(lse[:n]).all()
+    np.testing.assert_allclose(lse[:n], ref[:n], atol=1e-4 if dtype == jnp.float32 else 2e-2, rtol=1e-5)
+
+
 def test_split_kv_equals_unsplit_and_custom_scale():
     args, _ = make_case(q_lens=[16, 1, 2, 0], cached=[90, 31, 200, 3], pad=2, Hq=4, Hkv=1, D=64,
                         S=16, dtype=jnp.float32)

@@ -1,0 +1,154 @@
+"""A mixed step's cascade rows: the grouped kernel's shared part alone, merged with the ragged
+kernel's own result by log-sum-exps (``inferscale_jax/kv_cache.py``'s ``_mixed``), CPU,
+interpret mode.
+
+The shared part alone (``grouped_shared_prefix_attention``) is checked against its reference and
+float64 numpy (output and log-sum-exp, rows outside every group and empty prefixes included), and
+the whole mixed step against the ragged reference over each row's concatenated page list (group
+pages + suffix pages): decode rows in groups, decode rows in none, prefill chunks, page
+boundaries, a padded group table (groups of length 0, groups without members) and padding
+tokens.  Every slot that holds no real token is NaN.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from inferscale_jax import kv_cache
+from pallas_kernels import (grouped_cascade_decode_attention_ref, grouped_shared_prefix_attention,
+                            grouped_shared_prefix_attention_ref)
+from tests.support.kernel_cases import assert_close, fill_table, poisoned_pool
+
+
+def shared_case(seed, glens, ps, rg, *, hq=8, hkv=2, d=64, s=8, dtype=jnp.float32):
+    """q [B, Hq, D], a NaN-poisoned pool holding each group's ``glens[g]`` shared tokens, the group
+    table and ``rg`` (each row's group, -1: none)."""
+    rng = np.random.default_rng(seed)
+    g = len(glens)
+    num_pages = 1 + g * ps + 2
+    ids = rng.permutation(np.arange(1, num_pages))
+    gp = ids[:g * ps].reshape(g, ps).astype(np.int32)
+    valid = np.zeros((num_pages * s,), bool)
+    for gi, n in enumerate(glens):
+        fill_table(gp, valid, gi, gp[gi], n, s)
+    q, kp, vp = poisoned_pool(seed, valid, b=len(rg), hq=hq, hkv=hkv, d=d, s=s, dtype=dtype)
+    return q, kp, vp, jnp.asarray(gp), jnp.asarray(glens, jnp.int32), jnp.asarray(rg, jnp.int32)
+
+
+def f64_shared(q, kp, vp, gp, glens, rg, sm_scale):
+    """numpy float64: each row's attention over its group's shared tokens, and its log-sum-exp."""
+    q, kp, vp = (np.asarray(x, np.float64) for x in (q, kp, vp))
+    b, hq, d = q.shape
+    hkv, _, s, _ = kp.shape
+    out, lse = np.zeros((b, hq, d)), np.full((b, hq), -np.inf)
+    for i, gi in enumerate(np.asarray(rg)):
+        n = int(glens[gi]) if gi >= 0 else 0
+        if n == 0:
+            continue
+        pos = np.arange(n)
+        slots = np.asarray(gp)[gi, pos // s] * s + pos % s
+        k = kp.reshape(hkv, -1, d)[:, slots].repeat(hq // hkv, axis=0)  # [Hq, n, D]
+        v = vp.reshape(hkv, -1, d)[:, slots].repeat(hq // hkv, axis=0)
+        sc = np.einsum("hd,hnd->hn", q[i], k) * sm_scale
+        mx = sc.max(-1, keepdims=True)
+        e = np.exp(sc - mx)
+        out[i] = np.einsum("hn,hnd->hd", e / e.sum(-1, keepdims=True), v)
+        lse[i] = mx[:, 0] + np.log(e.sum(-1))
+    return out, lse
+
+
+@pytest.mark.parametrize("dtype,kw", [(jnp.float32, {}), (jnp.float32, dict(block_rows=16, num_splits=3, block_kv=16)),
+                                      (jnp.bfloat16, dict(real_groups=2))])
+def test_shared_part_alone_matches_refs(dtype, kw):
+    """Output and lse against the reference and float64; rows outside every group or with an empty
+    prefix: zeros and -inf (a padded table: group 2 has length 0, group 4 no members)."""
+    glens, rg = [40, 21, 0, 16, 8], [0, 1, 2, -1, 3, 0, 1, -1, 0, 3, 2]
+    args = shared_case(5, glens, 5, rg, dtype=dtype)
+    o, lse = grouped_shared_prefix_attention(*args, sm_scale=0.3, **kw)
+    o_ref, lse_ref = grouped_shared_prefix_attention_ref(*args, sm_scale=0.3)
+    assert o.dtype == lse.dtype == jnp.float32 and o.shape == args[0].shape and lse.shape == args[0].shape[:2]
+    o64, lse64 = f64_shared(*args, 0.3)
+    tol = 1e-5 if dtype == jnp.float32 else 2e-2
+    np.testing.assert_allclose(np.asarray(o_ref), o64, atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(lse_ref), lse64, atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(o), o64, atol=tol, rtol=tol)
+    np.testing.assert_allclose(np.asarray(lse), lse64, atol=tol, rtol=tol)
+    none = np.isin(np.asarray(rg), [-1, 2])
+    assert (np.asarray(o)[none] == 0).all() and (np.asarray(lse)[none] == -np.inf).all()
+    assert np.isfinite(np.asarray(o)).all()
+
+
+def test_shared_part_is_the_cascade_with_empty_suffixes():
+    """With no suffix, the full cascade (reference) gives what the shared part alone gives."""
+    glens, rg = [24, 16], [0, 1, 1, 0, 0]
+    q, kp, vp, gp, gl, rgj = shared_case(6, glens, 3, rg)
+    o, _ = grouped_shared_prefix_attention(q, kp, vp, gp, gl, rgj)
+    full = grouped_cascade_decode_attention_ref(q, kp, vp, gp, gl, rgj, jnp.zeros((5, 1), jnp.int32),
+                                                jnp.zeros((5,), jnp.int32))
+    assert_close(o.astype(jnp.float32), full.astype(jnp.float32), jnp.float32)
+
+
+def mixed_case(seed, *, s=8, dtype=jnp.float32, hq=8, hkv=2, d=64):
+    """A mixed step: 6 decode rows (4 in groups 0 / 1 of a 4-group padded table, 2 in none), then
+    2 prefill chunks; 3 padding tokens.  Returns (q [N, Hq, D], pages, the cascade meta (group rows'
+    tables hold their suffix only), the plain meta (every row's whole page list))."""
+    rng = np.random.default_rng(seed)
+    ps = 4
+    glens = [32, 24, 0, 0]  # page-aligned (the engine's guarantee); groups 2 and 3 are bucket padding
+    rg = [0, 1, -1, 0, 1, -1, -1, -1]
+    # tokens in each row's own pages (a group row's suffix holds its new token: >= 1); chunks' q_len
+    own = [1, 9, 20, s, s + 1, 2 * s, 13, 30]
+    q_lens = [1, 1, 1, 1, 1, 1, 5, 12]
+    need = [math.ceil(n / s) for n in own]
+    num_pages = 1 + len(glens) * ps + sum(need) + 2
+    ids = rng.permutation(np.arange(1, num_pages))
+    gp = ids[:len(glens) * ps].reshape(len(glens), ps).astype(np.int32)
+    valid = np.zeros((num_pages * s,), bool)
+    for gi, n in enumerate(glens):
+        fill_table(gp, valid, gi, gp[gi], n, s)
+    width = max(need) + ps
+    suf = np.zeros((len(rg), width), np.int32)
+    full = np.zeros((len(rg), width), np.int32)
+    used = len(glens) * ps
+    for r, (n, k) in enumerate(zip(own, need)):
+        fill_table(suf, valid, r, ids[used:used + k], n, s)
+        used += k
+        sh = glens[rg[r]] // s if rg[r] >= 0 else 0
+        full[r, :sh] = gp[rg[r], :sh] if sh else []
+        full[r, sh:sh + k] = suf[r, :k]
+    cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    n_tok = int(cu[-1]) + 3
+    q, kp, vp = poisoned_pool(seed, valid, b=n_tok, hq=hq, hkv=hkv, d=d, s=s, dtype=dtype)
+    q = q.at[int(cu[-1]):].set(jnp.nan)  # padding tokens must not matter
+    shared = np.asarray([glens[g] if g >= 0 else 0 for g in rg])
+    plain = kv_cache.AttnMeta(slots=None, page_table=jnp.asarray(full), q_lens=None, cu_q_lens=jnp.asarray(cu),
+                              kv_lens=jnp.asarray(np.asarray(own) + shared, jnp.int32), ragged=True)
+    casc = kv_cache.AttnMeta(slots=None, page_table=jnp.asarray(suf), q_lens=None, cu_q_lens=jnp.asarray(cu),
+                             kv_lens=jnp.asarray(own, jnp.int32), ragged=True, group_pages=jnp.asarray(gp),
+                             group_lens=jnp.asarray(glens, jnp.int32), row_group=jnp.asarray(rg, jnp.int32))
+    return q, kp, vp, casc, plain, int(cu[-1])
+
+
+@pytest.mark.parametrize("impl,dtype", [("pallas", jnp.float32), ("pallas", jnp.bfloat16), ("ref", jnp.float32)])
+def test_mixed_step_with_groups_equals_ragged_over_whole_page_lists(impl, dtype):
+    q, kp, vp, casc, plain, n = mixed_case(7, dtype=dtype)
+    out = kv_cache._attend(q[None], kp, vp, None, casc, impl)[0]
+    want = kv_cache._attend(q[None], kp, vp, None, plain, "ref")[0]
+    assert out.shape == q.shape and out.dtype == q.dtype
+    assert_close(out[:n], want[:n], dtype)
+    assert (np.asarray(out[n:], np.float32) == 0).all()  # padding tokens
+
+
+def test_mixed_step_without_group_rows_is_the_ragged_kernel():
+    """An empty group table (no shared pages) leaves the ragged kernel's result as it is."""
+    q, kp, vp, casc, plain, n = mixed_case(8)
+    empty = kv_cache.AttnMeta(slots=None, page_table=plain.page_table, q_lens=None, cu_q_lens=plain.cu_q_lens,
+                              kv_lens=plain.kv_lens, ragged=True, group_pages=jnp.zeros((4, 0), jnp.int32),
+                              group_lens=jnp.zeros((4,), jnp.int32), row_group=jnp.full((8,), -1, jnp.int32))
+    for impl in ("pallas", "ref"):
+        out = kv_cache._attend(q[None], kp, vp, None, empty, impl)[0]
+        assert_close(out[:n], kv_cache._attend(q[None], kp, vp, None, plain, "ref")[0][:n], jnp.float32)
