@@ -9,7 +9,7 @@ sessions, ``warmup``, ``close``: ``LOCKSTEP_CALLS``) to the
 other processes before making it, and they (``follow``) make the same call on their own engine.
 The engine is deterministic given its calls (a request without a seed gets one on the leader, so
 sampling agrees), so every process reaches the same device steps.  The calls travel as pickled
-bytes through ``jax.experimental.multihost_utils.broadcast_one_to_all`` (the collectives of the
+bytes through ``broadcast.py`` (``multihost_utils.broadcast_one_to_all``: the collectives of the
 mesh: NCCL on GPUs, gloo on CPUs), padded to a power-of-two size so few shapes compile.
 
 ``initialize`` starts ``jax.distributed`` (coordinator address, process count and id; or the
@@ -32,8 +32,8 @@ import secrets
 import time
 
 import jax
-import numpy as np
 
+from inferscale_jax.broadcast import broadcast_bytes, is_leader
 from inferscale_jax.config import EngineConfig
 from inferscale_jax.engine import Engine
 
@@ -56,35 +56,6 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
     jax.distributed.initialize(**kw)
     log.info("process %d of %d, %d device(s) here, %d in all", jax.process_index(), jax.process_count(),
              jax.local_device_count(), jax.device_count())
-
-
-def is_leader() -> bool:
-    return jax.process_index() == 0
-
-
-_HEAD = 1024  # bytes of the first broadcast: a 4-byte length and the start of the payload
-
-
-def _broadcast(payload: bytes | None) -> bytes:
-    """The leader's bytes, in every process (a collective: every process calls it).  One broadcast
-    of ``_HEAD`` bytes carries a call as small as ``step``'s (every device step makes one); a longer
-    payload sends its rest in a second, of a power-of-two size (one compiled broadcast per class)."""
-    from jax.experimental import multihost_utils
-
-    leader = is_leader()
-    head = np.zeros(_HEAD, np.uint8)
-    if leader:
-        data = len(payload).to_bytes(4, "little") + payload
-        head[:min(len(data), _HEAD)] = np.frombuffer(data[:_HEAD], np.uint8)
-    head = np.asarray(multihost_utils.broadcast_one_to_all(head))
-    n = int.from_bytes(head[:4].tobytes(), "little")
-    if n <= _HEAD - 4:
-        return head[4:4 + n].tobytes()
-    rest = n - (_HEAD - 4)
-    buf = np.zeros(1 << max(8, (rest - 1).bit_length()), np.uint8)
-    if leader:
-        buf[:rest] = np.frombuffer(payload[_HEAD - 4:], np.uint8)
-    return head[4:].tobytes() + np.asarray(multihost_utils.broadcast_one_to_all(buf))[:rest].tobytes()
 
 
 def lockstep_config(config: EngineConfig) -> EngineConfig:
@@ -125,7 +96,7 @@ class LockstepEngine(Engine):
                 from inferscale_jax.sampling import SamplingParams
                 kwargs = dict(kwargs, sampling=dataclasses.replace(sampling or SamplingParams(),
                                                                    seed=secrets.randbits(63)))
-        _broadcast(pickle.dumps((name, args, kwargs, self._call_time)))
+        broadcast_bytes(pickle.dumps((name, args, kwargs, self._call_time)))
         return kwargs
 
     def now(self) -> float:
@@ -181,7 +152,7 @@ def follow(engine: LockstepEngine) -> None:
     that raises here raised in the leader too (same state, same call): it is logged and skipped."""
     assert not is_leader(), "follow() runs in the processes other than 0"
     while True:
-        name, args, kwargs, engine._call_time = pickle.loads(_broadcast(None))
+        name, args, kwargs, engine._call_time = pickle.loads(broadcast_bytes(None))
         engine._depth += 1  # made as Engine's: nothing inside is broadcast
         try:
             getattr(Engine, name)(engine, *args, **kwargs)

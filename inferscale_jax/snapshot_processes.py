@@ -34,6 +34,8 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from inferscale_jax.broadcast import broadcast_bytes
+
 
 class Spread:
     """The collectives and shardings a snapshot needs across ``jax.process_count()`` processes."""
@@ -73,9 +75,7 @@ class Spread:
 
     def agree(self, obj=None):
         """The leader's ``obj`` in every process (pickled; every process calls this at the same point)."""
-        from inferscale_jax.distributed import _broadcast
-
-        return pickle.loads(_broadcast(pickle.dumps(obj) if self.leader else None))
+        return pickle.loads(broadcast_bytes(pickle.dumps(obj) if self.leader else None))
 
     def gather(self, values: list[int]) -> list[list[int]]:
         """Every process's list of unsigned 32-bit ints (CRC-32s; all lists the same length), in
