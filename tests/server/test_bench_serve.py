@@ -16,7 +16,7 @@ DIST_KEYS = {"p50", "p90", "p99", "mean", "n"}
 POINT_KEYS = {"mode", "rate", "concurrency", "requests", "completed", "errors", "error_samples", "wall_s",
               "request_throughput", "output_throughput", "ttft_ms", "itl_ms", "tpot_ms", "e2e_ms", "register_ms",
               "prompt_tokens", "cached_tokens", "completion_tokens", "cached_ratio", "tokens_per_chunk",
-              "by_kind", "compiles", "steady_output_throughput", "cpu", "client_procs"}
+              "by_kind", "compiles", "steady_output_throughput", "cpu", "client_procs", "engine_steps"}
 KIND_KEYS = {"requests", "errors", "ttft_ms", "e2e_ms", "register_ms", "prompt_tokens", "cached_tokens",
              "cached_ratio"}
 
@@ -68,6 +68,9 @@ def test_bench_serve_tiny_load(tmp_path, tmp_path_factory):
     assert isinstance(point["compiles"], int) and point["compiles"] >= 0
     assert point["steady_output_throughput"] is None  # (a Poisson point has no closed-loop window)
     assert point["cpu"]["bench"] > 0 and point["client_procs"] == 1
+    steps = point["engine_steps"]  # the server's own step counts: 4 requests of 4 tokens, 3 decode rows each
+    assert steps["steps"] >= 4 and steps["rows"] >= steps["decode_rows"] > 0 and steps["step_ms"] > 0, steps
+    assert round(steps["decode_rows"] * steps["steps"]) == 4 * 3, steps
     for key in ("ttft_ms", "itl_ms", "tpot_ms", "e2e_ms"):
         assert set(point[key]) == DIST_KEYS and ordered(point[key]), (key, point[key])
     assert point["ttft_ms"]["n"] == point["e2e_ms"]["n"] == 4
