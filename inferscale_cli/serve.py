@@ -296,10 +296,10 @@ def _uvicorn_server(app, args):
     import uvicorn
 
     from serving import UVICORN_OPTIONS
-    from serving.connections import GuardedH11Protocol
+    from serving.connections import ConnectionGuard
 
-    GuardedH11Protocol.head_timeout_s = args.head_timeout  # (the protocol class uvicorn builds per connection)
-    GuardedH11Protocol.max_per_client = args.max_connections_per_client
+    ConnectionGuard.head_timeout_s = args.head_timeout  # (the protocol classes uvicorn builds per connection)
+    ConnectionGuard.max_per_client = args.max_connections_per_client
     # log_config=None: uvicorn keeps the logging set up above (its own dictConfig would drop
     # the root handler that prints the per-request lines of ``inferscale.server``)
     quiet = "debug" if args.log_level == "debug" else "warning"  # uvicorn's own startup lines: debug only

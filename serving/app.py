@@ -58,7 +58,7 @@ from inferscale_jax.engine_rpc import AdminRequired, run_rpc
 from serving import tools
 from serving.auth import LOCAL, Principal, load_api_keys
 from serving.chat import check_template
-from serving.connections import GuardedH11Protocol
+from serving.connections import guarded_protocol
 from serving.errors import APIError, from_engine, internal_error, invalid_field, segment_not_found
 from serving.generation import chat_job, completion_job, run_job
 from serving.metrics import ServerMetrics
@@ -79,7 +79,7 @@ PARSE_OFF_LOOP_BYTES = 64 << 10  # bodies above this are parsed on a worker thre
 #   client address (connections.py).
 # The request body itself is bounded by create_app's body_timeout_s (middleware.py).
 UVICORN_OPTIONS = dict(timeout_keep_alive=5, limit_concurrency=4096, timeout_graceful_shutdown=10,
-                       http=GuardedH11Protocol)
+                       http=guarded_protocol())
 MIN_MAX_WAITING = 1024
 MAX_AUTO_WAITING = 3072
 TOKENS_PER_QUEUED_REQUEST = 256  # auto_max_waiting: a queued request's share of the pool

@@ -1,6 +1,8 @@
 """Connection guards uvicorn lacks: a deadline for each request's head, a cap per client address.
 
-``GuardedH11Protocol`` is uvicorn's h11 protocol (``UVICORN_OPTIONS["http"]``) with two rules:
+``guarded_protocol()`` is the HTTP protocol ``UVICORN_OPTIONS["http"]`` names: uvicorn's httptools
+protocol (the C parser of uvicorn's ``standard`` install, which vLLM and SGLang serve with) when
+httptools is installed, else its pure-Python h11 protocol, either with two rules (``ConnectionGuard``):
 
 1. **Head deadline.**  From the moment a connection opens, or starts a new request after a
    response, its request line and headers must arrive within ``HEAD_TIMEOUT_S``; else the
@@ -29,8 +31,10 @@ HEAD_TIMEOUT_S = 10.0
 MAX_CONNECTIONS_PER_CLIENT = 1024
 
 
-class GuardedH11Protocol(H11Protocol):
-    open_per_client: Counter = Counter()  # address -> open connections (this process)
+class ConnectionGuard:
+    """The two rules over any uvicorn HTTP protocol (both keep ``cycle``, ``client``, ``loop`` and
+    ``transport``, and call ``on_response_complete``); mixed in before the protocol class."""
+    open_per_client: Counter = Counter()  # address -> open connections (this process, every protocol)
     head_timeout_s = HEAD_TIMEOUT_S
     max_per_client = MAX_CONNECTIONS_PER_CLIENT
 
@@ -85,3 +89,20 @@ class GuardedH11Protocol(H11Protocol):
             log.info("closing a connection from %s: no complete request head within %.0f s",
                      self._address, self.head_timeout_s)
             self.transport.close()
+
+
+class GuardedH11Protocol(ConnectionGuard, H11Protocol):
+    """uvicorn's h11 (pure Python) protocol with the guards."""
+
+
+def guarded_protocol() -> type:
+    """The guarded httptools protocol when httptools is installed, else the guarded h11 one."""
+    try:
+        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+    except ImportError:  # httptools missing: uvicorn's pure-Python parser
+        return GuardedH11Protocol
+
+    class GuardedHttpToolsProtocol(ConnectionGuard, HttpToolsProtocol):
+        """uvicorn's httptools (C parser) protocol with the guards."""
+
+    return GuardedHttpToolsProtocol

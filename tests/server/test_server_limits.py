@@ -38,10 +38,11 @@ class StubAsyncEngine:
 
 
 class ThreadedServer:
-    def __init__(self, app):
+    def __init__(self, app, http=None):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning", **UVICORN_OPTIONS)
+        options = dict(UVICORN_OPTIONS, **({"http": http} if http is not None else {}))
+        config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning", **options)
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 
@@ -248,14 +249,32 @@ def _closed_within(sock, seconds: float) -> float | None:
     return time.monotonic() - t0
 
 
-def test_a_connection_withholding_its_request_head_is_closed(monkeypatch):
+def protocols():
+    """Both guarded protocols: httptools (what serve runs when httptools is installed) and h11."""
+    from serving.connections import GuardedH11Protocol, guarded_protocol
+
+    return [pytest.param(guarded_protocol(), id="default"), pytest.param(GuardedH11Protocol, id="h11")]
+
+
+def test_serve_runs_the_httptools_protocol_with_its_guards():
+    """httptools is a dependency: the server's protocol is its C parser, guarded."""
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+    from serving.connections import ConnectionGuard
+
+    assert issubclass(UVICORN_OPTIONS["http"], HttpToolsProtocol)
+    assert issubclass(UVICORN_OPTIONS["http"], ConnectionGuard)
+
+
+@pytest.mark.parametrize("http", protocols())
+def test_a_connection_withholding_its_request_head_is_closed(monkeypatch, http):
     """Slow-loris: partial headers (or none) are closed after the head deadline, while a normal
     client is served meanwhile; a kept-alive connection gets a fresh deadline per request."""
-    from serving.connections import GuardedH11Protocol
+    from serving.connections import ConnectionGuard
 
-    monkeypatch.setattr(GuardedH11Protocol, "head_timeout_s", 0.6)
+    monkeypatch.setattr(ConnectionGuard, "head_timeout_s", 0.6)
     app = create_app(StubAsyncEngine())
-    with ThreadedServer(app) as srv:
+    with ThreadedServer(app, http) as srv:
         silent = socket.create_connection(("127.0.0.1", srv.port), timeout=10)
         partial = socket.create_connection(("127.0.0.1", srv.port), timeout=10)
         partial.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")  # no blank line: the head never ends
@@ -269,12 +288,13 @@ def test_a_connection_withholding_its_request_head_is_closed(monkeypatch):
             sock.close()
 
 
-def test_connections_per_client_address_are_capped(monkeypatch):
-    from serving.connections import GuardedH11Protocol
+@pytest.mark.parametrize("http", protocols())
+def test_connections_per_client_address_are_capped(monkeypatch, http):
+    from serving.connections import ConnectionGuard  # (the count is shared by both protocols)
 
-    monkeypatch.setattr(GuardedH11Protocol, "max_per_client", 3)
+    monkeypatch.setattr(ConnectionGuard, "max_per_client", 3)
     app = create_app(StubAsyncEngine())
-    with ThreadedServer(app) as srv:
+    with ThreadedServer(app, http) as srv:
         held = [socket.create_connection(("127.0.0.1", srv.port), timeout=10) for _ in range(3)]
         time.sleep(0.2)
         extra = socket.create_connection(("127.0.0.1", srv.port), timeout=10)
@@ -289,9 +309,9 @@ def test_connections_per_client_address_are_capped(monkeypatch):
         for sock in held[1:]:
             sock.close()
         deadline = time.monotonic() + 5  # every close is counted (the count is the server's own)
-        while GuardedH11Protocol.open_per_client.get("127.0.0.1", 0) and time.monotonic() < deadline:
+        while ConnectionGuard.open_per_client.get("127.0.0.1", 0) and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert GuardedH11Protocol.open_per_client.get("127.0.0.1", 0) == 0
+        assert ConnectionGuard.open_per_client.get("127.0.0.1", 0) == 0
 
 
 def test_key_count_before_parsing_counts_keys_not_text():
