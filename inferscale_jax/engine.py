@@ -8,9 +8,11 @@ The engine is the public API (``register_segment``, ``submit``, ``step``, ``gene
 - ``kv_manager.py`` (``KVManager``): who holds which page - the page pool, the prefix cache,
   the segment store (segments and chain nodes), the tiers below HBM (``tiers.py``); admission's
   chain walk, page preparation, allocation with eviction, computing registered segments.
-- ``scheduler.py`` (``Scheduler``): what runs when - admission, node jobs, one device step per
-  iteration (decode rows and prefill chunks), preemption, finishing; it holds the KV manager
-  and the runner.
+- ``scheduler.py`` (``Scheduler``): what runs when - admission, node jobs, the plan of one
+  device step per iteration (decode rows and prefill chunks), preemption, finishing; it holds
+  the KV manager and the page tables, no runner.
+- ``step_loop.py`` (``StepLoop``): the engine-core loop - schedule, dispatch to the runner,
+  read the previous step back and apply it (the overlap), a lost step rolled back.
 - ``snapshot.py`` (``Persistence``, with ``snapshot_dir``): the registry and snapshots; it
   holds the KV manager.
 
@@ -23,7 +25,7 @@ What a request goes through here:
 2. **Admission, chain nodes and pages** (``KVManager.start``, from the scheduler): the chain
    walk, node jobs for missing chain nodes, prefix-cache hits, copy-on-write of a shared
    partial page, fresh pages for the rest (``kv_manager.py`` tells it step by step).
-3. **Compute** (``Scheduler.step``): prefill chunks and decode rows of all running requests in
+3. **Compute** (``StepLoop.step``): prefill chunks and decode rows of all running requests in
    one device step; pages that fill enter the prefix cache.
 4. **Release**: the request's page references and chain-node readers are dropped at finish.
 
@@ -55,6 +57,7 @@ from inferscale_jax.sampling import SamplingParams, request_key, tokenize_bad_wo
 from inferscale_jax.structured import GrammarCompiler
 from inferscale_jax.request import Request, RequestOutput
 from inferscale_jax.scheduler import Scheduler
+from inferscale_jax.step_loop import StepLoop
 from inferscale_jax import sessions
 from inferscale_jax.segment_updates import VersionResult, next_version
 from inferscale_jax.sessions import SessionInfo
@@ -129,8 +132,10 @@ class Engine:
         self.pool, self.prefix_cache, self.store, self.tiers = (self.kv.pool, self.kv.prefix_cache, self.kv.store,
                                                                 self.kv.tiers)
         self.persistence = Persistence(self.kv, self.model_fingerprint) if config.snapshot_dir else None
-        self.scheduler = Scheduler(self.kv, self.runner, config=config, cfg=cfg, max_batch=self.max_batch,
+        self.scheduler = Scheduler(self.kv, self.runner.tables, config=config, cfg=cfg, max_batch=self.max_batch,
+                                   max_tokens=self.runner.max_tokens,
                                    decode=functools.partial(decode_ids, tokenizer), counters=self._counters)
+        self.loop = StepLoop(self.scheduler, self.runner, self.kv, overlap=config.overlap_decode)
         if self.persistence is not None:
             self.persistence.restore()  # last: restore may compute segments on the finished engine
         freeze_heap()  # the long-lived heap out of the cyclic GC's walks (runner.freeze_heap)
@@ -528,14 +533,14 @@ class Engine:
         if self.fault is not None:
             raise self.fault
         try:
-            return self.scheduler.step()
+            return self.loop.step()
         except EngineFault:
             raise
         except Exception as err:  # noqa: BLE001 - contained here: see the docstring
             log.error("engine step failed; failing the running requests", exc_info=err)
             self.runner.check_device(err)
             outs = self.scheduler.finished_in_step()  # requests the step finished before it failed
-            outs += self.scheduler.fail_running(EngineFault(
+            outs += self.loop.fail_running(EngineFault(
                 f"internal error in an engine step ({type(err).__name__}); the requests running at that "
                 "moment failed and the engine keeps serving: retry the request"))
             try:

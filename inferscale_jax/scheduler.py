@@ -27,13 +27,15 @@
    partial page, fresh pages for the rest.  If the pool cannot hold it, the request stays
    waiting (and so do those behind it: no starvation).  At most ``max_batch`` requests run or
    wait on node jobs at once.
-3. **One device step per iteration** (``_step``): every decoding request feeds its last sampled
-   token (one row of one token each), then node jobs and prefilling requests add their next
+3. **One device step per iteration** (``schedule``): every decoding request feeds its last
+   sampled token (one row of one token each), then node jobs and prefilling requests add their next
    chunks (at most ``prefill_chunk`` tokens each) until the step's token budget
    (``EngineConfig.max_num_batched_tokens``) is spent, oldest work first.  The step is plain
    data (``runner.StepPlan``: rows with their tokens, positions and page tables, the log-prob
-   width, the cascade groups, the rows fed on the device) that ``runner.dispatch`` executes and
-   ``runner.collect`` reads back; ``_apply_all`` applies the results.  All rows go through
+   width, the cascade groups, the rows fed on the device) that the engine-core loop
+   (``step_loop.py``) hands to the runner; the scheduler holds no runner: it plans
+   (``schedule``), counts a dispatched step (``dispatched``), applies a read-back step's results
+   (``update``) and forgets a lost one (``rollback``).  All rows go through
    one ragged device step (a flat token batch, each row with its own query length), so a long
    prompt or chain node never stalls decodes: it advances one chunk per step beside them.  A
    request whose last chunk is computed samples its first output token (TTFT) from it; from
@@ -46,8 +48,8 @@
    samples feed the new one on the device), and the previous step's ids are processed while
    the device computes.  ``computed`` counts a row from its dispatch, so a prefill continues
    with its next chunk at once; pages enter the prefix cache when their step is read back, and
-   a step whose results are lost is forgotten (``computed`` rolled back) and recomputed
-   (``_lost``).
+   a step whose results are lost is forgotten (``computed`` rolled back) and recomputed, each
+   row alone (``rows_alone``).
    *Cascade*: among a step's decode rows (a pure decode step's, or a mixed step's beside its
    chunks), requests that start with the same read-only pages (one segment chain's node, or
    the same prefix-cache hits) form a group; every group of two rows or more (at most
@@ -71,6 +73,7 @@ import math
 import time
 from collections import Counter
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from inferscale_jax.buckets import MAX_GROUPS
@@ -79,7 +82,7 @@ from inferscale_jax.errors import EngineFault, PoolExhausted, RequestTooLong, Se
 from inferscale_jax.fair_queue import FairQueue
 from inferscale_jax.outputs import GenerationOutput, RequestMetrics
 from inferscale_jax.request import NodeJob, Request, RequestOutput, RequestStatus
-from inferscale_jax.runner import PendingStep, StepPlan, StepRow
+from inferscale_jax.runner import StepPlan, StepRow
 from inferscale_jax.sampling import MAX_LOGPROBS, SamplingParams
 from inferscale_jax.segments import SESSION_PREFIX, ChainNode, Segment, SegmentStore
 from inferscale_jax.tracing import RequestTrace
@@ -87,23 +90,38 @@ from models import ModelConfig
 
 if TYPE_CHECKING:
     from inferscale_jax.kv_manager import KVManager
-    from inferscale_jax.runner import ModelRunner
+    from inferscale_jax.page_tables import PageTables
 
 log = logging.getLogger("inferscale.scheduler")
 LOOKAHEAD = 8  # waiting requests considered for resident-first admission
 # cascade decode pays off once the step's groups save this many token reads per layer (the sum of
 # (rows - 1) x shared tokens, see _cascade_groups); evidence: bench/NOTES.md, "Cascade (shared-prefix) decode"
 CASCADE_MIN_SAVED_TOKENS = 16384
+SETTLE = object()  # ``schedule``'s answer when the step in flight must be read and applied first
+
+
+@dataclass
+class Planned:
+    """A step the scheduler planned: ``plan`` for the runner, and the scheduler's own view of it."""
+    plan: StepPlan
+    entries: list[tuple]  # per row: (request or node job, its row, whether it samples the request's next token)
+    decode_rows: int  # (the first rows)
+    tokens: int
+    feeds: bool  # rows read the in-flight step's sampled ids on the device (``plan.src``)
+    defer: bool  # its sampling waits until the in-flight step is applied (a constrained row is fed)
 
 
 class Scheduler:
-    def __init__(self, kv: KVManager, runner: ModelRunner, *, config: EngineConfig, cfg: ModelConfig,
-                 max_batch: int, decode: Callable[[list[int], SamplingParams], str], counters: dict):
-        """Collaborators: ``kv`` (admission, pages, node caching), ``runner`` (device steps);
-        ``decode`` turns ids into text (stop strings, final text); ``counters`` (a plain dict
-        the engine reports) gets each finished request's token counts."""
-        self.kv, self.runner, self.config, self.cfg = kv, runner, config, cfg
-        self.max_batch, self.decode, self.counters = max_batch, decode, counters
+    def __init__(self, kv: KVManager, tables: PageTables, *, config: EngineConfig, cfg: ModelConfig,
+                 max_batch: int, max_tokens: int, decode: Callable[[list[int], SamplingParams], str],
+                 counters: dict):
+        """Collaborators: ``kv`` (admission, pages, node caching); ``tables`` (the running
+        requests' page-table rows by slot, which the runner packs from); ``max_batch`` rows and
+        ``max_tokens`` tokens per step (the runner's bucket limits); ``decode`` turns ids into text
+        (stop strings, final text); ``counters`` (a plain dict the engine reports) gets each
+        finished request's token counts."""
+        self.kv, self.tables, self.config, self.cfg = kv, tables, config, cfg
+        self.max_batch, self.max_tokens, self.decode, self.counters = max_batch, max_tokens, decode, counters
         reserve = config.tenant_reserve
         # rows one tenant may hold (module docstring, 2): all of them without a reserve
         self.tenant_cap = max_batch - max(1, math.ceil(reserve * max_batch)) if reserve > 0 and max_batch > 1 \
@@ -117,9 +135,6 @@ class Scheduler:
         self.steps = self.step_rows = self.step_decode_rows = self.step_tokens = 0
         self.failed: list[RequestOutput] = []  # admission failures, reported by the next step
         self._finished: list[RequestOutput] = []  # the final outputs of the current step
-        # overlapped decode: the decode step dispatched last, not yet read, and its requests
-        # (step, [(request or node job, its row, whether the row samples the request's next token)])
-        self.inflight: tuple[PendingStep, list[tuple]] | None = None
         self.compiling: list[Request] = []  # requests whose grammar is compiling (structured.py)
 
     # -- queue ----------------------------------------------------------------------------
@@ -137,9 +152,9 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.jobs or self.compiling)
 
-    def _compiled(self) -> None:
+    def _compiled(self, idle: bool) -> None:
         """Queue the requests whose grammar finished compiling; fail those whose did not."""
-        if not self.running and not self.waiting and not self.jobs and self.inflight is None:
+        if idle and not self.running and not self.waiting and not self.jobs:
             concurrent.futures.wait([r.grammar for r in self.compiling], timeout=0.01,
                                     return_when=concurrent.futures.FIRST_COMPLETED)  # (nothing else to do)
         for req in [r for r in self.compiling if r.grammar.done()]:
@@ -153,11 +168,6 @@ class Scheduler:
             req.status = RequestStatus.WAITING
             self.waiting.append(req)
 
-    def drain(self) -> list[RequestOutput]:
-        """Read the in-flight step (if any) and apply its results."""
-        prev, self.inflight = self.inflight, None
-        return self._apply_all(prev, self.runner.collect(prev[0])) if prev is not None else []
-
     def abort(self, request_id: str) -> RequestOutput | None:
         req = self.requests.get(request_id)
         if req is None or req.status == RequestStatus.FINISHED:
@@ -168,16 +178,21 @@ class Scheduler:
             self.compiling.remove(req)
         return self._finish(req, "abort")
 
-    # -- one iteration --------------------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
-        self._finished = []  # every request this step finishes (``finished_in_step``)
+    # -- one iteration (step_loop.py drives it) --------------------------------------------
+    def admit(self, idle: bool = True) -> list[RequestOutput]:
+        """The start of an iteration: queue what finished compiling, admit waiting requests (module
+        docstring, 2); returns the outputs of requests that failed meanwhile.  ``idle``: no step
+        is in flight (then, with nothing else to do, it waits briefly on compiling grammars)."""
+        self._finished = []  # every request this iteration finishes (``finished_in_step``)
         if self.compiling:
-            self._compiled()
+            self._compiled(idle)
         self._admit()
         outs, self.failed = self.failed, []
-        if self.inflight is not None or self.running or any(j.seq is not None for j in self.jobs.values()):
-            outs += self._step()
         return outs
+
+    def has_work(self) -> bool:
+        """Whether a step has rows to plan: running requests, or node jobs with pages."""
+        return bool(self.running) or any(j.seq is not None for j in self.jobs.values())
 
     def _resident(self, req: Request) -> bool:
         store = self.kv.store
@@ -380,54 +395,30 @@ class Scheduler:
 
     def fail_running(self, err: Exception) -> list[RequestOutput]:
         """Fail every running request with ``err`` (an engine-wide fault); waiting ones stay queued."""
-        self.inflight = None  # whatever was in flight belongs to the failed requests
         outs: list[RequestOutput] = []
         for req in list(self.running):
             outs.append(self._finish(req, "error", error=err))
         return outs
 
-    def _each_alone(self, owners: list[Request | NodeJob], rows: list[StepRow],
-                    outs: list[RequestOutput]) -> list[tuple[Request | NodeJob, StepRow, object]]:
-        """Run each row as a step of its own; a row that fails fails its request (or its node
-        job's requests) only."""
-        done = []
-        for owner, row in zip(owners, rows):
-            try:
-                res = self.kv.step([row], MAX_LOGPROBS if owner.wants_logprobs else 0)
-            except Exception as one:  # noqa: BLE001 - this row's failure
-                self.runner.check_device(one)
-                self._fail(owner, one, outs)
-                continue
-            done.append((owner, row, res))
-        return done
+    def schedule(self, inflight: Planned | None) -> Planned | None | object:
+        """Plan one device step: every decoding request's next token, then prefill chunks of node
+        jobs and prefilling requests within the token budget (module docstring, 3).  Returns the
+        step (``Planned``), None when no row runs, or ``SETTLE`` when ``inflight`` (the step
+        dispatched last, not yet read) must be read and applied first (``update``) - a page
+        allocation that would need a preemption (preemption needs settled requests), or a row
+        whose bias needs its in-flight token on the host - after which the loop plans again.
 
-    def _step(self) -> list[RequestOutput]:
-        """One device step: every decoding request's next token, then prefill chunks of node jobs
-        and prefilling requests within the token budget (module docstring, 3).
-
-        Overlapped (``EngineConfig.overlap_decode``, the default): the previous step may still
-        be in flight; this step is dispatched first, a request whose token that step samples
-        being fed it straight from the device, and only then is the previous step read and
-        processed, so the host's work runs while the device computes.  ``computed`` counts a
-        row's tokens from its dispatch (so the next step continues a prefill at once); pages
-        enter the prefix cache only when their step is read back.  A request whose in-flight
-        token turns out to end it (EOS, a stop string) has one extra row computed and ignored;
-        ``max_tokens`` is known ahead and costs nothing.  Page allocation that would need a
-        preemption first drains the in-flight step (preemption needs settled requests)."""
+        A request whose token ``inflight`` samples is fed it on the device (``StepPlan.src``),
+        unless that token is its last (``max_tokens``): it gets no row.  A request whose in-flight
+        token turns out to end it (EOS, a stop string) has one extra row computed and ignored."""
         s = self.config.page_size
-        outs: list[RequestOutput] = []
-        prev = self.inflight
+        prev = inflight.entries if inflight is not None else None
         # requests whose next token the in-flight step samples: they feed it on the device
-        pend = {id(o): j for j, (o, _, samples) in enumerate(prev[1]) if samples} if prev is not None else {}
+        pend = {id(o): j for j, (o, _, samples) in enumerate(prev) if samples} if prev is not None else {}
         # ... unless that token is their last (max_tokens): they feed nothing more
-        ending = {i for i, j in pend.items() if len(prev[1][j][0].out_ids) + 1 >= prev[1][j][0].sampling.max_tokens}
-        if any(prev[1][j][0].needs_host_tail for j in pend.values()):
-            # a row's bias needs its in-flight token on the host (multi-token bad words): settle first
-            settled, lost = self._settle(prev)
-            outs += settled
-            if lost:
-                return outs
-            prev, pend, ending = None, {}, set()
+        ending = {i for i, j in pend.items() if len(prev[j][0].out_ids) + 1 >= prev[j][0].sampling.max_tokens}
+        if any(prev[j][0].needs_host_tail for j in pend.values()):
+            return SETTLE  # a row's bias needs its in-flight token on the host (multi-token bad words)
         # requests whose fed token starts a new page (the position it feeds: its last token's, or
         # the in-flight one's), oldest first: an allocation may preempt the newest
         # (the first test is the last one's bound, cheap and false for most rows: the position fed
@@ -435,32 +426,25 @@ class Scheduler:
         grow = [r for r in self.running if len(r.seq.tokens) // s >= len(r.seq.pages) and not r.prefilling
                 and id(r) not in ending and (len(r.seq.tokens) - 1 + (id(r) in pend)) // s >= len(r.seq.pages)]
         for req in sorted(grow, key=lambda r: r.arrival) if len(grow) > 1 else grow:
-            if req.status != RequestStatus.RUNNING or id(req) in ending:
+            if req.status != RequestStatus.RUNNING:
                 continue  # (preempted while making room for an older request)
             seq = req.seq
-            pos = len(seq.tokens) - 1 + (id(req) in pend)
-            if pos // s >= len(seq.pages):
-                while True:
-                    try:
-                        seq.pages += self.kv.allocate(1)
+            if (len(seq.tokens) - 1 + (id(req) in pend)) // s < len(seq.pages):
+                continue
+            while True:
+                try:
+                    seq.pages += self.kv.allocate(1)
+                    break
+                except PoolExhausted:
+                    if prev is not None:
+                        return SETTLE  # settle the in-flight step before preempting
+                    victim = max(self.running, key=lambda r: r.arrival)
+                    self._preempt(victim)
+                    if victim is req:
                         break
-                    except PoolExhausted:
-                        if prev is not None:  # settle the in-flight step before preempting
-                            settled, lost = self._settle(prev)
-                            outs += settled
-                            if lost:
-                                return outs
-                            prev, pend, ending = None, {}, set()
-                            if req.status != RequestStatus.RUNNING:
-                                break  # it finished with the drained token
-                            continue
-                        victim = max(self.running, key=lambda r: r.arrival)
-                        self._preempt(victim)
-                        if victim is req:
-                            break
         rows, owners, src = [], [], []
         prefilling = []
-        tables = self.runner.tables
+        tables = self.tables
         for req in self.running:  # decode rows first: every decoding request, one token
             if req.status != RequestStatus.RUNNING or id(req) in ending:
                 continue
@@ -478,77 +462,101 @@ class Scheduler:
             owners.append(req)
             src.append(-1 if j is None else j)
         decode_rows = len(rows)
-        budget = self.runner.max_tokens - decode_rows
+        budget = self.max_tokens - decode_rows
         for owner in self._prefill_work(prefilling):  # then chunks, oldest work first, within the budget
-            if budget <= 0 or len(rows) >= self.runner.max_batch:
+            if budget <= 0 or len(rows) >= self.max_batch:
                 break
             rows.append(self._chunk_row(owner, budget))
             owners.append(owner)
             src.append(-1)
             budget -= len(rows[-1].tokens)
-        pending, failure, defer = None, None, False
+        if not rows:
+            return None
         entries = [(o, row, isinstance(o, Request) and row.start + len(row.tokens) >= o.prefill_end)
                    for o, row in zip(owners, rows)]
-        if rows:
-            nl = MAX_LOGPROBS if any(o.wants_logprobs for o in owners) else 0
-            cascade = self._cascade_groups(owners[:decode_rows])  # (decode rows come first)
-            for gi, (_, members) in enumerate(cascade):
-                for i in members:
-                    rows[i].group = gi
-            feed = prev is not None and any(j >= 0 for j in src)
-            # a constrained row fed on the device: its mask needs the fed token applied to its
-            # grammar first, so the step's sampling waits for the in-flight step (its forward does not)
-            defer = feed and any(j >= 0 and o.grammar is not None for o, j in zip(owners, src))
-            plan = StepPlan(rows, nl, [k for k, _ in cascade], src if feed else None)
-            try:
-                pending = (self.runner.dispatch(plan, prev[0], defer_sample=True) if defer
-                           else self.runner.dispatch(plan, prev[0] if feed else None))
-            except Exception as err:  # noqa: BLE001 - settled below, request by request
-                failure = err
-            else:
-                for owner, row in zip(owners, rows):
-                    owner.seq.computed = row.start + len(row.tokens)
-                self.steps += 1
-                self.step_rows += len(rows)
-                self.step_decode_rows += decode_rows
-                self.step_tokens += self.runner.max_tokens - budget
-        if prev is not None:  # the device is busy with `pending` meanwhile
-            self.inflight = None
-            try:
-                res = self.runner.collect(prev[0])
-            except Exception as err:  # noqa: BLE001 - the previous step's results are lost
-                # `pending` was fed that step's ids: discard it too
-                return outs + self._lost(err, prev, (pending, entries) if pending is not None else None)
-            outs += self._apply_all(prev, res)
-        if failure is not None:
-            return outs + self._lost(failure)
-        if defer and pending is not None:  # the fed tokens are applied: the masks can be made
-            for owner, row, _ in entries:
-                if row.matcher is not None and owner.status != RequestStatus.RUNNING:
-                    row.matcher = None  # (ended by its fed token: this row's result is ignored)
-            try:
-                pending = self.runner.sample(pending)
-            except Exception as err:  # noqa: BLE001 - its results are lost: recompute
-                return outs + self._lost(err, (None, entries))
-        if pending is not None:
-            if not self.config.overlap_decode:
+        nl = MAX_LOGPROBS if any(o.wants_logprobs for o in owners) else 0
+        cascade = self._cascade_groups(owners[:decode_rows])  # (decode rows come first)
+        for gi, (_, members) in enumerate(cascade):
+            for i in members:
+                rows[i].group = gi
+        feeds = prev is not None and any(j >= 0 for j in src)
+        # a constrained row fed on the device: its mask needs the fed token applied to its
+        # grammar first, so the step's sampling waits for the in-flight step (its forward does not)
+        defer = feeds and any(j >= 0 and o.grammar is not None for o, j in zip(owners, src))
+        plan = StepPlan(rows, nl, [k for k, _ in cascade], src if feeds else None)
+        return Planned(plan, entries, decode_rows, self.max_tokens - budget, feeds, defer)
+
+    def dispatched(self, step: Planned) -> None:
+        """``step`` is on the device: each row counts as computed from now (the next step continues
+        a prefill at once; pages enter the prefix cache only when ``update`` reads the step)."""
+        for owner, row, _ in step.entries:
+            owner.seq.computed = row.start + len(row.tokens)
+        self.steps += 1
+        self.step_rows += len(step.entries)
+        self.step_decode_rows += step.decode_rows
+        self.step_tokens += step.tokens
+
+    def update(self, step: Planned, res) -> list[RequestOutput]:
+        """Apply a read-back step's results (``_apply``, row by row; a plain token inline)."""
+        return self._apply_all(step.entries, res)
+
+    def before_sample(self, step: Planned) -> None:
+        """A deferred step's sampling is next (its fed tokens are applied): a constrained row whose
+        request its fed token ended gets no mask (its result is ignored)."""
+        for owner, row, _ in step.entries:
+            if row.matcher is not None and owner.status != RequestStatus.RUNNING:
+                row.matcher = None
+
+    def rollback(self, *steps: Planned | None) -> None:
+        """Forget ``steps`` whose results will never be read: each request's (or node job's)
+        ``computed`` goes back to its first row in them (rerunning a position rewrites the same KV)."""
+        starts: dict[int, tuple[object, int]] = {}
+        for step in steps:
+            for owner, row, _ in (step.entries if step is not None else ()):
+                if owner.seq is not None:
+                    old = starts.get(id(owner), (owner, row.start))[1]
+                    starts[id(owner)] = (owner, min(old, row.start))
+        for owner, start in starts.values():
+            owner.seq.computed = start
+
+    def rows_alone(self) -> tuple[list[Request | NodeJob], list[StepRow]]:
+        """After a lost step: the next step's rows, each to run as a step of its own (so a row
+        that fails fails its request, or its node job's requests, only).  A decoding request whose
+        fed position has no page gets one, or is preempted (recomputed later, same output)."""
+        s = self.config.page_size
+        decoding = sorted((r for r in self.running if not r.prefilling and r.status == RequestStatus.RUNNING),
+                          key=lambda r: r.arrival)
+        for req in list(decoding):  # the page of the position each one feeds (a failed step may not have it)
+            if (len(req.seq.tokens) - 1) // s >= len(req.seq.pages):
                 try:
-                    res = self.runner.collect(pending)
-                except Exception as err:  # noqa: BLE001 - its results are lost: recompute
-                    return outs + self._lost(err, (pending, entries))
-                return outs + self._apply_all((pending, entries), res)
-            self.inflight = (pending, entries)
+                    req.seq.pages += self.kv.allocate(1)
+                except PoolExhausted:
+                    self._preempt(req)  # recomputed later, same output
+                    decoding.remove(req)
+        owners: list[Request | NodeJob] = list(decoding)
+        rows = [r.row([r.seq.tokens[-1]], len(r.seq.tokens) - 1) for r in decoding]
+        for owner in self._prefill_work([r for r in self.running if r.prefilling and r.status == RequestStatus.RUNNING]):
+            rows.append(self._chunk_row(owner))
+            owners.append(owner)
+        return owners, rows
+
+    def apply_alone(self, done: list[tuple[Request | NodeJob, StepRow, object]]) -> list[RequestOutput]:
+        """Apply the rows ``rows_alone`` planned that ran (owner, row, result)."""
+        if self.kv.debug_checks:
+            self.kv.check_invariants()
+        outs: list[RequestOutput] = []
+        for owner, row, res in done:
+            if owner.seq is None:
+                continue  # (a node job dropped by an earlier row's failure)
+            owner.seq.computed = row.start + len(row.tokens)
+            outs += self._apply(owner, row, res, 0)
         return outs
 
-    def _settle(self, prev) -> tuple[list[RequestOutput], bool]:
-        """Read the in-flight step ``prev`` now and apply it: (its outputs, whether its results
-        were lost - then the outputs are ``_lost``'s and the step must end)."""
-        self.inflight = None
-        try:
-            res = self.runner.collect(prev[0])
-        except Exception as err:  # noqa: BLE001 - its results are lost: recompute
-            return self._lost(err, prev), True
-        return self._apply_all(prev, res), False
+    def fail(self, owner: Request | NodeJob, err: Exception) -> list[RequestOutput]:
+        """Fail one request (or a node job's requests) with ``err``: their outputs."""
+        outs: list[RequestOutput] = []
+        self._fail(owner, err, outs)
+        return outs
 
     def _prefill_work(self, prefilling: list[Request]) -> list[Request | NodeJob]:
         """What has prompt tokens left to compute, in order: node jobs with pages, then the
@@ -566,49 +574,8 @@ class Scheduler:
             owner.trace.chunk(take, seq.computed)
         return owner.row(seq.tokens[seq.computed:seq.computed + take], seq.computed)
 
-    def _lost(self, err: Exception, *steps) -> list[RequestOutput]:
-        """A step failed (``err``) or its results were lost: forget the ``steps`` whose results
-        will never be read (each request's ``computed`` goes back to its first row in them;
-        rerunning a position rewrites the same KV), then run every row of the next step alone,
-        failing only the requests (or node jobs) whose row fails."""
-        self.inflight = None
-        starts: dict[int, tuple[object, int]] = {}
-        for step in steps:
-            for owner, row, _ in (step[1] if step is not None else ()):
-                if owner.seq is not None:
-                    old = starts.get(id(owner), (owner, row.start))[1]
-                    starts[id(owner)] = (owner, min(old, row.start))
-        for owner, start in starts.values():
-            owner.seq.computed = start
-        self.runner.check_device(err)
-        s = self.config.page_size
-        decoding = sorted((r for r in self.running if not r.prefilling and r.status == RequestStatus.RUNNING),
-                          key=lambda r: r.arrival)
-        for req in list(decoding):  # the page of the position each one feeds (a failed step may not have it)
-            if (len(req.seq.tokens) - 1) // s >= len(req.seq.pages):
-                try:
-                    req.seq.pages += self.kv.allocate(1)
-                except PoolExhausted:
-                    self._preempt(req)  # recomputed later, same output
-                    decoding.remove(req)
-        owners: list[Request | NodeJob] = list(decoding)
-        rows = [r.row([r.seq.tokens[-1]], len(r.seq.tokens) - 1) for r in decoding]
-        for owner in self._prefill_work([r for r in self.running if r.prefilling and r.status == RequestStatus.RUNNING]):
-            rows.append(self._chunk_row(owner))
-            owners.append(owner)
-        log.warning("a step failed (%s: %s); running the %d rows of the next one one at a time",
-                    type(err).__name__, err, len(rows))
-        outs: list[RequestOutput] = []
-        for owner, row, res in self._each_alone(owners, rows, outs):
-            if owner.seq is None:
-                continue  # (a node job dropped by an earlier row's failure)
-            owner.seq.computed = row.start + len(row.tokens)
-            outs += self._apply(owner, row, res, 0)
-        return outs
-
-    def _apply_all(self, step, res) -> list[RequestOutput]:
+    def _apply_all(self, entries: list[tuple], res) -> list[RequestOutput]:
         """Apply each row's result of a read-back step (``_apply``)."""
-        _, entries = step
         if self.kv.debug_checks:
             self.kv.check_invariants()
         outs = []
@@ -753,7 +720,7 @@ class Scheduler:
             self.kv.release(req.seq.pages)
             req.seq = None
         if req.slot >= 0:
-            self.runner.tables.remove(req.slot)
+            self.tables.remove(req.slot)
             req.slot = -1
         for node in req.nodes:
             node.readers -= 1

@@ -71,7 +71,7 @@ def main() -> None:
                           prefill_chunk=512, max_num_batched_tokens=max(2048, 2 * args.concurrency))
     engine = Engine(init_params(cfg, jax.random.PRNGKey(0), scale=0.5), cfg, None, config)
     fake = HostOnlyRunner(engine.runner)
-    engine.runner = engine.kv.runner = engine.tiers.runner = engine.scheduler.runner = fake
+    engine.runner = engine.kv.runner = engine.tiers.runner = engine.loop.runner = fake
     submit = closed_loop_clients(engine, args)
 
     for _ in range(args.concurrency):

@@ -13,7 +13,7 @@ from tests.support.tiny_engine import CFG, assert_only_nodes_hold_pages, make_en
 def fake_engine(**kw):
     e = make_engine(**kw)
     fake = FakeRunner(e.runner)  # every part that runs steps gets it (they share one runner)
-    e.runner = e.kv.runner = e.tiers.runner = e.scheduler.runner = fake
+    e.runner = e.kv.runner = e.tiers.runner = e.loop.runner = fake
     return e
 
 

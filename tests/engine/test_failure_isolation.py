@@ -68,7 +68,7 @@ def test_segment_replaced_before_admission_is_not_found_and_preempted_requests_c
     r2 = e.submit(prompt_token_ids=P1, segments=["a"], tenant="t1", sampling=GREEDY)
     e.step()
     req = e.scheduler.requests[r2]
-    e.scheduler.drain()  # settle the in-flight decode step, as the scheduler does before preempting
+    e.loop.drain()  # settle the in-flight decode step, as the scheduler does before preempting
     e.scheduler._preempt(req)
     e.delete_segment("a", tenant="t1")
     assert _run(e, [r2])[r2].token_ids == _solo(P1, [SEG_B])

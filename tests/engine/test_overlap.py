@@ -51,8 +51,8 @@ def test_overlap_equals_sync_on_mixed_and_stopping_requests():
     reasons = [o.finish_reason for o in over]
     assert reasons.count("stop") >= 3 and "length" in reasons  # both end paths were taken
     assert_only_nodes_hold_pages(engine)  # the ignored rows of stopped requests leaked nothing
-    assert engine.scheduler.inflight is None or all(
-        o.status == "finished" for o, _, _ in engine.scheduler.inflight[1])
+    assert engine.loop.inflight is None or all(
+        o.status == "finished" for o, _, _ in engine.loop.inflight[1].entries)
 
 
 def test_overlap_with_preemption_matches_sync():
@@ -80,9 +80,9 @@ def test_abort_while_a_step_is_in_flight_frees_pages_at_once():
     engine = make_engine(pages=64)
     free0 = engine.pool.num_free
     ids = [engine.submit(**r) for r in reqs]
-    while engine.scheduler.inflight is None:
+    while engine.loop.inflight is None:
         engine.step()
-    assert ids[1] in {o.id for o, _, _ in engine.scheduler.inflight[1]}
+    assert ids[1] in {o.id for o, _, _ in engine.loop.inflight[1].entries}
     before = engine.pool.num_free
     out = engine.abort(ids[1])
     assert out.finished and out.output.finish_reason == "abort"

@@ -1,0 +1,147 @@
+"""The engine-core loop: schedule -> dispatch -> collect -> update, and the overlap state.
+
+The scheduler (``scheduler.py``) only plans: it holds requests, pages and page-table slots, and
+no runner.  ``StepLoop.step`` runs one iteration over it and the runner (``runner.py``):
+
+1. ``Scheduler.admit``: admission and requests that failed meanwhile.
+2. ``Scheduler.schedule(inflight)``: the next step as plain data (``Planned``: the runner's
+   ``StepPlan`` and the scheduler's rows).  ``inflight`` is the step dispatched last and not yet
+   read; a request whose token it samples is fed that token on the device.  When the plan needs
+   the in-flight step settled first (a preemption, a row whose bias needs its token on the host),
+   the answer is ``SETTLE``: the loop reads and applies that step, then plans again.
+3. ``runner.dispatch``: the step starts on the device (``Scheduler.dispatched`` counts its rows
+   as computed).
+4. The previous step is read (``runner.collect``) and applied (``Scheduler.update``) while the
+   device computes the new one: the host's work overlaps the device's.  A deferred step (a
+   constrained row fed on the device) samples only now, its grammar masks made from the applied
+   tokens (``Scheduler.before_sample``, ``runner.sample``).
+5. The new step stays in flight (``inflight``) for the next iteration; with
+   ``EngineConfig.overlap_decode`` off it is read at once.
+
+A step whose results are lost (its dispatch, read or sampling raised) is forgotten
+(``Scheduler.rollback``), the device is checked (``runner.check_device`` raises ``EngineFault`` for
+a lost device), and the next step's rows run one at a time (``Scheduler.rows_alone``), so a row
+that fails fails only its request or its node job's requests.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+from inferscale_jax.request import RequestOutput
+from inferscale_jax.runner import PendingStep
+from inferscale_jax.sampling import MAX_LOGPROBS
+from inferscale_jax.scheduler import SETTLE, Planned, Scheduler
+
+if TYPE_CHECKING:
+    from inferscale_jax.kv_manager import KVManager
+    from inferscale_jax.runner import ModelRunner
+
+log = logging.getLogger("inferscale.scheduler")
+
+
+class StepLoop:
+    def __init__(self, scheduler: Scheduler, runner: ModelRunner, kv: KVManager, *, overlap: bool) -> None:
+        """``kv``: only for its ``step`` (a row run alone after a lost step, with the page checks)."""
+        self.scheduler, self.runner, self.kv, self.overlap = scheduler, runner, kv, overlap
+        self.inflight: tuple[PendingStep, Planned] | None = None  # dispatched, not yet read
+
+    def step(self) -> list[RequestOutput]:
+        """One iteration: admit, then one device step of decode rows and prefill chunks."""
+        sched = self.scheduler
+        outs = sched.admit(idle=self.inflight is None)
+        if self.inflight is not None or sched.has_work():
+            outs += self._step()
+        return outs
+
+    def drain(self) -> list[RequestOutput]:
+        """Read the in-flight step (if any) and apply its results."""
+        prev, self.inflight = self.inflight, None
+        return self.scheduler.update(prev[1], self.runner.collect(prev[0])) if prev is not None else []
+
+    def fail_running(self, err: Exception) -> list[RequestOutput]:
+        """An engine-wide fault: the in-flight step belongs to the running requests, which fail."""
+        self.inflight = None
+        return self.scheduler.fail_running(err)
+
+    def _step(self) -> list[RequestOutput]:
+        sched, runner = self.scheduler, self.runner
+        outs: list[RequestOutput] = []
+        while True:
+            planned = sched.schedule(self.inflight[1] if self.inflight is not None else None)
+            if planned is not SETTLE:
+                break
+            settled, lost = self._settle()
+            outs += settled
+            if lost:
+                return outs
+        prev, pending, failure = self.inflight, None, None
+        if planned is not None:
+            try:
+                if planned.defer:
+                    pending = runner.dispatch(planned.plan, prev[0], defer_sample=True)
+                else:
+                    pending = runner.dispatch(planned.plan, prev[0] if planned.feeds else None)
+            except Exception as err:  # noqa: BLE001 - settled below, request by request
+                failure = err
+            else:
+                sched.dispatched(planned)
+        if prev is not None:  # the device is busy with `pending` meanwhile
+            self.inflight = None
+            try:
+                res = runner.collect(prev[0])
+            except Exception as err:  # noqa: BLE001 - the previous step's results are lost
+                # `pending` was fed that step's ids: discard it too
+                return outs + self._lost(err, prev[1], planned if pending is not None else None)
+            outs += sched.update(prev[1], res)
+        if failure is not None:
+            return outs + self._lost(failure)
+        if pending is None:
+            return outs
+        if planned.defer:  # the fed tokens are applied: the masks can be made
+            sched.before_sample(planned)
+            try:
+                pending = runner.sample(pending)
+            except Exception as err:  # noqa: BLE001 - its results are lost: recompute
+                return outs + self._lost(err, planned)
+        if not self.overlap:
+            try:
+                res = runner.collect(pending)
+            except Exception as err:  # noqa: BLE001 - its results are lost: recompute
+                return outs + self._lost(err, planned)
+            return outs + sched.update(planned, res)
+        self.inflight = (pending, planned)
+        return outs
+
+    def _settle(self) -> tuple[list[RequestOutput], bool]:
+        """Read the in-flight step now and apply it: (its outputs, whether its results were lost -
+        then the outputs are ``_lost``'s and the iteration ends)."""
+        prev, self.inflight = self.inflight, None
+        try:
+            res = self.runner.collect(prev[0])
+        except Exception as err:  # noqa: BLE001 - its results are lost: recompute
+            return self._lost(err, prev[1]), True
+        return self.scheduler.update(prev[1], res), False
+
+    def _lost(self, err: Exception, *steps: Planned | None) -> list[RequestOutput]:
+        """``steps`` failed (``err``) or their results were lost: forget them, then run every row
+        of the next step alone, failing only the requests (or node jobs) whose row fails."""
+        self.inflight = None
+        sched = self.scheduler
+        sched.rollback(*steps)
+        self.runner.check_device(err)
+        owners, rows = sched.rows_alone()
+        log.warning("a step failed (%s: %s); running the %d rows of the next one one at a time",
+                    type(err).__name__, err, len(rows))
+        outs: list[RequestOutput] = []
+        done = []
+        for owner, row in zip(owners, rows):
+            try:
+                res = self.kv.step([row], MAX_LOGPROBS if owner.wants_logprobs else 0)
+            except Exception as one:  # noqa: BLE001 - this row's failure
+                self.runner.check_device(one)
+                outs += sched.fail(owner, one)
+                continue
+            done.append((owner, row, res))
+        return outs + sched.apply_alone(done)

@@ -1,0 +1,149 @@
+"""The scheduler alone: it plans steps over a page pool and applies results made here by hand -
+no model, no runner, no device step (``scheduler.py``: ``schedule`` / ``dispatched`` / ``update``
+/ ``rollback``).  The engine-core loop that hands its plans to a runner is ``step_loop.py``; the
+page manager below gets only a small page pool's arrays (its tiers read their shapes)."""
+
+from types import SimpleNamespace
+
+import jax.numpy as jnp
+import numpy as np
+
+from inferscale_jax import EngineConfig, SamplingParams
+from inferscale_jax.kv_cache import PagedKVCache
+from inferscale_jax.kv_manager import KVManager
+from inferscale_jax.page_tables import PageTables
+from inferscale_jax.request import Request, RequestStatus
+from inferscale_jax.runner import StepResult
+from inferscale_jax.scheduler import SETTLE, Scheduler
+from tests.support.tiny_engine import CFG, S
+
+
+def make(pages=32, max_batch=4, max_tokens=64):
+    config = EngineConfig(dtype="float32", page_size=S, hbm_pages=pages, prefill_chunk=16)
+    arrays = SimpleNamespace(cache=PagedKVCache.create(CFG, pages, S, jnp.float32))
+    kv = KVManager(config, CFG, arrays, jnp.float32, num_pages=pages, fingerprint="seam", bos_prefix=[])
+    kv.debug_checks = True  # page accounting checked at every update
+    counters = dict(requests=0, prompt_tokens=0, cached_tokens=0, generated_tokens=0, segment_tokens_computed=0)
+    sched = Scheduler(kv, PageTables(max_batch, 16), config=config, cfg=CFG, max_batch=max_batch,
+                      max_tokens=max_tokens, decode=lambda ids, sp: " ".join(map(str, ids)), counters=counters)
+    assert not hasattr(sched, "runner")
+    return sched
+
+
+def add(sched, rid, prompt_len, max_tokens, first=1):
+    req = Request(rid, "t", list(range(first, first + prompt_len)), [],
+                  SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True), "exact",
+                  np.zeros(2, np.uint32), float(len(sched.requests)))
+    sched.add(req)
+    return req
+
+
+def result(step, tokens):
+    """A read-back step made by hand: ``tokens[i]`` sampled for row i."""
+    n = len(step.entries)
+    assert len(tokens) == n
+    return StepResult(np.asarray(tokens, np.int32), np.zeros(n, np.float32), np.zeros((n, 0), np.int32),
+                      np.zeros((n, 0), np.float32))
+
+
+def rows(step):
+    return [(list(r.tokens), r.start) for r in step.plan.rows]
+
+
+def test_a_request_is_planned_chunk_by_chunk_then_decoded_and_released():
+    sched = make()
+    free0 = sched.kv.pool.num_free
+    req = add(sched, "a", 20, max_tokens=3)
+    assert sched.admit() == [] and req.status == RequestStatus.RUNNING
+    assert len(req.seq.pages) == 3 and req.prefill_end == 20
+
+    a = sched.schedule(None)  # the first chunk: prefill_chunk tokens, no sample
+    assert rows(a) == [(list(range(1, 17)), 0)] and a.decode_rows == 0 and a.tokens == 16
+    assert [samples for _, _, samples in a.entries] == [False] and a.plan.src is None
+    sched.dispatched(a)
+    assert req.seq.computed == 16
+    assert sched.update(a, result(a, [99])) == []  # (a chunk that samples nothing: its id is ignored)
+
+    b = sched.schedule(None)  # the rest of the prompt samples the first token
+    assert rows(b) == [(list(range(17, 21)), 16)] and b.entries[0][2]
+    sched.dispatched(b)
+    [out] = sched.update(b, result(b, [42]))
+    assert out.new_token_ids == [42] and not out.finished and req.ttft_s is not None
+
+    c = sched.schedule(None)  # a decode row: the sampled token at its position, a page-table slot
+    assert rows(c) == [([42], 20)] and c.decode_rows == 1 and req.slot >= 0
+    assert c.plan.rows[0].slot == req.slot and sched.tables.free == 3  # (the runner writes the row as it packs)
+    sched.dispatched(c)
+    assert sched.update(c, result(c, [43]))[0].new_token_ids == [43]
+
+    d = sched.schedule(None)
+    assert rows(d) == [([43], 21)]
+    sched.dispatched(d)
+    [last] = sched.update(d, result(d, [44]))
+    assert last.finished and last.output.token_ids == [42, 43, 44] and last.output.finish_reason == "length"
+    assert last.output.text == "42 43 44" and req.status == RequestStatus.FINISHED
+    assert not sched.running and not sched.has_unfinished() and sched.tables.free == 4
+    assert sched.steps == 4 and sched.step_tokens == 16 + 4 + 1 + 1 and sched.step_decode_rows == 2
+    assert sched.counters["generated_tokens"] == 3 and sched.counters["prompt_tokens"] == 20
+    # its pages are free again (its two full ones kept in the prefix cache, evictable)
+    assert sched.kv.pool.num_free == free0 and len(sched.kv.prefix_cache) == 2
+    assert sched.schedule(None) is None
+
+
+def test_a_token_in_flight_is_fed_on_the_device_and_applied_in_order():
+    sched = make()
+    req = add(sched, "a", 8, max_tokens=4)
+    sched.admit()
+    a = sched.schedule(None)
+    sched.dispatched(a)  # in flight: it samples the first token
+    b = sched.schedule(a)  # planned before `a` is read: the request feeds a's sample
+    assert rows(b) == [([0], 8)] and b.feeds and b.plan.src == [0] and b.plan.rows[0].sample_step == 1
+    sched.dispatched(b)
+    assert req.seq.computed == 9
+    assert sched.update(a, result(a, [7]))[0].new_token_ids == [7]
+    assert sched.update(b, result(b, [8]))[0].new_token_ids == [8]
+    assert req.seq.tokens == list(range(1, 9)) + [7, 8] and req.out_ids == [7, 8]
+
+
+def test_a_token_known_to_be_the_last_gets_no_row():
+    sched = make()
+    add(sched, "a", 8, max_tokens=1)
+    sched.admit()
+    a = sched.schedule(None)
+    sched.dispatched(a)
+    assert sched.schedule(a) is None  # max_tokens is reached by the in-flight token: nothing to feed
+    [out] = sched.update(a, result(a, [5]))
+    assert out.finished and out.output.token_ids == [5]
+
+
+def test_a_lost_step_is_rolled_back_and_its_rows_rerun_alone():
+    sched = make()
+    req = add(sched, "a", 20, max_tokens=4)
+    sched.admit()
+    a = sched.schedule(None)
+    sched.dispatched(a)
+    b = sched.schedule(a)  # the prompt's rest, planned while `a` is in flight
+    assert rows(b) == [(list(range(17, 21)), 16)]
+    sched.dispatched(b)
+    assert req.seq.computed == 20
+    sched.rollback(a, b)  # neither result will be read: back to the first row's start
+    assert req.seq.computed == 0
+    owners, alone = sched.rows_alone()
+    assert owners == [req] and [(list(r.tokens), r.start) for r in alone] == [(list(range(1, 17)), 0)]
+    assert sched.apply_alone([(req, alone[0], None)]) == [] and req.seq.computed == 16
+
+
+def test_a_preemption_waits_for_the_step_in_flight_then_takes_the_newest():
+    sched = make(pages=3)  # two usable pages: one per 8-token prompt, none for the next token
+    old, new = add(sched, "old", 8, 4), add(sched, "new", 8, 4, first=20)
+    sched.admit()
+    a = sched.schedule(None)
+    assert rows(a) == [(list(range(1, 9)), 0), (list(range(20, 28)), 0)]
+    sched.dispatched(a)
+    assert sched.schedule(a) is SETTLE  # both need a page and a preemption needs settled requests
+    outs = sched.update(a, result(a, [5, 6]))
+    assert [o.new_token_ids for o in outs] == [[5], [6]]
+    b = sched.schedule(None)  # the newest is preempted; the oldest decodes in its page
+    assert rows(b) == [([5], 8)] and b.entries[0][0] is old
+    assert new.status == RequestStatus.WAITING and new.seq is None and sched.preemptions == 1
+    assert new.out_ids == [6]  # (kept: recomputed from its prompt and output when re-admitted)
