@@ -106,6 +106,6 @@ def blend(runner, tokens: list[int], positions: list[int], pages: list[int], kv_
     tok_r[0, :k] = tok_p[0, chosen]
     pos_r[0, :k] = pos[chosen]
     slot_r[:k] = slots[chosen]
-    runner.cache = recompute_tokens(runner.params, runner.cfg, runner.cache, tok_r, pos_r, slot_r, table,
-                                    np.asarray([kv_len], np.int32))
+    runner.write(lambda cache: recompute_tokens(runner.params, runner.cfg, cache, tok_r, pos_r, slot_r, table,
+                                                np.asarray([kv_len], np.int32)))
     return k

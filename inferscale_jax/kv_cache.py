@@ -63,7 +63,7 @@ from pallas_kernels.cascade_attention import (grouped_cascade_decode_attention,
                                               grouped_shared_prefix_attention_ref, merge_lse)
 from pallas_kernels.decode_attention import paged_decode_attention, paged_decode_attention_ref
 from pallas_kernels.kv_write import write_kv, write_kv_pallas, write_kv_quantized, write_kv_quantized_pallas
-from pallas_kernels.quant import SCALE_BYTES, dequantize_pages, is_quantized
+from pallas_kernels.quant import SCALE_BYTES, dequantize_pages, is_quantized, pack_block, unpack_block
 from pallas_kernels.ragged_attention import ragged_paged_attention, ragged_paged_attention_ref
 from pallas_kernels.splice import splice_kv, splice_kv_ref
 from pallas_kernels.splice_quantized import splice_kv_quantized, splice_kv_quantized_ref
@@ -321,3 +321,32 @@ def page_bytes(cfg: ModelConfig, page_size: int, dtype) -> int:
     their scale (``pallas_kernels/quant.py``)."""
     row = cfg.head_dim + SCALE_BYTES if is_quantized(dtype) else cfg.head_dim * jnp.dtype(dtype).itemsize
     return 2 * cfg.num_layers * cfg.num_kv_heads * page_size * row
+
+
+@functools.partial(jax.jit, static_argnames=("rep",))
+def gather_pages(cache: PagedKVCache, pages: jax.Array, rep: int = 1) -> jax.Array:
+    """pages [n] int32 -> [L, 2, Hkv, n, S, D]: every layer's K and V of those pages.  ``rep`` > 1:
+    the pool repeats each real kv head ``rep`` times (tensor parallelism, sharding.py): one copy.
+    Quantized pages: [L, 2, Hkv, n, S, D + 4] uint8, each row's scale appended (quant.pack_block)."""
+    if cache.quantized:
+        return jnp.stack([jnp.stack([pack_block(k[::rep, pages], ks[::rep, pages]),
+                                     pack_block(v[::rep, pages], vs[::rep, pages])])
+                          for k, v, ks, vs in zip(cache.k, cache.v, cache.k_scale, cache.v_scale)])
+    return jnp.stack([jnp.stack([k[::rep, pages], v[::rep, pages]]) for k, v in zip(cache.k, cache.v)])
+
+
+@functools.partial(jax.jit, donate_argnames=("cache",), static_argnames=("rep",))
+def scatter_pages(cache: PagedKVCache, kv: jax.Array, pages: jax.Array, rep: int = 1) -> PagedKVCache:
+    """Write kv [L, 2, Hkv, n, S, D] into pages [n] int32 (each kv head ``rep`` times); ids outside the
+    pool are dropped."""
+    grow = (lambda x: jnp.repeat(x, rep, axis=0)) if rep > 1 else (lambda x: x)  # noqa: E731
+    if cache.quantized:
+        out: list[list] = [[], [], [], []]
+        for i, (k, v, ks, vs) in enumerate(zip(cache.k, cache.v, cache.k_scale, cache.v_scale)):
+            (kq, kss), (vq, vss) = unpack_block(kv[i, 0], k.dtype), unpack_block(kv[i, 1], v.dtype)
+            for j, (arr, new) in enumerate(((k, kq), (v, vq), (ks, kss), (vs, vss))):
+                out[j].append(arr.at[:, pages].set(grow(new), mode="drop"))
+        return cache.with_pages(*out)
+    ks = [k.at[:, pages].set(grow(kv[i, 0]), mode="drop") for i, k in enumerate(cache.k)]
+    vs = [v.at[:, pages].set(grow(kv[i, 1]), mode="drop") for i, v in enumerate(cache.v)]
+    return cache.with_pages(ks, vs)

@@ -780,6 +780,16 @@ class ModelRunner:
                 bias_vals[i, :len(r.bias[1])] = r.bias[1]
         return gen, prompt, params, bias_ids, bias_vals
 
+    def write(self, fn, *args) -> None:
+        """``self.cache = fn(self.cache, *args)``: a write to the page pool's arrays by another part
+        (a tier promotion's scatter, blend's recompute).  The runner is their only writer: its own
+        steps, copies and splices, and the writes handed to it here (tests/core/test_cache_writer.py)."""
+        self.cache = fn(self.cache, *args)
+
+    def place(self, sharding) -> None:
+        """Commit the page pool's arrays to ``sharding`` (``jax.device_put`` aliases: no copy)."""
+        self.cache = jax.device_put(self.cache, sharding)
+
     def copy_pages(self, src: list[int], dst: list[int]) -> None:
         """Copy whole pages src[i] -> dst[i] in every layer (copy-on-write; exact)."""
         s = self.page_size

@@ -23,7 +23,7 @@ The KV pool's ``[Hkv, P, S, D]`` layer arrays are split on kv heads.  When N exc
 (``layout_config``) has N kv heads whose k/v projections repeat the real ones (``expand_kv``), so
 device i holds kv head ``i // (N / Hkv)`` - the one its q heads read - and attention is unchanged.
 The pool then holds N / Hkv copies of each head (one per device); the tiers and snapshots keep the
-real heads only (``tiers.gather_pages`` takes one copy, ``scatter_pages`` repeats it), so their
+real heads only (``kv_cache.gather_pages`` takes one copy, ``scatter_pages`` repeats it), so their
 layout does not depend on N.  Page tables, slots and every per-step input are replicated.
 """
 

@@ -48,7 +48,6 @@ disk read + transfer) and host -> device bandwidth (bytes / transfer time).
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 import os
 import shutil
@@ -64,11 +63,11 @@ import xxhash
 from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 
 from inferscale_jax.errors import StorageError
-from inferscale_jax.kv_cache import PagedKVCache, page_bytes
+from inferscale_jax.kv_cache import gather_pages, page_bytes, scatter_pages
 from inferscale_jax.prefix_cache import root_hash
 from inferscale_jax.registry import storage_error
 from inferscale_jax.segments import ChainNode, Segment, SegmentStore, is_literal
-from pallas_kernels.quant import SCALE_BYTES, pack_block, unpack_block
+from pallas_kernels.quant import SCALE_BYTES
 
 if TYPE_CHECKING:
     from inferscale_jax.config import EngineConfig
@@ -99,35 +98,6 @@ def page_bucket(n: int) -> int:
         return 1 << max(0, n - 1).bit_length()
     step = 1 << (n.bit_length() - 4)
     return -(-n // step) * step
-
-
-@functools.partial(jax.jit, static_argnames=("rep",))
-def gather_pages(cache: PagedKVCache, pages: jax.Array, rep: int = 1) -> jax.Array:
-    """pages [n] int32 -> [L, 2, Hkv, n, S, D]: every layer's K and V of those pages.  ``rep`` > 1:
-    the pool repeats each real kv head ``rep`` times (tensor parallelism, sharding.py): one copy.
-    Quantized pages: [L, 2, Hkv, n, S, D + 4] uint8, each row's scale appended (quant.pack_block)."""
-    if cache.quantized:
-        return jnp.stack([jnp.stack([pack_block(k[::rep, pages], ks[::rep, pages]),
-                                     pack_block(v[::rep, pages], vs[::rep, pages])])
-                          for k, v, ks, vs in zip(cache.k, cache.v, cache.k_scale, cache.v_scale)])
-    return jnp.stack([jnp.stack([k[::rep, pages], v[::rep, pages]]) for k, v in zip(cache.k, cache.v)])
-
-
-@functools.partial(jax.jit, donate_argnames=("cache",), static_argnames=("rep",))
-def scatter_pages(cache: PagedKVCache, kv: jax.Array, pages: jax.Array, rep: int = 1) -> PagedKVCache:
-    """Write kv [L, 2, Hkv, n, S, D] into pages [n] int32 (each kv head ``rep`` times); ids outside the
-    pool are dropped."""
-    grow = (lambda x: jnp.repeat(x, rep, axis=0)) if rep > 1 else (lambda x: x)  # noqa: E731
-    if cache.quantized:
-        out: list[list] = [[], [], [], []]
-        for i, (k, v, ks, vs) in enumerate(zip(cache.k, cache.v, cache.k_scale, cache.v_scale)):
-            (kq, kss), (vq, vss) = unpack_block(kv[i, 0], k.dtype), unpack_block(kv[i, 1], v.dtype)
-            for j, (arr, new) in enumerate(((k, kq), (v, vq), (ks, kss), (vs, vss))):
-                out[j].append(arr.at[:, pages].set(grow(new), mode="drop"))
-        return cache.with_pages(*out)
-    ks = [k.at[:, pages].set(grow(kv[i, 0]), mode="drop") for i, k in enumerate(cache.k)]
-    vs = [v.at[:, pages].set(grow(kv[i, 1]), mode="drop") for i, v in enumerate(cache.v)]
-    return cache.with_pages(ks, vs)
 
 
 def pinned_host_sharding(device) -> SingleDeviceSharding | None:
@@ -174,7 +144,7 @@ class Tiers:
             # Commit the pool to its device once (device_put aliases: no copy).  Promotions bring arrays
             # with an explicit sharding (committed); a cache that turned from uncommitted to committed
             # on the first promotion would recompile every jitted step that takes it.
-            runner.cache = jax.device_put(cache, self.device_sharding)
+            runner.place(self.device_sharding)
         else:  # tensor parallel: a block [L, 2, Hkv, n, S, D] is split on kv heads like the pool (replicated
             # when the pool repeats fewer real heads than devices)
             spec = PartitionSpec(None, None, "tp") if cache.k[0].shape[0] == cfg.num_kv_heads else PartitionSpec()
@@ -427,7 +397,7 @@ class Tiers:
         t2 = time.perf_counter()
         padded = np.full(page_bucket(len(pages)), self.runner.cache.num_pages, np.int32)  # padding: dropped
         padded[:len(pages)] = pages
-        self.runner.cache = scatter_pages(self.runner.cache, dev, jnp.asarray(padded), self.rep)
+        self.runner.write(scatter_pages, dev, jnp.asarray(padded), self.rep)
         node = ChainNode(seg.namespace, (seg.uid,), num_tokens, pages)
         self.store.add_node(node)
         for h, page in zip(hashes or self.page_hashes(seg), pages):  # as KVManager.materialize would have

@@ -21,6 +21,7 @@ from tests.support.tiny_engine import CFG, S
 def make(pages=32, max_batch=4, max_tokens=64):
     config = EngineConfig(dtype="float32", page_size=S, hbm_pages=pages, prefill_chunk=16)
     arrays = SimpleNamespace(cache=PagedKVCache.create(CFG, pages, S, jnp.float32))
+    arrays.place = lambda sharding: None  # (the tiers commit the pool to its device: nothing to do here)
     kv = KVManager(config, CFG, arrays, jnp.float32, num_pages=pages, fingerprint="seam", bos_prefix=[])
     kv.debug_checks = True  # page accounting checked at every update
     counters = dict(requests=0, prompt_tokens=0, cached_tokens=0, generated_tokens=0, segment_tokens_computed=0)
