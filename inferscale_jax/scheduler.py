@@ -2,7 +2,7 @@
 
 1. **Submit** (``Engine.submit``): the request is validated (segments resolved for its tenant,
    lengths checked, sampling checked) and queued as *waiting*.  Nothing is allocated yet.
-2. **Admit** (``_admit``, start of every ``step``): each admission goes to the waiting tenant
+2. **Admit** (``admit``, every iteration): each admission goes to the waiting tenant
    with the fewest requests running, then to its requests first come, first served, except that
    within a short look-ahead window a request whose segment chain is already resident (no chain
    node to compute) goes before one that needs work (``fair_queue.py``).  With
@@ -57,7 +57,7 @@
    has its pages read once per step for all its rows (``_cascade_groups``, the multi-group
    cascade kernel: every group in one launch), while the other rows in the same step read
    their own pages.
-5. **Finish**: EOS, a stop token or string, ``max_tokens``, or ``abort``: the request's page
+4. **Finish**: EOS, a stop token or string, ``max_tokens``, or ``abort``: the request's page
    references are dropped at once (its full pages stay in the prefix cache) and its chain
    nodes lose a reader; one waiting on a node job leaves it (the last one cancels it).
 
