@@ -394,10 +394,17 @@ class Scheduler:
         return outs
 
     def fail_running(self, err: Exception) -> list[RequestOutput]:
-        """Fail every running request with ``err`` (an engine-wide fault); waiting ones stay queued."""
+        """Fail every running request with ``err`` (an engine-wide fault); waiting ones stay queued.
+        The steps not yet read back are lost with the fault, and with them node jobs' chunks: each
+        node job starts its computation again (from its prefix-cache hits; rewriting a position
+        writes the same KV), else a job whose last chunk was lost would never complete and its
+        requests would wait forever."""
         outs: list[RequestOutput] = []
         for req in list(self.running):
             outs.append(self._finish(req, "error", error=err))
+        for job in self.jobs.values():
+            if job.seq is not None:
+                job.seq.computed = job.seq.cached
         return outs
 
     def schedule(self, inflight: Planned | None) -> Planned | None | object:

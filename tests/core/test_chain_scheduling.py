@@ -278,3 +278,34 @@ def test_a_chain_whose_nodes_can_never_fit_the_pool_is_refused_at_submit():
     r = e.submit(prompt_token_ids=P1, segments=["t"] * 5, sampling=GREEDY)
     assert run(e, [r])[r].token_ids == full_prefill([42] * 5 + P1)
     assert_only_nodes_hold_pages(e)
+
+
+def test_a_node_job_whose_last_chunk_was_lost_in_a_failed_step_is_recomputed(monkeypatch):
+    """An unexpected error fails the running requests (``Engine.step``); a node job's chunk in
+    the lost step is computed again, so the requests waiting on the job are served, not left
+    waiting on a job that believes it is done."""
+    from inferscale_jax import EngineFault
+
+    e = make_engine()
+    e.register_segment("a", token_ids=SEG_A)
+    e.register_segment("b", token_ids=SEG_B)
+    r0 = e.submit(prompt_token_ids=P2, sampling=LONG)  # running beside the job: the failure's victim
+    r1 = e.submit(prompt_token_ids=P1, segments=["a", "b"], sampling=GREEDY)
+    for _ in range(50):
+        e.step()
+        jobs = list(e.scheduler.jobs.values())
+        if jobs and jobs[0].seq is not None and jobs[0].seq.computed == len(jobs[0].seq.tokens):
+            break  # the job's last chunk is dispatched, not yet read back
+    else:
+        raise AssertionError("the node job's last chunk was never dispatched")
+    (job,) = e.scheduler.jobs.values()
+    real = e.scheduler._apply_all
+    monkeypatch.setattr(e.scheduler, "_apply_all", lambda *a: 1 / 0)  # reading that step back fails
+    outs = e.step()
+    monkeypatch.setattr(e.scheduler, "_apply_all", real)
+    assert [o.request_id for o in outs] == [r0] and isinstance(outs[0].error, EngineFault)
+    assert job.seq.computed < len(job.seq.tokens)  # its lost chunk will run again
+    done = run(e, [r1])
+    assert done[r1].token_ids == full_prefill(SEG_A + SEG_B + P1)
+    e.check_page_accounting()
+    assert_only_nodes_hold_pages(e)
