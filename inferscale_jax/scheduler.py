@@ -100,14 +100,13 @@ CASCADE_MIN_SAVED_TOKENS = 16384
 SETTLE = object()  # ``schedule``'s answer when the step in flight must be read and applied first
 
 
-@dataclass
+@dataclass(eq=False)
 class Planned:
     """A step the scheduler planned: ``plan`` for the runner, and the scheduler's own view of it."""
     plan: StepPlan
     entries: list[tuple]  # per row: (request or node job, its row, whether it samples the request's next token)
     decode_rows: int  # (the first rows)
     tokens: int
-    feeds: bool  # rows read the in-flight step's sampled ids on the device (``plan.src``)
     defer: bool  # its sampling waits until the in-flight step is applied (a constrained row is fed)
 
 
@@ -395,16 +394,11 @@ class Scheduler:
 
     def fail_running(self, err: Exception) -> list[RequestOutput]:
         """Fail every running request with ``err`` (an engine-wide fault); waiting ones stay queued.
-        The steps not yet read back are lost with the fault, and with them node jobs' chunks: each
-        node job starts its computation again (from its prefix-cache hits; rewriting a position
-        writes the same KV), else a job whose last chunk was lost would never complete and its
-        requests would wait forever."""
+        (The steps not read back are the caller's to ``rollback`` first: a node job's chunk in
+        them must be computed again, or the job would never complete.)"""
         outs: list[RequestOutput] = []
         for req in list(self.running):
             outs.append(self._finish(req, "error", error=err))
-        for job in self.jobs.values():
-            if job.seq is not None:
-                job.seq.computed = job.seq.cached
         return outs
 
     def schedule(self, inflight: Planned | None) -> Planned | None | object:
@@ -491,7 +485,7 @@ class Scheduler:
         # grammar first, so the step's sampling waits for the in-flight step (its forward does not)
         defer = feeds and any(j >= 0 and o.grammar is not None for o, j in zip(owners, src))
         plan = StepPlan(rows, nl, [k for k, _ in cascade], src if feeds else None)
-        return Planned(plan, entries, decode_rows, self.max_tokens - budget, feeds, defer)
+        return Planned(plan, entries, decode_rows, self.max_tokens - budget, defer)
 
     def dispatched(self, step: Planned) -> None:
         """``step`` is on the device: each row counts as computed from now (the next step continues
@@ -549,8 +543,6 @@ class Scheduler:
 
     def apply_alone(self, done: list[tuple[Request | NodeJob, StepRow, object]]) -> list[RequestOutput]:
         """Apply the rows ``rows_alone`` planned that ran (owner, row, result)."""
-        if self.kv.debug_checks:
-            self.kv.check_invariants()
         outs: list[RequestOutput] = []
         for owner, row, res in done:
             if owner.seq is None:

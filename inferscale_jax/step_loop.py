@@ -18,8 +18,9 @@ no runner.  ``StepLoop.step`` runs one iteration over it and the runner (``runne
 5. The new step stays in flight (``inflight``) for the next iteration; with
    ``EngineConfig.overlap_decode`` off it is read at once.
 
-A step whose results are lost (its dispatch, read or sampling raised) is forgotten
-(``Scheduler.rollback``), the device is checked (``runner.check_device`` raises ``EngineFault`` for
+A step whose results are lost (its dispatch, read or sampling raised) is forgotten with every
+other unread step (``unread``, ``Scheduler.rollback``; an engine-wide fault forgets them too,
+``fail_running``), the device is checked (``runner.check_device`` raises ``EngineFault`` for
 a lost device), and the next step's rows run one at a time (``Scheduler.rows_alone``), so a row
 that fails fails only its request or its node job's requests.
 """
@@ -46,6 +47,10 @@ class StepLoop:
         """``kv``: only for its ``step`` (a row run alone after a lost step, with the page checks)."""
         self.scheduler, self.runner, self.kv, self.overlap = scheduler, runner, kv, overlap
         self.inflight: tuple[PendingStep, Planned] | None = None  # dispatched, not yet read
+        # every dispatched step whose results are neither applied nor rolled back (the in-flight
+        # one, and the one this iteration dispatched until it is stored or read): what a lost
+        # step or an engine-wide fault forgets
+        self.unread: list[Planned] = []
 
     def step(self) -> list[RequestOutput]:
         """One iteration: admit, then one device step of decode rows and prefill chunks."""
@@ -58,12 +63,21 @@ class StepLoop:
     def drain(self) -> list[RequestOutput]:
         """Read the in-flight step (if any) and apply its results."""
         prev, self.inflight = self.inflight, None
-        return self.scheduler.update(prev[1], self.runner.collect(prev[0])) if prev is not None else []
+        return self._update(prev[1], self.runner.collect(prev[0])) if prev is not None else []
 
     def fail_running(self, err: Exception) -> list[RequestOutput]:
-        """An engine-wide fault: the in-flight step belongs to the running requests, which fail."""
+        """An engine-wide fault: the running requests fail, and the steps not read back are
+        forgotten (``Scheduler.rollback``), so a node job's chunk in them is computed again."""
         self.inflight = None
+        self.scheduler.rollback(*self.unread)
+        self.unread = []
         return self.scheduler.fail_running(err)
+
+    def _update(self, step: Planned, res) -> list[RequestOutput]:
+        """Apply a read-back step (``Scheduler.update``); from then on it is not unread."""
+        outs = self.scheduler.update(step, res)
+        self.unread.remove(step)  # (by identity: Planned compares as itself)
+        return outs
 
     def _step(self) -> list[RequestOutput]:
         sched, runner = self.scheduler, self.runner
@@ -82,19 +96,20 @@ class StepLoop:
                 if planned.defer:
                     pending = runner.dispatch(planned.plan, prev[0], defer_sample=True)
                 else:
-                    pending = runner.dispatch(planned.plan, prev[0] if planned.feeds else None)
+                    pending = runner.dispatch(planned.plan, prev[0] if planned.plan.src is not None else None)
             except Exception as err:  # noqa: BLE001 - settled below, request by request
                 failure = err
             else:
                 sched.dispatched(planned)
+                self.unread.append(planned)
         if prev is not None:  # the device is busy with `pending` meanwhile
             self.inflight = None
             try:
                 res = runner.collect(prev[0])
             except Exception as err:  # noqa: BLE001 - the previous step's results are lost
-                # `pending` was fed that step's ids: discard it too
-                return outs + self._lost(err, prev[1], planned if pending is not None else None)
-            outs += sched.update(prev[1], res)
+                # `pending` was fed that step's ids: it is lost too
+                return outs + self._lost(err)
+            outs += self._update(prev[1], res)
         if failure is not None:
             return outs + self._lost(failure)
         if pending is None:
@@ -104,13 +119,13 @@ class StepLoop:
             try:
                 pending = runner.sample(pending)
             except Exception as err:  # noqa: BLE001 - its results are lost: recompute
-                return outs + self._lost(err, planned)
+                return outs + self._lost(err)
         if not self.overlap:
             try:
                 res = runner.collect(pending)
             except Exception as err:  # noqa: BLE001 - its results are lost: recompute
-                return outs + self._lost(err, planned)
-            return outs + sched.update(planned, res)
+                return outs + self._lost(err)
+            return outs + self._update(planned, res)
         self.inflight = (pending, planned)
         return outs
 
@@ -121,15 +136,17 @@ class StepLoop:
         try:
             res = self.runner.collect(prev[0])
         except Exception as err:  # noqa: BLE001 - its results are lost: recompute
-            return self._lost(err, prev[1]), True
-        return self.scheduler.update(prev[1], res), False
+            return self._lost(err), True
+        return self._update(prev[1], res), False
 
-    def _lost(self, err: Exception, *steps: Planned | None) -> list[RequestOutput]:
-        """``steps`` failed (``err``) or their results were lost: forget them, then run every row
-        of the next step alone, failing only the requests (or node jobs) whose row fails."""
+    def _lost(self, err: Exception) -> list[RequestOutput]:
+        """A step failed (``err``) or its results were lost: forget every unread step (the one
+        that failed, and one fed its ids), then run every row of the next step alone, failing only
+        the requests (or node jobs) whose row fails."""
         self.inflight = None
         sched = self.scheduler
-        sched.rollback(*steps)
+        sched.rollback(*self.unread)
+        self.unread = []
         self.runner.check_device(err)
         owners, rows = sched.rows_alone()
         log.warning("a step failed (%s: %s); running the %d rows of the next one one at a time",

@@ -98,7 +98,7 @@ def test_a_token_in_flight_is_fed_on_the_device_and_applied_in_order():
     a = sched.schedule(None)
     sched.dispatched(a)  # in flight: it samples the first token
     b = sched.schedule(a)  # planned before `a` is read: the request feeds a's sample
-    assert rows(b) == [([0], 8)] and b.feeds and b.plan.src == [0] and b.plan.rows[0].sample_step == 1
+    assert rows(b) == [([0], 8)] and b.plan.src == [0] and b.plan.rows[0].sample_step == 1
     sched.dispatched(b)
     assert req.seq.computed == 9
     assert sched.update(a, result(a, [7]))[0].new_token_ids == [7]
