@@ -7,10 +7,11 @@ engine replaced by ``bench/lib/paced_engine.py``: one token per running request 
 ``--step-ms``, no model.  Then drive it like any server, e.g.
 
     python bench/serving/serve.py --url http://127.0.0.1:8124 --server-pid PID --concurrency 256 \\
-        --warm 0 --cold 0 --max-tokens 64 --num-requests 2048
+        --context none --max-tokens 64 --num-requests 2048
 
 and the report's "server" CPU is the API process's own work per streamed token: the figure that
-says how many tokens per second one API process can stream (``bench/NOTES.md``).
+says how many tokens per second one API process can stream (``bench/NOTES.md``).  ``--context
+none``: the paced engine registers no segments.  PID: the "API server process" pid ``serve`` prints.
 """
 
 from __future__ import annotations
