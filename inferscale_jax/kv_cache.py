@@ -263,24 +263,26 @@ MIXED_REAL_GROUPS = 16  # the shared part's split count in a mixed step assumes 
 
 def _mixed(q, kp, vp, meta: AttnMeta, pallas: bool, sc: dict):
     """A mixed step's attention ``[N, Hq, D]``: the ragged kernel over every row, and when the
-    step has cascade groups, each group row's (one-token decode row, ``row_group >= 0``) shared
-    prefix through the grouped kernel's shared part alone, merged with the ragged kernel's result
-    for that row (which saw only its suffix pages) by their log-sum-exps.  So a group row's suffix
-    is read once, by the ragged kernel."""
+    step has cascade groups, the shared prefix of each group row's tokens (a decode row's one token,
+    a chunk's every token: ``row_group >= 0``) through the grouped kernel's shared part alone,
+    merged with the ragged kernel's result for those tokens (which saw only the row's suffix pages)
+    by their log-sum-exps.  So a group row's suffix is read once, by the ragged kernel, and a chunk
+    over a shared segment reads the segment in the shared kernel's split programs rather than in
+    one long ragged program per query block."""
     ragged = ragged_paged_attention if pallas else ragged_paged_attention_ref
     if meta.group_pages is None or 0 in meta.group_pages.shape:
         return ragged(q, kp, vp, meta.page_table, meta.cu_q_lens, meta.kv_lens, **sc)
     out, lse = ragged(q, kp, vp, meta.page_table, meta.cu_q_lens, meta.kv_lens, return_lse=True, **sc)
-    n = q.shape[0]
-    rg = meta.row_group  # [R]
-    in_group = rg >= 0
-    last = jnp.clip(meta.cu_q_lens[1:] - 1, 0, n - 1)  # [R] each row's last token (a group row's only one)
+    n, rows = q.shape[0], meta.row_group.shape[0]
+    row = jnp.searchsorted(meta.cu_q_lens[1:], jnp.arange(n, dtype=jnp.int32), side="right")  # [N]; R: padding
+    group = jnp.where(row < rows, meta.row_group[jnp.minimum(row, rows - 1)], -1)  # [N] each token's group
     shared = grouped_shared_prefix_attention if pallas else grouped_shared_prefix_attention_ref
-    # the bucket pads the group table (up to 64 groups); the split count follows the real ones
-    knobs = dict(block_rows=MIXED_BLOCK_ROWS, real_groups=MIXED_REAL_GROUPS) if pallas else {}
-    o_sh, lse_sh = shared(q[last], kp, vp, meta.group_pages, meta.group_lens, rg, **knobs, **sc)  # [R, Hq(, D)]
-    rows, _ = merge_lse(o_sh, lse_sh, out[last], lse[last])
-    return out.at[jnp.where(in_group, last, n)].set(rows.astype(out.dtype), mode="drop")
+    # the bucket pads the group table (up to 64 groups) and the tokens: the split count follows the rows
+    # (most are one-token decode rows) and the real groups
+    knobs = dict(block_rows=MIXED_BLOCK_ROWS, real_groups=MIXED_REAL_GROUPS, real_rows=rows) if pallas else {}
+    o_sh, lse_sh = shared(q, kp, vp, meta.group_pages, meta.group_lens, group, **knobs, **sc)  # [N, Hq(, D)]
+    merged, _ = merge_lse(o_sh, lse_sh, out, lse)
+    return jnp.where((group >= 0)[:, None, None], merged.astype(out.dtype), out)
 
 
 def _as_ragged(meta: AttnMeta, page_size: int) -> tuple[jax.Array, jax.Array, jax.Array]:

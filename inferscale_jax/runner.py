@@ -126,8 +126,9 @@ class StepPlan:
     cascade groups' shared pages, and which rows feed a token the previous step sampled."""
     rows: list[StepRow]
     num_logprobs: int = 0  # top log-probs per row to return (0: none)
-    # cascade (one-token rows only): group i's rows (``StepRow.group == i``) all start with the same
-    # ``groups[i]`` full pages, read once per step for the group (empty: no cascade)
+    # cascade: group i's rows (``StepRow.group == i``: one-token rows, and in a mixed step prefill chunks
+    # that start past those pages) all start with the same ``groups[i]`` full pages, read once per step
+    # for the group (empty: no cascade)
     groups: list[int] = dataclasses.field(default_factory=list)
     # per row: the row of the previous step whose sampled id is this row's token, read on the
     # device (-1: the row's own host token); None: every token comes from the host
@@ -415,10 +416,11 @@ class ModelRunner:
         (``pallas_kernels/ragged_attention.py``); a step whose rows all feed one token is a
         *decode* bucket (decode kernel, cascade).
 
-        ``plan.groups`` (one-token rows only, in decode and mixed steps): the rows of group ``i``
-        all start with the same ``groups[i]`` full pages; attention reads each group's pages once
-        for the group (the multi-group cascade kernel), and every other row reads its whole page
-        list as usual.  ``plan.src`` with ``prev``: row ``i`` with ``src[i] = j >= 0`` (a
+        ``plan.groups`` (decode and mixed steps; a mixed step's chunk rows may be members too, when
+        they start past the shared pages): the rows of group ``i`` all start with the same
+        ``groups[i]`` full pages; attention reads each group's pages once for the group's query
+        tokens (the multi-group cascade kernel), and every other row reads its whole page list as
+        usual.  ``plan.src`` with ``prev``: row ``i`` with ``src[i] = j >= 0`` (a
         one-token row) feeds the id that row ``j`` of the step ``prev`` sampled, read on the
         device (its host token is ignored).
 
@@ -586,10 +588,10 @@ class ModelRunner:
                 if m == 1:
                     tokens[a], positions[a], slots[a] = r.tokens[0], start, pages[start // s] * s + start % s
                     continue
-                pos = np.arange(start, start + m, dtype=np.int32)  # a chunk (never a cascade row)
+                pos = np.arange(start, start + m, dtype=np.int32)  # a chunk (in a group: past its shared pages)
                 tokens[a:a + m] = r.tokens
                 positions[a:a + m] = pos
-                slots[a:a + m] = table[i, pos // s] * s + pos % s
+                slots[a:a + m] = table[i, pos // s - own[i]] * s + pos % s
         # padding tokens (flat index >= total) write into the null slot 0 at position 0
         shared = self._pack_groups(rows, groups, key) if groups else None
         return key, pen_key, (ints, floats, shared, penalties)

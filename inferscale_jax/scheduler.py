@@ -50,13 +50,15 @@
    with its next chunk at once; pages enter the prefix cache when their step is read back, and
    a step whose results are lost is forgotten (``computed`` rolled back) and recomputed, each
    row alone (``rows_alone``).
-   *Cascade*: among a step's decode rows (a pure decode step's, or a mixed step's beside its
-   chunks), requests that start with the same read-only pages (one segment chain's node, or
-   the same prefix-cache hits) form a group; every group of two rows or more (at most
-   ``buckets.MAX_GROUPS``, those saving the most first), when together they save enough reads,
-   has its pages read once per step for all its rows (``_cascade_groups``, the multi-group
-   cascade kernel: every group in one launch), while the other rows in the same step read
-   their own pages.
+   *Cascade*: among a step's rows (a pure decode step's decode rows; a mixed step's decode rows
+   and its requests' prefill chunks), requests that start with the same read-only pages (one
+   segment chain's node, or the same prefix-cache hits) form a group; every group of two query
+   tokens or more (at most ``buckets.MAX_GROUPS``, those saving the most first), when together
+   they save enough reads, has its pages read once per step for all its rows
+   (``_cascade_groups``, the multi-group cascade kernel: every group in one launch), while the
+   other rows in the same step read their own pages.  A question's chunk over a 4k segment so
+   attends the segment in the shared kernel's split programs beside the decode rows reading it,
+   and only its own tokens in the ragged kernel.
 4. **Finish**: EOS, a stop token or string, ``max_tokens``, or ``abort``: the request's page
    references are dropped at once (its full pages stay in the prefix cache) and its chain
    nodes lose a reader; one waiting on a node job leaves it (the last one cancels it).
@@ -476,7 +478,7 @@ class Scheduler:
         entries = [(o, row, isinstance(o, Request) and row.start + len(row.tokens) >= o.prefill_end)
                    for o, row in zip(owners, rows)]
         nl = MAX_LOGPROBS if any(o.wants_logprobs for o in owners) else 0
-        cascade = self._cascade_groups(owners[:decode_rows])  # (decode rows come first)
+        cascade = self._cascade_groups(owners, rows, decode_rows)
         for gi, (_, members) in enumerate(cascade):
             for i in members:
                 rows[i].group = gi
@@ -620,41 +622,56 @@ class Scheduler:
             req.t_first = time.perf_counter()
         return [self._token(req, res, i)]
 
-    def _cascade_groups(self, decoding: list[Request]) -> list[tuple[int, list[int]]]:
-        """The cascade groups of this step's decode rows: (shared pages k, row indices) each, or [].
+    def _cascade_groups(self, owners: list, rows: list[StepRow], decode_rows: int) -> list[tuple[int, list[int]]]:
+        """The cascade groups of this step: (shared pages k, row indices) each, or [].
 
         Rows whose sequences share the same leading read-only pages (``Seq.shared_key``: a chain
-        node's full pages, or prefix-cache hits) can read them once for the whole group.  Every
-        group of >= 2 rows is taken (the ``MAX_GROUPS`` saving the most when there are more),
-        if together they save at least ``CASCADE_MIN_SAVED_TOKENS`` token reads per layer: the sum
-        of ``(rows - 1) x shared tokens``.  Below that the cascade's extra kernel and merge cost
-        more than the reads they save (H200, bench/NOTES.md).  The shared kernel packs each
-        group's rows into row blocks of their own, so a group costs nothing for the rows outside it."""
-        if not self.config.cascade_decode or len(decoding) < 2:
+        node's full pages, or prefix-cache hits) can read them once for the whole group: the
+        decode rows (the first ``decode_rows``), and a prefill chunk (a request's, or a node job's
+        over its parent node) that starts past its shared pages (always: those pages were computed
+        before the sequence was prepared).  Every group of >= 2 query tokens is
+        taken (the ``MAX_GROUPS`` saving the most when there are more), if together they save at
+        least ``CASCADE_MIN_SAVED_TOKENS`` token reads per layer: the sum of ``(query tokens - 1) x
+        shared tokens``.  Below that the cascade's extra kernel and merge cost more than the reads
+        they save (H200, bench/NOTES.md).  The shared kernel packs each group's query rows into row
+        blocks of their own, so a group costs nothing for the rows outside it."""
+        if not self.config.cascade_decode:
             return []
+        s = self.config.page_size
+        weight: dict[int, int] = {}  # row index -> its query tokens
+        for i, owner in enumerate(owners):
+            if i < decode_rows:
+                weight[i] = 1
+            elif owner.seq is not None and owner.seq.shared_key and (
+                    rows[i].start >= len(owner.seq.shared_key) * s):
+                weight[i] = len(rows[i].tokens)
         by_hash: dict[int, list[int]] = {}
-        for i, r in enumerate(decoding):
-            if r.seq.shared_key:
-                by_hash.setdefault(r.seq.shared_hash, []).append(i)
+        for i in weight:
+            seq = owners[i].seq
+            if seq.shared_key:
+                by_hash.setdefault(seq.shared_hash, []).append(i)
         groups = []  # (saved pages, shared pages, members)
         for same_hash in by_hash.values():
-            if len(same_hash) < 2:
+            if sum(weight[i] for i in same_hash) < 2:
                 continue
             # (hash collisions: split by the pages themselves; the keys of one node's sequences are
             # one interned tuple (KVManager.prepare), so the check is an identity test, not a hash)
             by_key: list[tuple[tuple, list[int]]] = []
             for i in same_hash:
-                key = decoding[i].seq.shared_key
+                key = owners[i].seq.shared_key
                 for known, members in by_key:
                     if key is known or key == known:
                         members.append(i)
                         break
                 else:
                     by_key.append((key, [i]))
-            groups += [((len(m) - 1) * len(key), len(key), m) for key, m in by_key if len(m) >= 2]
+            for key, m in by_key:
+                tokens = sum(weight[i] for i in m)
+                if tokens >= 2:
+                    groups.append(((tokens - 1) * len(key), len(key), m))
         groups.sort(key=lambda x: -x[0])
         groups = groups[:MAX_GROUPS]
-        if sum(saved for saved, _, _ in groups) * self.config.page_size < max(1, CASCADE_MIN_SAVED_TOKENS):
+        if sum(saved for saved, _, _ in groups) * s < max(1, CASCADE_MIN_SAVED_TOKENS):
             return []
         return [(k, members) for _, k, members in groups]
 

@@ -285,7 +285,8 @@ def _shared_kernel(
 
 
 def _shared_part(q, k_pages, v_pages, group_pages, group_lens, row_group, k_scale, v_scale, *, sm_scale,
-                 block_rows, block_kv, num_splits, num_warps, num_stages, interpret, real_groups=None):
+                 block_rows, block_kv, num_splits, num_warps, num_stages, interpret, real_groups=None,
+                 real_rows=None):
     """(o_shared [B, Hq, D] fp32 normalised, lse_shared [B, Hq] fp32 natural log, -inf outside
     every group) of every group's shared prefix, in one launch."""
     b, hq, d = q.shape
@@ -298,10 +299,14 @@ def _shared_part(q, k_pages, v_pages, group_pages, group_lens, row_group, k_scal
                                                block_rows=block_rows)
     idx = (dest[:, None] + jnp.arange(gq, dtype=jnp.int32)[None, :]).reshape(b * gq)  # [B*Gq] packed rows
     qr = q.reshape(b, hkv, gq, d).transpose(1, 0, 2, 3).reshape(hkv, b * gq, d)  # [Hkv, B*Gq, D]
-    qp = jnp.zeros((hkv, rows_p, d), q.dtype).at[:, idx].set(qr, mode="drop")  # [Hkv, Rp, D]
+    # packed row -> its query row (b * gq: none, a zero row): a small int scatter, then one gather of q
+    # (scattering q itself into the packed rows took ~0.35 ms per 32-layer step, bench/NOTES.md run AK)
+    src = jnp.full((rows_p,), b * gq, jnp.int32).at[idx].set(jnp.arange(b * gq, dtype=jnp.int32), mode="drop")
+    qp = jnp.concatenate([qr, jnp.zeros((hkv, 1, d), q.dtype)], axis=1)[:, src]  # [Hkv, Rp, D]
     max_blocks = pl.cdiv(ps * s, block_kv)
     if num_splits is None:  # programs that hold rows: ~ the rows' blocks, at least one per group
-        busy = max(pl.cdiv(b * gq, block_rows), min(g if real_groups is None else real_groups, b))
+        busy = max(pl.cdiv((b if real_rows is None else min(real_rows, b)) * gq, block_rows),
+                   min(g if real_groups is None else real_groups, b))
         num_splits = 1 if interpret else auto_num_splits(busy * hkv, max_blocks)
     if num_splits < 1:
         common._fail("num_splits", num_splits, ">= 1 (or None for auto)")
@@ -371,7 +376,8 @@ def merge_lse(o_a, lse_a, o_b, lse_b):
 
 
 @functools.partial(jax.jit, static_argnames=(
-    "sm_scale", "block_rows", "block_kv", "num_splits", "num_warps", "num_stages", "interpret", "real_groups"))
+    "sm_scale", "block_rows", "block_kv", "num_splits", "num_warps", "num_stages", "interpret", "real_groups",
+    "real_rows"))
 def _shared_only(q, k_pages, v_pages, group_pages, group_lens, row_group, k_scale, v_scale, **kw):
     return _shared_part(q, k_pages, v_pages, group_pages, group_lens, row_group, k_scale, v_scale, **kw)
 
@@ -392,6 +398,7 @@ def grouped_shared_prefix_attention(
     num_stages: int | None = None,
     interpret: bool | None = None,
     real_groups: int | None = None,
+    real_rows: int | None = None,
     k_scale: jax.Array | None = None,
     v_scale: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:  # o [B, Hq, D] float32, lse [B, Hq] float32
@@ -401,7 +408,8 @@ def grouped_shared_prefix_attention(
     elsewhere merges the two with :func:`merge_lse` (the engine's mixed steps take the suffix from
     the ragged kernel).  Knobs as :func:`grouped_cascade_decode_attention`'s shared part;
     ``real_groups`` (a bound on the groups that hold rows, when the table is padded to a bucket)
-    sizes the automatic split count from the groups that exist, not the padding."""
+    sizes the automatic split count from the groups that exist, not the padding; ``real_rows`` (a
+    bound on the rows in groups, when ``B`` counts padding, e.g. a mixed step's flat tokens) likewise."""
     b, hq, hkv, gq, p, s, d, g, ps, mp = check_grouped_inputs(
         q, k_pages, v_pages, group_pages, group_lens, row_group, jnp.zeros((q.shape[0], 1), jnp.int32),
         jnp.zeros((q.shape[0],), jnp.int32), k_scale, v_scale)
@@ -420,7 +428,8 @@ def grouped_shared_prefix_attention(
     interpret = common.default_interpret() if interpret is None else interpret
     return _shared_only(q, k_pages, v_pages, group_pages, group_lens, row_group, k_scale, v_scale,
                         sm_scale=sm_scale, block_rows=block_rows, block_kv=block_kv, num_splits=num_splits,
-                        num_warps=num_warps, num_stages=num_stages, interpret=interpret, real_groups=real_groups)
+                        num_warps=num_warps, num_stages=num_stages, interpret=interpret, real_groups=real_groups,
+                        real_rows=real_rows)
 
 
 def grouped_shared_prefix_attention_ref(

@@ -61,6 +61,9 @@ def closed_loop_parser(doc: str, warm_steps: int) -> argparse.ArgumentParser:
     for flag, value in (("--concurrency", 256), ("--segments", 8), ("--segment-tokens", 4096),
                         ("--question-tokens", 64), ("--max-tokens", 64), ("--warm-steps", warm_steps)):
         ap.add_argument(flag, type=int, default=value, help="(default: %(default)s)")
+    ap.add_argument("--max-tokens-spread", type=int, default=0,
+                    help="each request's max_tokens uniform in max_tokens +- this (default 0: all equal; the "
+                         "served loop's arrivals are spread over steps, a cohort's are not: try 32)")
     return ap
 
 
@@ -76,9 +79,11 @@ def closed_loop_clients(engine, args):
     rng = random.Random(0)
     for i in range(args.segments):
         engine.register_segment(f"seg{i}", token_ids=[rng.randrange(10, vocab) for _ in range(args.segment_tokens)])
-    sp = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
+    spread = min(getattr(args, "max_tokens_spread", 0), args.max_tokens - 1)
 
     def submit() -> None:
+        sp = SamplingParams(max_tokens=args.max_tokens + (rng.randint(-spread, spread) if spread else 0), temperature=0.0,
+                            ignore_eos=True)
         engine.submit(prompt_token_ids=[rng.randrange(10, vocab) for _ in range(args.question_tokens)],
                       segments=[f"seg{rng.randrange(args.segments)}"], sampling=sp)
 

@@ -154,8 +154,10 @@ class Workload:
 
     def submit(self) -> None:
         a, vocab = self.args, self.engine.cfg.vocab_size
+        spread = min(a.max_tokens_spread, a.max_tokens - 1)
+        sp = dict(self.sp, max_tokens=a.max_tokens + (self.rng.randint(-spread, spread) if spread else 0))
         self.engine.submit(prompt_token_ids=[self.rng.randrange(10, vocab) for _ in range(a.question_tokens)],
-                           segments=[f"seg{self.rng.randrange(a.segments)}"], sampling=self.SamplingParams(**self.sp))
+                           segments=[f"seg{self.rng.randrange(a.segments)}"], sampling=self.SamplingParams(**sp))
 
     def step(self) -> None:
         for o in self.engine.step():

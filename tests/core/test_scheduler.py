@@ -43,14 +43,17 @@ def assert_same(batched, alone, tol=1e-5):
             assert max(abs(x[k] - y[k]) for k in x) < tol
 
 
-def spy_steps(engine):
+def spy_steps(engine, group_tokens=None):
     """Record (cascade groups as (shared pages, rows) each, cascade rows, rows, mixed) of every
-    device step the runner launches (mixed: a row computes more than one token)."""
+    device step the runner launches (mixed: a row computes more than one token); and into
+    ``group_tokens`` when given, each step's query tokens per group."""
     seen = []
     orig = engine.runner.dispatch
 
     def dispatch(plan, *a, **k):
         groups = tuple((k, sum(r.group == i for r in plan.rows)) for i, k in enumerate(plan.groups))
+        if group_tokens is not None:
+            group_tokens.append([sum(len(r.tokens) for r in plan.rows if r.group == i) for i in range(len(groups))])
         seen.append((groups, sum(r.cascade for r in plan.rows), len(plan.rows),
                      any(len(r.tokens) > 1 for r in plan.rows)))
         return orig(plan, *a, **k)
@@ -60,8 +63,9 @@ def spy_steps(engine):
 
 @pytest.mark.parametrize("cascade", ["policy", "always"])
 def test_16_concurrent_requests_equal_running_alone(cascade, monkeypatch):
-    """'always': every group of decode rows sharing pages goes through the cascade kernel (the
-    tiny shapes are far below the policy's threshold), mixed in one step with the other rows."""
+    """'always': every group of rows sharing pages (decode rows, and prefill chunks past the shared
+    pages) goes through the cascade kernel (the tiny shapes are far below the policy's threshold),
+    mixed in one step with the other rows."""
     if cascade == "always":
         monkeypatch.setattr(scheduler, "CASCADE_MIN_SAVED_TOKENS", 0)
     rng = np.random.default_rng(0)
@@ -71,7 +75,8 @@ def test_16_concurrent_requests_equal_running_alone(cascade, monkeypatch):
     alone = [alone_engine.generate(**r) for r in reqs]
     engine = make_engine(pages=256)
     register(engine)
-    seen = spy_steps(engine)
+    group_tokens = []
+    seen = spy_steps(engine, group_tokens)
     batched = engine.generate_batch(reqs)
     # cascade, or the GPU kernels (their split count follows the batch size): sums in another
     # order, so the documented exactness bound (1e-4); the CPU reference path agrees to 1e-5
@@ -80,8 +85,8 @@ def test_16_concurrent_requests_equal_running_alone(cascade, monkeypatch):
         assert_same(b, a, 1e-5 if tight else 1e-4)
     cascaded = [(n, rows) for k, n, rows, _ in seen if k]
     if cascade == "always":  # groups of segment "a" / "b" rows ran beside rows of other segments
-        assert cascaded and all(n >= 2 for n, _ in cascaded)
-        assert any(n < rows for n, rows in cascaded)
+        assert cascaded and all(t >= 2 for step in group_tokens for t in step)  # >= 2 query tokens each
+        assert any(n >= 2 for n, _ in cascaded) and any(n < rows for n, rows in cascaded)
     else:
         assert not cascaded
     assert_only_nodes_hold_pages(engine)  # every request's pages came back
@@ -276,6 +281,35 @@ def test_mixed_steps_run_their_decode_rows_through_the_cascade(impl, monkeypatch
     assert (((4, 3), (2, 2)), 5, 6) in mixed  # kb's 3 rows and faq's 2 beside the prompt's chunk
 
 
+@pytest.mark.parametrize("impl", ["ref", "pallas"])
+def test_questions_chunks_over_a_segment_join_its_cascade_group(impl, monkeypatch):
+    """Questions over two segments, each prefilled in chunks beside rows already decoding: a chunk
+    joins the group of its segment's pages (its tokens read them in the shared part, its own in the
+    ragged kernel), a prompt over no segment joins none; tokens and log-probs as with cascade off."""
+    chunk_members = []
+
+    def setup(engine):
+        engine.register_segment("kb", token_ids=list(range(1, 4 * S + 3)))  # 4 full pages + 2
+        engine.register_segment("faq", token_ids=list(range(50, 50 + 2 * S)))  # 2 full pages
+        dispatch = engine.runner.dispatch
+
+        def spy(plan, *a, **k):
+            chunk_members.extend((plan.groups[r.group], len(r.tokens), r.start) for r in plan.rows
+                                 if r.group >= 0 and len(r.tokens) > 1)
+            return dispatch(plan, *a, **k)
+        engine.runner.dispatch = spy
+
+    def reqs():
+        segs = [["kb"], ["faq"], ["kb"], ["faq"], ["kb"], []]
+        return [dict(prompt_token_ids=[int(x) for x in np.random.default_rng(i).integers(3, 90, 5 + 9 * i)],
+                     segments=sg, sampling=greedy_lp(4)) for i, sg in enumerate(segs)]
+    seen = cascade_runs(impl, reqs, setup, monkeypatch)
+    assert any(mixed and groups for groups, _, _, mixed in seen), seen
+    # chunks in groups: kb's (4 shared pages) and faq's (2), each starting past its group's pages
+    assert {k for k, _, _ in chunk_members} == {4, 2}, chunk_members
+    assert all(start >= k * S for k, _, start in chunk_members)
+
+
 def test_cascade_policy_takes_every_group_of_two_rows_or_more(monkeypatch):
     """Every group of >= 2 rows with the same shared pages, the most saving first; singletons and
     rows without shared pages read alone; hash collisions split; the threshold counts all groups
@@ -288,22 +322,34 @@ def test_cascade_policy_takes_every_group_of_two_rows_or_more(monkeypatch):
     def rows(keys, hashes=None):
         return [SimpleNamespace(seq=SimpleNamespace(shared_key=k, shared_hash=hash(k) if hashes is None else h))
                 for k, h in zip(keys, hashes or keys)]
+
+    def decode_groups(owners):  # a step of decode rows only
+        return sched._cascade_groups(owners, [None] * len(owners), len(owners))
     a, b, c = tuple(range(1, 9)), tuple(range(20, 24)), (99,)
     monkeypatch.setattr(scheduler, "CASCADE_MIN_SAVED_TOKENS", 0)
-    got = sched._cascade_groups(rows([b, a, (), c, a, b, a, ()]))
+    got = decode_groups(rows([b, a, (), c, a, b, a, ()]))
     assert got == [(8, [1, 4, 6]), (4, [0, 5])]  # a saves 2 x 8 pages, b 1 x 4; c alone, () none
-    assert sched._cascade_groups(rows([a, b, b, a], hashes=[1, 1, 1, 1])) == [(8, [0, 3]), (4, [1, 2])]
-    assert sched._cascade_groups(rows([a, b, c, ()])) == []
+    assert decode_groups(rows([a, b, b, a], hashes=[1, 1, 1, 1])) == [(8, [0, 3]), (4, [1, 2])]
+    assert decode_groups(rows([a, b, c, ()])) == []
     # threshold: (2 x 8 + 1 x 4) pages x S tokens saved by both groups together
     saved = (2 * 8 + 4) * S
     monkeypatch.setattr(scheduler, "CASCADE_MIN_SAVED_TOKENS", saved)
-    assert len(sched._cascade_groups(rows([b, a, a, b, a]))) == 2
+    assert len(decode_groups(rows([b, a, a, b, a]))) == 2
     monkeypatch.setattr(scheduler, "CASCADE_MIN_SAVED_TOKENS", saved + 1)
-    assert sched._cascade_groups(rows([b, a, a, b, a])) == []
+    assert decode_groups(rows([b, a, a, b, a])) == []
     monkeypatch.setattr(scheduler, "CASCADE_MIN_SAVED_TOKENS", 0)
     keys = [tuple(range(1, 2 + i)) for i in range(MAX_GROUPS + 6)]  # pairs; group i saves i + 1 pages
-    got = sched._cascade_groups(rows([k for k in keys for _ in range(2)]))
+    got = decode_groups(rows([k for k in keys for _ in range(2)]))
     assert len(got) == MAX_GROUPS and [k for k, _ in got] == [len(k) for k in keys[::-1][:MAX_GROUPS]]
+    # a mixed step: prefill chunks (after the decode rows) join the group of their shared pages when
+    # they start past them, each counting its query tokens; a chunk of >= 2 tokens may group alone
+    def chunk(start, n):
+        return SimpleNamespace(start=start, tokens=[0] * n)
+    owners = rows([a, b, a, b, a, c, ()]) + [SimpleNamespace(seq=None)]  # (seq None: not yet allocated)
+    step = [None, None, chunk(8 * S, 5), chunk(4 * S + 3, 2), chunk(7 * S, 3), chunk(S, 4), chunk(0, 9),
+            chunk(0, 3)]
+    # a: (1 + 5 - 1) x 8 pages saved; b: (1 + 2 - 1) x 4; c: (4 - 1) x 1; chunk 4 starts inside a's pages
+    assert sched._cascade_groups(owners, step, 2) == [(8, [0, 2]), (4, [1, 3]), (1, [5])]
 
 
 def test_every_cascade_step_maps_into_the_warmup_set():

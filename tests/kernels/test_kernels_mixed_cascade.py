@@ -92,14 +92,15 @@ def test_shared_part_is_the_cascade_with_empty_suffixes():
     assert_close(o.astype(jnp.float32), full.astype(jnp.float32), jnp.float32)
 
 
-def mixed_case(seed, *, s=8, dtype=jnp.float32, hq=8, hkv=2, d=64):
+def mixed_case(seed, *, s=8, dtype=jnp.float32, hq=8, hkv=2, d=64, chunk_groups=(-1, -1)):
     """A mixed step: 6 decode rows (4 in groups 0 / 1 of a 4-group padded table, 2 in none), then
-    2 prefill chunks; 3 padding tokens.  Returns (q [N, Hq, D], pages, the cascade meta (group rows'
-    tables hold their suffix only), the plain meta (every row's whole page list))."""
+    2 prefill chunks (in the groups ``chunk_groups``; -1: none); 3 padding tokens.  Returns (q [N, Hq,
+    D], pages, the cascade meta (group rows' tables hold their suffix only), the plain meta (every
+    row's whole page list))."""
     rng = np.random.default_rng(seed)
     ps = 4
     glens = [32, 24, 0, 0]  # page-aligned (the engine's guarantee); groups 2 and 3 are bucket padding
-    rg = [0, 1, -1, 0, 1, -1, -1, -1]
+    rg = [0, 1, -1, 0, 1, -1, *chunk_groups]
     # tokens in each row's own pages (a group row's suffix holds its new token: >= 1); chunks' q_len
     own = [1, 9, 20, s, s + 1, 2 * s, 13, 30]
     q_lens = [1, 1, 1, 1, 1, 1, 5, 12]
@@ -152,3 +153,24 @@ def test_mixed_step_without_group_rows_is_the_ragged_kernel():
     for impl in ("pallas", "ref"):
         out = kv_cache._attend(q[None], kp, vp, None, empty, impl)[0]
         assert_close(out[:n], kv_cache._attend(q[None], kp, vp, None, plain, "ref")[0][:n], jnp.float32)
+
+
+@pytest.mark.parametrize("impl,dtype,chunk_groups", [("pallas", jnp.float32, (0, 1)), ("pallas", jnp.bfloat16, (1, -1)),
+                                                     ("ref", jnp.float32, (-1, 0))])
+def test_mixed_step_with_chunks_in_groups_equals_ragged_over_whole_page_lists(impl, dtype, chunk_groups):
+    """Prefill chunks in a group (a question over a shared segment, with private tokens cached before the
+    chunk and a chunk crossing pages): every token of the chunk attends the group's shared pages in
+    the shared part and its own causally in the ragged kernel, merged; as the ragged kernel over each
+    row's whole page list."""
+    q, kp, vp, casc, plain, n = mixed_case(9, dtype=dtype, chunk_groups=chunk_groups)
+    out = kv_cache._attend(q[None], kp, vp, None, casc, impl)[0]
+    want = kv_cache._attend(q[None], kp, vp, None, plain, "ref")[0]
+    assert out.shape == q.shape and out.dtype == q.dtype
+    assert_close(out[:n], want[:n], dtype)
+    assert (np.asarray(out[n:], np.float32) == 0).all()  # padding tokens
+    # the groups did change the chunk rows' inputs: their suffix tables alone miss the shared keys
+    alone = kv_cache.AttnMeta(slots=None, page_table=casc.page_table, q_lens=None, cu_q_lens=casc.cu_q_lens,
+                              kv_lens=casc.kv_lens, ragged=True)
+    suffix_only = kv_cache._attend(q[None], kp, vp, None, alone, "ref")[0]
+    first = 6 if chunk_groups[0] >= 0 else 11  # a grouped chunk's first token (rows 0-5 are one token each)
+    assert not np.allclose(np.asarray(suffix_only[first], np.float32), np.asarray(want[first], np.float32), atol=1e-3)
