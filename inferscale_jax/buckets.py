@@ -10,7 +10,10 @@ compile all of it before serving and nothing compiles afterwards:
   the row count, so 8 rows cost about what 1 does.
 * **mixed steps** (some row computes a prefill chunk; decode rows ride along): ``tokens``
   buckets, powers of two from 32 up to the step's token budget
-  (``EngineConfig.max_num_batched_tokens``, the last bucket is the budget itself); the row
+  (``EngineConfig.max_num_batched_tokens``, the last bucket is the budget itself), and between
+  256 and 1024 the midpoints 384 and 768 (``MIDPOINTS``): there the matmuls are compute-bound,
+  so a step's padded tokens cost in proportion, and a served loop's steps (a full batch of decode
+  rows and a few questions) land between powers of two (bench/NOTES.md, run AK); the row
   count is then tied to the token bucket (``min(tokens, max_rows)``), so a mixed step has a
   single free dimension.  The LM head and the sampler run over that many rows; at most the
   chunk's own cost over again for the smallest buckets, a fraction of a percent for big ones.
@@ -27,10 +30,11 @@ compile all of it before serving and nothing compiles afterwards:
   table's page lists take the widest table width (the shared kernel's work follows each group's
   real length, its splits included), and the group count one of ``GROUP_BUCKETS`` (at most
   ``MAX_GROUPS`` groups a step); a row bucket ``r`` takes the group buckets up to the first that
-  holds ``r // 2`` groups (a group has at least two rows).  Extra groups in a bucket cost only
-  empty programs of the shared kernel.  A mixed step whose decode rows form cascade groups takes
-  one cascade bucket per token bucket: the group count its rows can hold at most
-  (``mixed_groups``), the widest page lists.
+  holds ``r // 2`` groups (a decode step's group has at least two rows).  Extra groups in a bucket
+  cost only empty programs of the shared kernel.  A mixed step whose rows form cascade groups
+  takes one cascade bucket per token bucket: the group count its rows can hold at most
+  (``mixed_groups``; more only when prefill chunks group alone, each over its own shared pages,
+  which compiles a bucket of more groups when first needed), the widest page lists.
 * **log-probs**: 0 or ``MAX_LOGPROBS`` columns.
 
 **Warm-up sets** (``warmup_keys``): ``all`` is every bucket above; ``small`` keeps what a small
@@ -64,13 +68,16 @@ def next_pow2(n: int, minimum: int = 1) -> int:
     return max(minimum, 1 << max(0, n - 1).bit_length())
 
 
-def _ladder(lo: int, hi: int) -> list[int]:
-    """Powers of two from ``lo`` while below ``hi``, then ``hi`` itself."""
+def _ladder(lo: int, hi: int, midpoints: tuple[int, ...] = ()) -> list[int]:
+    """Powers of two from ``lo`` while below ``hi``, the ``midpoints`` below ``hi``, then ``hi`` itself."""
     out, b = [], lo
     while b < hi:
         out.append(b)
         b *= 2
-    return out + [hi]
+    return sorted(set(out + [m for m in midpoints if lo < m < hi])) + [hi]
+
+
+MIDPOINTS = (384, 768)  # mixed-step token buckets between the powers of two (module docstring)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,7 +100,7 @@ class StepBuckets:
         self.narrow_mixed = narrow_mixed  # mixed steps without cascade pick a table width (module docstring)
         self.num_logprobs = num_logprobs
         self.row_buckets = _ladder(min(min_rows, max_rows), max_rows)
-        self.token_buckets = _ladder(min(min_tokens, max_tokens), max_tokens)
+        self.token_buckets = _ladder(min(min_tokens, max_tokens), max_tokens, MIDPOINTS)
         widest = next_pow2(max_pages_per_seq, 4)
         widths = [widest]
         while widths[-1] // 8 >= max(1, min_table_pages):
@@ -143,7 +150,8 @@ class StepBuckets:
         t = next(b for b in self.token_buckets if b >= n_tokens)
         r = min(t, self.max_rows)
         if shared_pages:
-            return StepKey(r, t, self.wide(need_pages), nl, self.wide(shared_pages), self.mixed_groups(r), ragged=True)
+            g = max(self.mixed_groups(r), self.groups_for(max(1, min(groups, MAX_GROUPS))))
+            return StepKey(r, t, self.wide(need_pages), nl, self.wide(shared_pages), g, ragged=True)
         return StepKey(r, t, max(self.width_for(need_pages), self.mixed_widths[0]) if self.narrow_mixed
                        else self.wide(need_pages), nl, ragged=True)
 
