@@ -10,10 +10,8 @@ compile all of it before serving and nothing compiles afterwards:
   the row count, so 8 rows cost about what 1 does.
 * **mixed steps** (some row computes a prefill chunk; decode rows ride along): ``tokens``
   buckets, powers of two from 32 up to the step's token budget
-  (``EngineConfig.max_num_batched_tokens``, the last bucket is the budget itself), and between
-  256 and 1024 the midpoints 384 and 768 (``MIDPOINTS``): there the matmuls are compute-bound,
-  so a step's padded tokens cost in proportion, and a served loop's steps (a full batch of decode
-  rows and a few questions) land between powers of two (bench/NOTES.md, run AK); the row
+  (``EngineConfig.max_num_batched_tokens``, the last bucket is the budget itself; midpoint buckets
+  384 / 768 gained nothing served and cost 25 s of cold start: bench/NOTES.md, run AK); the row
   count is then tied to the token bucket (``min(tokens, max_rows)``), so a mixed step has a
   single free dimension.  The LM head and the sampler run over that many rows; at most the
   chunk's own cost over again for the smallest buckets, a fraction of a percent for big ones.
@@ -68,16 +66,13 @@ def next_pow2(n: int, minimum: int = 1) -> int:
     return max(minimum, 1 << max(0, n - 1).bit_length())
 
 
-def _ladder(lo: int, hi: int, midpoints: tuple[int, ...] = ()) -> list[int]:
-    """Powers of two from ``lo`` while below ``hi``, the ``midpoints`` below ``hi``, then ``hi`` itself."""
+def _ladder(lo: int, hi: int) -> list[int]:
+    """Powers of two from ``lo`` while below ``hi``, then ``hi`` itself."""
     out, b = [], lo
     while b < hi:
         out.append(b)
         b *= 2
-    return sorted(set(out + [m for m in midpoints if lo < m < hi])) + [hi]
-
-
-MIDPOINTS = (384, 768)  # mixed-step token buckets between the powers of two (module docstring)
+    return out + [hi]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,7 +95,7 @@ class StepBuckets:
         self.narrow_mixed = narrow_mixed  # mixed steps without cascade pick a table width (module docstring)
         self.num_logprobs = num_logprobs
         self.row_buckets = _ladder(min(min_rows, max_rows), max_rows)
-        self.token_buckets = _ladder(min(min_tokens, max_tokens), max_tokens, MIDPOINTS)
+        self.token_buckets = _ladder(min(min_tokens, max_tokens), max_tokens)
         widest = next_pow2(max_pages_per_seq, 4)
         widths = [widest]
         while widths[-1] // 8 >= max(1, min_table_pages):
