@@ -106,6 +106,17 @@ def test_every_step_shape_maps_into_the_warmup_set():
     assert len(keys) < 75
 
 
+def test_a_mixed_step_whose_chunks_group_alone_takes_a_bucket_with_room_for_its_groups():
+    """A mixed step's cascade bucket holds what its rows can form: up to rows // 2 groups of decode
+    rows (the warm-up bucket), or more when prefill chunks group alone, each over its own pages."""
+    b = StepBuckets(max_rows=15, max_tokens=2048, max_pages_per_seq=512, min_table_pages=4, num_logprobs=20)
+    warm = b.key(15, 40, 3, 0, 2, 1)
+    assert warm in set(b.all_keys()) and warm.groups >= 15 // 2
+    for groups in (1, warm.groups, warm.groups + 1, 15):
+        key = b.key(15, 15 * 40, 3, 0, 2, groups)
+        assert key.ragged and key.groups >= groups, (groups, key)
+
+
 def test_after_warmup_200_random_requests_compile_nothing():
     e = make_engine(pages=256, max_batch=8, max_num_batched_tokens=64)
     info = e.warmup(buckets="all")  # every bucket (the CPU's default set is the small one)
