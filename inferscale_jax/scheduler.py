@@ -53,12 +53,12 @@
    *Cascade*: among a step's rows (a pure decode step's decode rows; a mixed step's decode rows
    and its requests' prefill chunks), requests that start with the same read-only pages (one
    segment chain's node, or the same prefix-cache hits) form a group; every group of two query
-   tokens or more (at most ``buckets.MAX_GROUPS``, those saving the most first), when together
+   tokens or more with a decode row (at most ``buckets.MAX_GROUPS``, those saving the most first), when together
    they save enough reads, has its pages read once per step for all its rows
    (``_cascade_groups``, the multi-group cascade kernel: every group in one launch), while the
-   other rows in the same step read their own pages.  A question's chunk over a 4k segment so
-   attends the segment in the shared kernel's split programs beside the decode rows reading it,
-   and only its own tokens in the ragged kernel.
+   other rows in the same step read their own pages.  A question's chunk over a 4k segment that
+   decode rows read too so attends the segment in the shared kernel's split programs beside
+   them, and only its own tokens in the ragged kernel.
 4. **Finish**: EOS, a stop token or string, ``max_tokens``, or ``abort``: the request's page
    references are dropped at once (its full pages stay in the prefix cache) and its chain
    nodes lose a reader; one waiting on a node job leaves it (the last one cancels it).
@@ -629,9 +629,14 @@ class Scheduler:
         node's full pages, or prefix-cache hits) can read them once for the whole group: the
         decode rows (the first ``decode_rows``), and a prefill chunk (a request's, or a node job's
         over its parent node) that starts past its shared pages (always: those pages were computed
-        before the sequence was prepared).  Every group of >= 2 query tokens is
-        taken (the ``MAX_GROUPS`` saving the most when there are more), if together they save at
-        least ``CASCADE_MIN_SAVED_TOKENS`` token reads per layer: the sum of ``(query tokens - 1) x
+        before the sequence was prepared) when a decode row reads the same pages: the chunk's
+        reading then rides in the shared kernel's launch for them, split beside the decode rows,
+        instead of one long ragged program per query block (a served loop's mixed step; bench/NOTES.md,
+        run AK), while chunks with no decode row over their pages (a lone question's TTFT, a wave of
+        new requests) stay in the ragged kernel, which splits their context when the step is
+        small.  Every group of >= 2 query tokens with a decode row is taken (the ``MAX_GROUPS``
+        saving the most when there are more), if together they save at least
+        ``CASCADE_MIN_SAVED_TOKENS`` token reads per layer: the sum of ``(query tokens - 1) x
         shared tokens``.  Below that the cascade's extra kernel and merge cost more than the reads
         they save (H200, bench/NOTES.md).  The shared kernel packs each group's query rows into row
         blocks of their own, so a group costs nothing for the rows outside it."""
@@ -667,7 +672,7 @@ class Scheduler:
                     by_key.append((key, [i]))
             for key, m in by_key:
                 tokens = sum(weight[i] for i in m)
-                if tokens >= 2:
+                if tokens >= 2 and m[0] < decode_rows:
                     groups.append(((tokens - 1) * len(key), len(key), m))
         groups.sort(key=lambda x: -x[0])
         groups = groups[:MAX_GROUPS]

@@ -342,14 +342,17 @@ def test_cascade_policy_takes_every_group_of_two_rows_or_more(monkeypatch):
     got = decode_groups(rows([k for k in keys for _ in range(2)]))
     assert len(got) == MAX_GROUPS and [k for k, _ in got] == [len(k) for k in keys[::-1][:MAX_GROUPS]]
     # a mixed step: prefill chunks (after the decode rows) join the group of their shared pages when
-    # they start past them, each counting its query tokens; a chunk of >= 2 tokens may group alone
+    # they start past them and a decode row reads those pages too, each counting its query tokens
     def chunk(start, n):
         return SimpleNamespace(start=start, tokens=[0] * n)
-    owners = rows([a, b, a, b, a, c, ()]) + [SimpleNamespace(seq=None)]  # (seq None: not yet allocated)
-    step = [None, None, chunk(8 * S, 5), chunk(4 * S + 3, 2), chunk(7 * S, 3), chunk(S, 4), chunk(0, 9),
+    owners = rows([a, b, a, b, a, c, (), c]) + [SimpleNamespace(seq=None)]  # (seq None: not yet allocated)
+    step = [None, None, None, chunk(4 * S + 3, 2), chunk(7 * S, 3), chunk(S, 4), chunk(0, 9), chunk(S, 6),
             chunk(0, 3)]
-    # a: (1 + 5 - 1) x 8 pages saved; b: (1 + 2 - 1) x 4; c: (4 - 1) x 1; chunk 4 starts inside a's pages
-    assert sched._cascade_groups(owners, step, 2) == [(8, [0, 2]), (4, [1, 3]), (1, [5])]
+    # a: (2 + 0 - 1) x 8 pages saved (chunk 4 starts inside a's pages); b: (1 + 2 - 1) x 4; c: chunks only
+    assert sched._cascade_groups(owners, step, 3) == [(8, [0, 2]), (4, [1, 3])]
+    step[4] = chunk(8 * S, 5)  # now past a's pages: a saves (2 + 5 - 1) x 8
+    assert sched._cascade_groups(owners, step, 3) == [(8, [0, 2, 4]), (4, [1, 3])]
+    assert sched._cascade_groups(owners[3:], step[3:], 0) == []  # chunks alone group nowhere
 
 
 def test_every_cascade_step_maps_into_the_warmup_set():
