@@ -3,7 +3,8 @@
 ``bench/serving/api_overhead.py`` measures the API-server process over ``bench/lib/paced_engine.py``;
 this measures what is left without it: C closed-loop client coroutines in one event loop stream
 from ``AsyncEngine`` (its engine thread, command queue, per-step delivery, detokenization) while the
-paced engine gives every running request one token per ``--step-ms``.  Reports output tok/s (the
+paced engine gives every running request one token per ``--step-ms`` (``--hold-ms``: the engine thread
+also runs that much Python per step, holding the GIL, as the real engine's host work does).  Reports output tok/s (the
 ceiling is ``min(C, max_batch) / step``), rows per step, and TTFT in seconds and in engine steps:
 a served loop whose TTFT is many steps more than this loses its rows before the engine, not in it.
 
@@ -36,6 +37,9 @@ def main() -> None:
     ap.add_argument("--requests-per-client", type=int, default=6)
     ap.add_argument("--question-tokens", type=int, default=64)
     ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--hold-ms", type=float, default=0.0,
+                    help="pure-Python work per step on the engine thread, holding the GIL (the real engine's "
+                         "host time per step: ~11 ms at 256 rows on the GPU machine, bench/NOTES.md run AK)")
     args = ap.parse_args()
 
     from paced_engine import PacedEngine  # bench/lib/paced_engine.py
@@ -44,6 +48,15 @@ def main() -> None:
     from inferscale_jax.async_engine import AsyncEngine
 
     engine = PacedEngine(None, args.step_ms, args.max_batch)
+    if args.hold_ms > 0:
+        paced_step, hold = engine.step, args.hold_ms / 1e3
+
+        def step():
+            t, n = time.perf_counter(), 0
+            while time.perf_counter() - t < hold:  # bytecode: the GIL is held (switched every 5 ms)
+                n += 1
+            return paced_step()
+        engine.step = step
     aeng = AsyncEngine(engine)
     rng = random.Random(0)
     results = []  # (ttft s, steps to the first token, e2e s)
@@ -71,7 +84,7 @@ def main() -> None:
     tokens = len(results) * args.max_tokens
     ceiling = min(args.concurrency, args.max_batch) / (args.step_ms / 1e3)
     print(f"`python bench/serving/inproc_paced.py --concurrency {args.concurrency} --step-ms {args.step_ms:g} "
-          f"--requests-per-client {args.requests_per_client}`\n")
+          f"--requests-per-client {args.requests_per_client} --hold-ms {args.hold_ms:g}`\n")
     print("| out tok/s | ceiling tok/s | rows per step | wall per step ms | TTFT p50 / p90 ms | TTFT p50 / p90 steps "
           "| E2E p50 ms |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
