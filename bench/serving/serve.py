@@ -187,6 +187,9 @@ def parse_args(argv=None):
     g.add_argument("--segment-tokens", type=int, default=1024, help="tokens of each segment (default: %(default)s)")
     g.add_argument("--question-tokens", type=int, default=64, help="tokens of each question (default: %(default)s)")
     g.add_argument("--max-tokens", type=int, default=64, help="tokens generated per request (default: %(default)s)")
+    g.add_argument("--max-tokens-spread", type=int, default=0,
+                   help="each request's max_tokens uniform in --max-tokens +- this (default 0: all equal, and "
+                        "clients of a closed loop then run in cohorts: bench/NOTES.md, run AK 8)")
     g.add_argument("--temperature", type=float, default=0.0, help="(default: %(default)s, greedy)")
     g.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
                    help="generate exactly --max-tokens per request (default: %(default)s)")
@@ -233,6 +236,8 @@ def parse_args(argv=None):
     bad = [f"{name}={v}" for name, v in (("--tenants", args.tenants), ("--segments-per-tenant",
            args.segments_per_tenant), ("--segment-tokens", args.segment_tokens), ("--question-tokens",
            args.question_tokens), ("--max-tokens", args.max_tokens), ("--num-requests", args.num_requests)) if v < 1]
+    bad += [f"--max-tokens-spread {args.max_tokens_spread} (0 <= spread < --max-tokens {args.max_tokens})"
+            ] if not 0 <= args.max_tokens_spread < max(1, args.max_tokens) else []
     bad += [f"--rates {r}" for r in args.rates or () if not r > 0]
     bad += [f"--concurrency {c}" for c in args.concurrency or () if c < 1]
     bad += [f"--client-procs {args.client_procs}"] if args.client_procs is not None and args.client_procs < 1 else []
@@ -303,6 +308,7 @@ class Spec:
     segment: str | None = None  # the warm segment's id, or the cold segment's (registered by the request)
     cold_text: str | None = None  # the cold segment's text (--context segment)
     inline: str = ""  # the segment's text before the question (--context inline)
+    max_tokens: int | None = None  # this request's (--max-tokens-spread); None: --max-tokens
 
     @property
     def prompt(self) -> str:
@@ -481,7 +487,7 @@ class Client(Via):
 
     async def complete(self, spec: Spec, args, res: Result) -> None:
         """One streamed completion into ``res`` (timings, usage, or the error)."""
-        body = {"prompt": spec.prompt, "max_tokens": args.max_tokens, "temperature": args.temperature,
+        body = {"prompt": spec.prompt, "max_tokens": spec.max_tokens or args.max_tokens, "temperature": args.temperature,
                 "ignore_eos": args.ignore_eos, "stream": True, "stream_options": {"include_usage": True}}
         if spec.segment is not None:
             body["segments"] = [spec.segment]
@@ -594,7 +600,7 @@ class InProcess(Via):
 
     async def complete(self, spec: Spec, args, res: Result) -> None:
         """``AsyncEngine.stream`` of the request the server would submit for the same body."""
-        sampling = self.sampling_params(max_tokens=args.max_tokens, temperature=args.temperature,
+        sampling = self.sampling_params(max_tokens=spec.max_tokens or args.max_tokens, temperature=args.temperature,
                                         ignore_eos=args.ignore_eos)
         segments = [spec.segment] if spec.segment is not None else []
         final, times = None, []
@@ -654,6 +660,9 @@ def make_specs(n: int, kinds: list[str] | None, args, tenants: list[str], warm: 
         elif kind == "cold":
             sid = f"bench-cold-{tag}-{i}-{uuid.uuid4().hex[:8]}"
             spec = with_context(spec, sid, maker.make(args.segment_tokens, rng), args.context, cold=True)
+        if args.max_tokens_spread:  # (drawn last: without a spread the other draws are as before)
+            spread = args.max_tokens_spread
+            spec = dataclasses.replace(spec, max_tokens=args.max_tokens + int(rng.integers(-spread, spread + 1)))
         specs.append(spec)
     return specs
 
@@ -896,7 +905,8 @@ def report(summary: dict, prefix: str) -> None:
     MD.extend([f"Vias: {'; '.join(vias)}. Model `{cfg['model']}`; "
                f"{cfg['tenants']} tenants x {cfg['segments_per_tenant']} segments of {cfg['segment_tokens']} "
                f"tokens, context `{cfg['context']}`; questions of {cfg['question_tokens']} tokens, "
-               f"{cfg['max_tokens']} tokens generated (temperature {cfg['temperature']}, ignore_eos "
+               f"{cfg['max_tokens']}{' +- ' + str(cfg['max_tokens_spread']) if cfg.get('max_tokens_spread') else ''} "
+               f"tokens generated (temperature {cfg['temperature']}, ignore_eos "
                f"{cfg['ignore_eos']}); mix warm {cfg['warm']}, cold {cfg['cold']}, none "
                f"{1 - cfg['warm'] - cfg['cold']:.2f}; {per_point}, seed {cfg['seed']}. Definitions: bench/serving/serve.py "
                "docstring; p99 over fewer than 1000 samples (the `n` column) is indicative only.", ""])

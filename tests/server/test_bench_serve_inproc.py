@@ -62,6 +62,28 @@ def test_context_changes_only_the_context(tmp_path_factory):
             assert i.prompt == s.prompt == s.question
 
 
+def test_max_tokens_spread_draws_each_requests_length(tmp_path_factory):
+    """--max-tokens-spread S: each request's max_tokens in max_tokens +- S (varied, so a closed loop's clients
+    do not run in cohorts); without it every request takes --max-tokens and the draws are as before."""
+    from inferscale_jax import default_model_dir
+    from inferscale_jax.tokenizer import load_tokenizer
+
+    bench = load_bench()
+    maker = bench.TextMaker(load_tokenizer(default_model_dir(cache_dir(tmp_path_factory))))
+    warm = {"t0": [("s0", " alpha beta"), ("s1", " gamma delta")]}
+    base = ["--max-tokens", "16", "--question-tokens", "5"]
+    spread = bench.make_specs(64, None, bench.parse_args(base + ["--max-tokens-spread", "8"]), ["t0"], warm, maker,
+                              np.random.default_rng(7), "x")
+    lengths = [s.max_tokens for s in spread]
+    assert all(8 <= n <= 24 for n in lengths) and len(set(lengths)) > 8
+    plain = bench.make_specs(64, None, bench.parse_args(base), ["t0"], warm, maker, np.random.default_rng(7), "x")
+    assert all(s.max_tokens is None for s in plain)
+    assert spread[0].question == plain[0].question  # (the spread is drawn after each request's other draws)
+    for bad in (base + ["--max-tokens-spread", "16"], base + ["--max-tokens-spread", "-1"]):
+        with pytest.raises(SystemExit):
+            bench.parse_args(bad)
+
+
 def test_bench_serve_in_process(tmp_path, tmp_path_factory):
     cache = os.environ.get("INFERSCALE_CACHE") or cache_dir(tmp_path_factory)
     env = dict(os.environ, INFERSCALE_CACHE=cache, JAX_PLATFORMS=os.environ.get("JAX_PLATFORMS", "cpu"),
