@@ -31,8 +31,9 @@ compile all of it before serving and nothing compiles afterwards:
   holds ``r // 2`` groups (a decode step's group has at least two rows).  Extra groups in a bucket
   cost only empty programs of the shared kernel.  A mixed step whose rows form cascade groups
   takes one cascade bucket per token bucket: the group count its rows can hold at most
-  (``mixed_groups``; more only when prefill chunks group alone, each over its own shared pages,
-  which compiles a bucket of more groups when first needed), the widest page lists.
+  (``mixed_groups``: every group has two rows or more, a prefill chunk joining only a group with
+  a decode row; ``key`` still takes a bigger group bucket if a step ever held more groups, which
+  would compile when first needed), the widest page lists.
 * **log-probs**: 0 or ``MAX_LOGPROBS`` columns.
 
 **Warm-up sets** (``warmup_keys``): ``all`` is every bucket above; ``small`` keeps what a small
