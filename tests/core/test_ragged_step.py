@@ -107,8 +107,8 @@ def test_every_step_shape_maps_into_the_warmup_set():
 
 
 def test_a_mixed_step_whose_chunks_group_alone_takes_a_bucket_with_room_for_its_groups():
-    """A mixed step's cascade bucket holds what its rows can form: up to rows // 2 groups of decode
-    rows (the warm-up bucket), or more when prefill chunks group alone, each over its own pages."""
+    """A mixed step's cascade bucket holds what its rows can form: up to rows // 2 groups (the warm-up
+    bucket: every group has two rows or more), and a bigger group bucket if a step ever held more."""
     b = StepBuckets(max_rows=15, max_tokens=2048, max_pages_per_seq=512, min_table_pages=4, num_logprobs=20)
     warm = b.key(15, 40, 3, 0, 2, 1)
     assert warm in set(b.all_keys()) and warm.groups >= 15 // 2
