@@ -96,7 +96,10 @@ def test_bench_serve_closed_loop_over_client_processes(tmp_path, tmp_path_factor
     assert point["concurrency"] == 2 and point["client_procs"] == 2, tail
     assert point["requests"] == point["completed"] == 6 and point["errors"] == 0, point["error_samples"]
     assert point["completion_tokens"] == 6 * 4 and point["ttft_ms"]["n"] == 6
-    assert point["cpu"]["bench"] > 0 and point["cpu"]["server"] > 0, point["cpu"]
+    # the API process alone can stay under one clock tick (10 ms) for six 4-token requests; the server as a
+    # whole (API process + engine core child) cannot
+    cpu = point["cpu"]
+    assert cpu["bench"] > 0 and cpu["server"] >= 0 and cpu["server"] + cpu["server_children"] > 0, cpu
     assert "(2 procs)" in prefix.with_suffix(".md").read_text()
 
 
