@@ -150,6 +150,7 @@ class Engine:
         model_dir = model_dir or default_model_dir()
         cfg = ModelConfig.from_pretrained(model_dir)
         placed = None
+        t0 = time.perf_counter()
         if config.tensor_parallel > 1:  # each device reads only its slices (sharding.py)
             sharding.check_tensor_parallel(cfg, config.tensor_parallel, len(jax.devices()))
             mesh = sharding.make_mesh(config.tensor_parallel)
@@ -163,7 +164,11 @@ class Engine:
             log.warning("%s; the engine accepts token ids only", e)
             tokenizer = None
         fp = hashlib.sha256(f"{config_digest(cfg)}|{weights_digest(model_dir)}".encode()).hexdigest()
-        return cls(params, cfg, tokenizer, config, fingerprint=fp, placed=placed)
+        t1 = time.perf_counter()
+        engine = cls(params, cfg, tokenizer, config, fingerprint=fp, placed=placed)
+        log.info("loaded %s: weights and tokenizer in %.1f s, the engine (KV pool, snapshot) in %.1f s",
+                 model_dir, t1 - t0, time.perf_counter() - t1)
+        return engine
 
     @property
     def fault(self) -> EngineFault | None:
@@ -632,9 +637,13 @@ class Engine:
 
     _warmup_stopped = False  # set by stop_warmup: a running or later warmup returns early
 
-    def _stored(self) -> int:
+    def _loaded(self) -> int:
         """Step executables loaded from the executable store so far (exe_store.py)."""
         return self.runner.exe_store.loads if self.runner.exe_store is not None else 0
+
+    def _stored(self) -> int:
+        """Step executables saved into the executable store so far (exe_store.py)."""
+        return self.runner.exe_store.saves if self.runner.exe_store is not None else 0
 
     def warmup(self, progress=None, *, serving: bool = True, buckets: str = "auto",
                progress_bar: bool = True) -> dict:
@@ -665,6 +674,7 @@ class Engine:
             buckets = "small" if self.runner.device.platform == "cpu" else "all"
         t0 = time.perf_counter()
         before, hits0, stored0 = self.runner.compiles, compile_cache.counts()["hits"], self._stored()
+        loaded0 = self._loaded()
         b = self.runner.buckets
         cascade = self.config.cascade_decode and serving
         keys = b.warmup_keys(buckets, cascade=cascade, logprobs=serving)
@@ -676,7 +686,7 @@ class Engine:
             bar.total = total
             bar.update(done - bar.n)
             bar.set_postfix_str(f"{compile_cache.counts()['hits'] - hits0} from the compile cache, "
-                                f"{self._stored() - stored0} stored", refresh=True)
+                                f"{self._loaded() - loaded0} from the executable store", refresh=True)
             if progress is not None:
                 progress(done, total)
 
@@ -689,11 +699,12 @@ class Engine:
         freeze_heap()
         took = time.perf_counter() - t0
         compiled = self.runner.compiles - before
-        log.info("warm-up: %d %s step buckets ready (%d compiled or loaded: %d from the compile cache, %d stored "
-                 "executables) in %.1f s%s", done, buckets, compiled, compile_cache.counts()["hits"] - hits0,
-                 self._stored() - stored0, took,
-                 " (stopped)" if self._warmup_stopped else "")
-        return {"buckets": done, "compiled": compiled, "seconds": took, "stopped": self._warmup_stopped}
+        parts = self.runner.warmup_times
+        log.info("warm-up: %d %s step buckets ready (%d compiled or loaded: %d from the compile cache, %d from the "
+                 "executable store, %d stored) in %.1f s (%s)%s", done, buckets, compiled,
+                 compile_cache.counts()["hits"] - hits0, self._loaded() - loaded0, self._stored() - stored0, took,
+                 ", ".join(f"{k} {v:.1f}" for k, v in parts.items()), " (stopped)" if self._warmup_stopped else "")
+        return {"buckets": done, "compiled": compiled, "seconds": took, "stopped": self._warmup_stopped, **parts}
 
     def stop_warmup(self) -> None:
         """End a running ``warmup`` (and skip any later one): it starts nothing more and returns

@@ -344,6 +344,7 @@ class ModelRunner:
                                else jax.sharding.NamedSharding(cache.mesh, jax.sharding.PartitionSpec()))
         self.fault: EngineFault | None = None  # set when the device failed: nothing more can run
         self.exe_store = None  # compiled steps on disk by bucket (exe_store.py; set by the engine)
+        self.warmup_times: dict = {}  # the last warm-up's parts in seconds (warmup)
 
     def _note_bucket(self, key: tuple) -> bool:
         """Count a new bucket (its step compiles now); True when it is new."""
@@ -698,6 +699,8 @@ class ModelRunner:
                                      if hk not in self.helpers))
 
         store = self.exe_store
+        times = self.warmup_times = dict.fromkeys(("store_s", "lower_s", "compile_wait_s", "first_runs_s"), 0.0)
+        saves: list = []
 
         def record(fut, key, exe=None) -> None:
             nonlocal done
@@ -705,25 +708,41 @@ class ModelRunner:
             self._note_bucket(full)
             if exe is None:
                 exe = fut.result()
-                if store is not None:
-                    store.save(full, exe)
+                if store is not None:  # (serializing and checking it on the pool: the warm-up goes on)
+                    saves.append(pool.submit(store.save, full, exe))
             self.executables[full] = exe
             done += 1
             if progress is not None:
                 progress(done, len(plans))
 
-        futures, small, pending, all_done = {}, {}, set(), False
+        futures, small, pending, all_done, loads = {}, {}, set(), False, {}
         with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="inferscale-compile") as pool:
             try:
+                if store is not None and todo:
+                    # stored steps load on the pool, several at a time (no tracing: exe_store.py); the
+                    # ones not found are traced below
+                    t = time.perf_counter()
+                    loads = {pool.submit(store.load, (key, (), self.matmul_precision)): (key, rows)
+                             for key, rows in todo}
+                    missing = []
+                    for fut, (key, rows) in loads.items():
+                        if stop():
+                            break
+                        exe = fut.result()
+                        if exe is None:
+                            missing.append((key, rows))
+                        else:
+                            record(None, key, exe)
+                    todo = missing
+                    times["store_s"] = time.perf_counter() - t
+                t = time.perf_counter()
                 for key, rows in todo:
                     if stop():
                         break
-                    exe = store.load((key, (), self.matmul_precision)) if store is not None else None
-                    if exe is not None:  # (no tracing: exe_store.py)
-                        record(None, key, exe)
-                        continue
                     _, _, host = self._pack(rows, key.num_logprobs, self._padding_groups(key), None)
                     futures[pool.submit(self._lower(key, self._to_device(host)).compile)] = key
+                times["lower_s"] = time.perf_counter() - t
+                t = time.perf_counter()
                 small = {pool.submit(self._lower_helper(hk).compile): hk for hk in helpers if not stop()}
                 pending = set(futures)
                 while pending and not stop():
@@ -732,9 +751,10 @@ class ModelRunner:
                     for fut in finished:
                         record(fut, futures[fut])
                 all_done = not pending and not stop()
+                times["compile_wait_s"] = time.perf_counter() - t
             finally:
                 if not all_done:  # stopped or raising: cancel what has not started (the pool's exit
-                    for fut in (*futures, *small):  # waits for the running ones)
+                    for fut in (*futures, *small, *loads, *saves):  # waits for the running ones)
                         fut.cancel()
         for fut in pending:
             if not fut.cancelled():
@@ -744,10 +764,12 @@ class ModelRunner:
                 self.helpers[hk] = fut.result()
         if stop() or self.device.platform == "cpu":  # (a CPU executable's first run costs what any run does)
             return done
+        t = time.perf_counter()
         for key, rows in plans:
             if stop():
                 break
             jax.block_until_ready(self.dispatch(StepPlan(rows, key.num_logprobs, self._padding_groups(key))).packed)
+        times["first_runs_s"] = time.perf_counter() - t
         return done
 
     @staticmethod

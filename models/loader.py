@@ -13,6 +13,7 @@ Tensors the model does not use (``rotary_emb.inv_freq``, a tied ``lm_head``) are
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 import hashlib
 import json
@@ -58,23 +59,34 @@ def _place(parts: list[jax.Array], *, transpose: bool, dtype) -> jax.Array:
     return x.astype(dtype)
 
 
-def load_params(model_dir: str, cfg: ModelConfig, dtype=jnp.bfloat16) -> dict:
-    """Read the checkpoint in ``model_dir`` into the pytree of ``param_specs(cfg)``."""
+def load_params(model_dir: str, cfg: ModelConfig, dtype=jnp.bfloat16, workers: int | None = None) -> dict:
+    """Read the checkpoint in ``model_dir`` into the pytree of ``param_specs(cfg)``, ``workers``
+    tensors at a time (default: the CPUs, at most 8; reading, the host-to-device copy and the
+    device-side transpose of one tensor overlap the others')."""
     where = safetensors_files(model_dir)
     specs = param_specs(cfg)
     _check_present(specs, where, model_dir)
+    workers = workers or min(8, os.cpu_count() or 1)
     handles = {}
+
+    def leaf(s):
+        parts = []
+        for name, size in zip(s.hf_names, hf_split_sizes(cfg, s)):
+            arr = handles[where[name]].get_tensor(name)
+            _check_shape(s, name, size, arr.shape, where)
+            parts.append(jnp.asarray(arr))
+        return _place(parts, transpose=s.transpose, dtype=jnp.dtype(dtype))
+
     try:
         for path in sorted({where[n] for s in specs for n in s.hf_names}):
             handles[path] = safe_open(path, framework="numpy").__enter__()
-        leaves = {}
-        for s in specs:
-            parts = []
-            for name, size in zip(s.hf_names, hf_split_sizes(cfg, s)):
-                arr = handles[where[name]].get_tensor(name)
-                _check_shape(s, name, size, arr.shape, where)
-                parts.append(jnp.asarray(arr))
-            leaves[s.path] = _place(parts, transpose=s.transpose, dtype=jnp.dtype(dtype))
+        if workers <= 1:
+            leaves = {s.path: leaf(s) for s in specs}
+        else:
+            with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="inferscale-load") as pool:
+                futures = {s.path: pool.submit(leaf, s) for s in specs}
+                leaves = {path: fut.result() for path, fut in futures.items()}  # (the first error raises)
+            jax.block_until_ready(leaves)
     finally:
         for h in handles.values():
             h.__exit__(None, None, None)

@@ -49,7 +49,7 @@ def one_start(serve_args: list[str], env: dict, timeout: float, log_path: str) -
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     cmd = [sys.executable, "-m", "inferscale_cli", "serve", "--host", "127.0.0.1", "--port", str(port),
-           "--log-level", "warning", *serve_args]
+           "--log-level", "info", *serve_args]
     t0 = time.monotonic()
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
@@ -67,7 +67,13 @@ def one_start(serve_args: list[str], env: dict, timeout: float, log_path: str) -
         except subprocess.TimeoutExpired:
             proc.kill()
             rc = proc.wait()
-    return dict(ready_s=ready, exit_s=time.monotonic() - t1, rc=rc, log=log_path)
+    return dict(ready_s=ready, exit_s=time.monotonic() - t1, rc=rc, log=log_path, parts=startup_lines(log_path))
+
+
+def startup_lines(log_path: str) -> list[str]:
+    """The engine's own account of the start (its load and warm-up lines, with their parts)."""
+    with open(log_path, errors="replace") as f:
+        return [line.strip() for line in f if "inferscale.engine " in line and (" loaded " in line or " warm-up: " in line)]
 
 
 def main() -> None:
@@ -95,6 +101,8 @@ def main() -> None:
     for i, r in enumerate(rows):
         ready = f"{r['ready_s']:.1f}" if r["ready_s"] is not None else "not ready"
         lines.append(f"| {i + 1} | {r['start']} | {ready} | {r['exit_s']:.1f} | {r['rc']} |")
+    for i, r in enumerate(rows):
+        lines += ["", f"Run {i + 1}, the engine's log:", *(f"- `{line}`" for line in r["parts"])]
     print("\n".join(lines))
     if args.out:
         with open(args.out, "w") as f:

@@ -37,6 +37,22 @@ def test_params_equal_file_tensors(tmp_path):
         np.testing.assert_array_equal(v, ref[k], err_msg=k)
 
 
+@pytest.mark.parametrize("workers", [1, 4])
+def test_tensors_read_several_at_a_time_equal_the_files(tmp_path, workers):
+    """``load_params(workers=...)``: one tensor at a time or four on a thread pool, every leaf
+    equals the file's tensor (a sharded checkpoint: tensors of several files at once)."""
+    build_hf_model("llama", str(tmp_path), max_shard_size="100KB")
+    cfg = ModelConfig.from_pretrained(tmp_path)
+    ours = to_hf_tensors(cfg, load_params(str(tmp_path), cfg, jnp.float32, workers=workers))
+    ref = {}
+    for f in sorted(os.listdir(tmp_path)):
+        if f.endswith(".safetensors"):
+            ref.update(load_file(str(tmp_path / f)))
+    assert ours.keys() <= ref.keys()
+    for k, v in ours.items():
+        np.testing.assert_array_equal(v, ref[k], err_msg=k)
+
+
 @pytest.mark.parametrize("stored,wanted", [(torch.bfloat16, jnp.float32), (torch.float32, jnp.bfloat16)])
 def test_dtype_conversion(tmp_path, stored, wanted):
     build_hf_model("llama", str(tmp_path), dtype=stored)
