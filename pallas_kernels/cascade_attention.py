@@ -57,6 +57,15 @@ Algorithm.
    beyond a short group) does no tile at all.  It writes the unnormalised partial ``o`` and its
    ``m``/``l`` (fp32).  Each shared K/V tile of group ``g`` is therefore read
    ``cdiv(c_g * Gq, block_rows)`` times per KV head instead of ``c_g`` times.
+3-5, as the engine's decode steps run them (``fused_merge=True``, the default): the suffix part
+   (``paged_decode_attention(..., init=...)``) starts each request's online softmax from its rows'
+   shared partials, the splits merged in its prologue, so its normalised output is already the
+   whole row's attention: no jnp step between the two kernels (the gather of the partials, the split
+   merge, the lse merge: ~0.9 ms of a 32-layer 256-row step before, bench/NOTES.md run AA).  The
+   partials are allocated a query tile longer than the packed rows (never written) so the suffix
+   kernel reads a whole tile from any member's first row.  ``fused_merge=False``, and
+   :func:`grouped_shared_prefix_attention` (whose callers merge with other parts), take steps 3-5
+   apart:
 3. A jnp step merges the splits and gathers each member's rows back: ``o_shared [B, Hq, D]``
    (fp32, normalised) and ``lse_shared [B, Hq]`` (natural log; ``-inf`` outside every group or for
    an empty prefix).
@@ -284,11 +293,13 @@ def _shared_kernel(
         l_ref[...] = l
 
 
-def _shared_part(q, k_pages, v_pages, group_pages, group_lens, row_group, k_scale, v_scale, *, sm_scale,
-                 block_rows, block_kv, num_splits, num_warps, num_stages, interpret, real_groups=None,
-                 real_rows=None):
-    """(o_shared [B, Hq, D] fp32 normalised, lse_shared [B, Hq] fp32 natural log, -inf outside
-    every group) of every group's shared prefix, in one launch."""
+def _shared_partials(q, k_pages, v_pages, group_pages, group_lens, row_group, k_scale, v_scale, *, sm_scale,
+                     block_rows, block_kv, num_splits, num_warps, num_stages, interpret, real_groups=None,
+                     real_rows=None, pad_rows=0):
+    """The shared kernel's launch (algorithm steps 1-2): (o [Hkv, NS, Rp + pad, D], m, l [Hkv, NS,
+    Rp + pad] fp32 partials of the packed rows, m in base 2; idx [B * Gq] each query row's packed
+    row, Rp outside every group; stored [B * Gq] bool: its block wrote partials).  ``pad_rows``
+    more rows at the end (never written) let a reader take a whole tile from any member's row."""
     b, hq, d = q.shape
     hkv, p, s, _ = k_pages.shape
     gq = hq // hkv
@@ -335,17 +346,29 @@ def _shared_part(q, k_pages, v_pages, group_pages, group_lens, row_group, k_scal
             pl.BlockSpec((None, None, block_rows), lambda r, h, t: (h, t, r)),
         ],
         out_shape=[
-            jax.ShapeDtypeStruct((hkv, num_splits, rows_p, d), jnp.float32),  # o
-            jax.ShapeDtypeStruct((hkv, num_splits, rows_p), jnp.float32),  # m (log2)
-            jax.ShapeDtypeStruct((hkv, num_splits, rows_p), jnp.float32),  # l
+            jax.ShapeDtypeStruct((hkv, num_splits, rows_p + pad_rows, d), jnp.float32),  # o
+            jax.ShapeDtypeStruct((hkv, num_splits, rows_p + pad_rows), jnp.float32),  # m (log2)
+            jax.ShapeDtypeStruct((hkv, num_splits, rows_p + pad_rows), jnp.float32),  # l
         ],
         compiler_params=common.compiler_params(num_warps, num_stages),
         interpret=interpret,
         name=f"cascade_shared_g{g}_r{block_rows}_bk{block_kv}_sp{num_splits}",
     )(block_lens, block_pages, qp, k_pages.reshape(hkv, p * s, d), v_pages.reshape(hkv, p * s, d), *scales)
-    at = jnp.minimum(idx, rows_p - 1)  # [B*Gq] (rows outside every group: masked below)
+    at = jnp.minimum(idx, rows_p - 1)  # [B*Gq] (rows outside every group: masked by `stored`)
     # rows whose block stored its partials (a block of length 0 stores nothing: its rows hold garbage)
     stored = (idx < rows_p) & (block_lens[at // block_rows] > 0)  # [B*Gq]
+    return o, m, l, idx, stored
+
+
+def _shared_part(q, k_pages, v_pages, group_pages, group_lens, row_group, k_scale, v_scale, **kw):
+    """(o_shared [B, Hq, D] fp32 normalised, lse_shared [B, Hq] fp32 natural log, -inf outside
+    every group) of every group's shared prefix, in one launch (algorithm steps 1-3)."""
+    b, hq, d = q.shape
+    hkv = k_pages.shape[0]
+    gq = hq // hkv
+    o, m, l, idx, stored = _shared_partials(q, k_pages, v_pages, group_pages, group_lens, row_group,
+                                            k_scale, v_scale, **kw)
+    at = jnp.minimum(idx, o.shape[2] - 1)
     o, m, l = o[:, :, at], m[:, :, at], l[:, :, at]  # [Hkv, NS, B*Gq(, D)]: the requests' rows only
     m_max = jnp.max(m, axis=1)  # [Hkv, B*Gq]
     w = jnp.exp2(m - m_max[:, None])  # [Hkv, NS, B*Gq]
@@ -478,19 +501,31 @@ def grouped_shared_prefix_attention_ref(
 
 @functools.partial(jax.jit, static_argnames=(
     "sm_scale", "block_rows", "block_kv", "num_splits", "suffix_num_splits", "num_warps",
-    "num_stages", "interpret"))
+    "num_stages", "interpret", "fused_merge"))
 def _cascade(q, k_pages, v_pages, group_pages, group_lens, row_group, suffix_table, suffix_lens,
              k_scale, v_scale, *, sm_scale, block_rows, block_kv, num_splits, suffix_num_splits,
-             num_warps, num_stages, interpret):
+             num_warps, num_stages, interpret, fused_merge):
+    if 0 in group_pages.shape:  # no group or no shared page at all: plain decode
+        return paged_decode_attention(q, k_pages, v_pages, suffix_table, suffix_lens, sm_scale=sm_scale,
+                                      num_splits=suffix_num_splits, interpret=interpret, k_scale=k_scale,
+                                      v_scale=v_scale)
+    knobs = dict(sm_scale=sm_scale, block_rows=block_rows, block_kv=block_kv, num_splits=num_splits,
+                 num_warps=num_warps, num_stages=num_stages, interpret=interpret)
+    if fused_merge:  # steps 3-5 in the suffix kernel: it starts from each row's shared partials
+        b, hq, _ = q.shape
+        gq = hq // k_pages.shape[0]
+        gp = max(common.MIN_DOT_DIM, 1 << (gq - 1).bit_length())  # the decode kernel's query tile
+        o, m, l, idx, stored = _shared_partials(q, k_pages, v_pages, group_pages, group_lens, row_group,
+                                                k_scale, v_scale, pad_rows=gp, **knobs)
+        first = idx.reshape(b, gq)[:, 0]  # [B] each request's first packed row (its heads follow)
+        row = jnp.where(stored.reshape(b, gq)[:, 0], first, -1)
+        return paged_decode_attention(q, k_pages, v_pages, suffix_table, suffix_lens, sm_scale=sm_scale,
+                                      num_splits=suffix_num_splits, interpret=interpret, k_scale=k_scale,
+                                      v_scale=v_scale, init=(row, o, m, l))
     o_sf, lse_sf = paged_decode_attention(q, k_pages, v_pages, suffix_table, suffix_lens,
                                           sm_scale=sm_scale, num_splits=suffix_num_splits,
                                           interpret=interpret, return_lse=True, k_scale=k_scale, v_scale=v_scale)
-    if 0 in group_pages.shape:  # no group or no shared page at all: plain decode
-        return o_sf
-    o_sh, lse_sh = _shared_part(q, k_pages, v_pages, group_pages, group_lens, row_group, k_scale, v_scale,
-                                sm_scale=sm_scale, block_rows=block_rows, block_kv=block_kv,
-                                num_splits=num_splits, num_warps=num_warps,
-                                num_stages=num_stages, interpret=interpret)
+    o_sh, lse_sh = _shared_part(q, k_pages, v_pages, group_pages, group_lens, row_group, k_scale, v_scale, **knobs)
     out, _ = merge_lse(o_sh, lse_sh, o_sf, lse_sf)
     return out.astype(q.dtype)
 
@@ -515,6 +550,7 @@ def grouped_cascade_decode_attention(
     interpret: bool | None = None,
     k_scale: jax.Array | None = None,
     v_scale: jax.Array | None = None,
+    fused_merge: bool = True,
 ) -> jax.Array:  # [B, Hq, D], dtype of q
     """Decode attention over each row's group prefix + its own suffix (see the module docstring).
     Compressed pages: ``k_scale`` / ``v_scale [Hkv, P, S]`` float32, tiles converted to q's dtype,
@@ -549,7 +585,7 @@ def grouped_cascade_decode_attention(
     return _cascade(q, k_pages, v_pages, group_pages, group_lens, row_group, suffix_table, suffix_lens,
                     k_scale, v_scale, sm_scale=sm_scale, block_rows=block_rows, block_kv=block_kv,
                     num_splits=num_splits, suffix_num_splits=suffix_num_splits, num_warps=num_warps,
-                    num_stages=num_stages, interpret=interpret)
+                    num_stages=num_stages, interpret=interpret, fused_merge=fused_merge)
 
 
 def grouped_cascade_decode_attention_ref(

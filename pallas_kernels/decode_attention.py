@@ -33,6 +33,11 @@ Algorithm
    ``log(sum_t exp(sm_scale * q . k_t))``, and ``-inf`` for a zero length (whose output stays
    0).  Direct path: the program also stores ``m + log2(l)`` per row; split path: from the
    merged ``m``/``l``.  Either way the wrapper converts base 2 to natural log.
+7. ``init`` (the cascade's suffix part): split 0 starts from partial results over other keys
+   instead of the empty state: its prologue loads the request's rows of each of ``NI`` partials
+   (``o``, base-2 ``m``, ``l``, at a per-request row given in ``init[0]``), merges them as the
+   wrapper merges splits, and the loop continues from there; the output is then the attention
+   over both key sets (the cascade's shared prefix + the row's suffix) with no merge after it.
 
 Auto tuning knobs (both static): ``pages_per_block`` makes a block 64 tokens (page sizes 8..64);
 ``num_splits`` makes ``B * Hkv * num_splits`` about four programs per SM, but keeps at least two
@@ -95,9 +100,11 @@ def _decode_kernel(
     q_ref,  # [Gp, D] (rows >= G are out of bounds: masked)
     k_ref,  # [P*S, D] (head h, all pages)
     v_ref,  # [P*S, D], or [P, D, S] with v_transposed (one page per block)
-    *refs,  # (ks_ref, vs_ref [P*S] fp32 when quantized), o_ref [Gp, D] (final out) or [Gp, D] fp32
-    #         partial, then () or (lse2_ref [Gp],) with the final out, or (m_ref [Gp], l_ref [Gp]) fp32
+    *refs,  # (ks_ref, vs_ref [P*S] fp32 when quantized), (init_row_ref [B] int32, init_o_ref [NI*R, D],
+    #         init_m_ref [NI*R], init_l_ref [NI*R] fp32 with init_splits), o_ref [Gp, D] (final out) or
+    #         [Gp, D] fp32 partial, then () or (lse2_ref [Gp],) with the final out, or (m_ref [Gp], l_ref [Gp])
     quantized: bool,
+    init_splits: int,
     fold_scales: bool,
     k_major: bool,
     v_transposed: bool,
@@ -109,9 +116,8 @@ def _decode_kernel(
     scale_log2: float,
 ):
     if quantized:
-        ks_ref, vs_ref, o_ref, *stat_refs = refs
-    else:
-        o_ref, *stat_refs = refs
+        ks_ref, vs_ref, *refs = refs
+    init_refs, (o_ref, *stat_refs) = (refs[:4], refs[4:]) if init_splits else ((), refs)
     b, s = pl.program_id(0), pl.program_id(2)
     gp, d = q_ref.shape
     row_ok = jnp.arange(gp) < group  # [Gp]
@@ -179,9 +185,8 @@ def _decode_kernel(
                              precision=prec, preferred_element_type=jnp.float32)  # [Gp, D]
         return (o * corr[:, None] + pv, m_new, l_new, next_slot, *next_page)
 
-    init = (jnp.zeros((gp, d), jnp.float32),
-            jnp.full((gp,), _M_INIT, jnp.float32),
-            jnp.zeros((gp,), jnp.float32),
+    init = (*(_initial_state(init_refs, b, s, row_ok, init_splits) if init_splits else
+              (jnp.zeros((gp, d), jnp.float32), jnp.full((gp,), _M_INIT, jnp.float32), jnp.zeros((gp,), jnp.float32))),
             slots_of(0),
             *((page_of(0),) if v_transposed else ()))
     o, m, l = lax.fori_loop(0, num_iters, body, init)[:3]
@@ -197,6 +202,28 @@ def _decode_kernel(
         if stat_refs:  # return_lse: base-2 log-sum-exp, -inf for an empty sequence
             lse2 = jnp.where(l > 0, m + jnp.log2(jnp.where(l > 0, l, 1.0)), -jnp.inf)
             plt.store(stat_refs[0].at[pl.ds(0, gp)], lse2, mask=row_ok)
+
+
+def _initial_state(init_refs, b, s, row_ok, splits: int):
+    """Split 0's starting (o, m, l) for request ``b``: the ``splits`` partials of another pass over
+    other keys (the cascade's shared part), merged; rows ``init_row[b] .. + Gp`` of them hold its
+    query rows (``init_row[b] < 0``: none, the usual empty start).  Base-2 ``m`` as the kernel's own."""
+    row_ref, o_ref, m_ref, l_ref = init_refs  # partials flat: split t's rows at t * R
+    gp = row_ok.shape[0]
+    per_split = m_ref.shape[0] // splits  # R
+    start = row_ref[b]
+    ok = row_ok & (start >= 0) & (s == 0)  # [Gp]
+    first = jnp.maximum(start, 0)  # (the partials are padded: a whole tile from any row fits)
+    ms = [plt.load(m_ref.at[pl.ds(first + t * per_split, gp)], mask=ok, other=_M_INIT) for t in range(splits)]
+    m = functools.reduce(jnp.maximum, ms)
+    o = jnp.zeros((gp, o_ref.shape[-1]), jnp.float32)
+    l = jnp.zeros((gp,), jnp.float32)
+    for t in range(splits):
+        w = jnp.exp2(ms[t] - m)  # 0 for a split with no key (its m is _M_INIT, l 0)
+        rows = pl.ds(first + t * per_split, gp)
+        o += w[:, None] * plt.load(o_ref.at[rows, :], mask=ok[:, None], other=0.0)
+        l += w * plt.load(l_ref.at[rows], mask=ok, other=0.0)
+    return o, m, l
 
 
 @functools.partial(
@@ -223,6 +250,7 @@ def paged_decode_attention(
     fold_scales: bool | None = None,
     k_major: bool = False,
     v_transposed: bool = False,
+    init: tuple[jax.Array, ...] | None = None,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:  # [B, Hq, D], dtype of q (+ lse [B, Hq] fp32)
     """Attention of one query token per sequence over its paged KV cache (see module doc).
 
@@ -239,6 +267,13 @@ def paged_decode_attention(
     its contraction, as K's is) and needs one page per block: a layout experiment for 1-byte pages
     (``bench/kernels/kv_dtype.py`` section v), not the engine's layout.  Where ``S == D`` the two layouts have one
     shape, so the check cannot tell them apart: the caller says which it passes.
+
+    ``init = (row [B] int32, o [Hkv, NI, R, D], m [Hkv, NI, R], l [Hkv, NI, R] fp32)``: the attention
+    continues from partial results over *other* keys (the cascade's shared part, already computed):
+    request ``b``'s query heads ``h * G .. h * G + G - 1`` are rows ``row[b] .. row[b] + G - 1`` of head
+    ``h``'s ``NI`` partials (unnormalised ``o``, base-2 running max ``m``, sum ``l``, as this kernel's own
+    split partials); ``row[b] < 0``: none.  ``R >= max(row) + Gp`` (padded: a whole query tile is read).
+    The result is the attention over both key sets, as if the partials were one more split.
     """
     v_usual = v_pages  # what the checks see: V in the usual layout
     if v_transposed:  # validate as the usual layout; the kernel reads the transposed one
@@ -280,10 +315,6 @@ def paged_decode_attention(
     lengths = lengths.astype(jnp.int32)
     page_table = page_table.astype(jnp.int32)
 
-    kernel = functools.partial(
-        _decode_kernel, quantized=quantized, fold_scales=fold_scales, k_major=k_major, v_transposed=v_transposed,
-        group=g, page_size=s,
-        block_tokens=block_tokens, num_splits=num_splits, max_pages=max_pages, scale_log2=float(sm_scale) * _LOG2E)
     in_specs = [
         pl.BlockSpec((b,), lambda i, j, k: (0,)),  # lengths: whole
         pl.BlockSpec((None, max_pages), lambda i, j, k: (i, 0)),  # page-table row
@@ -296,6 +327,25 @@ def paged_decode_attention(
     if quantized:  # each head's [P*S] scales, whole
         in_specs += [pl.BlockSpec((None, p * s), lambda i, j, k: (j, 0))] * 2
         scales = (k_scale.reshape(hkv, p * s), v_scale.reshape(hkv, p * s))
+    init_splits = 0
+    if init is not None:  # the row index whole, each head's partials whole
+        init_row, init_o, init_m, init_l = init
+        init_splits, rows_i = init_o.shape[1], init_o.shape[2]
+        if init_o.shape != (hkv, init_splits, rows_i, d) or init_m.shape != init_o.shape[:3] \
+                or init_l.shape != init_o.shape[:3] or init_row.shape != (b,):
+            common._fail("init", [x.shape for x in init], f"(row [B], o [Hkv, NI, R, D], m, l [Hkv, NI, R]) with "
+                         f"B = {b}, Hkv = {hkv}, D = {d}")
+        flat = init_splits * rows_i  # (free reshapes: split t's rows at t * R)
+        in_specs += [pl.BlockSpec((b,), lambda i, j, k: (0,)),
+                     pl.BlockSpec((None, flat, d), lambda i, j, k: (j, 0, 0)),
+                     pl.BlockSpec((None, flat), lambda i, j, k: (j, 0)),
+                     pl.BlockSpec((None, flat), lambda i, j, k: (j, 0))]
+        scales += (init_row.astype(jnp.int32), init_o.astype(jnp.float32).reshape(hkv, flat, d),
+                   init_m.astype(jnp.float32).reshape(hkv, flat), init_l.astype(jnp.float32).reshape(hkv, flat))
+    kernel = functools.partial(
+        _decode_kernel, quantized=quantized, init_splits=init_splits, fold_scales=fold_scales, k_major=k_major,
+        v_transposed=v_transposed, group=g, page_size=s,
+        block_tokens=block_tokens, num_splits=num_splits, max_pages=max_pages, scale_log2=float(sm_scale) * _LOG2E)
     if num_splits == 1:
         out_shape = jax.ShapeDtypeStruct((b, hkv, g, d), q.dtype)
         out_specs = pl.BlockSpec((None, None, gp, d), lambda i, j, k: (i, j, 0, 0))

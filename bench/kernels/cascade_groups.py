@@ -69,7 +69,8 @@ FULL = dict(hq=32, hkv=8, d=128, s=16, seg=4096, suffix=(64, 128), rows=(64, 256
 SMOKE = dict(hq=8, hkv=2, d=64, s=8, seg=64, suffix=(4, 12), rows=(6,), segments=(1, 3),
              mixed_rows=6, chunk=16, chunk_ctx=32,
              block_rows=(16,), min_set_bytes=0, min_sets=1, max_sets=1, reps=1)
-KNOB_NAMES = dict(bk="block_kv", sp="num_splits", w="num_warps", st="num_stages", ssp="suffix_num_splits")
+KNOB_NAMES = dict(bk="block_kv", sp="num_splits", w="num_warps", st="num_stages", ssp="suffix_num_splits",
+                  fm="fused_merge")  # fm=0: the shared part merged in jnp (before the suffix kernel took it)
 DT = jnp.bfloat16
 RESULTS: list = []  # (B, N, strategy, seconds, its floor s, the ideal floor s, bytes it must read)
 
@@ -158,7 +159,7 @@ def strategies(b, n, cfg, old):
     for br in cfg["block_rows"]:
         out[f"multi BR={br}"] = (multi_with(br), multi_inputs)
     for spec in cfg.get("knobs", ()):  # --knobs: the shared part's other knobs
-        knobs = {KNOB_NAMES[k]: int(v) for k, v in (kv.split("=") for kv in spec.split(","))}
+        knobs = {KNOB_NAMES[k]: (bool(int(v)) if k == "fm" else int(v)) for k, v in (kv.split("=") for kv in spec.split(","))}
         out[f"multi {spec}"] = (multi_with(None, **knobs), multi_inputs)
     return out
 
@@ -321,8 +322,8 @@ def main():
     ap.add_argument("--no-groups", dest="groups", action="store_false", help="leave out the decode-step section")
     ap.add_argument("--rows", help="row counts B, comma-separated (default: 64,256)")
     ap.add_argument("--segments", help="shared segment counts N, comma-separated (default: 1,8,64)")
-    ap.add_argument("--knobs", nargs="*", default=[], help="more multi variants, each 'bk=128,w=8,st=3,sp=4,ssp=2' "
-                    "(block_kv, num_warps, num_stages, num_splits, suffix_num_splits)")
+    ap.add_argument("--knobs", nargs="*", default=[], help="more multi variants, each 'bk=128,w=8,st=3,sp=4,ssp=2,fm=0' "
+                    "(block_kv, num_warps, num_stages, num_splits, suffix_num_splits, fused_merge)")
     args = ap.parse_args()
     cfg = dict(SMOKE if args.smoke else FULL)
     cfg["reps"] = args.reps or cfg["reps"]

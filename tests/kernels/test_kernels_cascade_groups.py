@@ -90,6 +90,10 @@ CASES = [
     (4, 20, 8, 3, 4, 4, 64, 8, jnp.float32, dict(num_splits=3, block_kv=16)),  # G = 8, GQA 1
     (5, 20, 8, 4, 8, 2, 128, 16, jnp.bfloat16, {}),  # G = 8, default (auto) block_rows
     (6, 9, 3, 6, 32, 8, 128, 16, jnp.bfloat16, dict(block_rows=32, suffix_num_splits=2)),  # the bench's heads
+    # the unfused merge (shared part normalised and merged by lse in jnp, as before the suffix kernel took
+    # the shared partials as its starting state)
+    (7, 12, 3, 4, 8, 2, 64, 16, jnp.bfloat16, dict(num_splits=2, block_kv=16, fused_merge=False)),
+    (8, 9, 3, 6, 32, 8, 128, 16, jnp.float32, dict(block_rows=32, suffix_num_splits=3, num_splits=2)),
 ]
 
 
