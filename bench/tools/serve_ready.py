@@ -50,7 +50,7 @@ def one_start(serve_args: list[str], env: dict, timeout: float, log_path: str) -
     url = f"http://127.0.0.1:{port}"
     cmd = [sys.executable, "-m", "inferscale_cli", "serve", "--host", "127.0.0.1", "--port", str(port),
            "--log-level", "info", *serve_args]
-    t0 = time.monotonic()
+    t0, wall0 = time.monotonic(), time.time()
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
         ready = None
@@ -67,13 +67,23 @@ def one_start(serve_args: list[str], env: dict, timeout: float, log_path: str) -
         except subprocess.TimeoutExpired:
             proc.kill()
             rc = proc.wait()
-    return dict(ready_s=ready, exit_s=time.monotonic() - t1, rc=rc, log=log_path, parts=startup_lines(log_path))
+    return dict(ready_s=ready, exit_s=time.monotonic() - t1, rc=rc, log=log_path, parts=startup_lines(log_path, wall0))
 
 
-def startup_lines(log_path: str) -> list[str]:
-    """The engine's own account of the start (its load and warm-up lines, with their parts)."""
+def startup_lines(log_path: str, wall0: float) -> list[str]:
+    """The engine's own account of the start (its load and warm-up lines, with their parts), each
+    with the seconds from the launch to when it was logged (its asctime, millisecond resolution)."""
+    out = []
     with open(log_path, errors="replace") as f:
-        return [line.strip() for line in f if "inferscale.engine " in line and (" loaded " in line or " warm-up: " in line)]
+        for line in f:
+            if "inferscale.engine " not in line or (" loaded " not in line and " warm-up: " not in line):
+                continue
+            try:
+                stamp = time.mktime(time.strptime(line[:19], "%Y-%m-%d %H:%M:%S")) + int(line[20:23]) / 1e3
+                out.append(f"+{stamp - wall0:.1f} s: {line[24:].strip()}")
+            except ValueError:
+                out.append(line.strip())
+    return out
 
 
 def main() -> None:
