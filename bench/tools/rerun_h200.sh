@@ -22,13 +22,18 @@
 #      (bench/tools/host_loop.py, on this machine's CPU), the engine loop alone at C = 64 / 256
 #      (bench/tools/profile_host.py --per-call), then HTTP at C = 256 with two API-server processes, and
 #      in-process with a 0.5 ms GIL switch interval
-# Parts 6 and 7 write the 8B checkpoint to /tmp/llama8b first when it is missing (~35 s); it stays out of
+#   8  the decode step's cascade with the merge in the suffix kernel (bench/kernels/cascade_groups.py, fused
+#      against fm=0), the checkpoint read one tensor at a time and eight (bench/tools/weights_load.py), the
+#      bare engine loop at C = 256 (profile_host.py --per-call)
+#   9  startup: serve cold then warm with the executable store (INFERSCALE_EXE_STORE=1, loads on the compile
+#      pool), then warm from JAX's cache alone (bench/tools/serve_ready.py), one compilation cache
+# Parts 6-9 write the 8B checkpoint to /tmp/llama8b first when it is missing (~35 s); it stays out of
 # the repository, whose copy on the machine loses files that .gitignore does not cover (bench/NOTES.md, run AH).
 #
 # Each step writes its tables under RESULTS_DIR/<step>/ and its console log to RESULTS_DIR/<step>.log;
 # after each step RESULTS_DIR is packed into TARBALL when given (what a cut call still returns).
 set -uo pipefail
-part=${1:?part 1-7}
+part=${1:?part 1-9}
 res=${2:?results folder}
 tarball=${3:-}
 mkdir -p "$res"
@@ -105,6 +110,20 @@ case "$part" in
            --question-tokens 64 --max-tokens 64 --warm 1.0 --cold 0 --num-requests 1024 --concurrency 256)
     step serve_api2 180 "${serve[@]}" --mode http --serve-args "--api-server-count 2"
     step serve_switch 100 "${serve[@]}" --mode inproc --switch-interval 0.0005
+    ;;
+8)
+    step cascade 150 bench/kernels/cascade_groups.py --rows 64,256 --segments 1,8,64 --no-mixed --knobs fm=0
+    ckpt
+    step_as weights_load 120 bench/tools/weights_load.py --model /tmp/llama8b --workers 1,4,8 --repeat 1
+    step_as loop_c256 150 bench/tools/profile_host.py --model /tmp/llama8b --concurrency 256 --warm-steps 150 \
+        --steps 100 --no-profile --per-call --out "$res/loop_c256.md"
+    ;;
+9)
+    ckpt
+    INFERSCALE_CACHE=/tmp/isc-ready INFERSCALE_EXE_STORE=1 step_as ready_store 400 bench/tools/serve_ready.py --runs 2 \
+        --out "$res/ready_store.md" -- --model /tmp/llama8b
+    INFERSCALE_CACHE=/tmp/isc-ready INFERSCALE_EXE_STORE=0 step_as ready_jax 150 bench/tools/serve_ready.py --runs 1 \
+        --out "$res/ready_jax.md" -- --model /tmp/llama8b
     ;;
 *)
     echo "unknown part $part" >&2
