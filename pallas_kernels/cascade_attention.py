@@ -306,6 +306,7 @@ def _shared_partials(q, k_pages, v_pages, group_pages, group_lens, row_group, k_
     g, ps = group_pages.shape
     nb = num_row_blocks(b, gq, g, block_rows)
     rows_p = nb * block_rows
+    pad_rows = pl.cdiv(pad_rows, block_rows) * block_rows  # (whole blocks: the outputs' blocks divide them)
     dest, block_pages, block_lens = row_layout(row_group, group_pages, group_lens, gq=gq,
                                                block_rows=block_rows)
     idx = (dest[:, None] + jnp.arange(gq, dtype=jnp.int32)[None, :]).reshape(b * gq)  # [B*Gq] packed rows
