@@ -18,6 +18,7 @@ import functools
 import hashlib
 import json
 import os
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -59,23 +60,40 @@ def _place(parts: list[jax.Array], *, transpose: bool, dtype) -> jax.Array:
     return x.astype(dtype)
 
 
+IN_FLIGHT_BYTES = 2 << 30  # load_params: checkpoint bytes read and not yet placed, at most (one tensor beyond it)
+
+
 def load_params(model_dir: str, cfg: ModelConfig, dtype=jnp.bfloat16, workers: int | None = None) -> dict:
     """Read the checkpoint in ``model_dir`` into the pytree of ``param_specs(cfg)``, ``workers``
     tensors at a time (default: the CPUs, at most 8; reading, the host-to-device copy and the
-    device-side transpose of one tensor overlap the others')."""
+    device-side transpose of one tensor overlap the others'), with at most ``IN_FLIGHT_BYTES`` of
+    them between the file and their placed leaf (a device's transient memory stays near the
+    one-at-a-time load's, whatever the worker count)."""
     where = safetensors_files(model_dir)
     specs = param_specs(cfg)
     _check_present(specs, where, model_dir)
     workers = workers or min(8, os.cpu_count() or 1)
     handles = {}
+    budget = threading.Condition()
+    in_flight = [0]
 
     def leaf(s):
-        parts = []
-        for name, size in zip(s.hf_names, hf_split_sizes(cfg, s)):
-            arr = handles[where[name]].get_tensor(name)
-            _check_shape(s, name, size, arr.shape, where)
-            parts.append(jnp.asarray(arr))
-        return _place(parts, transpose=s.transpose, dtype=jnp.dtype(dtype))
+        names = list(zip(s.hf_names, hf_split_sizes(cfg, s)))
+        need = sum(_nbytes(handles[where[n]].get_slice(n)) for n, _ in names)
+        with budget:  # (a tensor larger than the budget waits for an empty pipe, then goes alone)
+            budget.wait_for(lambda: in_flight[0] == 0 or in_flight[0] + need <= IN_FLIGHT_BYTES)
+            in_flight[0] += need
+        try:
+            parts = []
+            for name, size in names:
+                arr = handles[where[name]].get_tensor(name)
+                _check_shape(s, name, size, arr.shape, where)
+                parts.append(jnp.asarray(arr))
+            return jax.block_until_ready(_place(parts, transpose=s.transpose, dtype=jnp.dtype(dtype)))
+        finally:
+            with budget:
+                in_flight[0] -= need
+                budget.notify_all()
 
     try:
         for path in sorted({where[n] for s in specs for n in s.hf_names}):
@@ -91,6 +109,13 @@ def load_params(model_dir: str, cfg: ModelConfig, dtype=jnp.bfloat16, workers: i
         for h in handles.values():
             h.__exit__(None, None, None)
     return assemble(cfg, leaves)
+
+
+def _nbytes(sl) -> int:
+    """Bytes of a safetensors slice's whole tensor (its header's shape and dtype)."""
+    itemsize = {"F64": 8, "F32": 4, "I64": 8, "I32": 4, "F16": 2, "BF16": 2, "I16": 2, "F8_E4M3": 1, "F8_E5M2": 1,
+                "I8": 1, "U8": 1, "BOOL": 1}.get(sl.get_dtype(), 4)
+    return int(np.prod(sl.get_shape(), dtype=np.int64)) * itemsize
 
 
 def _read_leaf(handle_of, cfg: ModelConfig, s, n: int, idx: tuple, dtype, rep: int = 1) -> np.ndarray:

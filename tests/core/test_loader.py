@@ -37,10 +37,15 @@ def test_params_equal_file_tensors(tmp_path):
         np.testing.assert_array_equal(v, ref[k], err_msg=k)
 
 
-@pytest.mark.parametrize("workers", [1, 4])
-def test_tensors_read_several_at_a_time_equal_the_files(tmp_path, workers):
+@pytest.mark.parametrize("workers,budget", [(1, None), (4, None), (4, 1)])
+def test_tensors_read_several_at_a_time_equal_the_files(tmp_path, monkeypatch, workers, budget):
     """``load_params(workers=...)``: one tensor at a time or four on a thread pool, every leaf
-    equals the file's tensor (a sharded checkpoint: tensors of several files at once)."""
+    equals the file's tensor (a sharded checkpoint: tensors of several files at once); with an
+    in-flight budget smaller than any tensor, each goes alone and the load still completes."""
+    import models.loader
+
+    if budget is not None:
+        monkeypatch.setattr(models.loader, "IN_FLIGHT_BYTES", budget)
     build_hf_model("llama", str(tmp_path), max_shard_size="100KB")
     cfg = ModelConfig.from_pretrained(tmp_path)
     ours = to_hf_tensors(cfg, load_params(str(tmp_path), cfg, jnp.float32, workers=workers))
