@@ -92,7 +92,7 @@ OFFLINE = dict(HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE
 
 LM_EVAL_MAX_LENGTH = 24  # lm-eval model_args max_length: it uses max_length - 1 tokens per request
 LM_EVAL_TIMEOUT = 300
-GUIDELLM_TIMEOUT = 300
+GUIDELLM_TIMEOUT = 180  # per run (~40 s on the CI machine; one more run after a hang)
 TOL = 1e-4
 GUIDELLM_ENV = dict(GUIDELLM__MAX_WORKER_PROCESSES="2", GUIDELLM__MP_CONTEXT_TYPE="forkserver")
 
@@ -201,7 +201,10 @@ def tokenizer(cache):
     return AutoTokenizer.from_pretrained(default_model_dir(cache))
 
 
-def run_client(cmd: list[str], cwd, timeout: int, server: Server, extra_env=None) -> subprocess.CompletedProcess:
+def run_client(cmd: list[str], cwd, timeout: int, server: Server, extra_env=None,
+               hang_retries: int = 0) -> subprocess.CompletedProcess:
+    """Run a client to completion; ``hang_retries``: run it again that many times when it runs past
+    ``timeout`` while the server still answers ``/health`` (a client's own deadlock, not the server's)."""
     env = dict(os.environ, **OFFLINE, **(extra_env or {}))
     env.pop("JAX_PLATFORMS", None)
     start = time.monotonic()
@@ -209,8 +212,15 @@ def run_client(cmd: list[str], cwd, timeout: int, server: Server, extra_env=None
         proc = subprocess.run(cmd, cwd=str(cwd), env=env, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired as e:  # subprocess.run kills the child on timeout
         out = (e.stdout or b"")[-4000:] if isinstance(e.stdout, bytes) else (e.stdout or "")[-4000:]
-        pytest.fail(f"{os.path.basename(cmd[0])} ran past {timeout} s; output tail:\n{out}\n"
-                    f"server log tail:\n{server.log()[-3000:]}")
+        try:
+            healthy = httpx.get(server.url + "/health", timeout=10).status_code == 200
+        except httpx.HTTPError:
+            healthy = False
+        if hang_retries > 0 and healthy:
+            print(f"\n[{os.path.basename(cmd[0])}] ran past {timeout} s with the server healthy; once more")
+            return run_client(cmd, cwd, timeout, server, extra_env, hang_retries - 1)
+        pytest.fail(f"{os.path.basename(cmd[0])} ran past {timeout} s (server /health 200: {healthy}); output "
+                    f"tail:\n{out}\nserver log tail:\n{server.log()[-3000:]}")
     print(f"\n[{os.path.basename(cmd[0])}] {time.monotonic() - start:.1f} s: {' '.join(cmd)}")
     assert proc.returncode == 0, (
         f"{' '.join(cmd)}\nexit {proc.returncode}\nstdout tail:\n{proc.stdout[-4000:]}\nstderr tail:\n"
@@ -384,7 +394,10 @@ def test_guidellm_default_sweep_zero_errors(venv, server, ref, model_name, cache
            "--data", "kind=synthetic_text,prompt_tokens=32,output_tokens=16",
            "--constraint", "kind=max_duration,seconds=5",
            "--output", f"kind=json,path={out}", "--disable-console-interactive"]
-    run_client(cmd, tmp_path, GUIDELLM_TIMEOUT, server, GUIDELLM_ENV)
+    # guidellm's scheduler can deadlock between a sweep's strategies (vllm-project/guidellm#431); one CI run here
+    # (session 22) hung after the synchronous phase with every request answered.  A second hang, or a server
+    # that stops answering, fails the test.
+    run_client(cmd, tmp_path, GUIDELLM_TIMEOUT, server, GUIDELLM_ENV, hang_retries=1)
 
     report = json.load(open(out))
     benchmarks = report["benchmarks"]
