@@ -708,14 +708,16 @@ class ModelRunner:
             self._note_bucket(full)
             if exe is None:
                 exe = fut.result()
-                if store is not None:  # (serializing and checking it on the pool: the warm-up goes on)
+                if store is not None and pool_open:  # (serializing and checking it on the pool: the warm-up goes on)
                     saves.append(pool.submit(store.save, full, exe))
+                elif store is not None:  # (a compile that finished after a stop)
+                    store.save(full, exe)
             self.executables[full] = exe
             done += 1
             if progress is not None:
                 progress(done, len(plans))
 
-        futures, small, pending, all_done, loads = {}, {}, set(), False, {}
+        futures, small, pending, all_done, loads, pool_open = {}, {}, set(), False, {}, True
         with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="inferscale-compile") as pool:
             try:
                 if store is not None and todo:
@@ -754,8 +756,9 @@ class ModelRunner:
                 times["compile_wait_s"] = time.perf_counter() - t
             finally:
                 if not all_done:  # stopped or raising: cancel what has not started (the pool's exit
-                    for fut in (*futures, *small, *loads, *saves):  # waits for the running ones)
-                        fut.cancel()
+                    for fut in (*futures, *small, *loads):  # waits for the running ones and the saves:
+                        fut.cancel()                          # what compiled is kept)
+        pool_open = False
         for fut in pending:
             if not fut.cancelled():
                 record(fut, futures[fut])

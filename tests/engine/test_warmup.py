@@ -62,6 +62,29 @@ def test_stop_warmup_ends_it_after_the_compiles_in_flight():
     assert again["stopped"] and again["buckets"] == info["buckets"]  # nothing new was started
 
 
+def test_a_stopped_warmup_with_an_executable_store_keeps_what_compiled(tmp_path):
+    """With an executable store the compiled steps are saved on the compile pool; a stop during
+    the warm-up still keeps (and saves) the compiles that finish after it, and a second engine
+    over the same store loads those instead of compiling them."""
+    from inferscale_jax.exe_store import ExecutableStore, fingerprint
+
+    def engine():
+        e = make_engine(pages=128, max_batch=8, max_num_batched_tokens=256)
+        r = e.runner
+        r.exe_store = ExecutableStore(str(tmp_path), fingerprint(r.params, r.cache, r.cfg, [r.device]))
+        return e
+
+    e = engine()
+    info = e.warmup(lambda done, n: e.stop_warmup(), buckets="all", progress_bar=False)
+    assert info["stopped"] and info["buckets"] >= 1
+    store = e.runner.exe_store
+    assert store.saves == info["buckets"] and store.failures == 0, (store.saves, store.failures, info)
+    again = engine()
+    done = again.warmup(buckets="all", progress_bar=False)
+    assert again.runner.exe_store.loads == info["buckets"] and not done["stopped"]
+    assert done["store_s"] > 0 and done["buckets"] >= info["buckets"]
+
+
 def test_an_error_in_the_warmup_starts_no_more_compiles(monkeypatch):
     """An exception during the warm-up (Ctrl-C in precompute) cancels the compiles not started:
     the pool's exit waits only for the one running (one worker; each compile takes 2 s here, and
