@@ -42,7 +42,7 @@ def main() -> None:
             jax.block_until_ready(p)
             best = min(best, time.perf_counter() - t)
             del p
-        print(f"| {w} | {best:.2f} | {size / best:.1f} |", flush=True)
+        print(f"| {w} | {best:.3f} | {size / best:.2f} |", flush=True)
 
 
 if __name__ == "__main__":
