@@ -60,7 +60,7 @@ def _place(parts: list[jax.Array], *, transpose: bool, dtype) -> jax.Array:
     return x.astype(dtype)
 
 
-IN_FLIGHT_BYTES = 2 << 30  # load_params: checkpoint bytes read and not yet placed, at most (one tensor beyond it)
+IN_FLIGHT_BYTES = 2 << 30  # load_params: bytes of the leaves being read and placed at once, at most (one leaf beyond it)
 
 
 def load_params(model_dir: str, cfg: ModelConfig, dtype=jnp.bfloat16, workers: int | None = None) -> dict:
@@ -79,7 +79,7 @@ def load_params(model_dir: str, cfg: ModelConfig, dtype=jnp.bfloat16, workers: i
 
     def leaf(s):
         names = list(zip(s.hf_names, hf_split_sizes(cfg, s)))
-        need = sum(_nbytes(handles[where[n]].get_slice(n)) for n, _ in names)
+        need = int(np.prod(s.shape, dtype=np.int64)) * jnp.dtype(dtype).itemsize  # (the placed leaf's bytes)
         with budget:  # (a tensor larger than the budget waits for an empty pipe, then goes alone)
             budget.wait_for(lambda: in_flight[0] == 0 or in_flight[0] + need <= IN_FLIGHT_BYTES)
             in_flight[0] += need
@@ -104,18 +104,10 @@ def load_params(model_dir: str, cfg: ModelConfig, dtype=jnp.bfloat16, workers: i
             with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="inferscale-load") as pool:
                 futures = {s.path: pool.submit(leaf, s) for s in specs}
                 leaves = {path: fut.result() for path, fut in futures.items()}  # (the first error raises)
-            jax.block_until_ready(leaves)
     finally:
         for h in handles.values():
             h.__exit__(None, None, None)
     return assemble(cfg, leaves)
-
-
-def _nbytes(sl) -> int:
-    """Bytes of a safetensors slice's whole tensor (its header's shape and dtype)."""
-    itemsize = {"F64": 8, "F32": 4, "I64": 8, "I32": 4, "F16": 2, "BF16": 2, "I16": 2, "F8_E4M3": 1, "F8_E5M2": 1,
-                "I8": 1, "U8": 1, "BOOL": 1}.get(sl.get_dtype(), 4)
-    return int(np.prod(sl.get_shape(), dtype=np.int64)) * itemsize
 
 
 def _read_leaf(handle_of, cfg: ModelConfig, s, n: int, idx: tuple, dtype, rep: int = 1) -> np.ndarray:

@@ -98,7 +98,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels import common
-from pallas_kernels.decode_attention import check_decode_inputs, paged_decode_attention
+from pallas_kernels.decode_attention import check_decode_inputs, paged_decode_attention, query_tile_rows
 from pallas_kernels.quant import fold_probs, fold_scores, gather_pages, pv_dtype
 
 _LOG2E = math.log2(math.e)
@@ -515,9 +515,8 @@ def _cascade(q, k_pages, v_pages, group_pages, group_lens, row_group, suffix_tab
     if fused_merge:  # steps 3-5 in the suffix kernel: it starts from each row's shared partials
         b, hq, _ = q.shape
         gq = hq // k_pages.shape[0]
-        gp = max(common.MIN_DOT_DIM, 1 << (gq - 1).bit_length())  # the decode kernel's query tile
         o, m, l, idx, stored = _shared_partials(q, k_pages, v_pages, group_pages, group_lens, row_group,
-                                                k_scale, v_scale, pad_rows=gp, **knobs)
+                                                k_scale, v_scale, pad_rows=query_tile_rows(gq), **knobs)
         first = idx.reshape(b, gq)[:, 0]  # [B] each request's first packed row (its heads follow)
         row = jnp.where(stored.reshape(b, gq)[:, 0], first, -1)
         return paged_decode_attention(q, k_pages, v_pages, suffix_table, suffix_lens, sm_scale=sm_scale,

@@ -81,6 +81,12 @@ def check_decode_inputs(q, k_pages, v_pages, page_table, lengths, k_scale=None, 
     return b, hq, hkv, g, p, s, d, max_pages
 
 
+def query_tile_rows(group: int) -> int:
+    """The kernel's query tile: a request's ``group`` query heads of one KV head as a power-of-two
+    row count, at least Triton's minimum matmul size (the padding rows are masked)."""
+    return max(common.MIN_DOT_DIM, 1 << (group - 1).bit_length())
+
+
 def auto_pages_per_block(page_size: int) -> int:
     return max(1, TARGET_BLOCK_TOKENS // page_size)
 
@@ -288,7 +294,7 @@ def paged_decode_attention(
         fold_scales = v_transposed or not scales_on_rows(k_pages.dtype)
     common.check_power_of_two("page_size", s)
     common.check_power_of_two("head_dim", d, common.MIN_DOT_DIM)
-    gp = max(common.MIN_DOT_DIM, 1 << (g - 1).bit_length())  # q rows as a power-of-two tile
+    gp = query_tile_rows(g)
     if pages_per_block is None:
         pages_per_block = 1 if v_transposed else auto_pages_per_block(s)
     if v_transposed and pages_per_block != 1:
