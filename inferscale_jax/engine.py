@@ -158,6 +158,7 @@ class Engine:
             placed = (mesh, layout_cfg)
         else:
             params = load_params(model_dir, cfg, jnp.dtype(config.dtype))
+        tw = time.perf_counter()
         try:
             tokenizer = load_tokenizer(model_dir)
         except ValueError as e:
@@ -166,8 +167,9 @@ class Engine:
         fp = hashlib.sha256(f"{config_digest(cfg)}|{weights_digest(model_dir)}".encode()).hexdigest()
         t1 = time.perf_counter()
         engine = cls(params, cfg, tokenizer, config, fingerprint=fp, placed=placed)
-        log.info("loaded %s: weights and tokenizer in %.1f s, the engine (KV pool, snapshot) in %.1f s",
-                 model_dir, t1 - t0, time.perf_counter() - t1)
+        log.info("loaded %s: weights and tokenizer in %.1f s (weights %.1f s), the engine (KV pool of %d "
+                 "pages, snapshot) in %.1f s", model_dir, t1 - t0, tw - t0, engine.runner.cache.num_pages,
+                 time.perf_counter() - t1)
         return engine
 
     @property

@@ -76,18 +76,25 @@ def _avals(tree) -> list[str]:
     return [f"{x.shape}|{x.dtype}|{getattr(x, 'sharding', None)}" for x in jax.tree_util.tree_leaves(tree)]
 
 
-def fingerprint(params, cache, cfg, devices) -> str:
-    """What a step executable depends on besides its bucket (module docstring)."""
+def fingerprint_parts(params, cache, cfg, devices) -> dict[str, str]:
+    """The parts of ``fingerprint``, by name (a tool can say which one differs between two starts:
+    bench/tools/exe_store_check.py)."""
     import jaxlib
 
     # every jax option (PRNG implementation, partitioner, x64, matmul precision ... can change the
     # program; the few that name folders or log settings cost only a spurious miss)
     flags = [os.environ.get("XLA_FLAGS", ""), sorted((k, repr(v)) for k, v in jax.config.values.items())]
-    parts = [source_digest(), jax.__version__, jaxlib.__version__, repr(flags), repr(cfg),
-             repr([(d.platform, d.device_kind, d.id, d.process_index) for d in devices]),
-             getattr(devices[0].client, "platform_version", ""),
-             repr(jax.tree_util.tree_structure((params, cache))), *_avals(params), *_avals(cache)]
-    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:32]
+    return dict(source=source_digest(), versions=f"{jax.__version__} {jaxlib.__version__}", flags=repr(flags),
+                model=repr(cfg), devices=repr([(d.platform, d.device_kind, d.id, d.process_index) for d in devices]),
+                platform=str(getattr(devices[0].client, "platform_version", "")),
+                tree=repr(jax.tree_util.tree_structure((params, cache))), params="\n".join(_avals(params)),
+                cache="\n".join(_avals(cache)))
+
+
+def fingerprint(params, cache, cfg, devices) -> str:
+    """What a step executable depends on besides its bucket (module docstring)."""
+    parts = fingerprint_parts(params, cache, cfg, devices)
+    return hashlib.sha256("\n".join(parts.values()).encode()).hexdigest()[:32]
 
 
 class ExecutableStore:

@@ -26,6 +26,7 @@ import urllib.error
 import urllib.request
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository
+MAX_WARNINGS = 12  # of one start's warning and error lines, the first this many are reported
 
 
 def free_port() -> int:
@@ -71,13 +72,16 @@ def one_start(serve_args: list[str], env: dict, timeout: float, log_path: str) -
 
 
 def startup_lines(log_path: str, wall0: float) -> list[str]:
-    """The engine's own account of the start (its load and warm-up lines, with their parts), each
-    with the seconds from the launch to when it was logged (its asctime, millisecond resolution)."""
-    out = []
+    """The engine's own account of the start (its load and warm-up lines, with their parts, and any
+    warning or error logged: the first ``MAX_WARNINGS``), each with the seconds from the launch to when it was logged (its
+    asctime, millisecond resolution)."""
+    out, warnings = [], 0
     with open(log_path, errors="replace") as f:
         for line in f:
-            if "inferscale.engine " not in line or (" loaded " not in line and " warm-up: " not in line):
+            engine = "inferscale.engine " in line and (" loaded " in line or " warm-up: " in line)
+            if not engine and (" WARNING " not in line and " ERROR " not in line or warnings >= MAX_WARNINGS):
                 continue
+            warnings += not engine
             try:
                 stamp = time.mktime(time.strptime(line[:19], "%Y-%m-%d %H:%M:%S")) + int(line[20:23]) / 1e3
                 out.append(f"+{stamp - wall0:.1f} s: {line[24:].strip()}")
@@ -90,13 +94,16 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--runs", type=int, default=2, help="starts in a row, the same cache (default 2: cold, warm)")
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds for one start to become ready")
-    ap.add_argument("--out", help="write the markdown table here too")
+    ap.add_argument("--out", help="write the markdown table here too (and each start's log to OUT-stem_logs/)")
     ap.add_argument("serve_args", nargs="*", help="after --: serve's own arguments (e.g. --model DIR)")
     args = ap.parse_args()
     env = dict(os.environ)
     if not env.get("INFERSCALE_CACHE"):
         env["INFERSCALE_CACHE"] = tempfile.mkdtemp(prefix="inferscale-ready-cache-")
-    logs = tempfile.mkdtemp(prefix="inferscale-ready-logs-")
+    # each start's whole log: beside --out (run_N.log) when given, else in a temporary folder
+    logs = (os.path.splitext(os.path.abspath(args.out))[0] + "_logs" if args.out
+            else tempfile.mkdtemp(prefix="inferscale-ready-logs-"))
+    os.makedirs(logs, exist_ok=True)
     rows = []
     for i in range(args.runs):
         cache = env["INFERSCALE_CACHE"]
