@@ -35,7 +35,9 @@ Registered segments are computed synchronously (``KVManager.materialize``,
 """
 from __future__ import annotations
 
+import concurrent.futures
 import functools
+import gc
 import hashlib
 import logging
 import time
@@ -70,6 +72,7 @@ from models.loader import config_digest, load_params, load_params_sharded, weigh
 log = logging.getLogger("inferscale.engine")
 MODES = ("exact", "compose", "blend")
 AUTO_PAGES_QUANTUM = 512  # auto-sized pools are a multiple of this many pages (_auto_pages)
+ALLOCATOR_SLACK = 4 << 30  # device bytes in use beyond the weights that _auto_pages ignores, at most
 
 
 class Engine:
@@ -151,25 +154,32 @@ class Engine:
         cfg = ModelConfig.from_pretrained(model_dir)
         placed = None
         t0 = time.perf_counter()
-        if config.tensor_parallel > 1:  # each device reads only its slices (sharding.py)
-            sharding.check_tensor_parallel(cfg, config.tensor_parallel, len(jax.devices()))
-            mesh = sharding.make_mesh(config.tensor_parallel)
-            layout_cfg, params = load_params_sharded(model_dir, cfg, mesh, jnp.dtype(config.dtype))
-            placed = (mesh, layout_cfg)
-        else:
-            params = load_params(model_dir, cfg, jnp.dtype(config.dtype))
-        tw = time.perf_counter()
-        try:
-            tokenizer = load_tokenizer(model_dir)
-        except ValueError as e:
-            log.warning("%s; the engine accepts token ids only", e)
-            tokenizer = None
-        fp = hashlib.sha256(f"{config_digest(cfg)}|{weights_digest(model_dir)}".encode()).hexdigest()
+
+        def side() -> tuple:  # the tokenizer and the weights' digest, on a thread beside the weights
+            try:
+                tok = load_tokenizer(model_dir)
+            except ValueError as e:
+                log.warning("%s; the engine accepts token ids only", e)
+                tok = None
+            return tok, weights_digest(model_dir), time.perf_counter() - t0
+
+        with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="inferscale-tokenizer") as pool:
+            tokenizer_future = pool.submit(side)
+            if config.tensor_parallel > 1:  # each device reads only its slices (sharding.py)
+                sharding.check_tensor_parallel(cfg, config.tensor_parallel, len(jax.devices()))
+                mesh = sharding.make_mesh(config.tensor_parallel)
+                layout_cfg, params = load_params_sharded(model_dir, cfg, mesh, jnp.dtype(config.dtype))
+                placed = (mesh, layout_cfg)
+            else:
+                params = load_params(model_dir, cfg, jnp.dtype(config.dtype))
+            tw = time.perf_counter()
+            tokenizer, digest, tt = tokenizer_future.result()
+        fp = hashlib.sha256(f"{config_digest(cfg)}|{digest}".encode()).hexdigest()
         t1 = time.perf_counter()
         engine = cls(params, cfg, tokenizer, config, fingerprint=fp, placed=placed)
-        log.info("loaded %s: weights and tokenizer in %.1f s (weights %.1f s), the engine (KV pool of %d "
-                 "pages, snapshot) in %.1f s", model_dir, t1 - t0, tw - t0, engine.runner.cache.num_pages,
-                 time.perf_counter() - t1)
+        log.info("loaded %s: weights and tokenizer in %.1f s (weights %.1f s, the tokenizer beside them %.1f s), "
+                 "the engine (KV pool of %d pages, snapshot) in %.1f s", model_dir, t1 - t0, tw - t0, tt,
+                 engine.runner.cache.num_pages, time.perf_counter() - t1)
         return engine
 
     @property
@@ -196,18 +206,34 @@ class Engine:
         default = 64 if jax.default_backend() == "cpu" else 256
         return max(1, min(default, max(8, (num_pages - 1) * self.config.page_size // 1024)))
 
+    def _resident_bytes(self, device, in_use: int, slack: int) -> int:
+        """The device memory the pool must leave to what is already there: the weights' bytes on
+        ``device`` (exact: the same at every start), or the allocator's ``in_use`` when that is
+        more than ``slack`` above them (another engine's pool in this process).  What the
+        allocator reports beyond the weights right after the load - buffers the loader dropped
+        but the allocator has not yet taken back, its chunk rounding - differs from one start to
+        the next by up to a GiB (bench/NOTES.md, run AL), so it is not counted."""
+        weights = sum(shard.data.nbytes for x in jax.tree_util.tree_leaves(self.params)
+                      for shard in getattr(x, "addressable_shards", ()) if shard.device == device)
+        return in_use if in_use > weights + slack else weights
+
     def _auto_pages(self) -> int:
         """``hbm_pages=None``: ``hbm_fraction`` of the device's free memory, rounded down to a
         multiple of ``AUTO_PAGES_QUANTUM`` pages.  The pool's size is part of every compiled
-        step's shapes, and free memory differs by a few MB from one start to the next: unrounded,
-        a restart found none of its steps in the persistent compilation cache (bench/NOTES.md)."""
+        step's shapes: free memory is the limit less the weights (``_resident_bytes``: not the
+        allocator's use, which varies), and rounded, so a restart finds its steps in the
+        persistent compilation cache and the executable store (bench/NOTES.md, run AL)."""
         # with tensor parallelism each device holds 1/N of every page's kv heads (one replica when the
         # model has fewer kv heads than N: sharding.py)
         tp, kv = self.config.tensor_parallel, self.cfg.num_kv_heads
         per_page = page_bytes(self.cfg, self.config.page_size, self.config.kv_dtype or self.dtype) * max(kv, tp) // kv // tp
-        stats = jax.local_devices()[0].memory_stats() or {}
+        device = jax.local_devices()[0]
+        gc.collect()  # (cyclic garbage holding device buffers)
+        stats = device.memory_stats() or {}
         if "bytes_limit" in stats:
-            free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
+            limit = stats["bytes_limit"]
+            free = limit - self._resident_bytes(device, stats.get("bytes_in_use", 0),
+                                                slack=min(ALLOCATOR_SLACK, int(limit * (1 - self.config.hbm_fraction) / 2)))
             n = int(free * self.config.hbm_fraction) // per_page
             return max(2, n // AUTO_PAGES_QUANTUM * AUTO_PAGES_QUANTUM if n >= 2 * AUTO_PAGES_QUANTUM else n)
         # host-only backends cannot donate buffers, so every step copies a layer's pool: keep it

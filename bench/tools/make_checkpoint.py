@@ -1,7 +1,7 @@
 """Write a Llama-3-8B-shaped (or ``--shape 70b``) HF checkpoint of random bf16 weights, for benchmarks that
 load a model folder (``bench/serving/serve.py --model``): ``config.json``, sharded
 ``model-0000i-of-0000n.safetensors`` + index, and the embedded default model's tokenizer with
-one added token ``<tN>`` for every id past its own, so each id the model can sample decodes to
+one vocabulary entry ``<tN>`` for every id past its own, so each id the model can sample decodes to
 text (a streamed reply then has one text chunk per token, as a real model's has; without them
 most ids decode to nothing and a client's time to first text is not the time to first token).
 The text is gibberish either way; the shapes are real.
@@ -50,9 +50,17 @@ def main():
     os.makedirs(args.out, exist_ok=True)
     from transformers import PreTrainedTokenizerFast
 
-    tok = PreTrainedTokenizerFast.from_pretrained(default_model_dir())
-    tok.add_tokens([f"<t{i}>" for i in range(len(tok), sh["vocab"])])
-    tok.save_pretrained(args.out)
+    PreTrainedTokenizerFast.from_pretrained(default_model_dir()).save_pretrained(args.out)
+    # the vocabulary grows to the model's inside the BPE model, as a real Llama-3 tokenizer's 128k
+    # entries are (its added tokens are ~256 specials): 128k *added* tokens took a serve start
+    # ~17 s more to load (bench/NOTES.md, run AL)
+    path = os.path.join(args.out, "tokenizer.json")
+    with open(path) as f:
+        tj = json.load(f)
+    vocab = tj["model"]["vocab"]
+    vocab.update({f"<t{i}>": i for i in range(max(vocab.values()) + 1, sh["vocab"])})
+    with open(path, "w") as f:
+        json.dump(tj, f, ensure_ascii=False)
     hf = dict(HF_CONFIG, vocab_size=sh["vocab"], hidden_size=sh["hidden"], intermediate_size=sh["inter"],
               num_hidden_layers=sh["layers"], num_attention_heads=sh["heads"], num_key_value_heads=sh["kv"],
               head_dim=sh["head_dim"], max_position_embeddings=sh["max_pos"], rms_norm_eps=sh["eps"],
