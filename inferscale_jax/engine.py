@@ -154,6 +154,8 @@ class Engine:
         cfg = ModelConfig.from_pretrained(model_dir)
         placed = None
         t0 = time.perf_counter()
+        if config.compilation_cache:  # before the load: its placing ops' compiles are cached too
+            compile_cache.enable(config.compilation_cache_dir)
 
         def side() -> tuple:  # the tokenizer and the weights' digest, on a thread beside the weights
             try:

@@ -37,3 +37,32 @@ def test_a_second_process_hits_the_compilation_cache(tmp_path):
     second = _run(tmp_path, "./jit-cache")
     assert second["hits"] >= first["misses"] - 1 and second["tokens"] == first["tokens"]
     assert second["misses"] < first["misses"]
+
+
+LOAD_CHILD = r"""
+import json, sys
+sys.path.insert(0, {root!r})
+import jax
+import inferscale_jax.engine as engine_module
+from inferscale_jax import EngineConfig
+from inferscale_jax.engine import Engine
+seen = []
+real = engine_module.load_params
+def spy(*args, **kwargs):
+    seen.append(jax.config.jax_compilation_cache_dir)
+    return real(*args, **kwargs)
+engine_module.load_params = spy
+Engine.from_pretrained(None, EngineConfig(compilation_cache_dir={cache!r}))
+print(json.dumps(seen))
+"""
+
+
+def test_the_weights_load_with_the_compilation_cache_on(tmp_path):
+    """The checkpoint's placing ops compile (on a GPU ~4 s of a start, bench/NOTES.md run AL) inside
+    the cache, so a restart loads them: the cache is set before ``load_params`` runs."""
+    cache = str(tmp_path / "jit-cache")
+    env = {**os.environ, "INFERSCALE_CACHE": str(tmp_path / "home")}
+    res = subprocess.run([sys.executable, "-c", LOAD_CHILD.format(root=REPO, cache=cache)], capture_output=True,
+                         text=True, env=env, timeout=600, cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert json.loads(res.stdout.strip().splitlines()[-1]) == [cache]
