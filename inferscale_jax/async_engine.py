@@ -42,7 +42,7 @@ from inferscale_jax.detokenize import Deltas, IncrementalDetokenizer
 from inferscale_jax.errors import EngineFault
 from inferscale_jax.outputs import GenerationOutput
 from inferscale_jax.request import RequestOutput
-from inferscale_jax.tokenizer import encode_text
+from inferscale_jax.tokenizer import INLINE_ENCODE_CHARS, encode_text
 
 log = logging.getLogger("inferscale.async")
 
@@ -207,9 +207,12 @@ class AsyncEngine:
         return encode_text(tok, text)
 
     async def tokenize(self, text: str) -> list[int]:
-        """``text``'s token ids (as the engine encodes it), computed off the engine loop."""
+        """``text``'s token ids (as the engine encodes it): a short text on the event loop, a long one on a
+        tokenizer thread (``INLINE_ENCODE_CHARS``); never on the engine loop."""
         if not isinstance(text, str) or getattr(self.engine, "tokenizer", None) is None:
             raise ValueError("text needs a model with a tokenizer; pass token ids instead")
+        if len(text) <= INLINE_ENCODE_CHARS:  # here, with the loop's own copy (tokenizer.py)
+            return encode_text(self._detok_tokenizer, text)
         return await asyncio.get_running_loop().run_in_executor(self._tok_pool, self._encode, text)
 
     async def _pretokenized(self, request: dict, field: str, ids_field: str) -> dict:

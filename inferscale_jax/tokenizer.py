@@ -8,6 +8,12 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
+# the async fronts (AsyncEngine, the API server's CoreClient) encode a text up to this long on the
+# event loop itself: a question of a few hundred tokens encodes in ~0.1 ms, less than the hop to a
+# tokenizer thread and back (~0.3-0.5 ms of a request's time to first token; bench/NOTES.md,
+# session 24); longer texts go to the thread pool, so no prompt holds the loop for long
+INLINE_ENCODE_CHARS = 2048
+
 
 def load_tokenizer(model_dir: str) -> PreTrainedTokenizerBase:
     from transformers import AutoTokenizer

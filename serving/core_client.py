@@ -45,7 +45,7 @@ from inferscale_jax import engine_core
 from inferscale_jax.async_engine import _private_copy
 from inferscale_jax.detokenize import Deltas, IncrementalDetokenizer
 from inferscale_jax.errors import EngineFault
-from inferscale_jax.tokenizer import encode_text
+from inferscale_jax.tokenizer import INLINE_ENCODE_CHARS, encode_text
 
 log = logging.getLogger("inferscale.server")
 LIVENESS_S = 0.1  # how often the I/O thread checks that the core process lives
@@ -251,9 +251,12 @@ class CoreClient:
         return encode_text(tok, text)
 
     async def tokenize(self, text: str) -> list[int]:
-        """``text``'s token ids (as the engine encodes it), on a tokenizer thread of this process."""
+        """``text``'s token ids (as the engine encodes it): a short text on the event loop, a long one on a
+        tokenizer thread of this process (``INLINE_ENCODE_CHARS``)."""
         if not isinstance(text, str) or self.engine.tokenizer is None:
             raise ValueError("text needs a model with a tokenizer; pass token ids instead")
+        if len(text) <= INLINE_ENCODE_CHARS:  # here, with the loop's own copy (tokenizer.py)
+            return encode_text(self._detok_tokenizer, text)
         return await asyncio.get_running_loop().run_in_executor(self._tok_pool, self._encode, text)
 
     async def _pretokenized(self, request: dict, field: str, ids_field: str) -> dict:
