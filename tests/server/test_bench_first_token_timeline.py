@@ -1,0 +1,26 @@
+"""bench/tools/first_token_timeline.py over the model-free paced engine: every point of a request's
+path through ``serve`` is reached in order, and the stretches add up to the client's TTFT."""
+
+import os
+import re
+import subprocess
+import sys
+
+from tests.support.server_util import REPO, cache_dir
+
+
+def test_the_timeline_covers_every_stretch_of_the_first_token(tmp_path, tmp_path_factory):
+    env = dict(os.environ, INFERSCALE_CACHE=cache_dir(tmp_path_factory), JAX_PLATFORMS="cpu")
+    out = tmp_path / "timeline.md"
+    proc = subprocess.run([sys.executable, "bench/tools/first_token_timeline.py", "--paced-step-ms", "20",
+                           "--requests", "8", "--skip", "2", "--out", str(out)], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = re.findall(r"^\| (\w+) \| (\w+)(?: \(TTFT\))? \| \**([\d.]+)\** \|$", out.read_text(), re.M)
+    assert [r[0] for r in rows[:-1]] == ["client_send", "uvicorn_data", "asgi_enter", "route_job", "stream_enter",
+                                         "tokenized", "submit_sent", "step_received", "first_delta", "first_body"]
+    stretches, total = [float(r[2]) for r in rows[:-1]], float(rows[-1][2])
+    assert all(s >= 0 for s in stretches) and total > 0
+    # medians of parts need not sum to the median of the whole, but they come close
+    assert 0.5 * total < sum(stretches) < 2 * total, rows
+    assert "6 requests" in out.read_text()
