@@ -230,9 +230,10 @@ class Engine:
         tp, kv = self.config.tensor_parallel, self.cfg.num_kv_heads
         per_page = page_bytes(self.cfg, self.config.page_size, self.config.kv_dtype or self.dtype) * max(kv, tp) // kv // tp
         device = jax.local_devices()[0]
-        gc.collect()  # (cyclic garbage holding device buffers)
         stats = device.memory_stats() or {}
         if "bytes_limit" in stats:
+            gc.collect()  # (cyclic garbage holding device buffers)
+            stats = device.memory_stats() or stats
             limit = stats["bytes_limit"]
             free = limit - self._resident_bytes(device, stats.get("bytes_in_use", 0),
                                                 slack=min(ALLOCATOR_SLACK, int(limit * (1 - self.config.hbm_fraction) / 2)))
