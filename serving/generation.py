@@ -683,7 +683,7 @@ async def _sse(state, job: Job, streams: list, firsts: list, fields: dict):
             await queue.put((i, e))
 
     # one choice (n = 1, the common request): its deltas are read here, without a pump task and the
-    # queue's hand-off, ~0.5 ms less to the first chunk on a busy host (bench/NOTES.md, session 24)
+    # queue's hand-off: 0.2-0.3 ms less to the first chunk on the CPU machine (bench/NOTES.md, session 24)
     pumps = [asyncio.ensure_future(pump(i)) for i in range(len(streams))] if len(streams) > 1 else []
     single_first, last_t = not pumps, time.perf_counter()
     outs: list = [None] * len(streams)
