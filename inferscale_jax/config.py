@@ -14,7 +14,7 @@ MATMUL_PRECISIONS = ("default", "high", "highest")
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
     page_size: int = 16
-    hbm_pages: int | None = None  # None: size the pool from free device memory (a multiple of 512 pages)
+    hbm_pages: int | None = None  # None: hbm_fraction of the memory the weights leave (a multiple of 512 pages)
     dtype: str = "bfloat16"
     # the KV pages' dtype: None = the model's dtype; "int8" / "float8_e4m3fn" store compressed KV with a
     # float32 scale per (token, kv head), twice the tokens per byte (pallas_kernels/quant.py)
@@ -32,7 +32,7 @@ class EngineConfig:
     # max_num_batched_tokens); None: max(max_batch, 4 x prefill_chunk)
     max_num_batched_tokens: int | None = None
     max_model_len: int | None = None  # None: the model's max_position_embeddings
-    hbm_fraction: float = 0.85  # of free device memory given to the page pool when hbm_pages is None
+    hbm_fraction: float = 0.85  # of the device memory the weights leave, given to the page pool when hbm_pages is None
     # "pallas" GPU kernels (GPU default), "pallas_tpu" TPU kernels (TPU default; interpret mode elsewhere),
     # "ref" jnp (CPU default); "auto" picks by jax.default_backend() (inferscale_jax/kv_cache.py)
     attention_impl: str = "auto"
