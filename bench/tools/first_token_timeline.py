@@ -149,15 +149,12 @@ def serve_child(args, serve_args: list[str]) -> int:
 
 
 def wait_ready(url: str, proc: subprocess.Popen, timeout: float) -> None:
-    import httpx
+    from serve_ready import health  # (this folder's startup timer: /health's status, None while down)
 
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline and proc.poll() is None:
-        try:
-            if httpx.get(url + "/health", timeout=5).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
+        if health(url) == 200:
+            return
         time.sleep(0.25)
     raise SystemExit(f"the server did not become ready within {timeout:.0f} s (exit code {proc.poll()})")
 
