@@ -27,13 +27,15 @@
 #      bare engine loop at C = 256 (profile_host.py --per-call)
 #   9  startup: serve cold then warm with the executable store (INFERSCALE_EXE_STORE=1, loads on the compile
 #      pool), then warm from JAX's cache alone (bench/tools/serve_ready.py), one compilation cache
-# Parts 6-9 write the 8B checkpoint to /tmp/llama8b first when it is missing (~35 s); it stays out of
+#  10  one request at a time: where the first token's time goes in serve (bench/tools/first_token_timeline.py),
+#      then C = 1 / 16 through HTTP and in-process (bench/serving/serve.py, 32 requests)
+# Parts 6-10 write the 8B checkpoint to /tmp/llama8b first when it is missing (~35 s); it stays out of
 # the repository, whose copy on the machine loses files that .gitignore does not cover (bench/NOTES.md, run AH).
 #
 # Each step writes its tables under RESULTS_DIR/<step>/ and its console log to RESULTS_DIR/<step>.log;
 # after each step RESULTS_DIR is packed into TARBALL when given (what a cut call still returns).
 set -uo pipefail
-part=${1:?part 1-9}
+part=${1:?part 1-10}
 res=${2:?results folder}
 tarball=${3:-}
 mkdir -p "$res"
@@ -124,6 +126,14 @@ case "$part" in
         --out "$res/ready_store.md" -- --model /tmp/llama8b
     INFERSCALE_CACHE=/tmp/isc-ready INFERSCALE_EXE_STORE=0 step_as ready_jax 150 bench/tools/serve_ready.py --runs 1 \
         --out "$res/ready_jax.md" -- --model /tmp/llama8b
+    ;;
+10)
+    ckpt
+    step_as timeline 200 bench/tools/first_token_timeline.py --model /tmp/llama8b --requests 40 \
+        --out "$res/first_token_timeline.md"
+    serve=(bench/serving/serve.py --model /tmp/llama8b --tenants 1 --segments-per-tenant 8 --segment-tokens 4096
+           --question-tokens 64 --max-tokens 64 --warm 1.0 --cold 0 --num-requests 32)
+    step serve_c1_16 330 "${serve[@]}" --concurrency 1,16 --mode http,inproc
     ;;
 *)
     echo "unknown part $part" >&2
