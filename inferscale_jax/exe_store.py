@@ -23,7 +23,13 @@ executables/<fingerprint>/``), one file per bucket, written atomically.
 
 Measured on one H200 (bench/NOTES.md, run AI): it works (92 buckets loaded, the same tokens), but
 loading an 8B step from the store took ~0.7 s against ~0.4 s for tracing it and loading it from
-JAX's cache, so engines keep no store unless ``INFERSCALE_EXE_STORE=1`` (``exe_store_wanted``).  Loading an executable runs code from the file (``pickle``): the folder must be as trusted as the
+JAX's cache, so engines keep no store unless ``INFERSCALE_EXE_STORE=1`` (``exe_store_wanted``).  Its
+entries now load on the warm-up's compile pool; run AL's warm start meant to time that found nothing
+(the KV pool's size had moved between the starts, so every step had other shapes; fixed in
+``Engine._auto_pages``), and ``bench/tools/exe_store_check.py`` showed 5 small 8B buckets loading
+across processes (warm-up 22.0 -> 1.6 s).
+
+Loading an executable runs code from the file (``pickle``): the folder must be as trusted as the
 engine's own installation, as JAX's cache folder already is.
 """
 
