@@ -208,23 +208,20 @@ class Engine:
         default = 64 if jax.default_backend() == "cpu" else 256
         return max(1, min(default, max(8, (num_pages - 1) * self.config.page_size // 1024)))
 
-    def _resident_bytes(self, device, in_use: int, slack: int) -> int:
-        """The device memory the pool must leave to what is already there: the weights' bytes on
-        ``device`` (exact: the same at every start), or the allocator's ``in_use`` when that is
-        more than ``slack`` above them (another engine's pool in this process).  What the
-        allocator reports beyond the weights right after the load - buffers the loader dropped
-        but the allocator has not yet taken back, its chunk rounding - differs from one start to
-        the next by up to a GiB (bench/NOTES.md, run AL), so it is not counted."""
-        weights = sum(shard.data.nbytes for x in jax.tree_util.tree_leaves(self.params)
-                      for shard in getattr(x, "addressable_shards", ()) if shard.device == device)
-        return in_use if in_use > weights + slack else weights
+    def _weights_bytes(self, device) -> int:
+        """The weights' bytes on ``device`` (exact: the same at every start)."""
+        return sum(shard.data.nbytes for x in jax.tree_util.tree_leaves(self.params)
+                   for shard in getattr(x, "addressable_shards", ()) if shard.device == device)
 
     def _auto_pages(self) -> int:
         """``hbm_pages=None``: ``hbm_fraction`` of the device's free memory, rounded down to a
         multiple of ``AUTO_PAGES_QUANTUM`` pages.  The pool's size is part of every compiled
-        step's shapes: free memory is the limit less the weights (``_resident_bytes``: not the
-        allocator's use, which varies), and rounded, so a restart finds its steps in the
-        persistent compilation cache and the executable store (bench/NOTES.md, run AL)."""
+        step's shapes: free memory is the limit less the weights' exact bytes, and rounded, so a
+        restart finds its steps in the persistent compilation cache and the executable store.  What
+        the allocator reports in use beyond the weights right after the load (buffers the loader
+        dropped but the allocator has not taken back, its chunk rounding) differs from one start to
+        the next by hundreds of MB (bench/NOTES.md, run AL: 38400 then 38912 pages), so up to a
+        slack it is not counted; more than that is another engine's pool in this process, and is."""
         # with tensor parallelism each device holds 1/N of every page's kv heads (one replica when the
         # model has fewer kv heads than N: sharding.py)
         tp, kv = self.config.tensor_parallel, self.cfg.num_kv_heads
@@ -235,8 +232,11 @@ class Engine:
             gc.collect()  # (cyclic garbage holding device buffers)
             stats = device.memory_stats() or stats
             limit = stats["bytes_limit"]
-            free = limit - self._resident_bytes(device, stats.get("bytes_in_use", 0),
-                                                slack=min(ALLOCATOR_SLACK, int(limit * (1 - self.config.hbm_fraction) / 2)))
+            weights = self._weights_bytes(device)
+            # (at most half the headroom hbm_fraction leaves, so the uncounted bytes always fit in it)
+            slack = min(ALLOCATOR_SLACK, int((limit - weights) * (1 - self.config.hbm_fraction) / 2))
+            in_use = stats.get("bytes_in_use", 0)
+            free = limit - (in_use if in_use > weights + slack else weights)
             n = int(free * self.config.hbm_fraction) // per_page
             return max(2, n // AUTO_PAGES_QUANTUM * AUTO_PAGES_QUANTUM if n >= 2 * AUTO_PAGES_QUANTUM else n)
         # host-only backends cannot donate buffers, so every step copies a layer's pool: keep it
