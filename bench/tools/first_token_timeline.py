@@ -90,7 +90,6 @@ def install_points(trace: Trace) -> None:
 
             return await app(scope, receive, traced_send)
 
-        asgi.state = app.state
         return asgi
 
     serving.create_app = traced_app

@@ -17,3 +17,5 @@ def test_weights_load_reports_each_worker_count(tmp_path):
     rows = [line for line in proc.stdout.splitlines() if line.startswith("| ") and line[2].isdigit()]
     assert [r.split("|")[1].strip() for r in rows] == ["1", "3"], proc.stdout
     assert all(float(r.split("|")[2]) > 0 for r in rows), proc.stdout
+    first = [line for line in proc.stdout.splitlines() if line.startswith("| default, the first load")]
+    assert len(first) == 1 and float(first[0].split("|")[2]) > 0, proc.stdout  # what a starting server pays

@@ -3,6 +3,7 @@ warm), each ready, drained by SIGTERM with exit code 0, with the engine's load a
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -21,6 +22,9 @@ def test_cold_then_warm_start_are_timed_with_the_engines_parts(tmp_path):
         assert r["ready_s"] > 0 and r["rc"] == 0, r
         assert any(" loaded " in p for p in r["parts"]) and any(" warm-up: " in p for p in r["parts"]), r
         assert all(p.startswith("+") for p in r["parts"]), r  # each with its seconds from the launch
+    # both starts name their KV pool, and it is the same (run AL: a moved pool made every step miss the caches)
+    pools = [re.findall(r"KV pool of (\d+) pages", " ".join(r["parts"])) for r in runs]
+    assert all(len(p) == 1 for p in pools) and pools[0] == pools[1], pools
     assert sorted(os.listdir(tmp_path / "ready_logs")) == ["serve_0.log", "serve_1.log"]  # (each start's whole log)
     report = (tmp_path / "ready.md").read_text()
     assert "| 1 | cold |" in report and "| 2 | warm |" in report and "the engine's log" in report
