@@ -659,6 +659,15 @@ class _Choice:
         return out
 
 
+async def _next_delta(state, stream, last_t: float) -> tuple:
+    """The stream's next delta and when it came, its gap from ``last_t`` counted per token."""
+    delta = await stream.__anext__()
+    now = time.perf_counter()
+    if delta.new_token_ids:
+        state.metrics.inter_token.observe((now - last_t) / len(delta.new_token_ids))
+    return delta, now
+
+
 async def _sse(state, job: Job, streams: list, firsts: list, fields: dict):
     created = int(time.time())
     choices = [_Choice(state, job, i) for i in range(len(streams))]
@@ -672,11 +681,7 @@ async def _sse(state, job: Job, streams: list, firsts: list, fields: dict):
                 await queue.put((i, delta))
                 if delta.finished:
                     return
-                delta = await streams[i].__anext__()
-                now = time.perf_counter()
-                if delta.new_token_ids:
-                    state.metrics.inter_token.observe((now - last_t) / len(delta.new_token_ids))
-                last_t = now
+                delta, last_t = await _next_delta(state, streams[i], last_t)
         except asyncio.CancelledError:
             raise
         except Exception as e:  # noqa: BLE001 - reported in-band by the reader below
@@ -701,15 +706,11 @@ async def _sse(state, job: Job, streams: list, firsts: list, fields: dict):
             elif single_first:
                 i, item, single_first = 0, firsts[0], False
             else:
+                i = 0
                 try:
-                    i, item = 0, await streams[0].__anext__()
+                    item, last_t = await _next_delta(state, streams[0], last_t)
                 except Exception as e:  # noqa: BLE001 - raised below, as a pump's is
-                    i, item = 0, e
-                else:
-                    now = time.perf_counter()
-                    if item.new_token_ids:
-                        state.metrics.inter_token.observe((now - last_t) / len(item.new_token_ids))
-                    last_t = now
+                    item = e
             if isinstance(item, Exception):
                 raise item
             for chunk in choices[i].chunks(created, item):
