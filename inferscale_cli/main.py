@@ -397,6 +397,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-num-batched-tokens", type=positive(), default=None,
                    help="new tokens per device step, prefill chunks and decode rows together "
                         "(default: max(max-batch, 2048))")
+    s.add_argument("--decode-steps", type=positive(), default=1, metavar="N",
+                   help="multi-step decode (vLLM's --num-scheduler-steps): a step of decode rows only runs N decode "
+                        "steps in one device loop, stops checked on the device (default: %(default)s; at most 64)")
     s.add_argument("--session-ttl", type=positive(float), default=3600.0, metavar="SECONDS",
                    help="chat sessions (conversation memory) expire this long after their last turn "
                         "(default: %(default)s)")

@@ -196,6 +196,7 @@ def _engine_config(args, resolve_dtype):
     config = EngineConfig(dtype=resolve_dtype(args.dtype), page_size=args.page_size, hbm_pages=args.hbm_pages,
                           host_pages=args.host_pages,
                           max_batch=args.max_batch, max_num_batched_tokens=args.max_num_batched_tokens,
+                          decode_steps=args.decode_steps,
                           tensor_parallel=args.tensor_parallel, kv_dtype=args.kv_dtype,
                           session_ttl_s=args.session_ttl, max_sessions_per_tenant=args.max_sessions_per_tenant,
                           **extra)

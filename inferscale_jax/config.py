@@ -46,6 +46,10 @@ class EngineConfig:
     # device), so host work overlaps device work; the same tokens either way (logprobs up to the
     # rounding of a different batch shape: an ignored row can change a step's bucket)
     overlap_decode: bool = True
+    # multi-step decode (decode_loop.py; vLLM's num_scheduler_steps): a step of decode rows only (no
+    # prefill chunk or request waiting, no row needing the host per token: penalties, bias, grammar)
+    # runs this many decode steps in one device loop, stop checks on the device; 1: every step alone
+    decode_steps: int = 1
     prefix_caching: bool = True  # automatic prefix caching of full pages (segments work either way)
     blend_ratio: float = 0.15  # blend mode: fraction of segment tokens (2..n) recomputed
     min_table_pages: int = 4  # page-table width bucket floor: larger = fewer compiles, more bytes per step
@@ -114,6 +118,8 @@ class EngineConfig:
             bad("matmul_precision", self.matmul_precision, f"must be one of {MATMUL_PRECISIONS} or None")
         if not isinstance(self.tensor_parallel, int) or self.tensor_parallel < 1:
             bad("tensor_parallel", self.tensor_parallel, "must be an integer >= 1 (devices of the mesh)")
+        if not isinstance(self.decode_steps, int) or not 1 <= self.decode_steps <= 64:
+            bad("decode_steps", self.decode_steps, "must be an integer in [1, 64] (1: no decode loop)")
         if not self.session_ttl_s > 0:
             bad("session_ttl_s", self.session_ttl_s, "must be > 0 seconds")
         if not isinstance(self.max_sessions_per_tenant, int) or self.max_sessions_per_tenant < 1:

@@ -723,6 +723,12 @@ class Engine:
 
         try:
             done = self.runner.warmup(keys, step, stop=lambda: self._warmup_stopped)
+            if self.config.decode_steps > 1 and serving and not self._warmup_stopped:
+                # the decode buckets' loops too (decode_loop.py), with the stop width of EOS
+                eos = frozenset(self.cfg.eos_token_ids)
+                loops = self.runner.warmup_loops(keys, self.config.decode_steps, eos,
+                                                 stop=lambda: self._warmup_stopped)
+                log.info("warm-up: %d decode loops of %d steps ready", loops, self.config.decode_steps)
         finally:
             bar.close()
         self.runner.warm = True
@@ -779,6 +785,8 @@ class Engine:
             "step_rows": self.scheduler.step_rows,
             "step_decode_rows": self.scheduler.step_decode_rows,
             "step_tokens": self.scheduler.step_tokens,
+            # of those steps, decode loops (decode_loop.py; EngineConfig.decode_steps > 1)
+            "decode_loops": self.scheduler.loops,
             "attention_impl": self.runner.cache.impl,
             "kv_dtype": self.config.kv_dtype or self.config.dtype,
             "kv_bytes_per_token": self.tiers.page_nbytes // self.config.page_size,  # all layers, K and V (+ scales)

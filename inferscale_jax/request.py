@@ -102,9 +102,10 @@ class Request:
     def wants_logprobs(self) -> bool:
         return self.sampling.logprobs is not None
 
-    def row(self, tokens: list[int], start: int, fed: bool = False) -> StepRow:
-        """Its step row; ``fed``: its token is the in-flight step's sample, read on the device
-        (so it samples its generated token ``len(out_ids) + 1``)."""
+    def row(self, tokens: list[int], start: int, fed: int = 0) -> StepRow:
+        """Its step row; ``fed``: its token is the in-flight step's (last) sample, read on the
+        device, and that step samples ``fed`` of its tokens (one; a decode loop's row: up to its
+        budget), so this row samples its generated token ``len(out_ids) + fed``."""
         sp = self.sampling
         step = len(self.out_ids) + fed
         row = StepRow(tokens, start, self.seq.pages, sp.temperature, sp.top_k, sp.top_p, self.key, step,

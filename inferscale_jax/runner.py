@@ -40,6 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from inferscale_jax.buckets import StepBuckets, StepKey, next_pow2
+from inferscale_jax.decode_loop import _decode_loop, pack_stops
 from inferscale_jax.errors import EngineFault
 from inferscale_jax.kv_cache import AttnMeta, PagedKVCache, splice_fn
 from inferscale_jax.page_tables import PageTables
@@ -133,6 +134,11 @@ class StepPlan:
     # per row: the row of the previous step whose sampled id is this row's token, read on the
     # device (-1: the row's own host token); None: every token comes from the host
     src: list[int] | None = None
+    # multi-step decode (decode_loop.py): a decode step run ``steps`` times in one device loop; per
+    # row (its stop ids, its budget: the most tokens it samples), every row's pages covering
+    # ``start + steps`` positions
+    steps: int = 1
+    stops: list[tuple[frozenset, int]] | None = None
 
     @property
     def shared_pages(self) -> int:
@@ -281,6 +287,7 @@ class PendingStep:
     size: int  # the runner's max_batch
     sampler: object = None  # packed -> [size] int32 ids (None: the jitted _sampled_ids)
     _ids: jax.Array | None = None
+    steps: int = 1  # a decode loop's (decode_loop.py): packed is [steps, B, 2 + 2 * nl], _ids its last ids
 
     def sampled_ids(self) -> jax.Array:
         if self._ids is None:
@@ -400,10 +407,19 @@ class ModelRunner:
         """Run one device step over ``rows`` and wait for its results (``dispatch`` + ``collect``)."""
         return self.collect(self.dispatch(StepPlan(rows, num_logprobs, groups or [])))
 
-    def collect(self, pending: PendingStep) -> StepResult:
-        """Read a dispatched step's results back (blocks until the device has computed them)."""
+    def collect(self, pending: PendingStep) -> StepResult | list[StepResult]:
+        """Read a dispatched step's results back (blocks until the device has computed them); a
+        decode loop's (``PendingStep.steps > 1``) as one ``StepResult`` per iteration, whose
+        token is -1 for a row that sampled nothing in it (decode_loop.py)."""
         n, nl, k = pending.n, pending.nl, pending.num_logprobs
-        packed = np.asarray(jax.device_get(pending.packed))[:n]  # [n, 2 + 2 * nl]
+        packed = np.asarray(jax.device_get(pending.packed))
+        if pending.steps > 1:
+            return [self._result(p[:n], nl, k) for p in packed]
+        return self._result(packed[:n], nl, k)
+
+    @staticmethod
+    def _result(packed: np.ndarray, nl: int, k: int) -> StepResult:
+        """One step's ``[n, 2 + 2 * nl]`` packed samples as a ``StepResult``."""
         ids = packed.view(np.int32)
         return StepResult(ids[:, 0].copy(), packed[:, 1].copy(), ids[:, 2:2 + k].copy(),
                           packed[:, 2 + nl:2 + nl + k].copy())
@@ -432,7 +448,9 @@ class ModelRunner:
         while the device computes this step."""
         rows, num_logprobs, groups, src = plan.rows, plan.num_logprobs, plan.groups, plan.src
         assert src is None or (prev is not None and len(src) == len(rows))
-        key, pen_key, host = self._pack(rows, num_logprobs, groups, src)
+        key, pen_key, host = self._pack(rows, num_logprobs, groups, src, plan.steps)
+        if plan.steps > 1:
+            return self._dispatch_loop(plan, key, pen_key, host, prev)
         ints_d, floats_d, shared, penalties = self._to_device(host)
         if self.stable_inputs:
             fed = dict(prev_ids=prev.sampled_ids(), tokens=key.tokens, width=key.width,
@@ -453,6 +471,34 @@ class ModelRunner:
             return deferred if defer_sample else self.sample(deferred)
         sampler = self._helper(("ids", key.rows, 2 + 2 * key.num_logprobs))
         return PendingStep(packed, len(rows), key.num_logprobs, num_logprobs, self.max_batch, sampler)
+
+    def _dispatch_loop(self, plan: StepPlan, key: StepKey, pen_key: tuple, host: tuple,
+                       prev: PendingStep | None) -> PendingStep:
+        """``dispatch`` of a multi-step decode plan (``plan.steps > 1``; decode_loop.py)."""
+        assert not key.ragged and host[3] is None and plan.stops is not None and len(plan.stops) == len(plan.rows), \
+            "a decode loop runs plain decode rows (no penalties, bias or grammar), each with its stops"
+        assert not any(r.matcher is not None for r in plan.rows)
+        stops = pack_stops(plan.stops, key.rows)
+        ints_d, floats_d, shared, stops_d = self._to_device(host[:3] + (stops,))
+        if self.stable_inputs:
+            fed = dict(prev_ids=prev.sampled_ids(), tokens=key.tokens, width=key.width,
+                       rows=key.rows) if plan.src is not None else None
+            ints_d = self._stage(self._feed_key(key), ints_d, fed)
+            floats_d = self._stage(("floats", key.rows), floats_d)
+            stops_d = self._stage(("stops",) + stops.shape, stops_d)
+            if shared is not None:
+                shared = self._stage(("shared",) + shared.shape, shared)
+        elif plan.src is not None:
+            ints_d = self._helper(self._feed_key(key))(ints_d, prev.sampled_ids())
+        args = (ints_d, floats_d, shared, stops_d)
+        loop_key = pen_key + (("loop", plan.steps, stops.shape[1]),)
+        exe = self.executables.get((key, loop_key, self.matmul_precision))
+        if exe is None:
+            exe = self._compile(key, loop_key, args)
+        packed, ids, self.cache = exe(self.params, self.cache, *args)
+        self._last = (exe, args)
+        return PendingStep(packed, len(plan.rows), key.num_logprobs, plan.num_logprobs, self.max_batch,
+                           _ids=ids, steps=plan.steps)
 
     def sample(self, step: DeferredStep) -> PendingStep:
         """Sample a deferred step (``dispatch``): its constrained rows' masks are computed now,
@@ -513,9 +559,11 @@ class ModelRunner:
             exe = self.helpers[hk] = self._lower_helper(hk).compile()
         return exe
 
-    def _pack(self, rows: list[StepRow], num_logprobs: int, groups: list[int], src: list[int] | None):
+    def _pack(self, rows: list[StepRow], num_logprobs: int, groups: list[int], src: list[int] | None,
+              steps: int = 1):
         """The step's bucket, its penalty shape key and its host arrays (ints, floats, shared,
-        penalties), laid out as ``_model_step`` reads them.
+        penalties), laid out as ``_model_step`` reads them.  ``steps`` > 1: a decode loop's
+        (decode_loop.py), whose page tables cover each row's next ``steps`` positions.
 
         Per-row values are gathered with one pass each and written with numpy; the page tables
         of one-token rows with a slot (``StepRow.slot``) come from the persistent ``tables`` in one
@@ -527,7 +575,7 @@ class ModelRunner:
         assert lens.max() <= self.prefill_chunk
         own = np.asarray(groups + [0], np.int32)[np.fromiter((r.group for r in rows), np.int32, n)]  # (-1: 0)
         ends = starts + lens
-        his = -(-ends // s)  # pages past this step's tokens are not read
+        his = -(-(ends + steps - 1) // s)  # pages past this step's tokens are not read
         count = his - own  # table entries of each row (its leading ``own`` pages: the group's prefix)
         at = np.cumsum(lens) - lens  # flat index of each row's first token
         total = int(at[-1] + lens[-1])
@@ -624,7 +672,12 @@ class ModelRunner:
         """The step's host arrays, committed to the runner's device (as the executables expect)."""
         return tuple(None if x is None else jax.device_put(x, self.input_sharding) for x in host)
 
-    def _lower(self, key: StepKey, args: tuple, filtered: bool = False):
+    def _lower(self, key: StepKey, args: tuple, filtered: bool = False, loop: tuple | None = None):
+        """``loop``: a decode loop's ``("loop", steps, stop width)`` (its ``args`` end with the
+        stops, not the penalties)."""
+        if loop is not None:
+            return _decode_loop.lower(self.params, self.cache, *args, cfg=self.cfg, key=key, steps=loop[1],
+                                      size=self.max_batch, precision=self.matmul_precision, filtered=filtered)
         return _model_step.lower(self.params, self.cache, *args, cfg=self.cfg, key=key,
                                  precision=self.matmul_precision, filtered=filtered)
 
@@ -635,7 +688,8 @@ class ModelRunner:
         self._note_bucket(full)
         exe = self.exe_store.load(full) if self.exe_store is not None else None
         if exe is None:
-            exe = self._lower(key, args, FILTERED in pen_key).compile()
+            loop = next((p for p in pen_key if isinstance(p, tuple) and p[0] == "loop"), None)
+            exe = self._lower(key, args, FILTERED in pen_key, loop).compile()
             if self.exe_store is not None:
                 self.exe_store.save(full, exe)
         self.executables[full] = exe
@@ -773,6 +827,52 @@ class ModelRunner:
                 break
             jax.block_until_ready(self.dispatch(StepPlan(rows, key.num_logprobs, self._padding_groups(key))).packed)
         times["first_runs_s"] = time.perf_counter() - t
+        return done
+
+    def warmup_loops(self, keys: list[StepKey], steps: int, stop_ids: frozenset, stop=None,
+                     workers: int | None = None) -> int:
+        """Compile (or load) the decode loops (decode_loop.py) of ``steps`` iterations for the
+        decode buckets among ``keys``, with the stop-id width of ``stop_ids`` (the model's EOS ids:
+        what most requests stop on; another width compiles on first use).  Lowered here one at a
+        time, compiled on a pool of ``workers`` threads.  Returns how many are ready."""
+        stop = stop or (lambda: False)
+        s = self.page_size
+        jobs = []
+        for key in keys:
+            rows = None if key.ragged else self._padding_rows(key)
+            if rows is None:
+                continue
+            if not key.shared:  # the widest row ends where its table does, ``steps`` positions on
+                rows[0].start = max(0, key.width * s - steps)
+            groups = self._padding_groups(key)
+            plan = StepPlan(rows, key.num_logprobs, groups, steps=steps, stops=[(stop_ids, 1)] * len(rows))
+            got, pen_key, host = self._pack(rows, key.num_logprobs, groups, None, steps)
+            if got != key or pen_key:
+                continue
+            stops = pack_stops(plan.stops, key.rows)
+            full = (key, (("loop", steps, stops.shape[1]),), self.matmul_precision)
+            if full not in self.executables:
+                jobs.append((full, self._to_device(host[:3] + (stops,))))
+        done = 0
+        with concurrent.futures.ThreadPoolExecutor(workers or min(8, os.cpu_count() or 1),
+                                                   thread_name_prefix="inferscale-compile") as pool:
+            futures = {}
+            for full, args in jobs:
+                if stop():
+                    break
+                self._note_bucket(full)
+                exe = self.exe_store.load(full) if self.exe_store is not None else None
+                if exe is not None:
+                    self.executables[full] = exe
+                    done += 1
+                    continue
+                futures[pool.submit(self._lower(full[0], args, False, full[1][0]).compile)] = full
+            for fut in concurrent.futures.as_completed(futures):
+                full = futures[fut]
+                self.executables[full] = exe = fut.result()
+                if self.exe_store is not None:
+                    self.exe_store.save(full, exe)
+                done += 1
         return done
 
     @staticmethod

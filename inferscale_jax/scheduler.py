@@ -134,6 +134,7 @@ class Scheduler:
         self.preemptions = 0
         # steps dispatched, their rows (all / decode) and tokens: a served loop's batch shape (stats())
         self.steps = self.step_rows = self.step_decode_rows = self.step_tokens = 0
+        self.loops = 0  # of them, decode loops (decode_loop.py)
         self.failed: list[RequestOutput] = []  # admission failures, reported by the next step
         self._finished: list[RequestOutput] = []  # the final outputs of the current step
         self.compiling: list[Request] = []  # requests whose grammar is compiling (structured.py)
@@ -413,26 +414,38 @@ class Scheduler:
 
         A request whose token ``inflight`` samples is fed it on the device (``StepPlan.src``),
         unless that token is its last (``max_tokens``): it gets no row.  A request whose in-flight
-        token turns out to end it (EOS, a stop string) has one extra row computed and ignored."""
+        token turns out to end it (EOS, a stop string) has one extra row computed and ignored.
+        With ``decode_steps`` > 1, a step of decode rows only runs as a decode loop
+        (``_loop_steps``; decode_loop.py); the in-flight step may then have sampled several
+        tokens of a request (``lag``), and its next row starts past all of them."""
         s = self.config.page_size
         prev = inflight.entries if inflight is not None else None
-        # requests whose next token the in-flight step samples: they feed it on the device
-        pend = {id(o): j for j, (o, _, samples) in enumerate(prev) if samples} if prev is not None else {}
-        # ... unless that token is their last (max_tokens): they feed nothing more
-        ending = {i for i, j in pend.items() if len(prev[j][0].out_ids) + 1 >= prev[j][0].sampling.max_tokens}
+        # requests whose next tokens the in-flight step samples (how many: its lag, one unless it
+        # is a decode loop's row): they feed the last one on the device
+        pend: dict[int, int] = {}
+        lag: dict[int, int] = {}
+        if prev is not None:
+            loop = inflight.plan.stops if inflight.plan.steps > 1 else None
+            for j, (o, _, samples) in enumerate(prev):
+                if samples:
+                    pend[id(o)], lag[id(o)] = j, (loop[j][1] if loop is not None else 1)
+        # ... unless those tokens reach its last (max_tokens): they feed nothing more
+        ending = {i for i, j in pend.items() if len(prev[j][0].out_ids) + lag[i] >= prev[j][0].sampling.max_tokens}
         if any(prev[j][0].needs_host_tail for j in pend.values()):
             return SETTLE  # a row's bias needs its in-flight token on the host (multi-token bad words)
         # requests whose fed token starts a new page (the position it feeds: its last token's, or
-        # the in-flight one's), oldest first: an allocation may preempt the newest
-        # (the first test is the last one's bound, cheap and false for most rows: the position fed
-        # is at most len(tokens))
-        grow = [r for r in self.running if len(r.seq.tokens) // s >= len(r.seq.pages) and not r.prefilling
-                and id(r) not in ending and (len(r.seq.tokens) - 1 + (id(r) in pend)) // s >= len(r.seq.pages)]
+        # past the in-flight ones), oldest first: an allocation may preempt the newest
+        # (the first test is the farthest one's bound, cheap and false for most rows: the position fed
+        # is at most len(tokens) - 1 + the largest lag)
+        top = max(lag.values(), default=1)
+        grow = [r for r in self.running if (len(r.seq.tokens) - 1 + top) // s >= len(r.seq.pages)
+                and not r.prefilling and id(r) not in ending
+                and (len(r.seq.tokens) - 1 + lag.get(id(r), 0)) // s >= len(r.seq.pages)]
         for req in sorted(grow, key=lambda r: r.arrival) if len(grow) > 1 else grow:
             if req.status != RequestStatus.RUNNING:
                 continue  # (preempted while making room for an older request)
             seq = req.seq
-            if (len(seq.tokens) - 1 + (id(req) in pend)) // s < len(seq.pages):
+            if (len(seq.tokens) - 1 + lag.get(id(req), 0)) // s < len(seq.pages):
                 continue
             while True:
                 try:
@@ -445,6 +458,7 @@ class Scheduler:
                     self._preempt(victim)
                     if victim is req:
                         break
+        steps = self._loop_steps(ending, lag)
         rows, owners, src = [], [], []
         prefilling = []
         tables = self.tables
@@ -460,8 +474,8 @@ class Scheduler:
             if j is None:
                 pos = len(req.seq.tokens) - 1  # the last sampled token, not yet in the cache
                 rows.append(req.row([req.seq.tokens[pos]], pos))
-            else:  # its in-flight token, read on the device
-                rows.append(req.row([0], len(req.seq.tokens), fed=True))
+            else:  # its (last) in-flight token, read on the device
+                rows.append(req.row([0], len(req.seq.tokens) - 1 + lag[id(req)], fed=lag[id(req)]))
             owners.append(req)
             src.append(-1 if j is None else j)
         decode_rows = len(rows)
@@ -487,20 +501,57 @@ class Scheduler:
         # grammar first, so the step's sampling waits for the in-flight step (its forward does not)
         defer = feeds and any(j >= 0 and o.grammar is not None for o, j in zip(owners, src))
         plan = StepPlan(rows, nl, [k for k, _ in cascade], src if feeds else None)
+        if steps > 1:  # (decode rows only: _loop_steps)
+            plan.steps = steps
+            plan.stops = [(o.stop_ids, min(steps, o.sampling.max_tokens - len(o.out_ids) - lag.get(id(o), 0)))
+                          for o in owners]
         return Planned(plan, entries, decode_rows, self.max_tokens - budget, defer)
+
+    def _loop_steps(self, ending: set[int], lag: dict[int, int]) -> int:
+        """How many decode steps the next step runs in one device loop (decode_loop.py): 1, or
+        ``decode_steps`` when every row would be a decode row that needs no host between its
+        tokens (no penalty, bias, ``min_p`` or grammar), no request waits for admission or a
+        prefill chunk (it would wait the whole loop), and every decoding request's pages cover
+        its next ``decode_steps`` positions - taken now, from free pages only (a loop never
+        evicts or preempts; when the pool is short the step runs alone)."""
+        n = self.config.decode_steps
+        if n <= 1 or self.waiting or self.compiling or any(
+                j.seq is not None and j.seq.computed < len(j.seq.tokens) for j in self.jobs.values()):
+            return 1
+        decoding = [r for r in self.running if r.status == RequestStatus.RUNNING and id(r) not in ending]
+        if not decoding or any(r.prefilling or r.processed or r.grammar is not None or r.needs_host_tail
+                               for r in decoding):
+            return 1
+        s, pool = self.config.page_size, self.kv.pool
+        for req in decoding:
+            # the row's last position: its input's (its last token, or past its in-flight ones) + n - 1
+            need = (len(req.seq.tokens) - 2 + lag.get(id(req), 0) + n) // s + 1 - len(req.seq.pages)
+            if need > 0:
+                pages = pool.allocate(need)
+                if pages is None:
+                    return 1  # (the pages taken so far stay the request's: its next pages)
+                req.seq.pages += pages
+        return n
 
     def dispatched(self, step: Planned) -> None:
         """``step`` is on the device: each row counts as computed from now (the next step continues
         a prefill at once; pages enter the prefix cache only when ``update`` reads the step)."""
         for owner, row, _ in step.entries:
             owner.seq.computed = row.start + len(row.tokens)
+        if step.plan.steps > 1:  # a decode loop's row computes up to its budget's positions
+            self.loops += 1
+            for (owner, row, _), (_, budget) in zip(step.entries, step.plan.stops):
+                owner.seq.computed = row.start + budget
         self.steps += 1
         self.step_rows += len(step.entries)
         self.step_decode_rows += step.decode_rows
         self.step_tokens += step.tokens
 
     def update(self, step: Planned, res) -> list[RequestOutput]:
-        """Apply a read-back step's results (``_apply``, row by row; a plain token inline)."""
+        """Apply a read-back step's results (``_apply``, row by row; a plain token inline); a
+        decode loop's, iteration by iteration for each row (``_apply_loop``)."""
+        if step.plan.steps > 1:
+            return self._apply_loop(step.entries, res)
         return self._apply_all(step.entries, res)
 
     def before_sample(self, step: Planned) -> None:
@@ -601,6 +652,29 @@ class Scheduler:
                     outs.append(RequestOutput(req.id, [tok], False, prompt_tokens=len(req.prompt_tokens)))
                     continue
             outs += self._apply(owner, row, res, i)
+        return outs
+
+    def _apply_loop(self, entries: list[tuple], results: list) -> list[RequestOutput]:
+        """Apply a decode loop's results (decode_loop.py; one ``StepResult`` per iteration): each
+        row's tokens in order, through the same checks as a single step's (``_apply``), until
+        its request ends or the row sampled nothing more (-1: done on the device).  One output
+        per request, holding all its new tokens (and its log-probs)."""
+        if self.kv.debug_checks:
+            self.kv.check_invariants()
+        outs = []
+        for i, (req, row, _) in enumerate(entries):
+            got: list[RequestOutput] = []
+            for k, res in enumerate(results):
+                if res.token_list[i] < 0 or req.status != RequestStatus.RUNNING:
+                    break  # (a request a stop string ended had its later tokens computed for nothing)
+                step_row = StepRow(row.tokens, row.start + k, row.pages)  # (its iteration k)
+                got += self._apply(req, step_row, res, i)
+            if len(got) > 1:
+                last = got[-1]
+                lps = [lp for o in got for lp in o.logprobs] if last.logprobs is not None else None
+                got = [RequestOutput(last.request_id, [t for o in got for t in o.new_token_ids], last.finished,
+                                     last.output, last.error, logprobs=lps, prompt_tokens=last.prompt_tokens)]
+            outs += got
         return outs
 
     def _apply(self, owner: Request | NodeJob, row: StepRow, res, i: int) -> list[RequestOutput]:

@@ -537,18 +537,11 @@ def serve_namespace(args) -> argparse.Namespace:
 
 
 def serve_engine_config(ns: argparse.Namespace):
-    """The ``EngineConfig`` ``inferscale serve`` builds from its options (inferscale_cli serve)."""
+    """The ``EngineConfig`` ``inferscale serve`` builds from its options (the same function)."""
     from inferscale_cli.main import resolve_dtype
-    from inferscale_jax.config import EngineConfig
+    from inferscale_cli.serve import _engine_config
 
-    extra = {}
-    if ns.snapshot_dir:
-        extra = dict(snapshot_dir=ns.snapshot_dir, strict_restore=ns.strict_restore,
-                     snapshot_interval_s=ns.snapshot_interval)
-    return EngineConfig(dtype=resolve_dtype(ns.dtype), page_size=ns.page_size, hbm_pages=ns.hbm_pages,
-                        max_batch=ns.max_batch, max_num_batched_tokens=ns.max_num_batched_tokens,
-                        tensor_parallel=ns.tensor_parallel, kv_dtype=ns.kv_dtype,
-                        session_ttl_s=ns.session_ttl, max_sessions_per_tenant=ns.max_sessions_per_tenant, **extra)
+    return _engine_config(ns, resolve_dtype)
 
 
 class InProcess(Via):
