@@ -85,8 +85,8 @@ def port(text: str) -> int:
     return value
 
 
-def positive(kind=int):
-    """argparse type: a number > 0."""
+def positive(kind=int, most=None):
+    """argparse type: a number > 0 (and <= ``most``)."""
     def parse(text: str):
         try:
             value = kind(text)
@@ -94,6 +94,8 @@ def positive(kind=int):
             raise argparse.ArgumentTypeError(f"{text!r} is not a{'n integer' if kind is int else ' number'}") from None
         if not value > 0:
             raise argparse.ArgumentTypeError(f"{text} must be > 0")
+        if most is not None and value > most:
+            raise argparse.ArgumentTypeError(f"{text} must be <= {most}")
         return value
     parse.__name__ = kind.__name__  # argparse names the type in its messages
     return parse
@@ -397,7 +399,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-num-batched-tokens", type=positive(), default=None,
                    help="new tokens per device step, prefill chunks and decode rows together "
                         "(default: max(max-batch, 2048))")
-    s.add_argument("--decode-steps", type=positive(), default=1, metavar="N",
+    s.add_argument("--decode-steps", type=positive(int, 64), default=1, metavar="N",
                    help="multi-step decode (vLLM's --num-scheduler-steps): a step of decode rows only runs N decode "
                         "steps in one device loop, stops checked on the device (default: %(default)s; at most 64)")
     s.add_argument("--session-ttl", type=positive(float), default=3600.0, metavar="SECONDS",

@@ -103,10 +103,25 @@ def test_64_concurrent_greedy_streams_equal_the_engine_token_for_token(server, r
     assert stats["waiting"] == 0
 
 
-def test_two_api_servers_share_the_port_and_the_core(tmp_path, cache):
-    srv = Server(tmp_path, cache, "--api-server-count", "2")
+def test_two_api_servers_share_the_port_and_the_core(tmp_path, cache, ref):
+    """Two API servers, one core; the core runs decode loops (``--decode-steps 4``): a stream's
+    tokens, log-probs and text still equal the in-process engine's single steps."""
+    srv = Server(tmp_path, cache, "--api-server-count", "2", "--decode-steps", "4")
     try:
         srv.wait_ready()
+        sp = SamplingParams(max_tokens=30, temperature=0.0, logprobs=1)
+        want = ref.generate_batch([dict(prompt=p, sampling=sp) for p in PROMPTS[:6]])
+
+        async def streams():
+            async with httpx.AsyncClient(base_url=srv.url, timeout=180) as client:
+                return await asyncio.gather(*(_stream(client, {"prompt": p, "max_tokens": 30, "temperature": 0,
+                                                               "logprobs": 1}) for p in PROMPTS[:6]))
+        for g, w in zip(asyncio.run(streams()), want):
+            tokens, lps = _tokens(g["events"])
+            assert tokens == [ref.tokenizer.decode([t], skip_special_tokens=True) for t in w.token_ids]
+            assert lps == pytest.approx([lp[t] for t, lp in zip(w.token_ids, w.logprobs)], abs=1e-4)
+            assert "".join(e["choices"][0]["text"] for e in g["events"][:-1] if e["choices"]) == w.text
+        assert httpx.get(srv.url + "/v1/stats", timeout=30).json()["decode_loops"] > 0
         answered = set()
         for _ in range(200):  # new connections land on either API server (the kernel picks)
             with httpx.Client(base_url=srv.url, timeout=60) as c:
