@@ -135,6 +135,7 @@ class Scheduler:
         # steps dispatched, their rows (all / decode) and tokens: a served loop's batch shape (stats())
         self.steps = self.step_rows = self.step_decode_rows = self.step_tokens = 0
         self.loops = 0  # of them, decode loops (decode_loop.py)
+        self.decode_steps = config.decode_steps  # (a benchmark may change it between runs: bench/engine/steps.py)
         self.failed: list[RequestOutput] = []  # admission failures, reported by the next step
         self._finished: list[RequestOutput] = []  # the final outputs of the current step
         self.compiling: list[Request] = []  # requests whose grammar is compiling (structured.py)
@@ -514,7 +515,7 @@ class Scheduler:
         prefill chunk (it would wait the whole loop), and every decoding request's pages cover
         its next ``decode_steps`` positions - taken now, from free pages only (a loop never
         evicts or preempts; when the pool is short the step runs alone)."""
-        n = self.config.decode_steps
+        n = self.decode_steps
         if n <= 1 or self.waiting or self.compiling or any(
                 j.seq is not None and j.seq.computed < len(j.seq.tokens) for j in self.jobs.values()):
             return 1

@@ -11,7 +11,10 @@ engine's defaults otherwise (``max_batch`` and the page pool from memory, the to
   resident); B = 1, 64, 256 requests naming it (16-token questions,
   64 tokens each).  Per decode-only step: the wall interval between consecutive steps (median
   over the steady decode phase) and the host time (step wall time less the time blocked reading
-  the previous step back).  Floors, measured in the same run: weight read = (non-embedding
+  the previous step back).  With ``--decode-steps 1,4,8`` each B runs once per value
+  (``Scheduler.decode_steps``: multi-step decode, inferscale_jax/decode_loop.py; a loop of N
+  compiles in its first call, which the median leaves out): "step ms" is then the interval
+  between consecutive loops divided by N (per decode step), "call ms" the loop's own.  Floors, measured in the same run: weight read = (non-embedding
   weights + LM head) bytes / read bandwidth (a device reduction over a 2 GiB array, measured
   before the engine takes the memory); compute =
   2 x non-embedding params x B / 800 TFLOP/s.  Ratios: step / max(floors).
@@ -71,11 +74,13 @@ class Probe:
         r.dispatch, r.collect = self.dispatch, self.collect
         self.blocked = self.in_dispatch = 0.0
         self.cascade = False
+        self.last_steps = 1
 
     def dispatch(self, plan, *a, **k):
         self.last_decode = all(len(x.tokens) == 1 for x in plan.rows)
         self.last_rows = len(plan.rows)
         self.cascade = plan.shared_pages > 0
+        self.last_steps = plan.steps
         t = time.perf_counter()
         try:
             return self._dispatch(plan, *a, **k)
@@ -90,14 +95,17 @@ class Probe:
             self.blocked += time.perf_counter() - t
 
     def run(self, e):
-        """Step until idle; per step: (wall s, host s, decode-only, rows, s in dispatch, cascade)."""
+        """Step until idle; per step: (wall s, host s, decode-only, rows, s in dispatch, cascade,
+        decode steps in the call)."""
         out = []
         while e.has_unfinished():
             self.blocked, self.in_dispatch, self.last_decode, self.last_rows = 0.0, 0.0, False, 0
+            self.last_steps = 1
             t = time.perf_counter()
             e.step()
             wall = time.perf_counter() - t
-            out.append((wall, wall - self.blocked, self.last_decode, self.last_rows, self.in_dispatch, self.cascade))
+            out.append((wall, wall - self.blocked, self.last_decode, self.last_rows, self.in_dispatch, self.cascade,
+                        self.last_steps))
         return out
 
 
@@ -108,6 +116,7 @@ def main():
     ap.add_argument("--sections", default="warmup,decode,throughput,mixed")
     ap.add_argument("--mixed-s", type=float, default=120.0)
     ap.add_argument("--tag", default="", help="suffix of the output files (e.g. warm)")
+    ap.add_argument("--decode-steps", default="1", help="decode section: multi-step decode values, e.g. 1,4,8")
     args = ap.parse_args()
     sections = args.sections.split(",")
     os.makedirs(args.out, exist_ok=True)
@@ -152,26 +161,31 @@ def main():
 
     if "decode" in sections:
         res["decode"] = []
-        for b in (1, 64, 256):
+        for n_steps, b in [(n, b) for n in map(int, args.decode_steps.split(",")) for b in (1, 64, 256)]:
             if b > e.max_batch:
                 continue
+            e.scheduler.decode_steps = n_steps
             sp = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
             for _ in range(b):
                 e.submit(prompt_token_ids=q(), segments=["kb"], sampling=sp)
             steps = probe.run(e)
-            dec = [s for s in steps if s[2] and s[3] == b][3:]  # steady decode steps with every row
-            wall = float(np.median([s[0] for s in dec])) if dec else float("nan")
+            # steady decode steps with every row (a loop's first call compiles: left out too)
+            dec = [s for s in steps if s[2] and s[3] == b and s[6] == n_steps][3 if n_steps == 1 else 1:]
+            call = float(np.median([s[0] for s in dec])) if dec else float("nan")
+            wall = call / n_steps
             host = float(np.median([s[1] for s in dec])) if dec else float("nan")
             disp = float(np.median([s[4] for s in dec])) if dec else float("nan")
             compute = 2 * nonembed * b / PEAK_FLOPS
             floor = max(weight_bytes / bw, compute)
-            row = dict(rows=b, steps=len(dec), step_ms=round(wall * 1e3, 3), host_ms=round(host * 1e3, 3),
+            row = dict(rows=b, decode_steps=n_steps, steps=len(dec), step_ms=round(wall * 1e3, 3),
+                       call_ms=round(call * 1e3, 3), host_ms=round(host * 1e3, 3),
                        dispatch_ms=round(disp * 1e3, 3), cascade_steps=sum(s[5] for s in dec),
                        weight_floor_ms=round(weight_bytes / bw * 1e3, 3), compute_floor_ms=round(compute * 1e3, 3),
                        ratio=round(wall / floor, 3), tokens_per_s=round(b / wall, 1))
             res["decode"].append(row)
             log("decode", row)
             save()
+        e.scheduler.decode_steps = conf.decode_steps
 
     if "throughput" in sections:
         n = min(256, e.max_batch)
@@ -240,9 +254,11 @@ def report(res, args):
                   f"Read bandwidth {f['read_GBps']} GB/s (measured); weights read per step "
                   f"{f['weight_bytes'] / 1e9:.2f} GB. \"host ms\": step wall time less the time blocked reading "
                   "results back (it includes device time when the step call itself blocks).", "",
-                  "| rows | step ms | host ms | weight floor ms | compute floor ms | step / floor | tokens/s |",
-                  "|---|---|---|---|---|---|---|"]
-        lines += [f"| {r['rows']} | {r['step_ms']} | {r['host_ms']} | {r['weight_floor_ms']} | {r['compute_floor_ms']} "
+                  "| rows | decode steps per call | step ms | call ms | host ms per call | weight floor ms | "
+                  "compute floor ms | step / floor | tokens/s |",
+                  "|---|---|---|---|---|---|---|---|---|"]
+        lines += [f"| {r['rows']} | {r.get('decode_steps', 1)} | {r['step_ms']} | {r.get('call_ms', r['step_ms'])} "
+                  f"| {r['host_ms']} | {r['weight_floor_ms']} | {r['compute_floor_ms']} "
                   f"| {r['ratio']} | {r['tokens_per_s']} |" for r in res["decode"]]
         lines.append("")
     if "throughput" in res:
@@ -267,7 +283,8 @@ def report(res, args):
         return
     if "decode" in res:
         fig, ax = plt.subplots(figsize=(5, 3.2))
-        rows = [str(r["rows"]) for r in res["decode"]]
+        rows = [f"{r['rows']}" + (f" x{r['decode_steps']}" if r.get("decode_steps", 1) > 1 else "")
+                for r in res["decode"]]
         ax.bar(rows, [r["ratio"] for r in res["decode"]], color="tab:blue")
         ax.axhline(1.0, color="k", lw=0.8)
         ax.set_xlabel("decode rows")
