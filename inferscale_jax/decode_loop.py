@@ -3,7 +3,7 @@
 A pure decode step (every row one token, no prefill chunk waiting) is the engine's most common
 step once prompts are in.  Run one at a time, each costs the host a schedule, a pack, a dispatch,
 a read-back and an update; ``_decode_loop`` runs up to ``steps`` of them inside one executable
-(a ``lax.while_loop`` around the model and the sampler), so the host's per-step work is paid once
+(a ``lax.fori_loop`` around the model and the sampler), so the host's per-step work is paid once
 per ``steps`` tokens of every row.
 
 Iteration ``i`` of the loop, for each row:
@@ -20,7 +20,12 @@ Iteration ``i`` of the loop, for each row:
 3. The stop checks run on the device: a row whose sampled id is one of its stop ids (EOS unless
    ``ignore_eos``, and ``stop_token_ids``), or that sampled its budget (``max_tokens`` left, at
    most ``steps``), is *done*: later iterations write its K/V into the null page and report no
-   token for it (-1).  The loop leaves early when every row is done.
+   token for it (-1).  The loop still runs all ``steps`` iterations: a fixed trip count lets
+   XLA run it without reading a predicate back to the host between iterations, which an early
+   exit (``lax.while_loop`` on "every row done") would need, holding the host for the loop's
+   device time as a traced ``lax.cond`` would (sampling.py).  So the scheduler runs a loop only
+   when some row can use all of it (``Scheduler._loop_steps``: a row's budget >= ``steps``);
+   iterations after every row stopped on a stop id are the cost, bounded by ``steps - 1``.
 
 The host reads all iterations' samples back in one copy (``[steps, R, 2 + 2n]``, each row as
 ``runner._sample_rows`` packs it) and the scheduler applies them in order, row by row, with the
@@ -112,10 +117,9 @@ def _decode_loop(params, cache: PagedKVCache, ints, floats, shared, stops, *, cf
         hit = jnp.any(t[:, None] == stop_ids, axis=1)
         return i + 1, cache, jnp.where(done, tok, t), done | hit | (i + 1 >= budget), out
 
-    def more(carry):
-        i, _, _, done, _ = carry
-        return (i < steps) & ~jnp.all(done)
+    def iteration(i, carry):
+        return body((i,) + carry)[1:]
 
-    init = (jnp.int32(0), cache, tokens[last], budget <= 0, out0)
-    _, cache, tok, _, out = jax.lax.while_loop(more, body, init)
+    init = (cache, tokens[last], budget <= 0, out0)
+    cache, tok, _, out = jax.lax.fori_loop(0, steps, iteration, init)
     return out, jnp.zeros((size,), jnp.int32).at[:b].set(tok), cache

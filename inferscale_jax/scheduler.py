@@ -511,7 +511,8 @@ class Scheduler:
     def _loop_steps(self, ending: set[int], lag: dict[int, int]) -> int:
         """How many decode steps the next step runs in one device loop (decode_loop.py): 1, or
         ``decode_steps`` when every row would be a decode row that needs no host between its
-        tokens (no penalty, bias, ``min_p`` or grammar), no request waits for admission or a
+        tokens (no penalty, bias, ``min_p`` or grammar), one of them has ``decode_steps`` tokens
+        left to sample at least, no request waits for admission or a
         prefill chunk (it would wait the whole loop), and every decoding request's pages cover
         its next ``decode_steps`` positions - taken now, from free pages only (a loop never
         evicts or preempts; when the pool is short the step runs alone)."""
@@ -523,6 +524,8 @@ class Scheduler:
         if not decoding or any(r.prefilling or r.processed or r.grammar is not None or r.needs_host_tail
                                for r in decoding):
             return 1
+        if all(r.sampling.max_tokens - len(r.out_ids) - lag.get(id(r), 0) < n for r in decoding):
+            return 1  # no row can use the whole loop (its iterations all run: decode_loop.py)
         s, pool = self.config.page_size, self.kv.pool
         for req in decoding:
             # the row's last position: its input's (its last token, or past its in-flight ones) + n - 1
