@@ -29,13 +29,16 @@
 #      pool), then warm from JAX's cache alone (bench/tools/serve_ready.py), one compilation cache
 #  10  one request at a time: where the first token's time goes in serve (bench/tools/first_token_timeline.py),
 #      then C = 1 / 16 through HTTP and in-process (bench/serving/serve.py, 32 requests)
+#  11  multi-step decode (inferscale_jax/decode_loop.py): decode steps at 1 / 64 / 256 rows run 1, 4 and 8 to a loop
+#      (bench/engine/steps.py --decode-steps 1,4,8), then C = 1 / 16 through HTTP and in-process with
+#      --decode-steps 8 (compare part 10's C = 1 / 16)
 # Parts 6-10 write the 8B checkpoint to /tmp/llama8b first when it is missing (~35 s); it stays out of
 # the repository, whose copy on the machine loses files that .gitignore does not cover (bench/NOTES.md, run AH).
 #
 # Each step writes its tables under RESULTS_DIR/<step>/ and its console log to RESULTS_DIR/<step>.log;
 # after each step RESULTS_DIR is packed into TARBALL when given (what a cut call still returns).
 set -uo pipefail
-part=${1:?part 1-10}
+part=${1:?part 1-11}
 res=${2:?results folder}
 tarball=${3:-}
 mkdir -p "$res"
@@ -134,6 +137,13 @@ case "$part" in
     serve=(bench/serving/serve.py --model /tmp/llama8b --tenants 1 --segments-per-tenant 8 --segment-tokens 4096
            --question-tokens 64 --max-tokens 64 --warm 1.0 --cold 0 --num-requests 32)
     step serve_c1_16 330 "${serve[@]}" --concurrency 1,16 --mode http,inproc
+    ;;
+11)
+    step steps_loops 250 bench/engine/steps.py --sections decode --decode-steps 1,4,8
+    ckpt
+    serve=(bench/serving/serve.py --model /tmp/llama8b --tenants 1 --segments-per-tenant 8 --segment-tokens 4096
+           --question-tokens 64 --max-tokens 64 --warm 1.0 --cold 0 --num-requests 32)
+    step serve_c1_16_n8 300 "${serve[@]}" --concurrency 1,16 --mode http,inproc --serve-args "--decode-steps 8"
     ;;
 *)
     echo "unknown part $part" >&2
