@@ -58,6 +58,16 @@ def test_tp_matches_tp1(res, tp):
         close(res[tp][case], res["1"][case])
 
 
+def test_decode_loops_over_the_sharded_pool_match_tp1(res):
+    """Multi-step decode at TP=2 with the Pallas kernels (interpret mode) inside the loop: TP=1's
+    single-step results (the snapshot restored onto TP=4 too)."""
+    r = res["loop_pallas2"]
+    assert r["decode_loops"] > 0
+    for case in ("chain", "again", "plain", "compose", "promoted"):
+        close(r[case], res["1"][case])
+    close(r["restored"], res["hf"]["a_q"])
+
+
 @pytest.mark.parametrize("tp", ["2", "4"])
 def test_host_tier_round_trip_and_snapshot_reshard(res, tp):
     r = res[tp]

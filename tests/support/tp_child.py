@@ -63,6 +63,7 @@ def run(params, cfg, tp, seg_a, seg_b, q, work, label="", **kw):
     r["shards"]["embed"] = [list(s.data.shape) for s in e.runner.params["embed"].addressable_shards]
     r["shards"]["pages"] = [list(s.data.shape) for s in e.runner.cache.k[0].addressable_shards]
     r["mesh"] = e.stats()["mesh"]["tensor_parallel"]
+    r["decode_loops"] = e.stats()["decode_loops"]
     if tp > 1:  # a snapshot of this TP degree restored onto another one re-shards
         snap = os.path.join(work, f"snap{label}{tp}-{kw.get('attention_impl', 'ref')}")
         s = Engine(params, cfg, None, EngineConfig(**dict(conf, snapshot_dir=snap)))
@@ -129,6 +130,9 @@ def main(work):
         res[f"int8_{tp}"] = run(params, cfg, tp, seg_a, seg_b, q, work, label="int8", kv_dtype="int8")
     # the Pallas kernels (interpret mode on the CPU) inside shard_map, TP=2
     res["pallas2"] = run(params, cfg, 2, seg_a, seg_b, q, work, attention_impl="pallas")
+    # multi-step decode (decode_loop.py) over the sharded pool, the Pallas kernels inside the loop
+    res["loop_pallas2"] = run(params, cfg, 2, seg_a, seg_b, q, work, label="loop", attention_impl="pallas",
+                              decode_steps=4)
     print("TP_RESULT " + json.dumps(res), flush=True)
 
 
