@@ -9,6 +9,9 @@ from typing import NamedTuple
 @dataclasses.dataclass
 class RequestMetrics:
     ttft_s: float = 0.0  # request start -> first token sampled
+    # request start -> first admitted with its pages (running): the queue's share of ttft_s (a chain
+    # node computed for it by a node job counts as queue)
+    queue_s: float = 0.0
     prompt_tokens: int = 0  # the whole sequence: segments + prompt
     cached_tokens: int = 0  # of those, tokens whose KV was reused (segments, chains, prefix hits)
     generated_tokens: int = 0

@@ -64,6 +64,7 @@ class Request:
     cached_tokens: int | None = None
     ttft_s: float | None = None
     t_first: float = 0.0
+    t_running: float = 0.0  # when it first ran (admitted with its pages): RequestMetrics.queue_s
     finish_reason: str | None = None
     text: str | None = None
     preemptions: int = 0

@@ -265,6 +265,7 @@ class Scheduler:
                     return
                 continue
             req.status = RequestStatus.RUNNING
+            req.t_running = req.t_running or time.perf_counter()
             self.running.append(req)
             if running is not None:
                 running[req.tenant] += 1
@@ -843,7 +844,8 @@ class Scheduler:
         n = len(req.out_ids)
         dec_s = now - req.t_first if req.t_first else 0.0
         metrics = RequestMetrics(
-            ttft_s=req.ttft_s or 0.0, prompt_tokens=len(req.prompt_tokens),
+            ttft_s=req.ttft_s or 0.0, queue_s=req.t_running - req.arrival if req.t_running else 0.0,
+            prompt_tokens=len(req.prompt_tokens),
             cached_tokens=req.cached_tokens or 0, generated_tokens=n,
             decode_tokens_per_s=(n - 1) / dec_s if n > 1 and dec_s > 0 else 0.0, e2e_s=now - req.arrival)
         c = self.counters

@@ -16,7 +16,7 @@ standard OTLP exporter when ``opentelemetry-sdk`` and an OTLP exporter package a
 (service name, headers, sampler) is read by the SDK itself.  ``pip install 'inferscale-jax[tracing]'``.
 
 The log line (logger ``inferscale.request``, INFO): ``{"request_id", "tenant", "segments": [{"id",
-"uid", "tier"}], "promoted_bytes", "chain_node", "mode", "prompt_tokens", "cached_tokens", "generated_tokens", "ttft_s", "e2e_s",
+"uid", "tier"}], "promoted_bytes", "chain_node", "mode", "prompt_tokens", "cached_tokens", "generated_tokens", "ttft_s", "queue_s", "e2e_s",
 "finish_reason"}`` - the request id the HTTP response returns in its ``X-Request-Id`` header.
 """
 
@@ -139,6 +139,7 @@ class RequestTrace:
                 "promoted_bytes": self.promoted_bytes, "chain_node": self.node,
                 "prompt_tokens": metrics.prompt_tokens, "cached_tokens": metrics.cached_tokens,
                 "generated_tokens": metrics.generated_tokens, "ttft_s": round(metrics.ttft_s, 6),
+                "queue_s": round(metrics.queue_s, 6),
                 "e2e_s": round(metrics.e2e_s, 6), "finish_reason": reason}))
 
 

@@ -431,6 +431,7 @@ def _record(state, fields: dict, outs: list) -> None:
     m = outs[0].metrics
     fields.update(prompt_tokens=m.prompt_tokens, cached_tokens=m.cached_tokens,
                   generated_tokens=sum(o.metrics.generated_tokens for o in outs), ttft_s=round(m.ttft_s, 6),
+                  queue_s=round(m.queue_s, 6),
                   finish_reason=outs[0].finish_reason if len(outs) == 1 else [o.finish_reason for o in outs])
 
 

@@ -96,6 +96,14 @@ children: the engine core and any more API servers).  A request is an error when
 has an error event or no usage, or the connection fails (in-process: ``stream()`` raises).  A p99
 over fewer than 1000 samples is indicative only (the ``n`` of each figure says how many).
 
+Where TTFT goes (``ttft_split`` per point, the "Where TTFT goes" table): each request's TTFT beside
+the engine's own clock for it (``RequestMetrics.ttft_s``: its submit in the engine -> its first token
+applied, and ``queue_s``: submit -> running with its pages), in-process from the final output's
+metrics, over HTTP from the per-request lines of a server started here (``--log-requests``, joined
+on ``X-Request-Id``).  The engine's TTFT less its queue is its prefill steps and the first token's
+read-back; client TTFT less engine TTFT is everything outside the engine (HTTP, the API process,
+the hand-offs to and from the engine core, the client).
+
 Writes ``PREFIX.json`` (every figure; ``runs`` holds each via's ``warmup`` and ``points``, the
 top-level ``warmup`` and ``points`` are the first via's), ``PREFIX.md`` (tables, a ``via``
 column) and ``PREFIX.png`` (latency percentiles and throughput vs load) for ``--out PREFIX``
@@ -330,6 +338,11 @@ class Result:
     completion_tokens: int = 0
     register: float | None = None
     start: float | None = None  # perf_counter at send (the steady window, ``steady_throughput``)
+    request_id: str | None = None  # the server's X-Request-Id
+    # the engine's own clock (RequestMetrics): its submit -> first token (ttft_s), of which the queue
+    # (queue_s); over HTTP from the server's per-request log lines (``Server.request_times``)
+    engine_ttft: float | None = None
+    engine_queue: float | None = None
 
     def timed(self, t0: float, times: list[float]) -> None:
         """A completed request: its chunks' arrival ``times`` (text chunks) since the send at ``t0``
@@ -367,8 +380,10 @@ class Server:
         with open(key_file, "w") as f:
             json.dump(self.keys, f)
         self.url = f"http://127.0.0.1:{free_port()}"
+        # one JSON line per request (--log-requests, at INFO): the engine's TTFT and queue time per request id
         self.cmd = [sys.executable, "-m", "inferscale_cli", "serve", "--host", "127.0.0.1",
-                    "--port", self.url.rsplit(":", 1)[1], "--api-keys", key_file, "--log-level", "warning"]
+                    "--port", self.url.rsplit(":", 1)[1], "--api-keys", key_file, "--log-level", "info",
+                    "--log-requests"]
         for flag, value in (("--model", args.model), ("--hbm-pages", args.hbm_pages), ("--max-batch", args.max_batch)):
             if value is not None:
                 self.cmd += [flag, str(value)]
@@ -390,6 +405,27 @@ class Server:
         self.stop()
         raise RuntimeError(f"the server did not become ready within {timeout:.0f} s (exit code "
                            f"{self.proc.returncode}); log {self.log_path}:\n{self.log_tail()}")
+
+    def request_times(self, ids: set[str], wait_s: float = 3.0) -> dict[str, tuple[float, float]]:
+        """Request id -> (engine ttft_s, queue_s) from the server's per-request log lines, for ``ids``
+        (a line is written as its response ends: waits up to ``wait_s`` for the last ones)."""
+        found: dict[str, tuple[float, float]] = {}
+        deadline = time.monotonic() + wait_s
+        while True:
+            with open(self.log_path, errors="replace") as f:
+                for line in f:
+                    _, sep, rest = line.partition(" inferscale.server ")
+                    if not sep or not rest.startswith("{"):
+                        continue
+                    try:
+                        x = json.loads(rest)
+                    except ValueError:
+                        continue
+                    if x.get("id") in ids and "ttft_s" in x:
+                        found[x["id"]] = (x["ttft_s"], x.get("queue_s"))
+            if len(found) >= len(ids) or time.monotonic() > deadline:
+                return found
+            time.sleep(0.2)
 
     def log_tail(self, chars: int = 3000) -> str:
         with open(self.log_path, errors="replace") as f:
@@ -454,6 +490,7 @@ class Client(Via):
         self.url = url.rstrip("/")
         self.keys = keys
         self.server_pid: int | None = None  # the server started here (its CPU is reported per point)
+        self.server: Server | None = None  # ... and its log (the engine's times per request)
         if keys:
             users = [(k, v) for k, v in keys.items() if isinstance(v, str) or not v.get("admin")]
             admins = [k for k, v in keys.items() if isinstance(v, dict) and v.get("admin")]
@@ -495,6 +532,7 @@ class Client(Via):
         t0 = time.perf_counter()
         res.start = t0
         async with self.http.stream("POST", "/v1/completions", json=body, headers=self.headers[spec.tenant]) as r:
+            res.request_id = r.headers.get("x-request-id")
             if r.status_code != 200:
                 res.error = f"HTTP {r.status_code}: {(await r.aread()).decode(errors='replace')[:300]}"
                 return
@@ -610,6 +648,7 @@ class InProcess(Via):
             res.error = "the stream ended without a final output"
             return
         m = final.metrics
+        res.engine_ttft, res.engine_queue = m.ttft_s, m.queue_s
         res.prompt_tokens, res.cached_tokens = m.prompt_tokens, m.cached_tokens
         res.completion_tokens = m.generated_tokens
         res.timed(t0, times)
@@ -809,6 +848,19 @@ def steady_throughput(ok: list[Result]) -> float | None:
     return tokens / (hi - lo)
 
 
+def ttft_split(ok: list[Result]) -> dict | None:
+    """Where the client's TTFT goes (ms dists): the engine's (its submit -> first token, ``ttft_s``),
+    of which its queue (``queue_s``: submit -> running), and the rest outside the engine (HTTP, the
+    API process, the core's hand-offs, the client); None without the engine's times."""
+    both = [r for r in ok if r.ttft is not None and r.engine_ttft is not None]
+    if not both:
+        return None
+    return {"engine_ms": dist([r.engine_ttft for r in both]),
+            "queue_ms": dist([r.engine_queue for r in both if r.engine_queue is not None]),
+            "prefill_ms": dist([r.engine_ttft - r.engine_queue for r in both if r.engine_queue is not None]),
+            "outside_ms": dist([r.ttft - r.engine_ttft for r in both])}
+
+
 def summarize(results: list[Result], wall_s: float) -> dict:
     ok = [r for r in results if r.ok]
     out = {
@@ -828,6 +880,7 @@ def summarize(results: list[Result], wall_s: float) -> dict:
         "completion_tokens": sum(r.completion_tokens for r in ok),
         "cached_ratio": ratio(sum(r.cached_tokens for r in ok), sum(r.prompt_tokens for r in ok)),
         "tokens_per_chunk": ratio(sum(r.completion_tokens for r in ok), sum(r.chunks for r in ok)),
+        "ttft_split": ttft_split(ok),
     }
     out["by_kind"] = {}
     for kind in KINDS:
@@ -912,6 +965,14 @@ def report(summary: dict, prefix: str) -> None:
         + ([num(ratio_of[i]["http_over_inproc"], 3) if via == "http" else ""] if both else [])
         + [fmt(p["ttft_ms"]), fmt(p["itl_ms"]), fmt(p["tpot_ms"], "p50"), fmt(p["e2e_ms"]), num(p["cached_ratio"], 3),
            "n/a" if p["compiles"] is None else p["compiles"], cpu_cell(p)] for via, i, p in rows])
+    split = [(via, p) for via, _, p in rows if p.get("ttft_split")]
+    if split:
+        table("Where TTFT goes (ms, p50 / p90 / p99): the engine's clock (submit -> first token), its queue "
+              "(submit -> running) and the rest (prefill steps and the first token's read-back), and outside "
+              "the engine (client TTFT - engine TTFT: HTTP, API process, hand-offs to and from the engine)", [
+                  "load", "via", "client TTFT", "engine TTFT", "queue", "engine rest", "outside the engine"], [
+                  [load_label(p), via, fmt(p["ttft_ms"]), fmt(s["engine_ms"]), fmt(s["queue_ms"]),
+                   fmt(s["prefill_ms"]), fmt(s["outside_ms"])] for via, p in split for s in [p["ttft_split"]]])
     table("By request kind (ms, p50 / p90 / p99; register = the cold segment's registration)", [
         "load", "via", "kind", "n", "errors", "TTFT", "E2E", "register", "cached ratio"], [
         [load_label(p), via, kind, k["requests"], k["errors"], fmt(k["ttft_ms"]), fmt(k["e2e_ms"]),
@@ -1053,6 +1114,10 @@ async def bench(args, client: Via, maker: TextMaker) -> dict:
                 results, wall = await closed_loop(client, specs, args, x)
             cpu1 = {"bench": time.process_time() + procs_cpu, **process_cpu(server_pid)}
             after = await client.stats()
+            if getattr(client, "server", None) is not None:  # the engine's clock, from the server's log
+                times = client.server.request_times({r.request_id for r in results if r.ok and r.request_id})
+                for r in results:
+                    r.engine_ttft, r.engine_queue = times.get(r.request_id, (None, None))
             p = {"mode": mode, "rate": x if mode == "rate" else None, "concurrency": x if mode != "rate" else None,
                  **summarize(results, wall), "cpu": cpu_share(cpu0, cpu1, wall),
                  **({"steady_output_throughput": None} if mode == "rate" else {}),  # (no closed-loop window)
@@ -1096,6 +1161,7 @@ def run_http(args, maker: TextMaker, workdir: str, tenant_names: list[str]) -> d
             log(f"[serve] server ready in {ready_s:.0f} s at {url}")
         client = Client(url, keys, args.tenants, args.request_timeout, connections)
         client.server_pid = server.proc.pid if server is not None else args.server_pid
+        client.server = server
         figures = asyncio.run(bench(args, client, maker))
     finally:
         if server is not None:

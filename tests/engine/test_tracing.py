@@ -72,3 +72,7 @@ def test_spans_for_a_hit_a_miss_and_a_promotion(caplog):
     assert [x["chain_node"] for x in lines] == ["computed", "reused", "reused"]
     assert lines[2]["promoted_bytes"] == adm["inferscale.promoted_bytes"] > 0 and lines[0]["promoted_bytes"] == 0
     assert all(x["ttft_s"] > 0 and x["e2e_s"] >= x["ttft_s"] for x in lines)
+    # the queue's share of TTFT: the miss waited while a node job computed its chain node; the hit ran at once
+    assert all(0 < x["queue_s"] < x["ttft_s"] for x in lines)
+    assert lines[0]["queue_s"] > lines[1]["queue_s"]
+    assert [x["queue_s"] for x in lines] == [round(o.metrics.queue_s, 6) for o in (miss, hit, promo)]

@@ -16,7 +16,8 @@ DIST_KEYS = {"p50", "p90", "p99", "mean", "n"}
 POINT_KEYS = {"mode", "rate", "concurrency", "requests", "completed", "errors", "error_samples", "wall_s",
               "request_throughput", "output_throughput", "ttft_ms", "itl_ms", "tpot_ms", "e2e_ms", "register_ms",
               "prompt_tokens", "cached_tokens", "completion_tokens", "cached_ratio", "tokens_per_chunk",
-              "by_kind", "compiles", "steady_output_throughput", "cpu", "client_procs", "engine_steps"}
+              "by_kind", "compiles", "steady_output_throughput", "cpu", "client_procs", "engine_steps",
+              "ttft_split"}
 KIND_KEYS = {"requests", "errors", "ttft_ms", "e2e_ms", "register_ms", "prompt_tokens", "cached_tokens",
              "cached_ratio"}
 
@@ -52,10 +53,24 @@ def run_bench(tmp_path, tmp_path_factory, *load: str) -> tuple[str, str]:
     return prefix, tail
 
 
+def assert_ttft_split(point, n, tail=""):
+    """Every request's engine times were found (the server's log lines, or in-process the final
+    output's), and they fit inside the client's TTFT."""
+    split = point["ttft_split"]
+    assert split is not None, tail
+    for key in ("engine_ms", "queue_ms", "prefill_ms", "outside_ms"):
+        assert split[key]["n"] == n and set(split[key]) == DIST_KEYS, (key, split[key])
+    assert 0 < split["engine_ms"]["p50"] < point["ttft_ms"]["p50"], split
+    assert 0 <= split["queue_ms"]["p50"] <= split["engine_ms"]["p50"], split
+    assert split["outside_ms"]["p50"] > 0 and split["prefill_ms"]["p50"] > 0, split
+    means = split["engine_ms"]["mean"] + split["outside_ms"]["mean"]
+    assert abs(means - point["ttft_ms"]["mean"]) < 1e-6 * max(1.0, means), split  # the two parts add up
+
+
 def test_bench_serve_tiny_load(tmp_path, tmp_path_factory):
     prefix, tail = run_bench(tmp_path, tmp_path_factory, "--rates", "4", "--num-requests", "4")
     summary = json.loads(prefix.with_suffix(".json").read_text())
-    assert (tmp_path / "serve_test.md").read_text().count("| 4 req/s |") == 4, tail  # the point + 3 kinds
+    assert (tmp_path / "serve_test.md").read_text().count("| 4 req/s |") == 5, tail  # the point, its TTFT split, 3 kinds
     assert summary["device"] == "cpu" and summary["texts_inexact"] == 0, tail
     assert summary["warmup"]["errors"] == 0 and summary["warmup"]["compiles"] > 0, tail
 
@@ -75,6 +90,7 @@ def test_bench_serve_tiny_load(tmp_path, tmp_path_factory):
         assert set(point[key]) == DIST_KEYS and ordered(point[key]), (key, point[key])
     assert point["ttft_ms"]["n"] == point["e2e_ms"]["n"] == 4
     assert point["ttft_ms"]["p50"] <= point["e2e_ms"]["p50"]
+    assert_ttft_split(point, 4, tail)
 
     # default mix 0.5 / 0.25 / 0.25 of 4 requests: 2 warm, 1 cold, 1 without a segment
     kinds = point["by_kind"]
@@ -96,6 +112,7 @@ def test_bench_serve_closed_loop_over_client_processes(tmp_path, tmp_path_factor
     assert point["concurrency"] == 2 and point["client_procs"] == 2, tail
     assert point["requests"] == point["completed"] == 6 and point["errors"] == 0, point["error_samples"]
     assert point["completion_tokens"] == 6 * 4 and point["ttft_ms"]["n"] == 6
+    assert_ttft_split(point, 6, tail)  # (the request ids came back from the client processes)
     # the API process alone can stay under one clock tick (10 ms) for six 4-token requests; the server as a
     # whole (API process + engine core child) cannot
     cpu = point["cpu"]

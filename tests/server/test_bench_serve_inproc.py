@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from tests.support.server_util import REPO, cache_dir
+from tests.server.test_bench_serve import assert_ttft_split
 
 
 def load_bench():
@@ -114,6 +115,8 @@ def test_bench_serve_in_process(tmp_path, tmp_path_factory):
     for key in ("ttft_ms", "itl_ms", "tpot_ms", "e2e_ms"):
         assert point[key]["p50"] <= point[key]["p90"] <= point[key]["p99"], (key, point[key])
     assert point["ttft_ms"]["n"] == 4 and point["tokens_per_chunk"] >= 1
+    assert_ttft_split(point, 4, tail)
+    assert "Where TTFT goes" in (tmp_path / "serve_inproc.md").read_text()
     kinds = point["by_kind"]
     assert {k: v["requests"] for k, v in kinds.items()} == {"warm": 2, "cold": 1, "none": 1}
     assert kinds["warm"]["cached_tokens"] >= 2 * 48 - 2 * 16 and kinds["cold"]["register_ms"]["n"] == 1

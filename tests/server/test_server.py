@@ -442,7 +442,7 @@ def test_request_logs_hold_no_secrets(server, http):
     # the line is written once the response is sent: wait for this request's own line
     (line,) = wait_for(lambda: [ln for ln in server.request_lines() if ln.get("id") == rid], 10)
     for field in ("id", "tenant", "segments", "prompt_tokens", "cached_tokens", "generated_tokens", "ttft_s",
-                  "status"):
+                  "queue_s", "status"):
         assert field in line, field
     assert line["tenant"] == "acme" and line["status"] == 200
     assert any(ln["status"] == 401 for ln in server.request_lines())
