@@ -32,13 +32,15 @@
 #  11  multi-step decode (inferscale_jax/decode_loop.py): decode steps at 1 / 64 / 256 rows run 1, 4 and 8 to a loop
 #      (bench/engine/steps.py --decode-steps 1,4,8), then C = 1 / 16 through HTTP and in-process with
 #      --decode-steps 8 (compare part 10's C = 1 / 16)
+#  12  the README's comparison of contexts: part 6's workload through HTTP at C = 64 / 256 with the 4k context
+#      inline (the automatic prefix cache), then with no context (bench/serving/serve.py --context inline / none)
 # Parts 6-10 write the 8B checkpoint to /tmp/llama8b first when it is missing (~35 s); it stays out of
 # the repository, whose copy on the machine loses files that .gitignore does not cover (bench/NOTES.md, run AH).
 #
 # Each step writes its tables under RESULTS_DIR/<step>/ and its console log to RESULTS_DIR/<step>.log;
 # after each step RESULTS_DIR is packed into TARBALL when given (what a cut call still returns).
 set -uo pipefail
-part=${1:?part 1-11}
+part=${1:?part 1-12}
 res=${2:?results folder}
 tarball=${3:-}
 mkdir -p "$res"
@@ -144,6 +146,14 @@ case "$part" in
     serve=(bench/serving/serve.py --model /tmp/llama8b --tenants 1 --segments-per-tenant 8 --segment-tokens 4096
            --question-tokens 64 --max-tokens 64 --warm 1.0 --cold 0 --num-requests 32)
     step serve_c1_16_n8 300 "${serve[@]}" --concurrency 1,16 --mode http,inproc --serve-args "--decode-steps 8"
+    ;;
+12)
+    ckpt
+    serve=(bench/serving/serve.py --model /tmp/llama8b --tenants 1 --segments-per-tenant 8 --segment-tokens 4096
+           --question-tokens 64 --max-tokens 64 --warm 1.0 --cold 0 --num-requests 1024 --concurrency 64,256
+           --mode http --serve-args "--api-server-count 2")
+    step serve_inline 280 "${serve[@]}" --context inline
+    step serve_none 250 "${serve[@]}" --context none
     ;;
 *)
     echo "unknown part $part" >&2
