@@ -11,9 +11,10 @@ Iteration ``i`` of the loop, for each row:
 1. Its token is the one iteration ``i - 1`` sampled (iteration 0: the row's own token, or the
    previous step's sample fed on the device as in any overlapped step).  Its position is the
    row's start + ``i``; its K/V slot is read from the row's page table on the device (the
-   scheduler gave the row pages for all ``steps`` positions ahead of the dispatch), and its
-   ``kv_len`` grows by one per iteration.  Cascade groups stay as planned: their shared pages are
-   read-only and every row writes past them.
+   scheduler gave the row pages for the positions its budget writes, ahead of the dispatch), and
+   its ``kv_len`` grows by one per iteration (a done row's past its table reads the null page).
+   Cascade groups stay as planned: their shared pages are read-only and every row writes past
+   them.
 2. The model runs one decode step over all rows; the sampler samples with the row's key folded
    with its generated-token index + ``i``, exactly what a single step at that index would use,
    so greedy and sampled outputs equal single-step decoding token for token.

@@ -135,8 +135,8 @@ class StepPlan:
     # device (-1: the row's own host token); None: every token comes from the host
     src: list[int] | None = None
     # multi-step decode (decode_loop.py): a decode step run ``steps`` times in one device loop; per
-    # row (its stop ids, its budget: the most tokens it samples), every row's pages covering
-    # ``start + steps`` positions
+    # row (its stop ids, its budget: the most tokens it samples), every row's pages covering the
+    # ``budget`` positions from its start
     steps: int = 1
     stops: list[tuple[frozenset, int]] | None = None
 
@@ -448,7 +448,9 @@ class ModelRunner:
         while the device computes this step."""
         rows, num_logprobs, groups, src = plan.rows, plan.num_logprobs, plan.groups, plan.src
         assert src is None or (prev is not None and len(src) == len(rows))
-        key, pen_key, host = self._pack(rows, num_logprobs, groups, src, plan.steps)
+        # a decode loop's row writes its budget's positions (decode_loop.py): its table covers them
+        ahead = np.fromiter((b for _, b in plan.stops), np.int32, len(rows)) if plan.steps > 1 else 1
+        key, pen_key, host = self._pack(rows, num_logprobs, groups, src, ahead)
         if plan.steps > 1:
             return self._dispatch_loop(plan, key, pen_key, host, prev)
         ints_d, floats_d, shared, penalties = self._to_device(host)
@@ -491,7 +493,7 @@ class ModelRunner:
         elif plan.src is not None:
             ints_d = self._helper(self._feed_key(key))(ints_d, prev.sampled_ids())
         args = (ints_d, floats_d, shared, stops_d)
-        loop_key = pen_key + (("loop", plan.steps, stops.shape[1]),)
+        loop_key = pen_key + (("loop", plan.steps, stops.shape[1], self.max_batch),)  # (ids come back [max_batch])
         exe = self.executables.get((key, loop_key, self.matmul_precision))
         if exe is None:
             exe = self._compile(key, loop_key, args)
@@ -560,10 +562,11 @@ class ModelRunner:
         return exe
 
     def _pack(self, rows: list[StepRow], num_logprobs: int, groups: list[int], src: list[int] | None,
-              steps: int = 1):
+              steps: int | np.ndarray = 1):
         """The step's bucket, its penalty shape key and its host arrays (ints, floats, shared,
-        penalties), laid out as ``_model_step`` reads them.  ``steps`` > 1: a decode loop's
-        (decode_loop.py), whose page tables cover each row's next ``steps`` positions.
+        penalties), laid out as ``_model_step`` reads them.  ``steps`` > 1 (one for all rows, or
+        per row): a decode loop's (decode_loop.py), whose page tables cover each row's next
+        ``steps`` positions.
 
         Per-row values are gathered with one pass each and written with numpy; the page tables
         of one-token rows with a slot (``StepRow.slot``) come from the persistent ``tables`` in one
@@ -850,7 +853,7 @@ class ModelRunner:
             if got != key or pen_key:
                 continue
             stops = pack_stops(plan.stops, key.rows)
-            full = (key, (("loop", steps, stops.shape[1]),), self.matmul_precision)
+            full = (key, (("loop", steps, stops.shape[1], self.max_batch),), self.matmul_precision)
             if full not in self.executables:
                 jobs.append((full, self._to_device(host[:3] + (stops,))))
         done = 0

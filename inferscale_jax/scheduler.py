@@ -515,8 +515,10 @@ class Scheduler:
         tokens (no penalty, bias, ``min_p`` or grammar), one of them has ``decode_steps`` tokens
         left to sample at least, no request waits for admission or a
         prefill chunk (it would wait the whole loop), and every decoding request's pages cover
-        its next ``decode_steps`` positions - taken now, from free pages only (a loop never
-        evicts or preempts; when the pool is short the step runs alone)."""
+        the positions the loop writes for it (its budget's: ``decode_steps``, or fewer tokens left
+        to ``max_tokens``, which also keeps them inside ``max_model_len``) - taken now, all or
+        nothing, from free pages only: a loop never evicts or preempts, and when the pool is short
+        the step runs alone, with no page taken."""
         n = self.decode_steps
         if n <= 1 or self.waiting or self.compiling or any(
                 j.seq is not None and j.seq.computed < len(j.seq.tokens) for j in self.jobs.values()):
@@ -528,14 +530,19 @@ class Scheduler:
         if all(r.sampling.max_tokens - len(r.out_ids) - lag.get(id(r), 0) < n for r in decoding):
             return 1  # no row can use the whole loop (its iterations all run: decode_loop.py)
         s, pool = self.config.page_size, self.kv.pool
+        needs = []
         for req in decoding:
-            # the row's last position: its input's (its last token, or past its in-flight ones) + n - 1
-            need = (len(req.seq.tokens) - 2 + lag.get(id(req), 0) + n) // s + 1 - len(req.seq.pages)
+            ahead = lag.get(id(req), 0)
+            budget = min(n, req.sampling.max_tokens - len(req.out_ids) - ahead)  # (>= 1: not ending)
+            # the last position the loop writes for it: its input's (its last token, or past its
+            # in-flight ones) + budget - 1
+            need = (len(req.seq.tokens) - 2 + ahead + budget) // s + 1 - len(req.seq.pages)
             if need > 0:
-                pages = pool.allocate(need)
-                if pages is None:
-                    return 1  # (the pages taken so far stay the request's: its next pages)
-                req.seq.pages += pages
+                needs.append((req, need))
+        if sum(k for _, k in needs) > pool.num_free:
+            return 1
+        for req, k in needs:
+            req.seq.pages += pool.allocate(k)
         return n
 
     def dispatched(self, step: Planned) -> None:
@@ -674,12 +681,13 @@ class Scheduler:
                     break  # (a request a stop string ended had its later tokens computed for nothing)
                 step_row = StepRow(row.tokens, row.start + k, row.pages)  # (its iteration k)
                 got += self._apply(req, step_row, res, i)
+            failed = got.pop() if got and got[-1].error is not None else None  # (sent apart, after its tokens)
             if len(got) > 1:
                 last = got[-1]
                 lps = [lp for o in got for lp in o.logprobs] if last.logprobs is not None else None
                 got = [RequestOutput(last.request_id, [t for o in got for t in o.new_token_ids], last.finished,
-                                     last.output, last.error, logprobs=lps, prompt_tokens=last.prompt_tokens)]
-            outs += got
+                                     last.output, logprobs=lps, prompt_tokens=last.prompt_tokens)]
+            outs += got + ([failed] if failed is not None else [])
         return outs
 
     def _apply(self, owner: Request | NodeJob, row: StepRow, res, i: int) -> list[RequestOutput]:

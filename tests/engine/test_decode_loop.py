@@ -242,3 +242,35 @@ def test_warmup_compiles_the_decode_loops():
     engine.generate_batch(reqs)
     assert engine.stats()["decode_loops"] > 0
     assert engine.runner.compiles_after_warmup == 0
+
+
+def test_a_row_ending_at_max_model_len_beside_a_longer_one():
+    """A row with fewer tokens left than the loop's steps gets pages for its own tokens only: one
+    ending exactly at ``max_model_len`` runs in loops beside a longer request, as in single steps."""
+    rng = np.random.default_rng(0)
+    reqs = [dict(prompt_token_ids=[int(x) for x in rng.integers(1, 97, CFG.max_position_embeddings - 20)],
+                 sampling=SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)),
+            dict(prompt_token_ids=[int(x) for x in rng.integers(1, 97, 5)],
+                 sampling=SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True))]
+    _, want = run(reqs, pages=160)
+    engine, got = run(reqs, pages=160, decode_steps=8)
+    for a, b in zip(got, want):
+        assert_identical(a, b)
+    assert [o.finish_reason for o in got] == ["length", "length"] and engine.stats()["decode_loops"] > 0
+
+
+def test_look_ahead_pages_preempt_no_more_than_single_steps():
+    """The loop's pages are taken all or nothing, for each row's own budget: on small pools the
+    preemptions are the single steps' (none forced by pages held for a loop that did not run)."""
+    for seed in range(10, 16):
+        rng = np.random.default_rng(seed)
+        pages = int(rng.integers(9, 18))
+        reqs = [dict(prompt_token_ids=[int(x) for x in rng.integers(1, 97, int(rng.integers(3, 20)))],
+                     sampling=SamplingParams(max_tokens=int(rng.integers(5, 30)), temperature=0.0, ignore_eos=True))
+                for _ in range(int(rng.integers(3, 7)))]
+        one, want = run(reqs, pages=pages)
+        loop, got = run(reqs, pages=pages, decode_steps=8)
+        for a, b in zip(got, want):
+            assert_identical(a, b)
+        assert loop.stats()["preemptions"] == one.stats()["preemptions"], seed
+        assert loop.pool.num_free == loop.pool.num_pages - 1, seed
