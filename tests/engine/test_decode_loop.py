@@ -15,7 +15,7 @@ from inferscale_jax import Engine, EngineConfig, SamplingParams
 from inferscale_jax.decode_loop import pack_stops, stop_width
 from models import init_params
 from tests.core.test_scheduler import mixed_requests, register
-from tests.engine.test_overlap import assert_identical, stopping_requests
+from tests.engine.test_overlap import assert_identical, preempting_requests, stopping_requests
 from tests.support.tiny_engine import CFG, assert_only_nodes_hold_pages, make_engine
 
 EOS = (33, 52, 85)  # ids the tiny model samples often: requests without ignore_eos end on them
@@ -149,11 +149,7 @@ def test_decode_loop_streams_arrivals_between_loops():
 
 
 def test_decode_loop_with_a_short_pool_falls_back_and_preempts_the_same():
-    rng = np.random.default_rng(3)
-    reqs = [dict(prompt_token_ids=[int(x) for x in rng.integers(1, 97, 20)],
-                 sampling=SamplingParams(max_tokens=20, temperature=0.8, seed=i, ignore_eos=True,
-                                         stop_token_ids=[5]))
-            for i in range(8)]
+    reqs = preempting_requests()
     _, want = run(reqs, pages=12)
     engine, got = run(reqs, pages=12, decode_steps=8)
     for a, b in zip(got, want):

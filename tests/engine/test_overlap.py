@@ -55,12 +55,17 @@ def test_overlap_equals_sync_on_mixed_and_stopping_requests():
         o.status == "finished" for o, _, _ in engine.loop.inflight[1].entries)
 
 
-def test_overlap_with_preemption_matches_sync():
-    rng = np.random.default_rng(3)
-    reqs = [dict(prompt_token_ids=[int(x) for x in rng.integers(1, 97, 20)],
+def preempting_requests(seed=3):
+    """Eight sampled 20 + 20-token requests: more than a 12-page pool holds (preemptions)."""
+    rng = np.random.default_rng(seed)
+    return [dict(prompt_token_ids=[int(x) for x in rng.integers(1, 97, 20)],
                  sampling=SamplingParams(max_tokens=20, temperature=0.8, seed=i, ignore_eos=True,
                                          stop_token_ids=[5]))
             for i in range(8)]
+
+
+def test_overlap_with_preemption_matches_sync():
+    reqs = preempting_requests()
     _, sync, _ = run(reqs, overlap=False, pages=12, segments=False)
     engine, over, free0 = run(reqs, overlap=True, pages=12, segments=False)
     for a, b in zip(over, sync):
