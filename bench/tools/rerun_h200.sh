@@ -17,7 +17,8 @@
 #   5  compressed-KV quality: train the small LM on 2048-token windows (bench/tools/train_small_lm.py, stopped
 #      after 150 s of steps), then bench/kernels/kv_dtype.py sections b and c on it
 #   6  serving at scale (the README's serving table): 8 segments of 4096 tokens, 64-token questions, 64 tokens,
-#      C = 64 / 256 through HTTP (clients in one process per 64) and in-process (bench/serving/serve.py)
+#      C = 64 / 256 through HTTP (two API-server processes, clients in one process per 64) and in-process
+#      (bench/serving/serve.py; the README's command)
 #   7  where the served loop loses to the bare one: the engine loop's host time with no device
 #      (bench/tools/host_loop.py, on this machine's CPU), the engine loop alone at C = 64 / 256
 #      (bench/tools/profile_host.py --per-call), then HTTP at C = 256 with two API-server processes, and
@@ -104,7 +105,7 @@ case "$part" in
     ckpt
     serve=(bench/serving/serve.py --model /tmp/llama8b --tenants 1 --segments-per-tenant 8 --segment-tokens 4096
            --question-tokens 64 --max-tokens 64 --warm 1.0 --cold 0 --num-requests 1024)
-    step serve 500 "${serve[@]}" --concurrency 64,256 --mode http,inproc
+    step serve 500 "${serve[@]}" --concurrency 64,256 --mode http,inproc --serve-args "--api-server-count 2"
     ;;
 7)
     JAX_PLATFORMS=cpu step_as host_loop 60 bench/tools/host_loop.py --out "$res/host_loop.md"  # (the host alone)
