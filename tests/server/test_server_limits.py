@@ -15,6 +15,7 @@ import pytest
 import uvicorn
 
 from inferscale_jax.errors import EngineFault, StorageError
+from inferscale_jax.outputs import RequestMetrics
 from serving import UVICORN_OPTIONS, create_app
 from tests.support.server_util import free_port
 
@@ -164,8 +165,7 @@ class ScriptedAsyncEngine(StubAsyncEngine):
         ids, texts = [5, 6, 7], ["a", "b", "c"]
         lps = [{t: -0.5 * (i + 1)} for i, t in enumerate(ids)]
         out = types.SimpleNamespace(text="abc", token_ids=ids, logprobs=lps, finish_reason="length",
-                                    metrics=types.SimpleNamespace(prompt_tokens=2, cached_tokens=0, generated_tokens=3,
-                                                                  ttft_s=0.0, e2e_s=0.0, decode_tokens_per_s=0.0))
+                                    metrics=RequestMetrics(prompt_tokens=2, cached_tokens=0, generated_tokens=3))
         for i in range(3):
             last = i == 2
             yield types.SimpleNamespace(new_token_ids=[ids[i]], text=texts[i], finished=last,
