@@ -676,8 +676,8 @@ class ModelRunner:
         return tuple(None if x is None else jax.device_put(x, self.input_sharding) for x in host)
 
     def _lower(self, key: StepKey, args: tuple, filtered: bool = False, loop: tuple | None = None):
-        """``loop``: a decode loop's ``("loop", steps, stop width)`` (its ``args`` end with the
-        stops, not the penalties)."""
+        """``loop``: a decode loop's ``("loop", steps, stop width, max_batch)`` (its ``args`` end
+        with the stops, not the penalties)."""
         if loop is not None:
             return _decode_loop.lower(self.params, self.cache, *args, cfg=self.cfg, key=key, steps=loop[1],
                                       size=self.max_batch, precision=self.matmul_precision, filtered=filtered)

@@ -513,12 +513,12 @@ class Scheduler:
         """How many decode steps the next step runs in one device loop (decode_loop.py): 1, or
         ``decode_steps`` when every row would be a decode row that needs no host between its
         tokens (no penalty, bias, ``min_p`` or grammar), one of them has ``decode_steps`` tokens
-        left to sample at least, no request waits for admission or a
-        prefill chunk (it would wait the whole loop), and every decoding request's pages cover
-        the positions the loop writes for it (its budget's: ``decode_steps``, or fewer tokens left
-        to ``max_tokens``, which also keeps them inside ``max_model_len``) - taken now, all or
-        nothing, from free pages only: a loop never evicts or preempts, and when the pool is short
-        the step runs alone, with no page taken."""
+        left to sample at least, no request waits for admission or a prefill chunk (it would wait
+        the whole loop), and every decoding request's pages cover the positions the loop writes
+        for it (its budget's: ``decode_steps``, or fewer tokens left to ``max_tokens``, which also
+        keeps them inside ``max_model_len``) - taken now, all or nothing, from free pages only: a
+        loop never evicts or preempts, and when the pool is short the step runs alone, with no
+        page taken."""
         n = self.decode_steps
         if n <= 1 or self.waiting or self.compiling or any(
                 j.seq is not None and j.seq.computed < len(j.seq.tokens) for j in self.jobs.values()):
