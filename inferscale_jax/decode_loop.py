@@ -80,7 +80,7 @@ def pack_stops(stops: list[tuple[frozenset, int]], rows: int) -> np.ndarray:
                    donate_argnames=("cache",))
 def _decode_loop(params, cache: PagedKVCache, ints, floats, shared, stops, *, cfg: ModelConfig,
                  key: StepKey, steps: int, size: int, precision: str | None = None, filtered: bool = False):
-    """Up to ``steps`` decode steps over one decode bucket (module docstring).  ``ints``,
+    """``steps`` decode steps over one decode bucket (module docstring).  ``ints``,
     ``floats`` and ``shared`` as ``runner._model_step`` reads them; ``stops`` from ``pack_stops``.
     Returns (packed samples ``[steps, R, 2 + 2n]`` float32, token column -1 where a row sampled
     nothing; the rows' last sampled ids ``[size]`` int32, zero-padded; cache)."""
@@ -102,8 +102,8 @@ def _decode_loop(params, cache: PagedKVCache, ints, floats, shared, stops, *, cf
     out0 = jnp.zeros((steps, b, cols), jnp.float32).at[:, :, 0].set(as_f32(jnp.int32(-1)))
     rows = jnp.arange(b)
 
-    def body(carry):
-        i, cache, tok, done, out = carry
+    def iteration(i, carry):
+        cache, tok, done, out = carry
         off = kv0 - 1 + i  # the new token's index in the row's own pages (past a group's shared ones)
         slot = table[rows, jnp.minimum(off // s, w - 1)] * s + off % s
         step_meta = dataclasses.replace(meta, slots=slots.at[last].set(jnp.where(done, 0, slot)),
@@ -116,10 +116,7 @@ def _decode_loop(params, cache: PagedKVCache, ints, floats, shared, stops, *, cf
                                  axis=1)
         out = jax.lax.dynamic_update_index_in_dim(out, packed, i, 0)
         hit = jnp.any(t[:, None] == stop_ids, axis=1)
-        return i + 1, cache, jnp.where(done, tok, t), done | hit | (i + 1 >= budget), out
-
-    def iteration(i, carry):
-        return body((i,) + carry)[1:]
+        return cache, jnp.where(done, tok, t), done | hit | (i + 1 >= budget), out
 
     init = (cache, tokens[last], budget <= 0, out0)
     cache, tok, _, out = jax.lax.fori_loop(0, steps, iteration, init)

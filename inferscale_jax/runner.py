@@ -453,16 +453,7 @@ class ModelRunner:
         key, pen_key, host = self._pack(rows, num_logprobs, groups, src, ahead)
         if plan.steps > 1:
             return self._dispatch_loop(plan, key, pen_key, host, prev)
-        ints_d, floats_d, shared, penalties = self._to_device(host)
-        if self.stable_inputs:
-            fed = dict(prev_ids=prev.sampled_ids(), tokens=key.tokens, width=key.width,
-                       rows=key.rows) if src is not None else None
-            ints_d = self._stage(self._feed_key(key), ints_d, fed)
-            floats_d = self._stage(("floats", key.rows), floats_d)
-            if shared is not None:
-                shared = self._stage(("shared",) + shared.shape, shared)
-        elif src is not None:
-            ints_d = self._helper(self._feed_key(key))(ints_d, prev.sampled_ids())
+        ints_d, floats_d, shared, penalties = self._inputs(key, host, prev if src is not None else None)
         exe = self.executables.get((key, pen_key, self.matmul_precision))
         if exe is None:
             exe = self._compile(key, pen_key, (ints_d, floats_d, shared, penalties))
@@ -481,18 +472,7 @@ class ModelRunner:
             "a decode loop runs plain decode rows (no penalties, bias or grammar), each with its stops"
         assert not any(r.matcher is not None for r in plan.rows)
         stops = pack_stops(plan.stops, key.rows)
-        ints_d, floats_d, shared, stops_d = self._to_device(host[:3] + (stops,))
-        if self.stable_inputs:
-            fed = dict(prev_ids=prev.sampled_ids(), tokens=key.tokens, width=key.width,
-                       rows=key.rows) if plan.src is not None else None
-            ints_d = self._stage(self._feed_key(key), ints_d, fed)
-            floats_d = self._stage(("floats", key.rows), floats_d)
-            stops_d = self._stage(("stops",) + stops.shape, stops_d)
-            if shared is not None:
-                shared = self._stage(("shared",) + shared.shape, shared)
-        elif plan.src is not None:
-            ints_d = self._helper(self._feed_key(key))(ints_d, prev.sampled_ids())
-        args = (ints_d, floats_d, shared, stops_d)
+        args = self._inputs(key, host[:3] + (stops,), prev if plan.src is not None else None, "stops")
         loop_key = pen_key + (("loop", plan.steps, stops.shape[1], self.max_batch),)  # (ids come back [max_batch])
         exe = self.executables.get((key, loop_key, self.matmul_precision))
         if exe is None:
@@ -501,6 +481,25 @@ class ModelRunner:
         self._last = (exe, args)
         return PendingStep(packed, len(plan.rows), key.num_logprobs, plan.num_logprobs, self.max_batch,
                            _ids=ids, steps=plan.steps)
+
+    def _inputs(self, key: StepKey, host: tuple, fed_by: PendingStep | None, last: str = "") -> tuple:
+        """A step's host arrays (ints, floats, shared, and a last one: the penalties, or a loop's
+        ``last`` = "stops") on the device, with the tokens ``fed_by`` (the step in flight) samples
+        fed into ``ints`` on the device; with ``stable_inputs``, in their persistent buffers (the
+        penalties, whose widths vary, travel fresh)."""
+        ints_d, floats_d, shared, extra = self._to_device(host)
+        if self.stable_inputs:
+            fed = dict(prev_ids=fed_by.sampled_ids(), tokens=key.tokens, width=key.width,
+                       rows=key.rows) if fed_by is not None else None
+            ints_d = self._stage(self._feed_key(key), ints_d, fed)
+            floats_d = self._stage(("floats", key.rows), floats_d)
+            if shared is not None:
+                shared = self._stage(("shared",) + shared.shape, shared)
+            if last and extra is not None:
+                extra = self._stage((last,) + extra.shape, extra)
+        elif fed_by is not None:
+            ints_d = self._helper(self._feed_key(key))(ints_d, fed_by.sampled_ids())
+        return ints_d, floats_d, shared, extra
 
     def sample(self, step: DeferredStep) -> PendingStep:
         """Sample a deferred step (``dispatch``): its constrained rows' masks are computed now,

@@ -460,7 +460,7 @@ class Scheduler:
                     self._preempt(victim)
                     if victim is req:
                         break
-        steps = self._loop_steps(ending, lag)
+        steps, budgets = self._loop_steps(ending, lag)
         rows, owners, src = [], [], []
         prefilling = []
         tables = self.tables
@@ -504,13 +504,12 @@ class Scheduler:
         defer = feeds and any(j >= 0 and o.grammar is not None for o, j in zip(owners, src))
         plan = StepPlan(rows, nl, [k for k, _ in cascade], src if feeds else None)
         if steps > 1:  # (decode rows only: _loop_steps)
-            plan.steps = steps
-            plan.stops = [(o.stop_ids, min(steps, o.sampling.max_tokens - len(o.out_ids) - lag.get(id(o), 0)))
-                          for o in owners]
+            plan.steps, plan.stops = steps, [(o.stop_ids, budgets[id(o)]) for o in owners]
         return Planned(plan, entries, decode_rows, self.max_tokens - budget, defer)
 
-    def _loop_steps(self, ending: set[int], lag: dict[int, int]) -> int:
-        """How many decode steps the next step runs in one device loop (decode_loop.py): 1, or
+    def _loop_steps(self, ending: set[int], lag: dict[int, int]) -> tuple[int, dict[int, int]]:
+        """How many decode steps the next step runs in one device loop (decode_loop.py), and each
+        decoding request's budget in it (by ``id``; the most tokens it samples there): 1, or
         ``decode_steps`` when every row would be a decode row that needs no host between its
         tokens (no penalty, bias, ``min_p`` or grammar), one of them has ``decode_steps`` tokens
         left to sample at least, no request waits for admission or a prefill chunk (it would wait
@@ -519,41 +518,42 @@ class Scheduler:
         keeps them inside ``max_model_len``) - taken now, all or nothing, from free pages only: a
         loop never evicts or preempts, and when the pool is short the step runs alone, with no
         page taken."""
-        n = self.decode_steps
+        n, single = self.decode_steps, (1, {})
         if n <= 1 or self.waiting or self.compiling or any(
                 j.seq is not None and j.seq.computed < len(j.seq.tokens) for j in self.jobs.values()):
-            return 1
+            return single
         decoding = [r for r in self.running if r.status == RequestStatus.RUNNING and id(r) not in ending]
         if not decoding or any(r.prefilling or r.processed or r.grammar is not None or r.needs_host_tail
                                for r in decoding):
-            return 1
-        if all(r.sampling.max_tokens - len(r.out_ids) - lag.get(id(r), 0) < n for r in decoding):
-            return 1  # no row can use the whole loop (its iterations all run: decode_loop.py)
+            return single
+        # (>= 1 each: a request whose in-flight tokens reach max_tokens is ``ending``)
+        budgets = {id(r): min(n, r.sampling.max_tokens - len(r.out_ids) - lag.get(id(r), 0)) for r in decoding}
+        if max(budgets.values()) < n:
+            return single  # no row can use the whole loop (its iterations all run: decode_loop.py)
         s, pool = self.config.page_size, self.kv.pool
         needs = []
         for req in decoding:
-            ahead = lag.get(id(req), 0)
-            budget = min(n, req.sampling.max_tokens - len(req.out_ids) - ahead)  # (>= 1: not ending)
             # the last position the loop writes for it: its input's (its last token, or past its
-            # in-flight ones) + budget - 1
-            need = (len(req.seq.tokens) - 2 + ahead + budget) // s + 1 - len(req.seq.pages)
+            # in-flight ones) + its budget - 1
+            need = (len(req.seq.tokens) - 2 + lag.get(id(req), 0) + budgets[id(req)]) // s + 1 - len(req.seq.pages)
             if need > 0:
                 needs.append((req, need))
         if sum(k for _, k in needs) > pool.num_free:
-            return 1
+            return single
         for req, k in needs:
             req.seq.pages += pool.allocate(k)
-        return n
+        return n, budgets
 
     def dispatched(self, step: Planned) -> None:
         """``step`` is on the device: each row counts as computed from now (the next step continues
         a prefill at once; pages enter the prefix cache only when ``update`` reads the step)."""
-        for owner, row, _ in step.entries:
-            owner.seq.computed = row.start + len(row.tokens)
-        if step.plan.steps > 1:  # a decode loop's row computes up to its budget's positions
+        if step.plan.steps > 1:  # a decode loop's row computes its budget's positions
             self.loops += 1
             for (owner, row, _), (_, budget) in zip(step.entries, step.plan.stops):
                 owner.seq.computed = row.start + budget
+        else:
+            for owner, row, _ in step.entries:
+                owner.seq.computed = row.start + len(row.tokens)
         self.steps += 1
         self.step_rows += len(step.entries)
         self.step_decode_rows += step.decode_rows
@@ -613,7 +613,7 @@ class Scheduler:
             if owner.seq is None:
                 continue  # (a node job dropped by an earlier row's failure)
             owner.seq.computed = row.start + len(row.tokens)
-            outs += self._apply(owner, row, res, 0)
+            outs += self._apply(owner, row.start + len(row.tokens), res, 0)
         return outs
 
     def fail(self, owner: Request | NodeJob, err: Exception) -> list[RequestOutput]:
@@ -663,7 +663,7 @@ class Scheduler:
                     seq.tokens.append(tok)  # fed to the next decode step
                     outs.append(RequestOutput(req.id, [tok], False, prompt_tokens=len(req.prompt_tokens)))
                     continue
-            outs += self._apply(owner, row, res, i)
+            outs += self._apply(owner, row.start + len(row.tokens), res, i)
         return outs
 
     def _apply_loop(self, entries: list[tuple], results: list) -> list[RequestOutput]:
@@ -679,8 +679,7 @@ class Scheduler:
             for k, res in enumerate(results):
                 if res.token_list[i] < 0 or req.status != RequestStatus.RUNNING:
                     break  # (a request a stop string ended had its later tokens computed for nothing)
-                step_row = StepRow(row.tokens, row.start + k, row.pages)  # (its iteration k)
-                got += self._apply(req, step_row, res, i)
+                got += self._apply(req, row.start + k + 1, res, i)  # (its iteration k)
             failed = got.pop() if got and got[-1].error is not None else None  # (sent apart, after its tokens)
             if len(got) > 1:
                 last = got[-1]
@@ -690,10 +689,10 @@ class Scheduler:
             outs += got + ([failed] if failed is not None else [])
         return outs
 
-    def _apply(self, owner: Request | NodeJob, row: StepRow, res, i: int) -> list[RequestOutput]:
-        """Row ``i`` of a read-back step: its full pages enter the prefix cache; a node job's last
-        chunk completes the job; a request's last prompt chunk or decode row gives its next token."""
-        upto = row.start + len(row.tokens)
+    def _apply(self, owner: Request | NodeJob, upto: int, res, i: int) -> list[RequestOutput]:
+        """Row ``i`` of a read-back step, which computed its owner's tokens up to ``upto``: its full
+        pages enter the prefix cache; a node job's last chunk completes the job; a request's last
+        prompt chunk or decode row gives its next token."""
         if isinstance(owner, NodeJob):
             if self.jobs.get(owner.key) is owner and owner.seq is not None and upto >= len(owner.seq.tokens):
                 self._complete_job(owner)
