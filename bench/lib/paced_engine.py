@@ -36,7 +36,8 @@ class PacedEngine:
         words = self.tokenizer("the engine reads each shared page once per step for every group of rows",
                                add_special_tokens=False).input_ids
         self.words = words or [1]
-        self.running: dict[str, list] = {}  # request id -> [max_tokens, generated ids, prompt length, t0]
+        # request id -> [max_tokens, generated ids, prompt length, submit time, running since, first token at]
+        self.running: dict[str, list] = {}
         self.waiting: list[tuple[str, list]] = []
         self.next_t = 0.0
         self.steps = self.step_rows = self.step_tokens = 0
@@ -47,7 +48,7 @@ class PacedEngine:
         sampling = request.get("sampling")
         max_tokens = getattr(sampling, "max_tokens", None) or 16
         prompt = request.get("prompt_token_ids") or []
-        self.waiting.append((rid, [max_tokens, [], len(prompt), time.perf_counter()]))
+        self.waiting.append((rid, [max_tokens, [], len(prompt), time.perf_counter(), None, None]))
         return rid
 
     def has_unfinished(self) -> bool:
@@ -63,21 +64,26 @@ class PacedEngine:
         if self.next_t > now:
             time.sleep(self.next_t - now)
         self.next_t = max(now, self.next_t) + self.step_s
+        now = time.perf_counter()
         while self.waiting and len(self.running) < self.max_batch:
             rid, state = self.waiting.pop(0)
+            state[4] = now
             self.running[rid] = state
         outs = []
         words = self.words
         for rid, state in list(self.running.items()):
-            max_tokens, ids, prompt_len, t0 = state
+            max_tokens, ids, prompt_len, t0, t_run, t_first = state
             tok = words[len(ids) % len(words)]
             ids.append(tok)
+            if t_first is None:
+                t_first = state[5] = time.perf_counter()
             if len(ids) < max_tokens:
                 outs.append(RequestOutput(rid, [tok], False, prompt_tokens=prompt_len))
                 continue
             del self.running[rid]
             e2e = time.perf_counter() - t0
-            metrics = RequestMetrics(ttft_s=0.0, prompt_tokens=prompt_len, generated_tokens=len(ids), e2e_s=e2e)
+            metrics = RequestMetrics(ttft_s=t_first - t0, prompt_tokens=prompt_len, generated_tokens=len(ids),
+                                     e2e_s=e2e, queue_s=t_run - t0)
             text = self.tokenizer.decode(ids, skip_special_tokens=True)
             out = GenerationOutput(text=text, token_ids=list(ids), finish_reason="length", metrics=metrics,
                                    request_id=rid)

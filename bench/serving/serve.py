@@ -99,8 +99,9 @@ over fewer than 1000 samples is indicative only (the ``n`` of each figure says h
 Where TTFT goes (``ttft_split`` per point, the "Where TTFT goes" table): each request's TTFT beside
 the engine's own clock for it (``RequestMetrics.ttft_s``: its submit in the engine -> its first token
 applied, and ``queue_s``: submit -> running with its pages), in-process from the final output's
-metrics, over HTTP from the per-request lines of a server started here (``--log-requests``, joined
-on ``X-Request-Id``).  The engine's TTFT less its queue is its prefill steps and the first token's
+metrics, over HTTP from the per-request lines of the server's log (``--log-requests``, joined on
+``X-Request-Id``): a server started here logs to its work folder; with ``--url``, ``--server-log``
+names the running server's log.  The engine's TTFT less its queue is its prefill steps and the first token's
 read-back; client TTFT less engine TTFT is everything outside the engine (HTTP, the API process,
 the hand-offs to and from the engine core, the client).
 
@@ -180,6 +181,9 @@ def parse_args(argv=None):
     g.add_argument("--url", help="benchmark this running server (default: start `inferscale serve` on a free "
                    "127.0.0.1 port)")
     g.add_argument("--server-pid", type=int, help="with --url: that server's process id, for the CPU column")
+    g.add_argument("--server-log", metavar="FILE", help="with --url: that server's log, written with `--log-level "
+                   "info --log-requests`: each request's TTFT and queue time on the engine's clock (the "
+                   "report's \"Where TTFT goes\")")
     g.add_argument("--api-keys", metavar="FILE", help="with --url: the server's key file (JSON/TOML); its "
                    "non-admin keys are the tenants, an admin key reads /v1/stats (default: no auth)")
     g.add_argument("--model", help="HF checkpoint folder the server (or the in-process engine) serves; its "
@@ -238,6 +242,14 @@ def parse_args(argv=None):
     if args.in_process and args.mode not in (None, ["inproc"]):
         p.error(f"--in-process is --mode inproc; it contradicts --mode {','.join(args.mode)}")
     args.mode = ["inproc"] if args.in_process else args.mode or ["http"]
+    if args.server_log and not args.url:
+        p.error("--server-log reads a running server's log: it goes with --url (a server started here logs to "
+                "its work folder)")
+    if args.server_log:
+        args.server_log = os.path.abspath(os.path.expanduser(args.server_log))
+        if not os.path.isfile(args.server_log):
+            p.error(f"--server-log {args.server_log}: no such file (start the server with --log-level info "
+                    "--log-requests and its output sent there)")
     if args.url and "inproc" in args.mode:
         p.error("--url benchmarks a running server; --mode inproc builds its own engine from --model (and needs "
                 "the device free): run them apart")
@@ -340,7 +352,7 @@ class Result:
     start: float | None = None  # perf_counter at send (the steady window, ``steady_throughput``)
     request_id: str | None = None  # the server's X-Request-Id
     # the engine's own clock (RequestMetrics): its submit -> first token (ttft_s), of which the queue
-    # (queue_s); over HTTP from the server's per-request log lines (``Server.request_times``)
+    # (queue_s); over HTTP from the server's per-request log lines (``request_times``)
     engine_ttft: float | None = None
     engine_queue: float | None = None
 
@@ -368,6 +380,29 @@ def detect_device() -> str:
     if out.returncode != 0:
         raise RuntimeError(f"could not ask jax for the device: {out.stderr[-500:]}; pass --device NAME")
     return out.stdout.strip().splitlines()[-1]
+
+
+def request_times(log_path: str, ids: set[str], wait_s: float = 3.0) -> dict[str, tuple[float, float]]:
+    """Request id -> (engine ttft_s, queue_s) from a server's per-request log lines (``serve
+    --log-requests --log-level info``) in ``log_path``, for ``ids`` (a line is written as its
+    response ends: waits up to ``wait_s`` for the last ones)."""
+    found: dict[str, tuple[float, float]] = {}
+    deadline = time.monotonic() + wait_s
+    while True:
+        with open(log_path, errors="replace") as f:
+            for line in f:
+                _, sep, rest = line.partition(" inferscale.server ")
+                if not sep or not rest.startswith("{"):
+                    continue
+                try:
+                    x = json.loads(rest)
+                except ValueError:
+                    continue
+                if x.get("id") in ids and "ttft_s" in x:
+                    found[x["id"]] = (x["ttft_s"], x.get("queue_s"))
+        if len(found) >= len(ids) or time.monotonic() > deadline:
+            return found
+        time.sleep(0.2)
 
 
 class Server:
@@ -405,27 +440,6 @@ class Server:
         self.stop()
         raise RuntimeError(f"the server did not become ready within {timeout:.0f} s (exit code "
                            f"{self.proc.returncode}); log {self.log_path}:\n{self.log_tail()}")
-
-    def request_times(self, ids: set[str], wait_s: float = 3.0) -> dict[str, tuple[float, float]]:
-        """Request id -> (engine ttft_s, queue_s) from the server's per-request log lines, for ``ids``
-        (a line is written as its response ends: waits up to ``wait_s`` for the last ones)."""
-        found: dict[str, tuple[float, float]] = {}
-        deadline = time.monotonic() + wait_s
-        while True:
-            with open(self.log_path, errors="replace") as f:
-                for line in f:
-                    _, sep, rest = line.partition(" inferscale.server ")
-                    if not sep or not rest.startswith("{"):
-                        continue
-                    try:
-                        x = json.loads(rest)
-                    except ValueError:
-                        continue
-                    if x.get("id") in ids and "ttft_s" in x:
-                        found[x["id"]] = (x["ttft_s"], x.get("queue_s"))
-            if len(found) >= len(ids) or time.monotonic() > deadline:
-                return found
-            time.sleep(0.2)
 
     def log_tail(self, chars: int = 3000) -> str:
         with open(self.log_path, errors="replace") as f:
@@ -490,7 +504,7 @@ class Client(Via):
         self.url = url.rstrip("/")
         self.keys = keys
         self.server_pid: int | None = None  # the server started here (its CPU is reported per point)
-        self.server: Server | None = None  # ... and its log (the engine's times per request)
+        self.request_log: str | None = None  # the server's log (the engine's times per request), if known
         if keys:
             users = [(k, v) for k, v in keys.items() if isinstance(v, str) or not v.get("admin")]
             admins = [k for k, v in keys.items() if isinstance(v, dict) and v.get("admin")]
@@ -1114,8 +1128,8 @@ async def bench(args, client: Via, maker: TextMaker) -> dict:
                 results, wall = await closed_loop(client, specs, args, x)
             cpu1 = {"bench": time.process_time() + procs_cpu, **process_cpu(server_pid)}
             after = await client.stats()
-            if getattr(client, "server", None) is not None:  # the engine's clock, from the server's log
-                times = client.server.request_times({r.request_id for r in results if r.ok and r.request_id})
+            if getattr(client, "request_log", None):  # the engine's clock, from the server's log
+                times = request_times(client.request_log, {r.request_id for r in results if r.ok and r.request_id})
                 for r in results:
                     r.engine_ttft, r.engine_queue = times.get(r.request_id, (None, None))
             p = {"mode": mode, "rate": x if mode == "rate" else None, "concurrency": x if mode != "rate" else None,
@@ -1161,7 +1175,7 @@ def run_http(args, maker: TextMaker, workdir: str, tenant_names: list[str]) -> d
             log(f"[serve] server ready in {ready_s:.0f} s at {url}")
         client = Client(url, keys, args.tenants, args.request_timeout, connections)
         client.server_pid = server.proc.pid if server is not None else args.server_pid
-        client.server = server
+        client.request_log = server.log_path if server is not None else args.server_log
         figures = asyncio.run(bench(args, client, maker))
     finally:
         if server is not None:

@@ -32,7 +32,9 @@ def test_mode_options():
     args = bench.parse_args(["--concurrency", "1,16,64,256", "--num-requests", "32"])
     assert [bench.point_requests(args, "concurrency", c) for c in args.concurrency] == [32, 32, 128, 512]
     assert bench.point_requests(bench.parse_args(["--rates", "2", "--num-requests", "5"]), "rate", 2.0) == 5
-    for bad in (["--mode", "grpc"], ["--in-process", "--mode", "http"], ["--url", "http://x", "--mode", "http,inproc"]):
+    for bad in (["--mode", "grpc"], ["--in-process", "--mode", "http"], ["--url", "http://x", "--mode", "http,inproc"],
+                ["--server-log", __file__],  # (a log without --url: the server started here has its own)
+                ["--url", "http://x", "--server-log", "no/such/server.log"]):
         with pytest.raises(SystemExit):
             bench.parse_args(bad)
 
