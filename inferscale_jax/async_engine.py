@@ -38,7 +38,7 @@ import queue
 import threading
 from typing import Any, AsyncIterator, Callable
 
-from inferscale_jax.detokenize import Deltas, IncrementalDetokenizer
+from inferscale_jax.detokenize import Deltas, IncrementalDetokenizer, StreamQueue, put_in_order
 from inferscale_jax.errors import EngineFault
 from inferscale_jax.outputs import GenerationOutput
 from inferscale_jax.request import RequestOutput
@@ -55,12 +55,6 @@ def _private_copy(tokenizer):
         return tokenizer
 
 
-def _put_all(batch: list) -> None:
-    """On the event loop: each (queue, item) of a step's outputs into its stream's queue."""
-    for q, item in batch:
-        q.put_nowait(item)
-
-
 class AsyncEngine:
     def __init__(self, engine, *, on_fatal: Callable[[EngineFault], None] | None = None,
                  tokenizer_threads: int = 2):
@@ -68,7 +62,7 @@ class AsyncEngine:
         self.on_fatal = on_fatal
         self.fatal: EngineFault | None = None
         self._cmds: queue.Queue = queue.Queue()
-        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, StreamQueue]] = {}
         tok = getattr(engine, "tokenizer", None)
         self._detok_tokenizer = _private_copy(tok) if tok is not None else None  # event-loop side
         self._local = threading.local()  # each tokenizer thread's own copy
@@ -168,7 +162,7 @@ class AsyncEngine:
                 self._streams.pop(request_id, None)
             by_loop.setdefault(loop, []).append((q, item))
         for loop, batch in by_loop.items():
-            loop.call_soon_threadsafe(_put_all, batch)
+            loop.call_soon_threadsafe(put_in_order, batch)
 
     def _fail_all(self, error: Exception) -> None:
         for rid in list(self._streams):
@@ -230,7 +224,7 @@ class AsyncEngine:
         if self.fatal is not None:
             raise self.fatal
         loop = asyncio.get_running_loop()
-        q: asyncio.Queue = asyncio.Queue()
+        q = StreamQueue()
         request = await self._pretokenized(request, "prompt", "prompt_token_ids")
         sampling = request.get("sampling")
         detok = IncrementalDetokenizer(self._detok_tokenizer, getattr(sampling, "stop", None) or (), sampling)

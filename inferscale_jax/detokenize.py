@@ -16,6 +16,7 @@ deltas always equal ``GenerationOutput.text``.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 from inferscale_jax.tokenizer import decode_ids
@@ -65,6 +66,39 @@ class IncrementalDetokenizer:
             return ""
         self.text, self.sent = final_text, len(final_text)
         return final_text[len(emitted):]
+
+
+class StreamQueue(asyncio.Queue):
+    """A stream's queue of outputs; ``started``: whether an output was put on it yet.
+
+    A step's outputs wake their streams in the order they are put, and each wake-up is the
+    consumer's SSE chunk on the one event loop, so the deliverers (``AsyncEngine``, the API server's
+    ``CoreClient``) put a stream's first and last output before the step's other tokens: a first
+    token is the request's TTFT, and a last one ends the response (a closed-loop client sends its
+    next request then), while a middle token only waits for the rest of its step's chunks."""
+
+    started = False
+
+    def urgent(self, item) -> bool:
+        """Whether ``item`` (an output or an exception) goes before a step's plain middle tokens;
+        marks the queue started."""
+        first, self.started = not self.started, True
+        return first or isinstance(item, BaseException) or item.finished
+
+
+def put_in_order(pairs: list) -> None:
+    """On the event loop: each (``StreamQueue``, output or exception) of a step onto its queue,
+    the urgent ones (``StreamQueue.urgent``) first, then the rest; a queue's own items keep their
+    order (one held back holds back the ones after it)."""
+    later, held = [], set()
+    for q, item in pairs:
+        if q.urgent(item) and q not in held:
+            q.put_nowait(item)
+        else:
+            later.append((q, item))
+            held.add(q)
+    for q, item in later:
+        q.put_nowait(item)
 
 
 class Deltas:

@@ -43,7 +43,7 @@ from typing import AsyncIterator, Callable
 
 from inferscale_jax import engine_core
 from inferscale_jax.async_engine import _private_copy
-from inferscale_jax.detokenize import Deltas, IncrementalDetokenizer
+from inferscale_jax.detokenize import Deltas, IncrementalDetokenizer, StreamQueue, put_in_order
 from inferscale_jax.errors import EngineFault
 from inferscale_jax.tokenizer import INLINE_ENCODE_CHARS, encode_text
 
@@ -73,7 +73,7 @@ class CoreClient:
         self.meta: dict | None = None
         self._ready = threading.Event()
         self._startup_error: BaseException | None = None
-        self._streams: dict[str, asyncio.Queue] = {}
+        self._streams: dict[str, StreamQueue] = {}
         self._calls: dict[int, concurrent.futures.Future] = {}
         self._ids = itertools.count()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -203,18 +203,19 @@ class CoreClient:
 
     # -- on the event loop ----------------------------------------------------------------
     def _on_step(self, entries: list) -> None:
+        """On the event loop: a step's entries onto their streams' queues, streams' first and last
+        outputs before the step's middle tokens (``StreamQueue``)."""
         make = self._RequestOutput
+        pairs = []
         for rid, new_ids, logprobs, prompt_tokens, finished, output, error in entries:
             q = self._streams.get(rid)
             if q is None:
                 continue
             if finished:
                 self._streams.pop(rid, None)
-            if error is not None:
-                q.put_nowait(error)
-            else:
-                q.put_nowait(make(rid, new_ids, finished, output=output, logprobs=logprobs,
-                                  prompt_tokens=prompt_tokens))
+            pairs.append((q, error if error is not None else make(rid, new_ids, finished, output=output,
+                                                                  logprobs=logprobs, prompt_tokens=prompt_tokens)))
+        put_in_order(pairs)
 
     def _fail_all(self, error: BaseException) -> None:
         streams, self._streams = self._streams, {}
@@ -278,7 +279,7 @@ class CoreClient:
         detok = IncrementalDetokenizer(self._detok_tokenizer, getattr(sampling, "stop", None) or (), sampling)
         if rid in self._streams:  # the engine's own check; the open stream keeps its queue
             raise ValueError(f"request_id={rid!r} is already in use")
-        q: asyncio.Queue = asyncio.Queue()
+        q = StreamQueue()
         self._streams[rid] = q
         if self.fatal is not None:  # it may have been set while tokenizing
             self._streams.pop(rid, None)

@@ -237,30 +237,55 @@ async def save_session(state, job: Job, outs: list) -> None:
         log.warning("request %s: session %r was not saved: %s", job.id, sid, e)
 
 
-async def _until_disconnect(request: Request, awaitable):
-    """Await ``awaitable`` unless the client disconnects first (then cancel it, return ``None``)."""
-    task = asyncio.ensure_future(awaitable)
+class _Watch:
+    """While a block runs, a side task reads the request's ``receive`` and cancels this task when
+    the client disconnects (``gone`` is then true): the block itself runs in this task, so a
+    result it awaits reaches the response's bytes with no hand-off between tasks (each hand-off
+    waits behind every stream the event loop woke in the same step: ~20 ms at 256 streams on the
+    CPU machine, bench/NOTES.md, "The first token's hand-offs").  ``__exit__`` on the
+    disconnect's cancellation clears it (``Task.uncancel``) and swallows it: the caller sees
+    ``gone``; a cancellation from elsewhere (shutdown) propagates."""
 
-    async def watch():
-        while (await request.receive())["type"] != "http.disconnect":
+    def __init__(self, receive):
+        self.receive, self.gone, self.task, self.watcher = receive, False, None, None
+
+    async def _watch(self) -> None:
+        while (await self.receive())["type"] != "http.disconnect":
             pass
+        self.gone = True
+        self.task.cancel()
 
-    watcher = asyncio.ensure_future(watch())
-    try:
-        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    except BaseException:  # this handler is cancelled (shutdown): take the work down with it
-        task.cancel()
-        raise
-    finally:
-        watcher.cancel()
-    if task in done:
-        return task.result()
-    task.cancel()
-    try:
-        await task
-    except (asyncio.CancelledError, Exception):  # noqa: BLE001 - the client is gone either way
-        pass
-    return None
+    def __enter__(self) -> "_Watch":
+        self.task = asyncio.current_task()
+        self.watcher = asyncio.ensure_future(self._watch())
+        return self
+
+    def __exit__(self, kind, value, tb) -> bool:
+        self.watcher.cancel()
+        if self.gone and kind is not None and issubclass(kind, asyncio.CancelledError):
+            self.task.uncancel()
+            return True
+        return False
+
+
+async def _until_disconnect(request: Request, awaitable):
+    """Await ``awaitable`` in this task unless the client disconnects first (then it is
+    cancelled and the answer is ``None``)."""
+    with _Watch(request.receive):
+        return await awaitable
+    return None  # (the client left: _Watch swallowed its cancellation)
+
+
+class _EventStream(StreamingResponse):
+    """``text/event-stream`` whose body is sent from the handler's own task (``_Watch``), not from a
+    task of its own as Starlette's ``StreamingResponse`` does under ASGI 2.3 (uvicorn's): the
+    first chunk, already in hand, is written without waiting for the event loop's other work."""
+
+    async def __call__(self, scope, receive, send) -> None:
+        with _Watch(receive):
+            await self.stream_response(send)
+        if self.background is not None:
+            await self.background()
 
 
 async def _all(awaitables):
@@ -286,8 +311,11 @@ async def _start(state, job: Job, streams: list) -> list:
     for i in leaders:
         streams[i] = state.async_engine.stream(**job.submits[i])
     firsts: list = [None] * len(job.submits)
-    for i, f in zip(leaders, await _all(_first(streams[i]) for i in leaders)):
-        firsts[i] = f
+    if len(leaders) == 1:  # (one prompt: awaited in this task, no hand-off; _Watch)
+        firsts[0] = await _first(streams[0])
+    else:
+        for i, f in zip(leaders, await _all(_first(streams[i]) for i in leaders)):
+            firsts[i] = f
     if any(firsts[i] is _GONE for i in leaders) or job.n == 1:
         return firsts
     rest = [i for i in range(len(job.submits)) if i % job.n]
@@ -361,7 +389,7 @@ async def run_job(state, request: Request, job: Job) -> Response:
         _record(state, fields, outs)
         await save_session(state, job, outs)
         return JSONResponse(_full_response(state, job, outs), headers=job.headers())
-    return StreamingResponse(_sse(state, job, streams, firsts, fields), media_type="text/event-stream",
+    return _EventStream(_sse(state, job, streams, firsts, fields), media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **job.headers()})
 
 

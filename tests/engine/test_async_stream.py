@@ -169,3 +169,46 @@ def test_a_lagging_reader_gets_the_waiting_outputs_merged(engine, case):
     assert [t for d in got for t in d.new_token_ids] == final.token_ids
     assert [lp for d in got for lp in d.logprobs] == final.logprobs
     assert "".join(d.text for d in got) == final.text
+
+
+def test_a_steps_first_and_last_outputs_wake_their_streams_first():
+    """``put_in_order``: of one step's outputs, streams' first outputs and last ones (and errors)
+    wake their readers before the step's middle tokens, each stream's own outputs in order."""
+    from inferscale_jax.detokenize import StreamQueue, put_in_order
+    from inferscale_jax.request import RequestOutput
+
+    fresh = StreamQueue()  # a queue that never had an output: its first is urgent, its middle ones not
+    assert fresh.urgent(RequestOutput("x", [1], False)) and fresh.started
+    assert not fresh.urgent(RequestOutput("x", [1], False)) and fresh.urgent(RequestOutput("x", [1], True))
+
+    async def main():
+        names = ["mid", "new", "last", "mid2", "err", "twice"]
+        queues = {n: StreamQueue() for n in names}
+        for n in names:
+            queues[n].started = n != "new"  # every stream but "new" had its first output in an earlier step
+        woke = []
+
+        async def reader(name):
+            while True:
+                item = await queues[name].get()
+                woke.append((name, "error" if isinstance(item, BaseException) else item.new_token_ids[0]))
+
+        tasks = [asyncio.create_task(reader(n)) for n in names]
+        await asyncio.sleep(0)  # every reader waits on its queue
+        put_in_order([(queues["mid"], RequestOutput("mid", [2], False)),
+                      (queues["new"], RequestOutput("new", [1], False)),
+                      (queues["twice"], RequestOutput("twice", [2], False)),  # held back: so is its last one
+                      (queues["twice"], RequestOutput("twice", [3], True)),
+                      (queues["last"], RequestOutput("last", [9], True)),
+                      (queues["mid2"], RequestOutput("mid2", [2], False)),
+                      (queues["err"], RuntimeError("lost"))])
+        await asyncio.sleep(0.05)
+        for t in tasks:
+            t.cancel()
+        return woke
+
+    woke = asyncio.run(main())
+    # the first output, the last one and the error before every middle token; the rest in step order
+    assert woke[:3] == [("new", 1), ("last", 9), ("err", "error")], woke
+    assert sorted(woke[3:], key=lambda w: w[0]) == [("mid", 2), ("mid2", 2), ("twice", 2), ("twice", 3)], woke
+    assert woke[3:].index(("twice", 2)) < woke[3:].index(("twice", 3)), woke
