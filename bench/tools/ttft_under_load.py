@@ -1,0 +1,266 @@
+"""Where the time to first token goes in ``inferscale serve`` under C concurrent streams, stretch by stretch.
+
+    python bench/tools/ttft_under_load.py --paced-step-ms 16 --concurrency 256      # no model: the API path
+    python bench/tools/ttft_under_load.py --model /tmp/llama8b --concurrency 256 -- --api-server-count 2
+
+``first_token_timeline.py`` follows one request at a time (C = 1); under load the stretches that
+grow are the waits behind the other streams, so this tool keys its trace points by request id.
+It starts ``serve`` (``--paced-step-ms``: the model-free paced engine of ``bench/lib/paced_engine.py``)
+with ``--log-requests`` and points in every API process, runs ``--concurrency`` closed-loop
+streaming clients (64-token prompts, ``--max-tokens`` greedy tokens, ``ignore_eos``) spread over
+``--client-procs`` processes for ``--seconds``, and reports each stretch's p50 / p90 over the
+requests sent after the first ``--skip-s`` seconds (the first wave, every client at once, left out):
+
+``client_send`` (the client, before the POST) -> ``stream_enter`` (the API process's handler calls
+``CoreClient.stream``: HTTP, parsing, validation, admission; under load mostly the event loop's
+backlog) -> ``step_received`` (the core's first step message with this request, on the I/O
+thread: ZMQ both ways, the core's poll, and the engine's own TTFT, given apart from the server's
+request log) -> ``first_delta`` (on the event loop) -> ``first_body`` (its SSE bytes written to
+uvicorn's transport) -> ``client_first`` (the client has the first text).
+
+Every point reads ``time.perf_counter()`` (CLOCK_MONOTONIC: one clock across processes on Linux).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository
+sys.path[:0] = [ROOT, os.path.join(ROOT, "bench", "tools")]
+
+from first_token_timeline import Trace, wait_ready  # noqa: E402
+
+HAS_TEXT = re.compile(rb'"text": ?"[^"]')  # a completion chunk with text (the server's JSON: `"text": "..."`)
+POINTS = ("client_send", "stream_enter", "step_received", "first_delta", "first_body", "client_first")
+PROMPT = " ".join(["what does the cache hold for this tenant today"] * 7)  # ~64 tokens
+
+
+def install_points(trace) -> None:
+    """Wrap the API process's functions at each point; ``trace(name, request_id)``."""
+    import uvicorn.protocols.http.httptools_impl as httptools_impl
+
+    import serving.core_client as core_client
+
+    client = core_client.CoreClient
+    stream, on_message = client.stream, client._on_message
+    seen: set = set()
+
+    async def traced_stream(self, **request):
+        rid = request.get("request_id")
+        trace("stream_enter", rid)
+        first = True
+        async for item in stream(self, **request):
+            if first:
+                first = False
+                trace("first_delta", rid)
+            yield item
+
+    def traced_on_message(self, msg):
+        if msg[0] == "step":
+            for entry in msg[1]:
+                if entry[0] not in seen:
+                    seen.add(entry[0])
+                    trace("step_received", entry[0])
+        return on_message(self, msg)
+
+    client.stream, client._on_message = traced_stream, traced_on_message
+    cycle = httptools_impl.RequestResponseCycle
+    send = cycle.send
+
+    async def traced_send(self, message):
+        if message["type"] == "http.response.start":
+            self.trace_rid = dict(message.get("headers") or ()).get(b"x-request-id", b"").decode() or None
+        elif (message["type"] == "http.response.body" and getattr(self, "trace_rid", None)
+              and HAS_TEXT.search(message.get("body", b""))):
+            rid, self.trace_rid = self.trace_rid, None
+            await send(self, message)
+            trace("first_body", rid)
+            return
+        return await send(self, message)
+
+    cycle.send = traced_send
+
+
+def serve_child(args) -> int:
+    """This tool's child: ``serve`` with the points in its API process(es)."""
+    sys.path.insert(0, os.path.join(ROOT, "bench", "lib"))
+    os.environ["INFERSCALE_TTFT_TRACE"] = args.trace  # (more API processes are spawned: they read it)
+    _install_from_env()
+    from inferscale_cli import main as cli
+    from inferscale_cli import serve
+
+    serve_args = list(args.serve_args)
+    if args.paced_step_ms is not None:
+        import paced_engine
+
+        os.environ["INFERSCALE_PACED_STEP_MS"] = str(args.paced_step_ms)  # (read by the spawned core)
+        serve.build_engine = paced_engine.build
+        serve_args = ["--no-warmup", *serve_args]
+    return cli.main(["serve", *serve_args])
+
+
+def _install_from_env() -> None:
+    """In an API process spawned by the traced ``serve`` (``--api-server-count`` > 1) and in the
+    first one: the points, into the shared trace file."""
+    path = os.environ.get("INFERSCALE_TTFT_TRACE")
+    if path:
+        t = Trace(path)
+        install_points(lambda name, rid: t(f"{name} {rid}"))
+
+
+def client_proc(url: str, clients: int, seconds: float, max_tokens: int, trace_path: str, out) -> None:
+    """One client process: ``clients`` closed loops for ``seconds``; each request's send and first
+    text go to the trace (keyed by the server's X-Request-Id)."""
+    import httpx
+
+    fd = os.open(trace_path, os.O_WRONLY | os.O_APPEND)
+
+    async def main():
+        limits = httpx.Limits(max_connections=2 * clients, max_keepalive_connections=2 * clients)
+        async with httpx.AsyncClient(base_url=url, timeout=120, limits=limits) as http:
+            end = time.perf_counter() + seconds
+            body = {"prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+                    "ignore_eos": True}
+
+            async def loop():
+                sent = 0
+                while time.perf_counter() < end:
+                    t0 = time.perf_counter()
+                    async with http.stream("POST", "/v1/completions", json=body) as r:
+                        rid, first = r.headers.get("x-request-id"), None
+                        async for line in r.aiter_lines():
+                            if first is None and line.startswith("data: {") and HAS_TEXT.search(line.encode()):
+                                first = time.perf_counter()
+                    if rid and first is not None:
+                        os.write(fd, f"client_send {rid} {t0:.6f}\nclient_first {rid} {first:.6f}\n".encode())
+                        sent += 1
+                return sent
+            return sum(await asyncio.gather(*(loop() for _ in range(clients))))
+    out.put(asyncio.run(main()))
+
+
+def stretches(trace_path: str, log_path: str, since: float) -> tuple[list[dict], dict]:
+    """Each request's points (sent at or after ``since``), and the engine's TTFT per request id."""
+    points: dict[str, dict] = {}
+    with open(trace_path) as f:
+        for line in f:
+            parts = line.split()
+            if len(parts) == 3:
+                name, rid, t = parts
+                points.setdefault(rid, {}).setdefault(name, float(t))
+    engine = {}
+    with open(log_path, errors="replace") as f:
+        for line in f:
+            _, sep, rest = line.partition(" inferscale.server ")
+            if sep and rest.startswith("{") and '"ttft_s"' in rest:
+                x = json.loads(rest)
+                engine[x["id"]] = x["ttft_s"]
+    done = [dict(p, rid=rid) for rid, p in points.items()
+            if all(k in p for k in POINTS) and p["client_send"] >= since and rid in engine]
+    return done, engine
+
+
+def pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
+def report(done: list[dict], engine: dict, title: str) -> str:
+    lines = [title, "", f"{len(done)} requests; ms, p50 / p90:", "", "| from | to | p50 | p90 |",
+             "| --- | --- | --- | --- |"]
+    for a, b in zip(POINTS, POINTS[1:]):
+        v = [(r[b] - r[a]) * 1e3 for r in done]
+        lines.append(f"| {a} | {b} | {pct(v, 0.5):.1f} | {pct(v, 0.9):.1f} |")
+    e = [engine[r["rid"]] * 1e3 for r in done]
+    lines.append(f"| (inside stream_enter -> step_received) | the engine's TTFT | {pct(e, 0.5):.1f} | {pct(e, 0.9):.1f} |")
+    t = [(r["client_first"] - r["client_send"]) * 1e3 for r in done]
+    lines.append(f"| client_send | client_first (TTFT) | **{pct(t, 0.5):.1f}** | **{pct(t, 0.9):.1f}** |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", help="the checkpoint folder (default: the embedded default model)")
+    ap.add_argument("--paced-step-ms", type=float, default=None, help="the model-free paced engine instead")
+    ap.add_argument("--concurrency", type=int, default=256)
+    ap.add_argument("--client-procs", type=int, default=None, help="(default: one per 64 clients)")
+    ap.add_argument("--seconds", type=float, default=40.0, help="the load's length (default: 40)")
+    ap.add_argument("--skip-s", type=float, default=10.0, help="requests sent in the first seconds left out")
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--timeout", type=float, default=900.0, help="seconds for the server to become ready")
+    ap.add_argument("--out", help="write the markdown report here too")
+    ap.add_argument("--serve-child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--trace", help=argparse.SUPPRESS)
+    ap.add_argument("serve_args", nargs="*", help="after --: more of serve's own flags")
+    args = ap.parse_args()
+    if args.serve_child:
+        sys.exit(serve_child(args))
+    bad = [f"--{k.replace('_', '-')} {v}" for k, v in (("concurrency", args.concurrency), ("seconds", args.seconds),
+                                                        ("max_tokens", args.max_tokens)) if not v > 0]
+    if bad or not 0 <= args.skip_s < args.seconds:
+        ap.error(f"out of range: {', '.join(bad) or f'--skip-s {args.skip_s}'} (counts and seconds > 0, "
+                 "0 <= --skip-s < --seconds)")
+    with socket.socket() as sock:  # a free port
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    url = f"http://127.0.0.1:{port}"
+    trace_path = tempfile.mktemp(prefix="inferscale-ttft-load-", suffix=".txt")
+    serve_args = ["--host", "127.0.0.1", "--port", str(port), "--log-level", "info", "--log-requests",
+                  "--max-batch", str(args.concurrency), *(["--model", args.model] if args.model else []),
+                  *args.serve_args]
+    cmd = [sys.executable, os.path.abspath(__file__), "--serve-child", "--trace", trace_path,
+           *(["--paced-step-ms", str(args.paced_step_ms)] if args.paced_step_ms is not None else []), "--", *serve_args]
+    log = tempfile.NamedTemporaryFile("w", prefix="inferscale-ttft-load-serve-", suffix=".log", delete=False)
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+    procs = args.client_procs or max(1, -(-args.concurrency // 64))
+    try:
+        wait_ready(url, proc, args.timeout)
+        since = time.perf_counter() + args.skip_s
+        out = multiprocessing.get_context("spawn").Queue()
+        workers = [multiprocessing.get_context("spawn").Process(
+            target=client_proc, args=(url, args.concurrency // procs + (i < args.concurrency % procs), args.seconds,
+                                      args.max_tokens, trace_path, out)) for i in range(procs)]
+        for w in workers:
+            w.start()
+        sent = sum(out.get(timeout=args.seconds + 600) for _ in workers)
+        for w in workers:
+            w.join()
+        time.sleep(1.0)  # (the last requests' log lines)
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=120)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+    done, engine = stretches(trace_path, log.name, since)
+    if not done:
+        raise SystemExit(f"no request passed every point ({sent} sent; server log: {log.name})")
+    what = f"paced engine, {args.paced_step_ms} ms steps" if args.paced_step_ms is not None else \
+        (args.model or "the default model")
+    text = report(done, engine, f"# Time to first token under load: C = {args.concurrency} ({what})\n\n`python "
+                                f"bench/tools/ttft_under_load.py {' '.join(sys.argv[1:])}` ({sent} requests "
+                                f"in all, {procs} client processes)")
+    print(text)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text + "\n")
+    os.unlink(trace_path)
+
+
+if __name__ == "__mp_main__":  # an API process spawned by the traced serve (this file is its main module)
+    _install_from_env()
+
+if __name__ == "__main__":
+    main()
