@@ -203,55 +203,73 @@ def report(requests: list[dict], title: str) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def common_options(ap: argparse.ArgumentParser) -> None:
+    """The options this tool shares with ``ttft_under_load.py``."""
     ap.add_argument("--model", help="the checkpoint folder (default: the embedded default model)")
     ap.add_argument("--paced-step-ms", type=float, default=None,
                     help="the model-free paced engine instead of the model (its first token comes at once)")
-    ap.add_argument("--requests", type=int, default=40)
-    ap.add_argument("--skip", type=int, default=5, help="first requests left out of the medians (default: 5)")
-    ap.add_argument("--max-tokens", type=int, default=4)
-    ap.add_argument("--gap-ms", type=float, default=50.0, help="idle time between requests (default: 50)")
     ap.add_argument("--timeout", type=float, default=900.0, help="seconds for the server to become ready")
     ap.add_argument("--out", help="write the markdown report here too")
     ap.add_argument("--serve-child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--trace", help=argparse.SUPPRESS)
     ap.add_argument("serve_args", nargs="*", help="after --: more of serve's own flags")
-    args = ap.parse_args()
-    if args.serve_child:
-        sys.exit(serve_child(args, args.serve_args))
+
+
+def launch(script: str, args, serve_args: list[str], name: str) -> tuple[str, str, subprocess.Popen, str]:
+    """``script --serve-child`` (a traced ``serve``) on a free port: (url, trace file, process, log file)."""
     with socket.socket() as sock:  # a free port
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     url = f"http://127.0.0.1:{port}"
-    trace_path = tempfile.mktemp(prefix="inferscale-timeline-", suffix=".txt")
-    serve_args = ["--host", "127.0.0.1", "--port", str(port), "--log-level", "warning",
-                  *(["--model", args.model] if args.model else []), *args.serve_args]
-    cmd = [sys.executable, os.path.abspath(__file__), "--serve-child", "--trace", trace_path,
+    trace_path = tempfile.mktemp(prefix=f"inferscale-{name}-", suffix=".txt")
+    serve_args = ["--host", "127.0.0.1", "--port", str(port), *(["--model", args.model] if args.model else []),
+                  *serve_args, *args.serve_args]
+    cmd = [sys.executable, os.path.abspath(script), "--serve-child", "--trace", trace_path,
            *(["--paced-step-ms", str(args.paced_step_ms)] if args.paced_step_ms is not None else []), "--", *serve_args]
-    log = tempfile.NamedTemporaryFile("w", prefix="inferscale-timeline-serve-", suffix=".log", delete=False)
+    log = tempfile.NamedTemporaryFile("w", prefix=f"inferscale-{name}-serve-", suffix=".log", delete=False)
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+    return url, trace_path, proc, log.name
+
+
+def stop_serve(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def write_report(text: str, out: str | None) -> None:
+    print(text)
+    if out:
+        with open(out, "w") as f:
+            f.write(text + "\n")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    common_options(ap)
+    ap.add_argument("--requests", type=int, default=40)
+    ap.add_argument("--skip", type=int, default=5, help="first requests left out of the medians (default: 5)")
+    ap.add_argument("--max-tokens", type=int, default=4)
+    ap.add_argument("--gap-ms", type=float, default=50.0, help="idle time between requests (default: 50)")
+    args = ap.parse_args()
+    if args.serve_child:
+        sys.exit(serve_child(args, args.serve_args))
+    url, trace_path, proc, log = launch(__file__, args, ["--log-level", "warning"], "timeline")
     try:
         wait_ready(url, proc, args.timeout)
         send_requests(url, Trace(trace_path), args.requests, args.max_tokens, args.gap_ms / 1e3)
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=120)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        stop_serve(proc)
     requests = timeline(trace_path, args.skip)
     if not requests:
-        raise SystemExit(f"no request passed every point (server log: {log.name})")
+        raise SystemExit(f"no request passed every point (server log: {log})")
     engine = f"paced engine, {args.paced_step_ms} ms steps" if args.paced_step_ms is not None else \
         (args.model or "the default model")
-    text = report(requests, f"# First-token timeline of `serve` at C = 1 ({engine})\n\n`python "
-                            f"bench/tools/first_token_timeline.py {' '.join(sys.argv[1:])}`")
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
+    write_report(report(requests, f"# First-token timeline of `serve` at C = 1 ({engine})\n\n`python "
+                                  f"bench/tools/first_token_timeline.py {' '.join(sys.argv[1:])}`"), args.out)
     os.unlink(trace_path)
 
 

@@ -29,17 +29,13 @@ import json
 import multiprocessing
 import os
 import re
-import signal
-import socket
-import subprocess
 import sys
-import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository
 sys.path[:0] = [ROOT, os.path.join(ROOT, "bench", "tools")]
 
-from first_token_timeline import Trace, wait_ready  # noqa: E402
+from first_token_timeline import Trace, common_options, launch, stop_serve, wait_ready, write_report  # noqa: E402,E501
 
 HAS_TEXT = re.compile(rb'"text": ?"[^"]')  # a completion chunk with text (the server's JSON: `"text": "..."`)
 POINTS = ("client_send", "stream_enter", "step_received", "first_delta", "first_body", "client_first")
@@ -191,18 +187,12 @@ def report(done: list[dict], engine: dict, title: str) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", help="the checkpoint folder (default: the embedded default model)")
-    ap.add_argument("--paced-step-ms", type=float, default=None, help="the model-free paced engine instead")
+    common_options(ap)
     ap.add_argument("--concurrency", type=int, default=256)
     ap.add_argument("--client-procs", type=int, default=None, help="(default: one per 64 clients)")
     ap.add_argument("--seconds", type=float, default=40.0, help="the load's length (default: 40)")
     ap.add_argument("--skip-s", type=float, default=10.0, help="requests sent in the first seconds left out")
     ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--timeout", type=float, default=900.0, help="seconds for the server to become ready")
-    ap.add_argument("--out", help="write the markdown report here too")
-    ap.add_argument("--serve-child", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--trace", help=argparse.SUPPRESS)
-    ap.add_argument("serve_args", nargs="*", help="after --: more of serve's own flags")
     args = ap.parse_args()
     if args.serve_child:
         sys.exit(serve_child(args))
@@ -211,18 +201,8 @@ def main() -> None:
     if bad or not 0 <= args.skip_s < args.seconds:
         ap.error(f"out of range: {', '.join(bad) or f'--skip-s {args.skip_s}'} (counts and seconds > 0, "
                  "0 <= --skip-s < --seconds)")
-    with socket.socket() as sock:  # a free port
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    url = f"http://127.0.0.1:{port}"
-    trace_path = tempfile.mktemp(prefix="inferscale-ttft-load-", suffix=".txt")
-    serve_args = ["--host", "127.0.0.1", "--port", str(port), "--log-level", "info", "--log-requests",
-                  "--max-batch", str(args.concurrency), *(["--model", args.model] if args.model else []),
-                  *args.serve_args]
-    cmd = [sys.executable, os.path.abspath(__file__), "--serve-child", "--trace", trace_path,
-           *(["--paced-step-ms", str(args.paced_step_ms)] if args.paced_step_ms is not None else []), "--", *serve_args]
-    log = tempfile.NamedTemporaryFile("w", prefix="inferscale-ttft-load-serve-", suffix=".log", delete=False)
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+    url, trace_path, proc, log = launch(__file__, args, ["--log-level", "info", "--log-requests", "--max-batch",
+                                                         str(args.concurrency)], "ttft-load")
     procs = args.client_procs or max(1, -(-args.concurrency // 64))
     try:
         wait_ready(url, proc, args.timeout)
@@ -238,24 +218,15 @@ def main() -> None:
             w.join()
         time.sleep(1.0)  # (the last requests' log lines)
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=120)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-    done, engine = stretches(trace_path, log.name, since)
+        stop_serve(proc)
+    done, engine = stretches(trace_path, log, since)
     if not done:
-        raise SystemExit(f"no request passed every point ({sent} sent; server log: {log.name})")
+        raise SystemExit(f"no request passed every point ({sent} sent; server log: {log})")
     what = f"paced engine, {args.paced_step_ms} ms steps" if args.paced_step_ms is not None else \
         (args.model or "the default model")
-    text = report(done, engine, f"# Time to first token under load: C = {args.concurrency} ({what})\n\n`python "
-                                f"bench/tools/ttft_under_load.py {' '.join(sys.argv[1:])}` ({sent} requests "
-                                f"in all, {procs} client processes)")
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
+    write_report(report(done, engine, f"# Time to first token under load: C = {args.concurrency} ({what})\n\n"
+                                      f"`python bench/tools/ttft_under_load.py {' '.join(sys.argv[1:])}` ({sent} "
+                                      f"requests in all, {procs} client processes)"), args.out)
     os.unlink(trace_path)
 
 
