@@ -242,30 +242,38 @@ class _Watch:
     the client disconnects (``gone`` is then true): the block itself runs in this task, so a
     result it awaits reaches the response's bytes with no hand-off between tasks (each hand-off
     waits behind every stream the event loop woke in the same step: ~20 ms at 256 streams on the
-    CPU machine, bench/NOTES.md, "The first token's hand-offs").  ``__exit__`` on the
-    disconnect's cancellation clears it (``Task.uncancel``) and swallows it: the caller sees
-    ``gone``; a cancellation from elsewhere (shutdown) propagates."""
+    CPU machine, bench/NOTES.md, "The first token's hand-offs").  ``__exit__`` takes back its own
+    cancellation (``Task.uncancel``) and swallows the ``CancelledError`` only when nothing else
+    cancelled the task: a cancellation from elsewhere (shutdown) propagates, and one already under
+    way when the client leaves is not interrupted by a second.  A ``receive`` that fails counts as
+    the client gone."""
 
     def __init__(self, receive):
-        self.receive, self.gone, self.task, self.watcher = receive, False, None, None
+        self.receive, self.gone, self.task, self.watcher, self.base = receive, False, None, None, 0
 
     async def _watch(self) -> None:
-        while (await self.receive())["type"] != "http.disconnect":
+        try:
+            while (await self.receive())["type"] != "http.disconnect":
+                pass
+        except Exception:  # noqa: BLE001 - no way to hear from the client: it is gone
             pass
+        if self.task.cancelling() > self.base:
+            return  # (already being cancelled from elsewhere: that cancellation runs its course)
         self.gone = True
         self.task.cancel()
 
     def __enter__(self) -> "_Watch":
         self.task = asyncio.current_task()
+        self.base = self.task.cancelling()
         self.watcher = asyncio.ensure_future(self._watch())
         return self
 
     def __exit__(self, kind, value, tb) -> bool:
         self.watcher.cancel()
-        if self.gone and kind is not None and issubclass(kind, asyncio.CancelledError):
-            self.task.uncancel()
-            return True
-        return False
+        if not self.gone:
+            return False
+        others = self.task.uncancel() > self.base  # (ours is always taken back)
+        return not others and kind is not None and issubclass(kind, asyncio.CancelledError)
 
 
 async def _until_disconnect(request: Request, awaitable):
@@ -282,8 +290,11 @@ class _EventStream(StreamingResponse):
     first chunk, already in hand, is written without waiting for the event loop's other work."""
 
     async def __call__(self, scope, receive, send) -> None:
-        with _Watch(receive):
-            await self.stream_response(send)
+        try:
+            with _Watch(receive):
+                await self.stream_response(send)
+        finally:  # a disconnect that cut a ``send`` short leaves the body at a ``yield``: its
+            await self.body_iterator.aclose()  # ``finally`` (close the streams: abort) runs now
         if self.background is not None:
             await self.background()
 

@@ -212,3 +212,16 @@ def test_a_steps_first_and_last_outputs_wake_their_streams_first():
     assert woke[:3] == [("new", 1), ("last", 9), ("err", "error")], woke
     assert sorted(woke[3:], key=lambda w: w[0]) == [("mid", 2), ("mid2", 2), ("twice", 2), ("twice", 3)], woke
     assert woke[3:].index(("twice", 2)) < woke[3:].index(("twice", 3)), woke
+
+
+def test_a_new_stream_with_several_outputs_in_one_step_keeps_their_order():
+    from inferscale_jax.detokenize import StreamQueue, put_in_order
+    from inferscale_jax.request import RequestOutput
+
+    async def main():
+        old, new = StreamQueue(), StreamQueue()
+        old.started = True
+        put_in_order([(old, RequestOutput("o", [5], False)), (new, RequestOutput("n", [1], False)),
+                      (new, RequestOutput("n", [2], False)), (new, RequestOutput("n", [3], True))])
+        return [old.get_nowait().new_token_ids for _ in range(1)], [new.get_nowait().new_token_ids for _ in range(3)]
+    assert asyncio.run(main()) == ([[5]], [[1], [2], [3]])

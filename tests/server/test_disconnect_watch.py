@@ -45,8 +45,8 @@ def test_a_client_leaving_cancels_the_wait_and_answers_none():
             finally:
                 closed.append(True)  # (the stream's generator aborts its request here)
         asyncio.get_running_loop().call_later(0.02, req.leave.set)
-        got = await asyncio.wait_for(_until_disconnect(req, work()), 5)
-        await asyncio.sleep(0.01)  # this task goes on: its cancellation was cleared
+        got = await _until_disconnect(req, work())  # (in this very task: its cancel count is checked)
+        await asyncio.sleep(0.01)  # this task goes on: its cancellation was taken back
         return got, closed, asyncio.current_task().cancelling()
     assert asyncio.run(main()) == (None, [True], 0)
 
@@ -60,6 +60,70 @@ def test_a_cancellation_from_elsewhere_propagates():
         with pytest.raises(asyncio.CancelledError):
             await task
     asyncio.run(main())
+
+
+def test_a_shutdown_beside_a_disconnect_still_propagates():
+    """The client leaving in the same turn as a shutdown's cancel, or while the cancelled work
+    cleans up: the shutdown's cancellation propagates and the clean-up is not cut short."""
+    async def same_turn():
+        req = FakeRequest()
+        task = asyncio.ensure_future(_until_disconnect(req, asyncio.sleep(30)))
+        await asyncio.sleep(0.01)
+        req.leave.set()
+        await asyncio.sleep(0)  # the watcher cancels the task...
+        task.cancel()  # ... and so does a shutdown, before the task runs
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    async def during_cleanup():
+        req, log = FakeRequest(), []
+
+        async def work():
+            try:
+                await asyncio.sleep(30)
+            except asyncio.CancelledError:
+                await asyncio.sleep(0.05)  # (closing the streams)
+                log.append("cleaned up")
+                raise
+        task = asyncio.ensure_future(_until_disconnect(req, work()))
+        await asyncio.sleep(0.01)
+        task.cancel()  # shutdown
+        await asyncio.sleep(0.01)
+        req.leave.set()  # the connection closes meanwhile
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        return log
+
+    asyncio.run(same_turn())
+    assert asyncio.run(during_cleanup()) == ["cleaned up"]
+
+
+def test_a_client_leaving_while_a_write_waits_closes_the_body():
+    """A slow client's write waits for the socket to drain, and the client leaves meanwhile: the
+    body's generator is closed before the response returns (its ``finally`` aborts the request)."""
+    async def main():
+        req, drained, ended = FakeRequest(), asyncio.Event(), []
+
+        async def body():
+            try:
+                for i in range(1000):
+                    yield f"data: {i}\n\n"
+                    await asyncio.sleep(0)
+            finally:
+                ended.append(True)
+        sent = [0]
+
+        async def send(message):
+            sent[0] += 1
+            if sent[0] == 5:  # the write pauses (uvicorn's drain) and the client goes away
+                req.leave.set()
+                await drained.wait()
+        asyncio.get_running_loop().call_later(0.01, drained.set)
+        response = _EventStream(body(), media_type="text/event-stream")
+        await response({"type": "http"}, req.receive, send)
+        return list(ended), asyncio.current_task().cancelling(), response  # (the response is still referenced)
+    ended, cancelling, _ = asyncio.run(main())
+    assert ended == [True] and cancelling == 0
 
 
 def test_the_event_stream_is_sent_from_this_task_and_stops_when_the_client_leaves():

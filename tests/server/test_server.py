@@ -383,6 +383,30 @@ def test_disconnect_aborts_and_frees_pages(http):
     assert stats["generated_tokens"] - base["generated_tokens"] < 400  # it was aborted, not finished
 
 
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_client_leaving_an_n_2_request_aborts_both_samples(server, http, stream):
+    """The client leaves while two samples generate (streamed: after a few chunks; not streamed: a
+    read timeout): both samples are aborted and their pages freed."""
+    base = http.get("/v1/stats", headers=A).json()
+    body = {"prompt": "tell me everything twice", "max_tokens": 400, "ignore_eos": True, "n": 2, "seed": 1,
+            "stream": stream}
+    if stream:
+        with http.stream("POST", "/v1/completions", json=body, headers=A) as r:
+            assert r.status_code == 200
+            seen = 0
+            for line in r.iter_lines():
+                seen += line.startswith("data: ")
+                if seen >= 4:
+                    break  # leaving the block closes the connection mid-stream
+    else:
+        with pytest.raises(httpx.TimeoutException):
+            httpx.post(server.url + "/v1/completions", json=body, headers=A, timeout=httpx.Timeout(10, read=0.3))
+    stats = wait_for(lambda: (s := http.get("/v1/stats", headers=A).json())["running"] == 0
+                     and s["waiting"] == 0 and s)
+    assert stats["pages_free"] == base["pages_free"]
+    assert stats["generated_tokens"] - base["generated_tokens"] < 800  # aborted, not finished
+
+
 async def _one_client(client, i, prompt, results):
     body = {"prompt": prompt, "segments": ["faq"], "max_tokens": 12, "temperature": 0, "stream": True}
     t0 = time.perf_counter()
