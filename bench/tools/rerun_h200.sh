@@ -36,8 +36,8 @@
 #  12  the README's comparison of contexts: part 6's workload through HTTP at C = 64 / 256 with the 4k context
 #      inline (the automatic prefix cache), then with no context (bench/serving/serve.py --context inline / none)
 #  13  the first token under load, stretch by stretch (bench/tools/ttft_under_load.py, C = 256, two API-server
-#      processes): over the model-free paced engine at 12 ms steps (this host's API path alone), then the 8B model
-#      (64-token prompts, no segment)
+#      processes): over the model-free paced engine at 12 ms steps (this host's API path alone; then with four
+#      API-server processes), then the 8B model (64-token prompts, no segment)
 # Parts 6-10 write the 8B checkpoint to /tmp/llama8b first when it is missing (~35 s); it stays out of
 # the repository, whose copy on the machine loses files that .gitignore does not cover (bench/NOTES.md, run AH).
 #
@@ -162,6 +162,8 @@ case "$part" in
 13)
     step_as ttft_load_paced 150 bench/tools/ttft_under_load.py --paced-step-ms 12 --concurrency 256 --seconds 40 \
         --out "$res/ttft_load_paced.md" -- --api-server-count 2
+    step_as ttft_load_paced_api4 150 bench/tools/ttft_under_load.py --paced-step-ms 12 --concurrency 256 --seconds 40 \
+        --out "$res/ttft_load_paced_api4.md" -- --api-server-count 4
     ckpt
     step_as ttft_load_8b 400 bench/tools/ttft_under_load.py --model /tmp/llama8b --concurrency 256 --seconds 60 \
         --out "$res/ttft_load_8b.md" -- --api-server-count 2
