@@ -401,7 +401,7 @@ async def run_job(state, request: Request, job: Job) -> Response:
         await save_session(state, job, outs)
         return JSONResponse(_full_response(state, job, outs), headers=job.headers())
     return _EventStream(_sse(state, job, streams, firsts, fields), media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **job.headers()})
+                        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **job.headers()})
 
 
 def _scored_response(state, job: Job, fields: dict) -> Response:
