@@ -368,16 +368,21 @@ def test_openai_client(server, http, ref):
     assert [c.index for c in out.choices] == [0, 1]
 
 
-def test_disconnect_aborts_and_frees_pages(http):
-    base = http.get("/v1/stats", headers=A).json()
-    body = {"prompt": "tell me everything", "max_tokens": 400, "ignore_eos": True, "temperature": 0, "stream": True}
+def _leave_mid_stream(http, body: dict, events: int) -> None:
+    """Read ``events`` SSE events of a streamed completion, then close the connection."""
     with http.stream("POST", "/v1/completions", json=body, headers=A) as r:
         assert r.status_code == 200
         seen = 0
         for line in r.iter_lines():
             seen += line.startswith("data: ")
-            if seen >= 3:
+            if seen >= events:
                 break  # leaving the block closes the connection mid-stream
+
+
+def test_disconnect_aborts_and_frees_pages(http):
+    base = http.get("/v1/stats", headers=A).json()
+    body = {"prompt": "tell me everything", "max_tokens": 400, "ignore_eos": True, "temperature": 0, "stream": True}
+    _leave_mid_stream(http, body, 3)
     stats = wait_for(lambda: (s := http.get("/v1/stats", headers=A).json())["running"] == 0 and s)
     assert stats["pages_free"] == base["pages_free"]
     assert stats["generated_tokens"] - base["generated_tokens"] < 400  # it was aborted, not finished
@@ -391,13 +396,7 @@ def test_a_client_leaving_an_n_2_request_aborts_both_samples(server, http, strea
     body = {"prompt": "tell me everything twice", "max_tokens": 400, "ignore_eos": True, "n": 2, "seed": 1,
             "stream": stream}
     if stream:
-        with http.stream("POST", "/v1/completions", json=body, headers=A) as r:
-            assert r.status_code == 200
-            seen = 0
-            for line in r.iter_lines():
-                seen += line.startswith("data: ")
-                if seen >= 4:
-                    break  # leaving the block closes the connection mid-stream
+        _leave_mid_stream(http, body, 4)
     else:
         with pytest.raises(httpx.TimeoutException):
             httpx.post(server.url + "/v1/completions", json=body, headers=A, timeout=httpx.Timeout(10, read=0.3))
