@@ -301,7 +301,11 @@ class _EventStream(StreamingResponse):
 
 async def _all(awaitables):
     """Their results, in order; the first failure (or this task's cancellation) cancels the rest
-    and waits for them, so no stream is still being read when its caller closes it."""
+    and waits for them, so no stream is still being read when its caller closes it.  A lone one
+    is awaited in this task (no hand-off to a task of its own: ``_Watch``)."""
+    awaitables = list(awaitables)
+    if len(awaitables) == 1:
+        return [await awaitables[0]]
     tasks = [asyncio.ensure_future(a) for a in awaitables]
     try:
         return await asyncio.gather(*tasks)
@@ -322,11 +326,8 @@ async def _start(state, job: Job, streams: list) -> list:
     for i in leaders:
         streams[i] = state.async_engine.stream(**job.submits[i])
     firsts: list = [None] * len(job.submits)
-    if len(leaders) == 1:  # (one prompt: awaited in this task, no hand-off; _Watch)
-        firsts[0] = await _first(streams[0])
-    else:
-        for i, f in zip(leaders, await _all(_first(streams[i]) for i in leaders)):
-            firsts[i] = f
+    for i, f in zip(leaders, await _all(_first(streams[i]) for i in leaders)):
+        firsts[i] = f
     if any(firsts[i] is _GONE for i in leaders) or job.n == 1:
         return firsts
     rest = [i for i in range(len(job.submits)) if i % job.n]

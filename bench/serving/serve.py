@@ -101,9 +101,9 @@ the engine's own clock for it (``RequestMetrics.ttft_s``: its submit in the engi
 applied, and ``queue_s``: submit -> running with its pages), in-process from the final output's
 metrics, over HTTP from the per-request lines of the server's log (``--log-requests``, joined on
 ``X-Request-Id``): a server started here logs to its work folder; with ``--url``, ``--server-log``
-names the running server's log.  The engine's TTFT less its queue is its prefill steps and the first token's
-read-back; client TTFT less engine TTFT is everything outside the engine (HTTP, the API process,
-the hand-offs to and from the engine core, the client).
+names the running server's log.  The engine's TTFT less its queue is its prefill steps and the
+first token's read-back; client TTFT less engine TTFT is everything outside the engine (HTTP, the
+API process, the hand-offs to and from the engine core, the client).
 
 Writes ``PREFIX.json`` (every figure; ``runs`` holds each via's ``warmup`` and ``points``, the
 top-level ``warmup`` and ``points`` are the first via's), ``PREFIX.md`` (tables, a ``via``

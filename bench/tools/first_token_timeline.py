@@ -27,8 +27,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -37,6 +35,9 @@ import threading
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository
+sys.path.insert(0, os.path.join(ROOT, "bench", "serving"))
+
+from servers import free_port, stop_process  # noqa: E402  (bench/serving/servers.py)
 POINTS = ("client_send", "uvicorn_data", "asgi_enter", "route_job", "stream_enter", "tokenized", "submit_sent",
           "step_received", "first_delta", "first_body", "client_first")
 PROMPT = ("Summarize what the segment says about the engine's cache, and name the two settings that matter "
@@ -217,9 +218,7 @@ def common_options(ap: argparse.ArgumentParser) -> None:
 
 def launch(script: str, args, serve_args: list[str], name: str) -> tuple[str, str, subprocess.Popen, str]:
     """``script --serve-child`` (a traced ``serve``) on a free port: (url, trace file, process, log file)."""
-    with socket.socket() as sock:  # a free port
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
     trace_path = tempfile.mktemp(prefix=f"inferscale-{name}-", suffix=".txt")
     serve_args = ["--host", "127.0.0.1", "--port", str(port), *(["--model", args.model] if args.model else []),
@@ -229,15 +228,6 @@ def launch(script: str, args, serve_args: list[str], name: str) -> tuple[str, st
     log = tempfile.NamedTemporaryFile("w", prefix=f"inferscale-{name}-serve-", suffix=".log", delete=False)
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
     return url, trace_path, proc, log.name
-
-
-def stop_serve(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=120)
-        except subprocess.TimeoutExpired:
-            proc.kill()
 
 
 def write_report(text: str, out: str | None) -> None:
@@ -262,7 +252,7 @@ def main() -> None:
         wait_ready(url, proc, args.timeout)
         send_requests(url, Trace(trace_path), args.requests, args.max_tokens, args.gap_ms / 1e3)
     finally:
-        stop_serve(proc)
+        stop_process(proc, 120)
     requests = timeline(trace_path, args.skip)
     if not requests:
         raise SystemExit(f"no request passed every point (server log: {log})")

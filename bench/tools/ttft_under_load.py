@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import multiprocessing
 import os
 import re
@@ -33,9 +32,11 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository
-sys.path[:0] = [ROOT, os.path.join(ROOT, "bench", "tools")]
+sys.path[:0] = [ROOT, os.path.join(ROOT, "bench", "tools"), os.path.join(ROOT, "bench", "serving")]
 
-from first_token_timeline import Trace, common_options, launch, stop_serve, wait_ready, write_report  # noqa: E402,E501
+from first_token_timeline import Trace, common_options, launch, wait_ready, write_report  # noqa: E402
+from serve import dist, request_times  # noqa: E402  (bench/serving/serve.py: the request log, percentiles)
+from servers import stop_process  # noqa: E402
 
 HAS_TEXT = re.compile(rb'"text": ?"[^"]')  # a completion chunk with text (the server's JSON: `"text": "..."`)
 POINTS = ("client_send", "stream_enter", "step_received", "first_delta", "first_body", "client_first")
@@ -147,7 +148,8 @@ def client_proc(url: str, clients: int, seconds: float, max_tokens: int, trace_p
 
 
 def stretches(trace_path: str, log_path: str, since: float) -> tuple[list[dict], dict]:
-    """Each request's points (sent at or after ``since``), and the engine's TTFT per request id."""
+    """Each request's points (sent at or after ``since``) and the engine's (TTFT, queue) per request
+    id, from the server's request log."""
     points: dict[str, dict] = {}
     with open(trace_path) as f:
         for line in f:
@@ -155,33 +157,22 @@ def stretches(trace_path: str, log_path: str, since: float) -> tuple[list[dict],
             if len(parts) == 3:
                 name, rid, t = parts
                 points.setdefault(rid, {}).setdefault(name, float(t))
-    engine = {}
-    with open(log_path, errors="replace") as f:
-        for line in f:
-            _, sep, rest = line.partition(" inferscale.server ")
-            if sep and rest.startswith("{") and '"ttft_s"' in rest:
-                x = json.loads(rest)
-                engine[x["id"]] = x["ttft_s"]
-    done = [dict(p, rid=rid) for rid, p in points.items()
-            if all(k in p for k in POINTS) and p["client_send"] >= since and rid in engine]
-    return done, engine
-
-
-def pct(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(q * len(xs)))]
+    sent = {rid for rid, p in points.items() if all(k in p for k in POINTS) and p["client_send"] >= since}
+    engine = request_times(log_path, sent, wait_s=0.0)
+    return [dict(points[rid], rid=rid) for rid in sent if rid in engine], engine
 
 
 def report(done: list[dict], engine: dict, title: str) -> str:
     lines = [title, "", f"{len(done)} requests; ms, p50 / p90:", "", "| from | to | p50 | p90 |",
              "| --- | --- | --- | --- |"]
+
+    def row(a: str, b: str, seconds: list[float], bold: str = "") -> None:
+        d = dist(seconds)
+        lines.append(f"| {a} | {b} | {bold}{d['p50']:.1f}{bold} | {bold}{d['p90']:.1f}{bold} |")
     for a, b in zip(POINTS, POINTS[1:]):
-        v = [(r[b] - r[a]) * 1e3 for r in done]
-        lines.append(f"| {a} | {b} | {pct(v, 0.5):.1f} | {pct(v, 0.9):.1f} |")
-    e = [engine[r["rid"]] * 1e3 for r in done]
-    lines.append(f"| (inside stream_enter -> step_received) | the engine's TTFT | {pct(e, 0.5):.1f} | {pct(e, 0.9):.1f} |")
-    t = [(r["client_first"] - r["client_send"]) * 1e3 for r in done]
-    lines.append(f"| client_send | client_first (TTFT) | **{pct(t, 0.5):.1f}** | **{pct(t, 0.9):.1f}** |")
+        row(a, b, [r[b] - r[a] for r in done])
+    row("(inside stream_enter -> step_received)", "the engine's TTFT", [engine[r["rid"]][0] for r in done])
+    row("client_send", "client_first (TTFT)", [r["client_first"] - r["client_send"] for r in done], "**")
     return "\n".join(lines)
 
 
@@ -218,7 +209,7 @@ def main() -> None:
             w.join()
         time.sleep(1.0)  # (the last requests' log lines)
     finally:
-        stop_serve(proc)
+        stop_process(proc, 120)
     done, engine = stretches(trace_path, log, since)
     if not done:
         raise SystemExit(f"no request passed every point ({sent} sent; server log: {log})")

@@ -223,5 +223,5 @@ def test_a_new_stream_with_several_outputs_in_one_step_keeps_their_order():
         old.started = True
         put_in_order([(old, RequestOutput("o", [5], False)), (new, RequestOutput("n", [1], False)),
                       (new, RequestOutput("n", [2], False)), (new, RequestOutput("n", [3], True))])
-        return [old.get_nowait().new_token_ids for _ in range(1)], [new.get_nowait().new_token_ids for _ in range(3)]
+        return [old.get_nowait().new_token_ids], [new.get_nowait().new_token_ids for _ in range(3)]
     assert asyncio.run(main()) == ([[5]], [[1], [2], [3]])

@@ -4,7 +4,6 @@ paced step, detokenized by the API process; ``bench/serving/serve.py --url --ser
 splits each request's TTFT with the paced engine's own clock; SIGTERM stops it cleanly."""
 
 import json
-
 import os
 import signal
 import subprocess

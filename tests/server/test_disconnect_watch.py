@@ -5,7 +5,7 @@ import asyncio
 
 import pytest
 
-from serving.generation import _EventStream, _until_disconnect
+from serving.generation import _all, _EventStream, _until_disconnect
 
 
 class FakeRequest:
@@ -32,6 +32,18 @@ def test_the_answer_comes_back_in_this_task():
         await asyncio.sleep(0.01)  # the watcher is gone: nothing cancels this task later
         return got, me.cancelling()
     assert asyncio.run(main()) == (7, 0)
+
+
+def test_one_awaitable_is_awaited_in_this_task_several_in_their_own():
+    async def main():
+        me = asyncio.current_task()
+
+        async def where(x):
+            await asyncio.sleep(0.01 * (3 - x))  # (the last finishes first: results keep their order)
+            return x, asyncio.current_task() is me
+        return await _all(where(i) for i in [0]), await _all(where(i) for i in range(3))
+    one, several = asyncio.run(main())
+    assert one == [(0, True)] and several == [(0, False), (1, False), (2, False)]
 
 
 def test_a_client_leaving_cancels_the_wait_and_answers_none():
