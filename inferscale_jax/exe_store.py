@@ -21,13 +21,11 @@ kept.  Every failure here only costs the time the store would have saved: ``load
 ``save`` logs and keeps nothing.  The folder sits beside JAX's cache (``<cache>/inferscale-
 executables/<fingerprint>/``), one file per bucket, written atomically.
 
-Measured on one H200 (bench/NOTES.md, run AI): it works (92 buckets loaded, the same tokens), but
-loading an 8B step from the store took ~0.7 s against ~0.4 s for tracing it and loading it from
-JAX's cache, so engines keep no store unless ``INFERSCALE_EXE_STORE=1`` (``exe_store_wanted``).  Its
-entries now load on the warm-up's compile pool; run AL's warm start meant to time that found nothing
-(the KV pool's size had moved between the starts, so every step had other shapes; fixed in
-``Engine._auto_pages``), and ``bench/tools/exe_store_check.py`` showed 5 small 8B buckets loading
-across processes (warm-up 22.0 -> 1.6 s).
+Measured on one H200: at first (run AI) loading an 8B step from the store took ~0.7 s against
+~0.4 s for tracing it and loading it from JAX's cache, one at a time; its entries now load on the
+warm-up's compile pool, and run AM's warm ``serve`` start (bench/NOTES.md) took 16.5 s of warm-up
+from the store against 42.9 s from JAX's cache alone.  So engines on a GPU keep a store
+(``exe_store_wanted``; ``INFERSCALE_EXE_STORE=0`` turns it off, ``=1`` on elsewhere).
 
 Loading an executable runs code from the file (``pickle``): the folder must be as trusted as the
 engine's own installation, as JAX's cache folder already is.
@@ -50,14 +48,17 @@ SOURCE_PACKAGES = ("inferscale_jax", "models", "pallas_kernels")
 
 
 def exe_store_wanted(platform: str) -> bool:
-    """Whether an engine on ``platform`` keeps a store: only with ``INFERSCALE_EXE_STORE=1``.
+    """Whether an engine on ``platform`` keeps a store: on GPUs unless ``INFERSCALE_EXE_STORE=0``,
+    elsewhere only with ``INFERSCALE_EXE_STORE=1``.
 
-    Off by default on every backend, because on the H200 loading was slower than what it skips:
-    a warm ``Engine.warmup()`` of 92 buckets took 63.9 s from the store against 38.0 s tracing
-    each step into JAX's cache (jax 0.11.2; bench/NOTES.md, run AI).  On the CPU an executable
-    the backend loaded from JAX's cache does not serialize."""
-    del platform  # (kept for a backend where the store pays: the decision is per platform)
-    return os.environ.get("INFERSCALE_EXE_STORE", "") == "1"
+    On the H200 (jax 0.11.2; bench/NOTES.md, run AM) a warm ``serve`` start's warm-up of 92 buckets
+    took 16.5 s from the store (its entries loading on the compile pool) against 42.9 s tracing
+    each step into JAX's cache: /health 200 after 51.6 s against 78.9 s.  On the CPU an executable
+    the backend loaded from JAX's cache does not serialize; TPUs have not been measured."""
+    env = os.environ.get("INFERSCALE_EXE_STORE", "")
+    if env in ("0", "1"):
+        return env == "1"
+    return platform in ("gpu", "cuda", "rocm")
 
 
 def source_digest() -> str:

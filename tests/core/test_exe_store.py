@@ -5,7 +5,7 @@
 - a corrupt entry, or one saved under another key, is not used: the step compiles and the
   output is unchanged;
 - the fingerprint changes with the model, the weights' dtype, a jax option and the source; the store is on
-  only with ``INFERSCALE_EXE_STORE=1`` (off by default: slower than tracing on the H200).
+  on GPUs unless ``INFERSCALE_EXE_STORE=0``, elsewhere only with ``=1``.
 """
 
 import json
@@ -120,8 +120,9 @@ def test_the_fingerprint_follows_the_model_dtype_jax_options_and_source(monkeypa
     assert fingerprint(r.params, r.cache, r.cfg, [r.device]) != base
 
 
-@pytest.mark.parametrize("env, platform, want", [("", "cpu", False), ("", "gpu", False), ("0", "gpu", False),
-                                                 ("1", "cpu", True), ("1", "gpu", True), ("yes", "cpu", False)])
+@pytest.mark.parametrize("env, platform, want", [("", "cpu", False), ("", "gpu", True), ("0", "gpu", False),
+                                                 ("1", "cpu", True), ("1", "gpu", True), ("yes", "cpu", False),
+                                                 ("", "tpu", False), ("yes", "gpu", True)])
 def test_the_switch(monkeypatch, env, platform, want):
     monkeypatch.setenv("INFERSCALE_EXE_STORE", env)
     assert exe_store_wanted(platform) is want
