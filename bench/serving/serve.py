@@ -382,11 +382,11 @@ def detect_device() -> str:
     return out.stdout.strip().splitlines()[-1]
 
 
-def request_times(log_path: str, ids: set[str], wait_s: float = 3.0) -> dict[str, tuple[float, float]]:
-    """Request id -> (engine ttft_s, queue_s) from a server's per-request log lines (``serve
-    --log-requests --log-level info``) in ``log_path``, for ``ids`` (a line is written as its
-    response ends: waits up to ``wait_s`` for the last ones)."""
-    found: dict[str, tuple[float, float]] = {}
+def request_records(log_path: str, ids: set[str], wait_s: float = 3.0) -> dict[str, dict]:
+    """Request id -> its per-request log line (``serve --log-requests --log-level info``, a JSON
+    object with ``ttft_s``, ``queue_s``, ``segments``, ...) in ``log_path``, for ``ids`` (a line is
+    written as its response ends: waits up to ``wait_s`` for the last ones)."""
+    found: dict[str, dict] = {}
     deadline = time.monotonic() + wait_s
     while True:
         with open(log_path, errors="replace") as f:
@@ -399,10 +399,15 @@ def request_times(log_path: str, ids: set[str], wait_s: float = 3.0) -> dict[str
                 except ValueError:
                     continue
                 if x.get("id") in ids and "ttft_s" in x:
-                    found[x["id"]] = (x["ttft_s"], x.get("queue_s"))
+                    found[x["id"]] = x
         if len(found) >= len(ids) or time.monotonic() > deadline:
             return found
         time.sleep(0.2)
+
+
+def request_times(log_path: str, ids: set[str], wait_s: float = 3.0) -> dict[str, tuple[float, float]]:
+    """Request id -> (engine ttft_s, queue_s) from ``request_records``."""
+    return {rid: (x["ttft_s"], x.get("queue_s")) for rid, x in request_records(log_path, ids, wait_s).items()}
 
 
 class Server:

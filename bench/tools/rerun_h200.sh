@@ -38,13 +38,16 @@
 #  13  the first token under load, stretch by stretch (bench/tools/ttft_under_load.py, C = 256, two API-server
 #      processes): over the model-free paced engine at 12 ms steps (this host's API path alone; then with four
 #      API-server processes), then the 8B model (64-token prompts, no segment)
+#  14  the closed loop's waves (bench/NOTES.md, run AM): the first token under load over part 6's segments, every
+#      answer 64 tokens and then 64 +- 32 (ttft_under_load.py --segments 8), then part 6's served workload at C = 256
+#      through HTTP with --max-tokens-spread 32
 # Parts 6-10 write the 8B checkpoint to /tmp/llama8b first when it is missing (~35 s); it stays out of
 # the repository, whose copy on the machine loses files that .gitignore does not cover (bench/NOTES.md, run AH).
 #
 # Each step writes its tables under RESULTS_DIR/<step>/ and its console log to RESULTS_DIR/<step>.log;
 # after each step RESULTS_DIR is packed into TARBALL when given (what a cut call still returns).
 set -uo pipefail
-part=${1:?part 1-13}
+part=${1:?part 1-14}
 res=${2:?results folder}
 tarball=${3:-}
 mkdir -p "$res"
@@ -167,6 +170,18 @@ case "$part" in
     ckpt
     step_as ttft_load_8b 400 bench/tools/ttft_under_load.py --model /tmp/llama8b --concurrency 256 --seconds 60 \
         --out "$res/ttft_load_8b.md" -- --api-server-count 2
+    ;;
+14)
+    ckpt
+    load=(bench/tools/ttft_under_load.py --model /tmp/llama8b --concurrency 256 --seconds 30 --segments 8
+          --segment-tokens 4096)
+    step_as ttft_load_seg 170 "${load[@]}" --out "$res/ttft_load_seg.md" -- --api-server-count 2
+    step_as ttft_load_seg_spread 170 "${load[@]}" --max-tokens-spread 32 --out "$res/ttft_load_seg_spread.md" \
+        -- --api-server-count 2
+    serve=(bench/serving/serve.py --model /tmp/llama8b --tenants 1 --segments-per-tenant 8 --segment-tokens 4096
+           --question-tokens 64 --max-tokens 64 --warm 1.0 --cold 0 --num-requests 1024 --concurrency 256
+           --mode http --serve-args "--api-server-count 2")
+    step serve_spread 240 "${serve[@]}" --max-tokens-spread 32
     ;;
 *)
     echo "unknown part $part" >&2

@@ -2,13 +2,17 @@
 
     python bench/tools/ttft_under_load.py --paced-step-ms 16 --concurrency 256      # no model: the API path
     python bench/tools/ttft_under_load.py --model /tmp/llama8b --concurrency 256 -- --api-server-count 2
+    python bench/tools/ttft_under_load.py --model /tmp/llama8b --segments 8 --segment-tokens 4096 -- --api-server-count 2
 
 ``first_token_timeline.py`` follows one request at a time (C = 1); under load the stretches that
 grow are the waits behind the other streams, so this tool keys its trace points by request id.
 It starts ``serve`` (``--paced-step-ms``: the model-free paced engine of ``bench/lib/paced_engine.py``)
 with ``--log-requests`` and points in every API process, runs ``--concurrency`` closed-loop
-streaming clients (64-token prompts, ``--max-tokens`` greedy tokens, ``ignore_eos``) spread over
-``--client-procs`` processes for ``--seconds``, and reports each stretch's p50 / p90 over the
+streaming clients (64-token prompts, ``--max-tokens`` greedy tokens, ``ignore_eos``; with
+``--segments N`` each prompt names one of N segments of ``--segment-tokens`` random token ids
+registered first, as ``bench/serving/serve.py``'s workload; ``--max-tokens-spread S`` draws each
+request's ``max_tokens`` from max-tokens +- S, so the closed loop's clients do not finish in waves)
+spread over ``--client-procs`` processes for ``--seconds``, and reports each stretch's p50 / p90 over the
 requests sent after the first ``--skip-s`` seconds (the first wave, every client at once, left out):
 
 ``client_send`` (the client, before the POST) -> ``stream_enter`` (the API process's handler calls
@@ -35,7 +39,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 sys.path[:0] = [ROOT, os.path.join(ROOT, "bench", "tools"), os.path.join(ROOT, "bench", "serving")]
 
 from first_token_timeline import Trace, common_options, launch, wait_ready, write_report  # noqa: E402
-from serve import dist, request_times  # noqa: E402  (bench/serving/serve.py: the request log, percentiles)
+from serve import dist, request_records  # noqa: E402  (bench/serving/serve.py: the request log, percentiles)
 from servers import stop_process  # noqa: E402
 
 HAS_TEXT = re.compile(rb'"text": ?"[^"]')  # a completion chunk with text (the server's JSON: `"text": "..."`)
@@ -116,23 +120,30 @@ def _install_from_env() -> None:
         install_points(lambda name, rid: t(f"{name} {rid}"))
 
 
-def client_proc(url: str, clients: int, seconds: float, max_tokens: int, trace_path: str, out) -> None:
+def client_proc(url: str, clients: int, seconds: float, max_tokens: int, trace_path: str, out, segments: int = 0,
+                spread: int = 0, seed: int = 0) -> None:
     """One client process: ``clients`` closed loops for ``seconds``; each request's send and first
-    text go to the trace (keyed by the server's X-Request-Id)."""
+    text go to the trace (keyed by the server's X-Request-Id).  ``segments``: each request names
+    ``seg<i>`` for a random i below it; ``spread``: its ``max_tokens`` is drawn from max_tokens +- spread."""
+    import random
+
     import httpx
 
     fd = os.open(trace_path, os.O_WRONLY | os.O_APPEND)
+    rng = random.Random(seed)
 
     async def main():
         limits = httpx.Limits(max_connections=2 * clients, max_keepalive_connections=2 * clients)
         async with httpx.AsyncClient(base_url=url, timeout=120, limits=limits) as http:
             end = time.perf_counter() + seconds
-            body = {"prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0, "stream": True,
-                    "ignore_eos": True}
 
             async def loop():
                 sent = 0
                 while time.perf_counter() < end:
+                    body = {"prompt": PROMPT, "max_tokens": max_tokens + rng.randint(-spread, spread),
+                            "temperature": 0, "stream": True, "ignore_eos": True}
+                    if segments:
+                        body["segments"] = [f"seg{rng.randrange(segments)}"]
                     t0 = time.perf_counter()
                     async with http.stream("POST", "/v1/completions", json=body) as r:
                         rid, first = r.headers.get("x-request-id"), None
@@ -147,9 +158,28 @@ def client_proc(url: str, clients: int, seconds: float, max_tokens: int, trace_p
     out.put(asyncio.run(main()))
 
 
+def register_segments(url: str, model: str | None, count: int, tokens: int) -> None:
+    """``seg0`` .. ``seg<count-1>``: ``tokens`` random token ids each (below ``model``'s vocabulary)."""
+    import json
+    import random
+
+    import httpx
+
+    from inferscale_jax.default_model import default_model_dir
+
+    with open(os.path.join(model or default_model_dir(), "config.json")) as f:
+        vocab = json.load(f)["vocab_size"]
+    rng = random.Random(0)
+    for i in range(count):
+        ids = [rng.randrange(10, vocab) for _ in range(tokens)]
+        r = httpx.post(f"{url}/v1/segments", json={"id": f"seg{i}", "token_ids": ids}, timeout=600)
+        if r.status_code != 201:
+            raise SystemExit(f"registering seg{i} answered {r.status_code}: {r.text[:300]}")
+
+
 def stretches(trace_path: str, log_path: str, since: float) -> tuple[list[dict], dict]:
-    """Each request's points (sent at or after ``since``) and the engine's (TTFT, queue) per request
-    id, from the server's request log."""
+    """Each request's points (sent at or after ``since``) and its line of the server's request log
+    (the engine's ``ttft_s``, ``queue_s``, the ``segments`` it named) per request id."""
     points: dict[str, dict] = {}
     with open(trace_path) as f:
         for line in f:
@@ -158,20 +188,21 @@ def stretches(trace_path: str, log_path: str, since: float) -> tuple[list[dict],
                 name, rid, t = parts
                 points.setdefault(rid, {}).setdefault(name, float(t))
     sent = {rid for rid, p in points.items() if all(k in p for k in POINTS) and p["client_send"] >= since}
-    engine = request_times(log_path, sent, wait_s=0.0)
+    engine = request_records(log_path, sent, wait_s=0.0)
     return [dict(points[rid], rid=rid) for rid in sent if rid in engine], engine
 
 
 def report(done: list[dict], engine: dict, title: str) -> str:
-    lines = [title, "", f"{len(done)} requests; ms, p50 / p90:", "", "| from | to | p50 | p90 |",
-             "| --- | --- | --- | --- |"]
+    named = sum(bool(engine[r["rid"]].get("segments")) for r in done)
+    lines = [title, "", f"{len(done)} requests ({named} naming a segment); ms, p50 / p90:", "",
+             "| from | to | p50 | p90 |", "| --- | --- | --- | --- |"]
 
     def row(a: str, b: str, seconds: list[float], bold: str = "") -> None:
         d = dist(seconds)
         lines.append(f"| {a} | {b} | {bold}{d['p50']:.1f}{bold} | {bold}{d['p90']:.1f}{bold} |")
     for a, b in zip(POINTS, POINTS[1:]):
         row(a, b, [r[b] - r[a] for r in done])
-    row("(inside stream_enter -> step_received)", "the engine's TTFT", [engine[r["rid"]][0] for r in done])
+    row("(inside stream_enter -> step_received)", "the engine's TTFT", [engine[r["rid"]]["ttft_s"] for r in done])
     row("client_send", "client_first (TTFT)", [r["client_first"] - r["client_send"] for r in done], "**")
     return "\n".join(lines)
 
@@ -184,6 +215,11 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=40.0, help="the load's length (default: 40)")
     ap.add_argument("--skip-s", type=float, default=10.0, help="requests sent in the first seconds left out")
     ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--max-tokens-spread", type=int, default=0,
+                    help="each request's max_tokens from --max-tokens +- this (default 0: every stream the same length)")
+    ap.add_argument("--segments", type=int, default=0,
+                    help="segments registered first; each request names one at random (default 0: plain prompts)")
+    ap.add_argument("--segment-tokens", type=int, default=4096, help="each segment's random token ids (default 4096)")
     args = ap.parse_args()
     if args.serve_child:
         sys.exit(serve_child(args))
@@ -192,16 +228,27 @@ def main() -> None:
     if bad or not 0 <= args.skip_s < args.seconds:
         ap.error(f"out of range: {', '.join(bad) or f'--skip-s {args.skip_s}'} (counts and seconds > 0, "
                  "0 <= --skip-s < --seconds)")
+    if not 0 <= args.max_tokens_spread < args.max_tokens:
+        ap.error(f"--max-tokens-spread {args.max_tokens_spread} is out of range: 0 <= spread < --max-tokens "
+                 f"({args.max_tokens})")
+    if args.segments < 0 or args.segment_tokens < 1:
+        ap.error(f"--segments {args.segments} / --segment-tokens {args.segment_tokens}: need segments >= 0 and "
+                 "segment tokens >= 1")
+    if args.segments and args.paced_step_ms is not None:
+        ap.error("--segments needs a model: the paced engine (--paced-step-ms) holds no segments")
     url, trace_path, proc, log = launch(__file__, args, ["--log-level", "info", "--log-requests", "--max-batch",
                                                          str(args.concurrency)], "ttft-load")
     procs = args.client_procs or max(1, -(-args.concurrency // 64))
     try:
         wait_ready(url, proc, args.timeout)
+        if args.segments:
+            register_segments(url, args.model, args.segments, args.segment_tokens)
         since = time.perf_counter() + args.skip_s
         out = multiprocessing.get_context("spawn").Queue()
         workers = [multiprocessing.get_context("spawn").Process(
             target=client_proc, args=(url, args.concurrency // procs + (i < args.concurrency % procs), args.seconds,
-                                      args.max_tokens, trace_path, out)) for i in range(procs)]
+                                      args.max_tokens, trace_path, out, args.segments, args.max_tokens_spread, i))
+            for i in range(procs)]
         for w in workers:
             w.start()
         sent = sum(out.get(timeout=args.seconds + 600) for _ in workers)
