@@ -1,5 +1,11 @@
 """Tokenizer loading (``transformers.AutoTokenizer`` from the checkpoint folder, local files only)
-and the one encode/decode rule the engine, its async front and the server share."""
+and the one encode/decode rule the engine, its async front and the server share.
+
+A folder whose ``tokenizer_config.json`` names the generic fast class (``PreTrainedTokenizerFast``,
+as Llama-3's does, or ``TokenizersBackend``) is loaded by that class directly - the class
+``AutoTokenizer`` would pick - because importing ``AutoTokenizer`` imports transformers' model
+configuration code and with it PyTorch: 2.6-3.1 s against 0.65 s in a fresh process on the CPU
+machine, and a serve start's load waits on it (bench/NOTES.md, session 27)."""
 
 from __future__ import annotations
 
@@ -15,15 +21,35 @@ if TYPE_CHECKING:
 INLINE_ENCODE_CHARS = 2048
 
 
-def load_tokenizer(model_dir: str) -> PreTrainedTokenizerBase:
-    from transformers import AutoTokenizer
+GENERIC_FAST = ("PreTrainedTokenizerFast", "TokenizersBackend")  # AutoTokenizer's own choice for these names
 
+
+def load_tokenizer(model_dir: str) -> PreTrainedTokenizerBase:
     try:
+        if _generic_fast(model_dir):
+            from transformers import PreTrainedTokenizerFast
+
+            return PreTrainedTokenizerFast.from_pretrained(model_dir, local_files_only=True)
+        from transformers import AutoTokenizer
+
         return AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
     except (OSError, ValueError) as e:
         raise ValueError(
             f"could not load a tokenizer from {model_dir}: {e}. The folder needs tokenizer files "
             "(tokenizer.json or tokenizer.model + tokenizer_config.json); nothing is downloaded.") from e
+
+
+def _generic_fast(model_dir: str) -> bool:
+    """Whether ``model_dir`` holds a ``tokenizer.json`` whose config names a generic fast class."""
+    import json
+    import os
+
+    try:
+        with open(os.path.join(model_dir, "tokenizer_config.json")) as f:
+            cls = json.load(f).get("tokenizer_class")
+    except (OSError, ValueError):
+        return False
+    return cls in GENERIC_FAST and os.path.isfile(os.path.join(model_dir, "tokenizer.json"))
 
 
 def encode_text(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
