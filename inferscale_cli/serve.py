@@ -206,7 +206,11 @@ def _engine_config(args, resolve_dtype):
 def build_engine(args):
     """The engine core process's engine (``inferscale_jax/engine_core.py`` calls it there):
     logging and tracing set up as in the API server, the engine loaded, the tenant hint printed."""
-    from inferscale_cli.main import resolve_dtype
+    from inferscale_cli.main import hide_torch, resolve_dtype
+
+    # a spawned process does not inherit the parent's mark: without it a tokenizer loaded through
+    # AutoTokenizer imports PyTorch here, beside the weights' load (bench/NOTES.md, run AM)
+    hide_torch()
     from inferscale_jax import tracing
     from inferscale_jax.engine import Engine
 

@@ -4,6 +4,7 @@ same class, vocabulary, special tokens, chat template, encodings and decodings; 
 goes through ``AutoTokenizer``."""
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -85,3 +86,16 @@ def test_the_generic_path_does_not_import_torch():
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip().splitlines()[-1] == "False"
+
+
+def test_the_engine_core_process_build_keeps_torch_out(tmp_path):
+    """``serve``'s core process (spawned: the CLI's own mark is not inherited) builds its engine
+    with torch marked absent, so even a tokenizer that needs ``AutoTokenizer`` imports no torch."""
+    path = folder(tmp_path, "GPT2TokenizerFast")
+    code = ("import sys; from inferscale_cli.main import build_parser; from inferscale_cli.serve import build_engine; "
+            f"e = build_engine(build_parser().parse_args(['serve', '--model', {path!r}, '--no-warmup'])); "
+            "print(e.tokenizer is not None, sys.modules.get('torch') is None)")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300,
+                         env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip().splitlines()[-1] == "True True"
