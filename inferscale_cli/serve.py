@@ -340,6 +340,9 @@ def _host_only() -> None:
 def api_server(socks: list, address: str, args, names: list[str], template: str | None, index: int, core_pid: int) -> None:
     """An extra API-server process (``--api-server-count`` > 1): the same app on the same
     listening socket, over the same engine core; ends on SIGTERM (sent by the first API server)."""
+    from inferscale_cli.main import hide_torch
+
+    hide_torch()  # (spawned, as the core: the tokenizer it unpickles needs no PyTorch)
     from serving import create_app, load_api_keys
     from serving.core_client import CoreClient
 
