@@ -104,13 +104,27 @@ def fingerprint(params, cache, cfg, devices) -> str:
     return hashlib.sha256("\n".join(parts.values()).encode()).hexdigest()[:32]
 
 
-class ExecutableStore:
-    """One engine's folder of compiled steps (module docstring)."""
+KEEP_FOLDERS = 4  # fingerprint folders kept: the one in use and the most recently used others
 
-    def __init__(self, cache_dir: str, fp: str):
-        self.folder = os.path.join(cache_dir, "inferscale-executables", fp)
+
+class ExecutableStore:
+    """One engine's folder of compiled steps (module docstring).  Opening it marks it used (its
+    mtime) and removes all but the ``keep`` most recently used fingerprint folders beside it: each
+    code, model or pool change names a new folder (an 8B model's ~90 steps each), and the store is
+    on by default on GPUs, so old ones must not pile up.  A folder another engine still uses may go
+    with them; that engine's later loads miss and its steps compile again."""
+
+    def __init__(self, cache_dir: str, fp: str, keep: int = KEEP_FOLDERS):
+        root = os.path.join(cache_dir, "inferscale-executables")
+        self.folder = os.path.join(root, fp)
         self.loads = self.saves = self.failures = 0
         self._lock = threading.Lock()
+        try:
+            os.makedirs(self.folder, exist_ok=True)
+            os.utime(self.folder)
+            _prune(root, keep, self.folder)
+        except OSError as err:  # the store is an optimization: a folder that cannot be kept costs compiles
+            log.warning("executable store %s: %s", root, err)
 
     def _path(self, key: tuple) -> str:
         return os.path.join(self.folder, hashlib.sha256(repr(key).encode()).hexdigest()[:40] + ".exe")
@@ -158,3 +172,21 @@ class ExecutableStore:
         with self._lock:
             self.saves += 1
         return True
+
+
+def _prune(root: str, keep: int, current: str) -> None:
+    """Remove the fingerprint folders under ``root`` but ``current`` and the most recently used
+    others, ``keep`` in all."""
+    import shutil
+
+    folders = []
+    for name in os.listdir(root):
+        path = os.path.join(root, name)
+        if path != current and os.path.isdir(path):
+            try:
+                folders.append((os.stat(path).st_mtime, path))
+            except FileNotFoundError:  # (removed meanwhile by another engine)
+                continue
+    for _, path in sorted(folders, reverse=True)[max(0, keep - 1):]:
+        shutil.rmtree(path, ignore_errors=True)
+        log.info("executable store: removed %s (older than the %d most recently used)", path, keep)

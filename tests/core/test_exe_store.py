@@ -126,3 +126,19 @@ def test_the_fingerprint_follows_the_model_dtype_jax_options_and_source(monkeypa
 def test_the_switch(monkeypatch, env, platform, want):
     monkeypatch.setenv("INFERSCALE_EXE_STORE", env)
     assert exe_store_wanted(platform) is want
+
+
+def test_opening_a_store_keeps_only_the_most_recently_used_folders(tmp_path):
+    root = tmp_path / "inferscale-executables"
+    for i, name in enumerate(["a", "b", "c", "d", "e"]):
+        (root / name).mkdir(parents=True)
+        (root / name / "x.exe").write_bytes(b"1")
+        os.utime(root / name, (1000 + i, 1000 + i))  # a oldest, e newest
+    (root / "stray.txt").write_text("not a folder")
+    store = ExecutableStore(str(tmp_path), "new", keep=3)
+    assert os.path.isdir(store.folder)
+    assert sorted(os.listdir(root)) == ["d", "e", "new", "stray.txt"]  # new + the two most recent others
+    ExecutableStore(str(tmp_path), "d", keep=3)  # reopening d marks it the most recently used; three stay
+    assert sorted(os.listdir(root)) == ["d", "e", "new", "stray.txt"]
+    ExecutableStore(str(tmp_path), "f", keep=2)
+    assert sorted(os.listdir(root)) == ["d", "f", "stray.txt"]
