@@ -163,8 +163,9 @@ class Engine:
             except ValueError as e:
                 log.warning("%s; the engine accepts token ids only", e)
                 tok = None
-            t_tok = time.perf_counter() - t0
-            return tok, weights_digest(model_dir), (t_tok, time.perf_counter() - t0)
+            t_mid = time.perf_counter()
+            digest = weights_digest(model_dir)
+            return tok, digest, t_mid - t0, time.perf_counter() - t_mid
 
         with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="inferscale-tokenizer") as pool:
             tokenizer_future = pool.submit(side)
@@ -176,13 +177,13 @@ class Engine:
             else:
                 params = load_params(model_dir, cfg, jnp.dtype(config.dtype))
             tw = time.perf_counter()
-            tokenizer, digest, tt = tokenizer_future.result()
+            tokenizer, digest, t_tok, t_digest = tokenizer_future.result()
         fp = hashlib.sha256(f"{config_digest(cfg)}|{digest}".encode()).hexdigest()
         t1 = time.perf_counter()
         engine = cls(params, cfg, tokenizer, config, fingerprint=fp, placed=placed)
         log.info("loaded %s: weights and tokenizer in %.1f s (weights %.1f s, beside them the tokenizer %.1f s and "
                  "the weights' digest %.1f s), the engine (KV pool of %d pages, snapshot) in %.1f s", model_dir,
-                 t1 - t0, tw - t0, tt[0], tt[1] - tt[0],
+                 t1 - t0, tw - t0, t_tok, t_digest,
                  engine.runner.cache.num_pages, time.perf_counter() - t1)
         return engine
 

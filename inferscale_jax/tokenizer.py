@@ -9,6 +9,8 @@ machine, and a serve start's load waits on it (bench/NOTES.md, session 27)."""
 
 from __future__ import annotations
 
+import json
+import os
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -41,9 +43,6 @@ def load_tokenizer(model_dir: str) -> PreTrainedTokenizerBase:
 
 def _generic_fast(model_dir: str) -> bool:
     """Whether ``model_dir`` holds a ``tokenizer.json`` whose config names a generic fast class."""
-    import json
-    import os
-
     try:
         with open(os.path.join(model_dir, "tokenizer_config.json")) as f:
             cls = json.load(f).get("tokenizer_class")
