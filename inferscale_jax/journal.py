@@ -2,13 +2,20 @@
 
 SQLite's write-ahead log can lose committed transactions *silently* when it is deleted, cut or
 changed after a crash (their frames fail its checksums and are skipped).  So every segment write
-is also appended here, after its COMMIT and before it is acknowledged:
+is also appended here, before its COMMIT:
 
-1. ``Registry`` commits the write (it advances ``meta.write_seq`` to ``seq``).
+1. ``Registry`` runs the write's statements in its transaction and advances ``meta.write_seq``
+   to ``seq``.
 2. ``Journal.append`` writes one line ``<crc32 hex> <json>\\n`` - the record: ``seq``, the
    operation and everything needed to redo it (rows with their token ids, base64 int32) - and
    fsyncs the file.
-3. The write is acknowledged.
+3. The transaction commits, and the write is acknowledged.  A COMMIT that fails cuts its line off
+   again (``drop_from``): a refused write is never redone.
+
+The line comes first because a write committed without it (a crash between the two) is served
+after the restart yet could be redone by nothing: a later damaged log would lose it silently.
+With the line first, a crash between the two leaves a record the registry lacks, and the restart
+redoes it: the write in flight comes back whole (it was not acknowledged, so absent would do too).
 
 The first line is a header ``{"base": S, "step": N}``: the records that follow start after write
 ``S``, which snapshot step ``N`` reflects (``step`` is absent when no snapshot does: then ``S`` is
@@ -20,9 +27,10 @@ snapshot's rows it rebuilds the registry whole (``recovery.py``, for a checkpoin
 
 Reading (``read``) never trusts a line it cannot check: a line whose checksum or JSON fails is
 *damaged* (its write is unknown: counted, and named by its line number); a last line without its
-newline is a write torn by the crash before it was acknowledged, and is dropped.  ``acked`` is the
-highest write the journal proves acknowledged.  ``registry.py`` compares it with ``write_seq`` and
-``snapshot.py`` replays what the registry lacks, or refuses naming each lost write by id.
+newline is a write torn by the crash before its COMMIT, and is dropped.  ``acked`` is the highest
+write the journal holds (each one acknowledged, but for the one in flight at a crash).
+``registry.py`` compares it with ``write_seq`` and ``snapshot.py`` replays what the registry lacks,
+or refuses naming each lost write by id.
 """
 
 from __future__ import annotations
@@ -96,8 +104,8 @@ class Contents:
 
     def missing(self, after: int) -> list[int]:
         """Acknowledged seqs in ``(after, acked]`` the journal has no intact record of.  A
-        ``sync`` record (the registry committed writes ``first..seq`` but crashed before their
-        lines: never acknowledged) covers its range."""
+        ``sync`` record (the registry held writes ``first..seq`` the journal had lost: a cut or
+        replaced journal) covers its range: nothing can redo them."""
         unacked = {s for rec in self.records.values() if rec.get("op") == "sync"
                    for s in range(int(rec["first"]), rec["seq"] + 1)}
         return [s for s in range(after + 1, self.acked + 1) if s not in self.records and s not in unacked]
@@ -139,9 +147,9 @@ class Journal:
                 out.damaged.append((number, rec))
         return out
 
-    def append(self, record: dict) -> None:
-        """``record`` (with its ``seq``) as one line, fsynced.  A torn last line (a crash
-        mid-append) is cut first so the new line starts on its own."""
+    def append(self, record: dict) -> int:
+        """``record`` (with its ``seq``) as one line, fsynced; returns the byte it starts at.  A
+        torn last line (a crash mid-append) is cut first so the new line starts on its own."""
         if not os.path.exists(self.path):
             self.reset(0)
         with open(self.path, "r+b") as f:
@@ -152,8 +160,17 @@ class Journal:
                 if f.read(1) != b"\n":
                     data = (f.seek(0), f.read())[1]
                     f.truncate(data.rfind(b"\n") + 1)
-            f.seek(0, os.SEEK_END)
+            at = f.seek(0, os.SEEK_END)
             f.write(_line(record))
+            f.flush()
+            os.fsync(f.fileno())
+        return at
+
+    def drop_from(self, at: int) -> None:
+        """Cut the journal back to byte ``at`` (the line ``append`` wrote there: its write was
+        not committed), fsynced."""
+        with open(self.path, "r+b") as f:
+            f.truncate(at)
             f.flush()
             os.fsync(f.fileno())
 

@@ -1,8 +1,9 @@
 """Registry recovery at startup: redo the acknowledged writes the registry lost, or name them.
 
 ``Registry`` (``registry.py``) sets ``lost_writes`` when its ``write_seq`` is below the last write
-its journal (``journal.py``) proves acknowledged: the registry's write-ahead log was deleted, cut
-or changed after a crash, or the file was replaced or moved aside by ``repair``.  Before the
+its journal (``journal.py``) holds: the registry's write-ahead log was deleted, cut or changed
+after a crash, the file was replaced or moved aside by ``repair``, or a crash came between a
+write's journal line and its COMMIT (that write, never acknowledged, is redone whole).  Before the
 restore reads any row, ``recover``:
 
 1. Picks a base the journal can bring up to date: the registry as it is, when the journal holds
@@ -93,8 +94,8 @@ def recover(p: "Persistence") -> None:
     except RedoFailed as err:
         raise _refusal(reg, have, journal.acked, lost + err.failed, snap_note) from None
     redone = [describe(r) for r in records]
-    log.warning("the segment registry %s lacked %d acknowledged write(s) (a damaged write-ahead log, or a replaced "
-                "file): rebuilt from %s and %d write(s) redone from the journal %s%s", reg.path, journal.acked - have,
+    log.warning("the segment registry %s lacked %d journaled write(s) (a damaged write-ahead log, a replaced file, "
+                "or a crash between a write's journal line and its commit): rebuilt from %s and %d write(s) redone from the journal %s%s", reg.path, journal.acked - have,
                 source, len(records), reg.journal.path,
                 (": " + "; ".join(redone[:5]) + ("; ..." if len(redone) > 5 else "")) if redone else "")
     lost += failed

@@ -44,9 +44,9 @@ SQLite cannot see what its own damage hides: a write-ahead log deleted, truncate
 after a crash loses the transactions in it *silently* (their frames fail SQLite's checksums and
 are ignored), and an edited row is valid SQL.  So:
 
-- every segment write transaction also advances ``meta.write_seq``, and after its COMMIT the
+- every segment write transaction also advances ``meta.write_seq``, and before its COMMIT the
   write is appended to ``registry.sqlite3.journal`` (``journal.py``: one checksummed line per
-  write with what it takes to redo it, fsynced) before it is acknowledged.  Opening a registry
+  write with what it takes to redo it, fsynced; a failed COMMIT cuts the line off again).  Opening a registry
   whose ``write_seq`` is below the journal's last acknowledged write sets ``lost_writes``; the
   restore (``snapshot.py``, ``recover``) then redoes the missing writes from the journal, on
   this registry or on the newest snapshot's rows when the journal no longer reaches back to
@@ -81,6 +81,7 @@ import errno
 import fcntl
 import hashlib
 import json
+import logging
 import os
 import sqlite3
 import threading
@@ -90,6 +91,8 @@ import numpy as np
 
 from inferscale_jax.errors import SnapshotCorrupt, SnapshotInUse, StorageError
 from inferscale_jax.journal import Contents, Journal, decode_tokens, encode_tokens, fsync_dir
+
+log = logging.getLogger("inferscale.snapshot")
 
 CHECKPOINT_EVERY = 1000  # segment writes between checkpoints of the registry's log (besides snapshots)
 LOCK_WAIT_S = 60.0  # how long a new engine waits for the snapshot folder's previous holder to exit
@@ -310,8 +313,8 @@ class Registry:
             if not self.journaled.exists:
                 self.journal.reset(have)  # nothing to compare with: the count starts from this file
                 self.journaled = self.journal.read()
-            elif have > self.journaled.acked:  # committed, then a crash before the journal line: never
-                self.journal.append(dict(seq=have, op="sync", first=self.journaled.acked + 1))  # acknowledged
+            elif have > self.journaled.acked:  # the journal lost its last lines (cut or replaced): these
+                self.journal.append(dict(seq=have, op="sync", first=self.journaled.acked + 1))  # are the file's
                 self.journaled = self.journal.read()
         except OSError as err:
             if self._db is not None:
@@ -404,24 +407,29 @@ class Registry:
     @contextlib.contextmanager
     def _transaction(self, what: str, record: dict | None):
         """One fsynced write transaction under the lock.  A segment write passes its journal
-        ``record``: the transaction advances ``write_seq``, and once committed the record (with
-        that ``seq``) is appended to the journal.  Storage failures become ``StorageError``."""
+        ``record``: the transaction advances ``write_seq``, and the record (with that ``seq``) is
+        appended to the journal before the COMMIT.  Storage failures become ``StorageError``."""
         counted = record is not None
         with self._lock:
             try:
                 self._db.execute("BEGIN IMMEDIATE")
                 try:
                     yield self._db
-                    seq = self._write_seq() + 1 if counted else None
                     if counted:
+                        seq = self._write_seq() + 1
                         self._db.execute("INSERT INTO meta VALUES ('write_seq', ?) ON CONFLICT(key) DO UPDATE SET "
                                          "value = excluded.value", (str(seq),))
-                    self._db.execute("COMMIT")
-                    if counted:
-                        try:
-                            self.journal.append(dict(seq=seq, **record))
+                        try:  # the journal line before the COMMIT (module docstring, "Damage")
+                            at = self.journal.append(dict(seq=seq, **record))
                         except OSError as err:
                             raise storage_error(err, self.folder, f"{what}: journaling write {seq}") or err
+                    try:
+                        self._db.execute("COMMIT")
+                    except BaseException:
+                        if counted:
+                            self._unjournal(at, seq, what)
+                        raise
+                    if counted:
                         self._since_checkpoint += 1
                         if self._since_checkpoint >= CHECKPOINT_EVERY:
                             self._checkpoint()
@@ -435,6 +443,15 @@ class Registry:
                 if mapped is not None:
                     raise mapped from err
                 raise
+
+    def _unjournal(self, at: int, seq: int, what: str) -> None:
+        """The COMMIT of write ``seq`` failed: its journal line (from byte ``at``) goes, so no
+        restart redoes a write that was refused.  If even that fails, the error says so."""
+        try:
+            self.journal.drop_from(at)
+        except OSError as err:
+            log.error("%s: the COMMIT of write %d failed and its journal line could not be removed from %s (%s): a "
+                      "restart would redo that write", what, seq, self.journal.path, err)
 
     # -- reads ----------------------------------------------------------------------------
     def rows(self) -> list[SegmentRow]:

@@ -251,6 +251,7 @@ def test_full_or_read_only_registry_is_a_storage_error_and_registers_nothing(tmp
                                            f"{re.escape(d)} is full or read-only .*{message}"):
         e.register_segment("b", token_ids=seg_tokens(1, 40))
     assert [s.id for s in e.list_segments()] == ["a"] and not real.in_transaction
+    assert reg.journal.read().acked == reg.write_seq() == 1  # the refused write's journal line went too
     assert_only_nodes_hold_pages(e)  # "b"'s pages were released (its full pages stay in the prefix cache)
     assert e.pool.num_free == free
     with pytest.raises(StorageError, match="deleting segment 'a'"):

@@ -187,6 +187,33 @@ def test_a_registry_file_that_fails_its_check_is_rebuilt_by_repair(tmp_path, chi
     e.close()
 
 
+@pytest.mark.parametrize("at", ["journaled", "committed"])
+def test_a_crash_at_a_commit_leaves_a_write_the_journal_redoes(tmp_path, children, at):
+    """kill -9 right before or right after a write's COMMIT: the restart serves the write whole
+    (redone from its journal line, or committed), and when a later crash also loses the registry's
+    log, the journal brings it back again - a write once served is never lost silently (found by
+    the 20-kill loop: a write committed before its journal line, lost with the log)."""
+    folder = str(tmp_path / "snap")
+    ops = SCRIPT[:4] + [["append", "a", toks(7, 5)]]
+    crash = children(folder, "crash", json.dumps({"ops": ops, "at": at}))
+    assert crash.proc.wait(timeout=240) == 9, "".join(crash.err[-30:])
+    assert [x["begin"] for x in crash.lines if "begin" in x] == ops and len([x for x in crash.lines if "ack" in x]) == 4
+    want = model_after(ops)
+    child = children(folder, "script", json.dumps([["register", "e", toks(8)]]))
+    first = child.wait_for(lambda x: "state" in x)
+    assert first["state"] == model_after(ops[:-1]) | {"a": want["a"]}
+    assert first["restore"]["redone"] == (1 if at == "journaled" else 0) and first["restore"]["lost_writes"] == 0
+    child.wait_for(lambda x: "idle" in x)
+    child.kill()
+    os.remove(os.path.join(folder, "registry.sqlite3-wal"))  # the append and e's registration, if not checkpointed
+    e = make_engine(snapshot_dir=folder)
+    assert state(e) == want | {"e": [1, toks(8)]}
+    assert e.stats()["snapshot"]["lost_writes"] == 0
+    inj = e.generate(prompt_token_ids=PROMPT, segments=["a"], tenant="t", sampling=SP).token_ids
+    assert inj == e.generate(prompt_token_ids=want["a"][1] + PROMPT, tenant="t", sampling=SP).token_ids
+    e.close()
+
+
 def test_kill_9_loop_loses_no_acknowledged_write(tmp_path, children):
     """>= 20 kills at random points of registrations, updates, appends, deletions and snapshots;
     every fourth kill also damages the registry's write-ahead log.  After each restart every

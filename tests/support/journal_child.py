@@ -3,6 +3,8 @@ by one on stdout, then killed with SIGKILL by the parent.
 
     python tests/support/journal_child.py DIR script OPS_JSON   # the writes in OPS_JSON, then idle until killed
     python tests/support/journal_child.py DIR loop SEED         # restore, report the state, then random writes forever
+    python tests/support/journal_child.py DIR crash JSON        # {"ops": OPS, "at": "journaled"|"committed"}: the
+                                                                # last op dies (os._exit) right before / after its COMMIT
 
 Every line is JSON: ``{"state": {id: [version, tokens]}, "restore": {...}}`` first (what the
 restore brought back, and its counters), then per write ``{"begin": op}`` before it and
@@ -51,6 +53,25 @@ def run(engine, ops) -> None:
         say(ack=op)
 
 
+class DieAtCommit:
+    """The registry's connection, dying at the next COMMIT: before it runs ("journaled": the
+    journal line is written, the transaction not) or right after it ("committed")."""
+
+    def __init__(self, db, at: str):
+        self.db, self.at = db, at
+
+    def execute(self, sql, *args):
+        if sql.startswith("COMMIT") and self.at == "journaled":
+            os._exit(9)
+        out = self.db.execute(sql, *args)
+        if sql.startswith("COMMIT"):
+            os._exit(9)
+        return out
+
+    def __getattr__(self, name):
+        return getattr(self.db, name)
+
+
 def random_op(rng: random.Random, have: set, serial: list[int]) -> list:
     toks = [rng.randrange(1, 90) for _ in range(rng.randrange(9, 30))]
     kind = rng.choice(["register"] * 3 + ["update", "append", "delete"] * 2 + ["snapshot"] if have else ["register"])
@@ -72,6 +93,12 @@ def main(folder: str, mode: str, arg: str) -> None:
     say(state=have, restore={k: st[k] for k in ("rebuilt", "redone", "lost_writes", "recomputed", "restored_step")})
     if mode == "script":
         run(engine, json.loads(arg))
+    elif mode == "crash":
+        plan = json.loads(arg)
+        run(engine, plan["ops"][:-1])
+        reg = engine.persistence.registry
+        reg._db = DieAtCommit(reg._db, plan["at"])
+        run(engine, plan["ops"][-1:])
     else:
         rng = random.Random(int(arg))
         if have:  # injected == full prefill, for one restored segment
