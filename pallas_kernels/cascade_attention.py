@@ -232,6 +232,7 @@ def _shared_kernel(
     block_kv: int,
     num_splits: int,
     scale_log2: float,
+    prefetch: bool,
 ):
     scale_refs, (o_ref, m_ref, l_ref) = (refs[:2], refs[2:]) if quantized else ((), refs)
     split = pl.program_id(2)
@@ -255,13 +256,14 @@ def _shared_kernel(
         return lax.shift_left(page, log2_s) + (tok & (page_size - 1))
 
     def body(i, carry, masked: bool):
-        o, m, l, slot = carry  # [R, D], [R], [R] fp32; [BK] slots of tile i
+        o, m, l, *nxt = carry  # [R, D], [R], [R] fp32; with prefetch [BK] slots of tile i
+        slot = nxt[0] if prefetch else slots_of(i)
         k = k_ref[slot]  # [BK, D]
         v = v_ref[slot]
         if scale_refs:  # compressed pages: exact convert; the scales fold into scores and probs (quant.py)
             ks, vs = scale_refs[0][slot], scale_refs[1][slot]
             k, v = k.astype(q.dtype), v.astype(pv_dtype(q.dtype))
-        next_slot = slots_of(i + 1)  # off the critical path of the next iteration
+        nxt = (slots_of(i + 1),) if prefetch else ()  # off the critical path of the next iteration
         logits = lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=_PREC,
                                  preferred_element_type=jnp.float32)  # [R, BK]
         if scale_refs:
@@ -279,12 +281,12 @@ def _shared_kernel(
         w = fold_probs(p, vs, valid) if scale_refs else p
         pv = lax.dot_general(w.astype(v.dtype), v, (((1,), (0,)), ((), ())), precision=_PREC,
                              preferred_element_type=jnp.float32)  # [R, D]
-        return o * corr[:, None] + pv, m_new, l_new, next_slot
+        return o * corr[:, None] + pv, m_new, l_new, *nxt
 
     carry = (jnp.zeros((rows, d), jnp.float32), jnp.full((rows,), _M_INIT, jnp.float32),
-             jnp.zeros((rows,), jnp.float32), slots_of(0))
+             jnp.zeros((rows,), jnp.float32), *((slots_of(0),) if prefetch else ()))
     carry = lax.fori_loop(0, n_full, functools.partial(body, masked=False), carry)
-    o, m, l, _ = lax.fori_loop(n_full, n_total, functools.partial(body, masked=True), carry)
+    o, m, l = lax.fori_loop(n_full, n_total, functools.partial(body, masked=True), carry)[:3]
 
     @pl.when(shared_len_ref[0] > 0)  # an unused block (or an empty prefix) stores nothing: no reader
     def _():
@@ -295,7 +297,7 @@ def _shared_kernel(
 
 def _shared_partials(q, k_pages, v_pages, group_pages, group_lens, row_group, k_scale, v_scale, *, sm_scale,
                      block_rows, block_kv, num_splits, num_warps, num_stages, interpret, real_groups=None,
-                     real_rows=None, pad_rows=0):
+                     real_rows=None, pad_rows=0, prefetch=None):
     """The shared kernel's launch (algorithm steps 1-2): (o [Hkv, NS, Rp + pad, D], m, l [Hkv, NS,
     Rp + pad] fp32 partials of the packed rows, m in base 2; idx [B * Gq] each query row's packed
     row, Rp outside every group; stored [B * Gq] bool: its block wrote partials).  ``pad_rows``
@@ -325,7 +327,8 @@ def _shared_partials(q, k_pages, v_pages, group_pages, group_lens, row_group, k_
     num_splits = min(num_splits, max_blocks)  # (a split holds at least one tile)
 
     quantized = k_scale is not None
-    kernel = functools.partial(_shared_kernel, quantized=quantized, page_size=s, block_kv=block_kv,
+    prefetch = common.slot_prefetch() if prefetch is None else prefetch
+    kernel = functools.partial(_shared_kernel, quantized=quantized, page_size=s, block_kv=block_kv, prefetch=prefetch,
                                num_splits=num_splits, scale_log2=float(sm_scale) * _LOG2E)
     per_head = pl.BlockSpec((None, p * s, d), lambda r, h, t: (h, 0, 0))
     scales, scale_specs = (), []
@@ -502,16 +505,16 @@ def grouped_shared_prefix_attention_ref(
 
 @functools.partial(jax.jit, static_argnames=(
     "sm_scale", "block_rows", "block_kv", "num_splits", "suffix_num_splits", "num_warps",
-    "num_stages", "interpret", "fused_merge"))
+    "num_stages", "interpret", "fused_merge", "prefetch"))
 def _cascade(q, k_pages, v_pages, group_pages, group_lens, row_group, suffix_table, suffix_lens,
              k_scale, v_scale, *, sm_scale, block_rows, block_kv, num_splits, suffix_num_splits,
-             num_warps, num_stages, interpret, fused_merge):
+             num_warps, num_stages, interpret, fused_merge, prefetch):
     if 0 in group_pages.shape:  # no group or no shared page at all: plain decode
         return paged_decode_attention(q, k_pages, v_pages, suffix_table, suffix_lens, sm_scale=sm_scale,
                                       num_splits=suffix_num_splits, interpret=interpret, k_scale=k_scale,
-                                      v_scale=v_scale)
+                                      v_scale=v_scale, prefetch=prefetch)
     knobs = dict(sm_scale=sm_scale, block_rows=block_rows, block_kv=block_kv, num_splits=num_splits,
-                 num_warps=num_warps, num_stages=num_stages, interpret=interpret)
+                 num_warps=num_warps, num_stages=num_stages, interpret=interpret, prefetch=prefetch)
     if fused_merge:  # steps 3-5 in the suffix kernel: it starts from each row's shared partials
         b, hq, _ = q.shape
         gq = hq // k_pages.shape[0]
@@ -521,10 +524,11 @@ def _cascade(q, k_pages, v_pages, group_pages, group_lens, row_group, suffix_tab
         row = jnp.where(stored.reshape(b, gq)[:, 0], first, -1)
         return paged_decode_attention(q, k_pages, v_pages, suffix_table, suffix_lens, sm_scale=sm_scale,
                                       num_splits=suffix_num_splits, interpret=interpret, k_scale=k_scale,
-                                      v_scale=v_scale, init=(row, o, m, l))
+                                      v_scale=v_scale, init=(row, o, m, l), prefetch=prefetch)
     o_sf, lse_sf = paged_decode_attention(q, k_pages, v_pages, suffix_table, suffix_lens,
                                           sm_scale=sm_scale, num_splits=suffix_num_splits,
-                                          interpret=interpret, return_lse=True, k_scale=k_scale, v_scale=v_scale)
+                                          interpret=interpret, return_lse=True, k_scale=k_scale, v_scale=v_scale,
+                                          prefetch=prefetch)
     o_sh, lse_sh = _shared_part(q, k_pages, v_pages, group_pages, group_lens, row_group, k_scale, v_scale, **knobs)
     out, _ = merge_lse(o_sh, lse_sh, o_sf, lse_sf)
     return out.astype(q.dtype)
@@ -551,6 +555,7 @@ def grouped_cascade_decode_attention(
     k_scale: jax.Array | None = None,
     v_scale: jax.Array | None = None,
     fused_merge: bool = True,
+    prefetch: bool | None = None,
 ) -> jax.Array:  # [B, Hq, D], dtype of q
     """Decode attention over each row's group prefix + its own suffix (see the module docstring).
     Compressed pages: ``k_scale`` / ``v_scale [Hkv, P, S]`` float32, tiles converted to q's dtype,
@@ -561,7 +566,9 @@ def grouped_cascade_decode_attention(
     ``num_splits`` of the shared range (None: fill the GPU ~2 programs per SM; 1 in interpret
     mode), ``num_warps`` / ``num_stages`` (default 8 / 3 when one row block holds all
     ``B * Hq/Hkv`` rows of a single group, else 4 / 2).  ``suffix_num_splits`` goes to the decode
-    kernel (None: auto).  Eager calls also check the length and group values (one host sync);
+    kernel (None: auto).  ``prefetch`` (both kernels): each loop carries its next tile's page slots
+    (True) or computes a tile's slots in its own iteration (False); None:
+    :func:`pallas_kernels.common.slot_prefetch`.  Eager calls also check the length and group values (one host sync);
     under jit only shapes are."""
     b, hq, hkv, gq, p, s, d, g, ps, mp = check_grouped_inputs(
         q, k_pages, v_pages, group_pages, group_lens, row_group, suffix_table, suffix_lens, k_scale, v_scale)
@@ -585,7 +592,8 @@ def grouped_cascade_decode_attention(
     return _cascade(q, k_pages, v_pages, group_pages, group_lens, row_group, suffix_table, suffix_lens,
                     k_scale, v_scale, sm_scale=sm_scale, block_rows=block_rows, block_kv=block_kv,
                     num_splits=num_splits, suffix_num_splits=suffix_num_splits, num_warps=num_warps,
-                    num_stages=num_stages, interpret=interpret, fused_merge=fused_merge)
+                    num_stages=num_stages, interpret=interpret, fused_merge=fused_merge,
+                    prefetch=common.slot_prefetch() if prefetch is None else prefetch)
 
 
 def grouped_cascade_decode_attention_ref(

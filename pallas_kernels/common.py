@@ -20,6 +20,8 @@ This package imports nothing from the engine.
 
 from __future__ import annotations
 
+import os
+
 import jax
 import jax.numpy as jnp
 from jax.experimental.pallas import triton as plt
@@ -28,6 +30,15 @@ from jax.experimental.pallas import triton as plt
 def default_interpret() -> bool:
     """Interpret kernels unless running on a GPU."""
     return jax.default_backend() != "gpu"
+
+
+def slot_prefetch() -> bool:
+    """Whether the paged kernels' loops carry the next tile's page slots from one iteration to the
+    next (True, the default) or compute each tile's slots in its own iteration (False), which
+    leaves the loads' addresses a function of the loop index alone, as Triton's software
+    pipeliner wants them.  ``INFERSCALE_SLOT_PREFETCH=0`` picks False (an A/B switch for the
+    benchmarks, bench/NOTES.md); the kernels' ``prefetch`` argument overrides it."""
+    return os.environ.get("INFERSCALE_SLOT_PREFETCH", "1") != "0"
 
 
 def compiler_params(num_warps: int = 4, num_stages: int = 2) -> plt.CompilerParams:

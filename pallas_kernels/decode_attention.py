@@ -120,6 +120,7 @@ def _decode_kernel(
     num_splits: int,
     max_pages: int,
     scale_log2: float,
+    prefetch: bool,
 ):
     if quantized:
         ks_ref, vs_ref, *refs = refs
@@ -157,7 +158,8 @@ def _decode_kernel(
 
     def body(i, carry):
         # [Gp, D], [Gp], [Gp] fp32; block i's [BK] slots; with v_transposed also its page (a scalar)
-        o, m, l, slot, *page = carry
+        o, m, l, *nxt = carry
+        slot, *page = nxt if prefetch else (slots_of(i), *((page_of(i),) if v_transposed else ()))
         valid = tok_start + i * block_tokens + offs < length  # [BK]
         k = k_ref[slot]  # [BK, D] gathered from up to pages_per_block pages
         v = v_ref[page[0], :, :] if v_transposed else v_ref[slot]  # [D, BK] / [BK, D]
@@ -169,8 +171,7 @@ def _decode_kernel(
             k, v = dequantize_rows(k, ks_ref[slot], q.dtype), dequantize_rows(v, vs_ref[slot], q.dtype)
         # Prefetch: the next block's page ids load alongside this block's K/V, so the
         # page-table read is off the critical path (no dependent load inside an iteration).
-        next_slot = slots_of(i + 1)
-        next_page = (page_of(i + 1),) if v_transposed else ()
+        nxt = ((slots_of(i + 1), *((page_of(i + 1),) if v_transposed else ())) if prefetch else ())
         if k_major:  # K as the dot's row operand (untransposed), the [BK, Gp] result transposed back
             logits = lax.dot_general(k, q, (((1,), (1,)), ((), ())), precision=prec,
                                      preferred_element_type=jnp.float32).T  # [Gp, BK]
@@ -189,12 +190,11 @@ def _decode_kernel(
         w = fold_probs(p, vs, valid) if folded else p
         pv = lax.dot_general(w.astype(v.dtype), v, (((1,), (1 if v_transposed else 0,)), ((), ())),
                              precision=prec, preferred_element_type=jnp.float32)  # [Gp, D]
-        return (o * corr[:, None] + pv, m_new, l_new, next_slot, *next_page)
+        return (o * corr[:, None] + pv, m_new, l_new, *nxt)
 
     init = (*(_initial_state(init_refs, b, s, row_ok, init_splits) if init_splits else
               (jnp.zeros((gp, d), jnp.float32), jnp.full((gp,), _M_INIT, jnp.float32), jnp.zeros((gp,), jnp.float32))),
-            slots_of(0),
-            *((page_of(0),) if v_transposed else ()))
+            *((slots_of(0), *((page_of(0),) if v_transposed else ())) if prefetch else ()))
     o, m, l = lax.fori_loop(0, num_iters, body, init)[:3]
 
     if len(stat_refs) == 2:  # partial result of one split
@@ -236,7 +236,7 @@ def _initial_state(init_refs, b, s, row_ok, splits: int):
     jax.jit,
     static_argnames=("sm_scale", "num_splits", "pages_per_block", "num_warps",
                      "num_stages", "interpret", "return_lse", "fold_scales", "k_major",
-                     "v_transposed"))
+                     "v_transposed", "prefetch"))
 def paged_decode_attention(
     q: jax.Array,  # [B, Hq, D]
     k_pages: jax.Array,  # [Hkv, P, S, D]
@@ -257,6 +257,7 @@ def paged_decode_attention(
     k_major: bool = False,
     v_transposed: bool = False,
     init: tuple[jax.Array, ...] | None = None,
+    prefetch: bool | None = None,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:  # [B, Hq, D], dtype of q (+ lse [B, Hq] fp32)
     """Attention of one query token per sequence over its paged KV cache (see module doc).
 
@@ -280,6 +281,9 @@ def paged_decode_attention(
     ``h``'s ``NI`` partials (unnormalised ``o``, base-2 running max ``m``, sum ``l``, as this kernel's own
     split partials); ``row[b] < 0``: none.  ``R >= max(row) + Gp`` (padded: a whole query tile is read).
     The result is the attention over both key sets, as if the partials were one more split.
+
+    ``prefetch``: the loop carries the next block's page slots (True) or computes each block's in
+    its own iteration (False); None: :func:`pallas_kernels.common.slot_prefetch`.
     """
     v_usual = v_pages  # what the checks see: V in the usual layout
     if v_transposed:  # validate as the usual layout; the kernel reads the transposed one
@@ -351,7 +355,8 @@ def paged_decode_attention(
     kernel = functools.partial(
         _decode_kernel, quantized=quantized, init_splits=init_splits, fold_scales=fold_scales, k_major=k_major,
         v_transposed=v_transposed, group=g, page_size=s,
-        block_tokens=block_tokens, num_splits=num_splits, max_pages=max_pages, scale_log2=float(sm_scale) * _LOG2E)
+        block_tokens=block_tokens, num_splits=num_splits, max_pages=max_pages, scale_log2=float(sm_scale) * _LOG2E,
+        prefetch=common.slot_prefetch() if prefetch is None else prefetch)
     if num_splits == 1:
         out_shape = jax.ShapeDtypeStruct((b, hkv, g, d), q.dtype)
         out_specs = pl.BlockSpec((None, None, gp, d), lambda i, j, k: (i, j, 0, 0))

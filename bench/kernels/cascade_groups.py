@@ -70,7 +70,8 @@ SMOKE = dict(hq=8, hkv=2, d=64, s=8, seg=64, suffix=(4, 12), rows=(6,), segments
              mixed_rows=6, chunk=16, chunk_ctx=32,
              block_rows=(16,), min_set_bytes=0, min_sets=1, max_sets=1, reps=1)
 KNOB_NAMES = dict(bk="block_kv", sp="num_splits", w="num_warps", st="num_stages", ssp="suffix_num_splits",
-                  fm="fused_merge")  # fm=0: the shared part merged in jnp (before the suffix kernel took it)
+                  fm="fused_merge",  # fm=0: the shared part merged in jnp (before the suffix kernel took it)
+                  pf="prefetch")  # pf=0: each tile's page slots computed in its own iteration (both kernels)
 DT = jnp.bfloat16
 RESULTS: list = []  # (B, N, strategy, seconds, its floor s, the ideal floor s, bytes it must read)
 
@@ -159,7 +160,7 @@ def strategies(b, n, cfg, old):
     for br in cfg["block_rows"]:
         out[f"multi BR={br}"] = (multi_with(br), multi_inputs)
     for spec in cfg.get("knobs", ()):  # --knobs: the shared part's other knobs
-        knobs = {KNOB_NAMES[k]: (bool(int(v)) if k == "fm" else int(v)) for k, v in (kv.split("=") for kv in spec.split(","))}
+        knobs = {KNOB_NAMES[k]: (bool(int(v)) if k in ("fm", "pf") else int(v)) for k, v in (kv.split("=") for kv in spec.split(","))}
         out[f"multi {spec}"] = (multi_with(None, **knobs), multi_inputs)
     return out
 

@@ -41,13 +41,17 @@
 #  14  the closed loop's waves (bench/NOTES.md, run AM): the first token under load over part 6's segments, every
 #      answer 64 tokens and then 64 +- 32 (ttft_under_load.py --segments 8), then part 6's served workload at C = 256
 #      through HTTP with --max-tokens-spread 32
+#  15  the paged kernels' loops with each tile's page slots computed in its own iteration against carried from the
+#      one before (INFERSCALE_SLOT_PREFETCH=0 / 1): the decode step's cascade kernels at 64 / 256 rows over 1 / 8
+#      segments with the shared part's stage counts (bench/kernels/cascade_groups.py), plain paged decode beside
+#      them, then the engine's decode steps at 1 / 64 / 256 rows both ways (bench/engine/steps.py)
 # Parts 6-10 write the 8B checkpoint to /tmp/llama8b first when it is missing (~35 s); it stays out of
 # the repository, whose copy on the machine loses files that .gitignore does not cover (bench/NOTES.md, run AH).
 #
 # Each step writes its tables under RESULTS_DIR/<step>/ and its console log to RESULTS_DIR/<step>.log;
 # after each step RESULTS_DIR is packed into TARBALL when given (what a cut call still returns).
 set -uo pipefail
-part=${1:?part 1-14}
+part=${1:?part 1-15}
 res=${2:?results folder}
 tarball=${3:-}
 mkdir -p "$res"
@@ -182,6 +186,13 @@ case "$part" in
            --question-tokens 64 --max-tokens 64 --warm 1.0 --cold 0 --num-requests 1024 --concurrency 256
            --mode http --serve-args "--api-server-count 2")
     step serve_spread 240 "${serve[@]}" --max-tokens-spread 32
+    ;;
+15)
+    kern=(bench/kernels/cascade_groups.py --rows 64,256 --segments 1,8 --no-mixed)
+    INFERSCALE_SLOT_PREFETCH=1 step cascade_pf1 150 "${kern[@]}" --knobs st=3 pf=0 pf=0,st=3 pf=0,st=4
+    INFERSCALE_SLOT_PREFETCH=0 step cascade_pf0 150 "${kern[@]}" --knobs st=3 pf=1
+    INFERSCALE_SLOT_PREFETCH=1 step steps_pf1 130 bench/engine/steps.py --sections decode
+    INFERSCALE_SLOT_PREFETCH=0 step steps_pf0 130 bench/engine/steps.py --sections decode
     ;;
 *)
     echo "unknown part $part" >&2

@@ -94,6 +94,10 @@ CASES = [
     # the shared partials as its starting state)
     (7, 12, 3, 4, 8, 2, 64, 16, jnp.bfloat16, dict(num_splits=2, block_kv=16, fused_merge=False)),
     (8, 9, 3, 6, 32, 8, 128, 16, jnp.float32, dict(block_rows=32, suffix_num_splits=3, num_splits=2)),
+    # each tile's slots computed in its own iteration (both kernels), split and unsplit, both merges
+    (9, 12, 3, 5, 8, 2, 64, 8, jnp.float32, dict(prefetch=False, num_splits=2, block_kv=16, suffix_num_splits=2)),
+    (10, 20, 8, 4, 8, 2, 128, 16, jnp.bfloat16, dict(prefetch=False)),
+    (11, 12, 3, 4, 8, 2, 64, 16, jnp.bfloat16, dict(prefetch=False, fused_merge=False, block_kv=16)),
 ]
 
 
@@ -225,12 +229,13 @@ def test_validation_errors_name_the_value(bad, match):
             fn(**bad(args))
 
 
-def test_lowers_to_triton():
+@pytest.mark.parametrize("prefetch", [True, False])
+def test_lowers_to_triton(prefetch):
     """The compiled path lowers to Triton calls for CUDA (shared kernel + decode kernel), G = 16."""
     sd = jax.ShapeDtypeStruct
     args = (sd((64, 32, 128), jnp.bfloat16), sd((8, 600, 16, 128), jnp.bfloat16),
             sd((8, 600, 16, 128), jnp.bfloat16), sd((16, 256), jnp.int32), sd((16,), jnp.int32),
             sd((64,), jnp.int32), sd((64, 4), jnp.int32), sd((64,), jnp.int32))
-    fn = jax.jit(functools.partial(grouped_cascade_decode_attention, interpret=False))
+    fn = jax.jit(functools.partial(grouped_cascade_decode_attention, interpret=False, prefetch=prefetch))
     text = fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("xla.gpu.triton") >= 2

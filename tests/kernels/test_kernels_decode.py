@@ -51,6 +51,9 @@ CASES = [
     (6, [7, 24, 15, 1, 40], 2, 2, 64, 8, jnp.bfloat16, dict(pages_per_block=2, num_splits=4)),
     (7, [48, 5], 8, 2, 128, 8, jnp.float32, dict(pages_per_block=4, num_splits=5)),
     (12, [10, 33], 6, 2, 64, 16, jnp.float32, {}),  # GQA 3: not a power of two
+    # each block's slots computed in its own iteration (no carried prefetch)
+    (13, [7, 24, 15, 1, 40], 8, 2, 64, 8, jnp.float32, dict(prefetch=False, pages_per_block=2, num_splits=3)),
+    (14, [16, 17, 1, 40], 8, 2, 128, 16, jnp.bfloat16, dict(prefetch=False, num_splits=1)),
 ]
 
 
@@ -111,13 +114,13 @@ def test_rejects_non_power_of_two_page():
         paged_decode_attention(q, kp3, vp3, table, lens)
 
 
-@pytest.mark.parametrize("num_splits", [1, 4])
-def test_lowers_to_triton(num_splits):
+@pytest.mark.parametrize("num_splits,prefetch", [(1, True), (4, True), (4, False)])
+def test_lowers_to_triton(num_splits, prefetch):
     """The compiled (non-interpret) path lowers to a Triton call for CUDA, even on a CPU host."""
     sd = jax.ShapeDtypeStruct
     args = (sd((4, 32, 128), jnp.bfloat16), sd((8, 300, 16, 128), jnp.bfloat16),
             sd((8, 300, 16, 128), jnp.bfloat16), sd((4, 64), jnp.int32), sd((4,), jnp.int32))
     fn = jax.jit(functools.partial(paged_decode_attention, interpret=False,
-                                   num_splits=num_splits))
+                                   num_splits=num_splits, prefetch=prefetch))
     text = fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert "xla.gpu.triton" in text

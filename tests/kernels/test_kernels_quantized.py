@@ -295,9 +295,11 @@ def test_decode_with_token_contiguous_v_pages(kv, splits):
         (kq, ks), (vq, vs) = quantize_kv(k, kv), quantize_kv(v, kv)
         scales = dict(k_scale=ks, v_scale=vs)
     q = jax.random.normal(jax.random.PRNGKey(12), (3, 8, D)).astype(jnp.bfloat16)
-    out = paged_decode_attention(q, kq, jnp.swapaxes(vq, -1, -2), table, lens, num_splits=splits,
-                                 v_transposed=True, interpret=True, **scales)
-    close(out, paged_decode_attention_ref(q, kq, jnp.nan_to_num(vq), table, lens, **scales), jnp.bfloat16)
+    ref = paged_decode_attention_ref(q, kq, jnp.nan_to_num(vq), table, lens, **scales)
+    for prefetch in (True, False):  # the block's page carried from the iteration before, or its own
+        out = paged_decode_attention(q, kq, jnp.swapaxes(vq, -1, -2), table, lens, num_splits=splits,
+                                     v_transposed=True, interpret=True, prefetch=prefetch, **scales)
+        close(out, ref, jnp.bfloat16)
     with pytest.raises(ValueError, match="pages_per_block"):
         paged_decode_attention(q, kq, jnp.swapaxes(vq, -1, -2), table, lens, pages_per_block=2,
                                v_transposed=True, interpret=True, **scales)
