@@ -83,7 +83,7 @@ class AsyncEngine:
 
         def run() -> None:
             try:
-                info = self.engine.warmup(progress=progress)
+                info = self.engine.warmup(progress=progress, first_runs="idle")
                 log.info("warm-up done: %d step buckets in %.1f s", info["buckets"], info["seconds"])
             finally:
                 self.warming = None
@@ -93,8 +93,10 @@ class AsyncEngine:
     def _loop(self) -> None:
         while not self._stop.is_set():
             busy = self.fatal is None and self.engine.has_unfinished()
+            # the warm-up's first runs left for idle time (Engine.warm_idle): one bucket, then commands
+            idle_runs = not busy and self.warming is None and self.engine.first_runs_left and self.engine.warm_idle()
             try:
-                fn, fut = self._cmds.get(block=not busy, timeout=0.05)
+                fn, fut = self._cmds.get(block=not (busy or idle_runs), timeout=0.05)
             except queue.Empty:
                 fn = fut = None
             if fn is not None:

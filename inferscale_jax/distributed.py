@@ -80,6 +80,8 @@ class LockstepEngine(Engine):
     by a broadcast call is not broadcast again); in a follower the methods run as ``Engine``'s, made
     by ``follow``."""
 
+    IDLE_WARM = False  # a first run in idle time would be a step the other processes do not run
+
     def __init__(self, *args, **kwargs):
         self._depth = 0
         self._closed = False

@@ -275,7 +275,7 @@ class EngineCore:
             self.read_during_warmup()
 
         try:
-            info = self.engine.warmup(progress=progress)
+            info = self.engine.warmup(progress=progress, first_runs="idle")
             log.info("warm-up done: %d step buckets in %.1f s", info["buckets"], info["seconds"])
         except Exception:  # noqa: BLE001 - serving goes on; the first requests compile
             log.exception("warm-up failed")
@@ -321,7 +321,9 @@ class EngineCore:
         poller.register(self.sock, zmq.POLLIN)
         while not self.stopping:
             busy = self.fatal is None and self.engine.has_unfinished()
-            if poller.poll(0 if busy else IDLE_POLL_MS):
+            # the warm-up's first runs left for idle time (Engine.warm_idle): one bucket, then messages
+            idle_runs = not busy and not self.draining and self.engine.first_runs_left and self.engine.warm_idle()
+            if poller.poll(0 if busy or idle_runs else IDLE_POLL_MS):
                 while True:
                     try:
                         ident, frame = self.sock.recv_multipart(flags=zmq.NOBLOCK)

@@ -96,8 +96,13 @@ class PacedEngine:
     def maybe_snapshot(self) -> None:
         pass
 
-    def warmup(self, progress=None) -> dict:
+    def warmup(self, progress=None, first_runs: str = "now") -> dict:
         return {"buckets": 0, "seconds": 0.0}
+
+    first_runs_left = 0  # (no buckets: nothing to run in idle time)
+
+    def warm_idle(self) -> bool:
+        return False
 
     def stop_warmup(self) -> None:
         pass

@@ -114,3 +114,71 @@ def test_an_error_in_the_warmup_starts_no_more_compiles(monkeypatch):
     with pytest.raises(KeyboardInterrupt):
         e.runner.warmup(e.runner.buckets.warmup_keys("all"), workers=1)
     assert len(lowered) == 3 and len(started) == 1, (lowered, started)
+
+
+def test_first_runs_left_for_idle_time(monkeypatch):
+    """``first_runs="idle"``: the warm-up compiles every bucket but leaves their first runs (on an
+    accelerator; the runner is told it is on one) to ``warm_idle``, which runs one bucket at a
+    time only while no request is unfinished; a bucket's first real step takes it off the list, and
+    the padding runs count in no serving statistic."""
+    import types
+
+    e = make_engine(pages=128, max_batch=8, max_num_batched_tokens=256)
+    monkeypatch.setattr(e.runner, "device", types.SimpleNamespace(platform="gpu"))
+    with pytest.raises(ValueError, match="first_runs='later'"):
+        e.warmup(first_runs="later", progress_bar=False)
+    info = e.warmup(buckets="small", progress_bar=False, first_runs="idle")
+    keys = e.runner.buckets.warmup_keys("small")
+    assert info["buckets"] == len(keys) and info["first_runs_s"] == 0.0
+    assert e.first_runs_left == len(keys) and list(e.runner.first_runs) == keys
+    sp = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    rid = e.submit(prompt_token_ids=list(range(1, 12)), sampling=sp)
+    assert e.warm_idle() and e.first_runs_left == len(keys)  # a request unfinished: nothing runs
+    ran = []
+    real = e.runner.dispatch
+    monkeypatch.setattr(e.runner, "dispatch", lambda plan, *a, **kw: ran.append(plan) or real(plan, *a, **kw))
+    outs = []
+    while e.has_unfinished():
+        outs += e.step()
+    assert ran and e.first_runs_left < len(keys)  # the request's own buckets ran for real
+    b = e.runner.buckets
+    counts, left = (b.real_tokens, b.padded_tokens, b.real_rows, b.padded_rows), e.first_runs_left
+    ran.clear()
+    while e.warm_idle():
+        pass
+    assert e.first_runs_left == 0 and len(ran) == left > 0  # one padding step per bucket left
+    assert all(not any(r.tokens) and not any(r.pages) for plan in ran for r in plan.rows)  # the null page only
+    assert not e.warm_idle()
+    assert (b.real_tokens, b.padded_tokens, b.real_rows, b.padded_rows) == counts
+    again = e.generate(prompt_token_ids=list(range(1, 12)), sampling=sp).token_ids
+    assert again == [o for out in outs if out.request_id == rid for o in out.new_token_ids]
+
+
+def test_the_serving_loop_runs_the_first_runs_while_idle(monkeypatch):
+    """``AsyncEngine.start_warmup`` (serve's in-process path; the core process's loop does the same)
+    leaves the first runs to its idle loop: they are all done soon after the warm-up with no
+    request, and a request meanwhile is served as usual."""
+    import asyncio
+    import functools
+    import time
+    import types
+
+    from inferscale_jax import AsyncEngine, Engine
+
+    e = make_engine(pages=128, max_batch=8, max_num_batched_tokens=256)
+    monkeypatch.setattr(e.runner, "device", types.SimpleNamespace(platform="gpu"))
+    monkeypatch.setattr(e, "warmup", functools.partial(Engine.warmup, e, buckets="small", progress_bar=False))
+    ae = AsyncEngine(e)
+    try:
+        ae.start_warmup()
+        end = time.monotonic() + 120
+        while (ae.warming is not None or e.first_runs_left) and time.monotonic() < end:
+            time.sleep(0.05)
+        assert ae.warming is None and e.first_runs_left == 0 and e.runner.warm
+
+        async def one():
+            return await ae.generate(prompt_token_ids=list(range(1, 12)),
+                                     sampling=SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
+        assert len(asyncio.run(one()).token_ids) == 3
+    finally:
+        ae.shutdown()
