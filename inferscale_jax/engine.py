@@ -763,12 +763,16 @@ class Engine:
 
     def warm_idle(self) -> bool:
         """One first run ``warmup(first_runs="idle")`` left, if the engine is idle (no request
-        unfinished, no step in flight); returns whether any are left.  Serving loops call it while
-        they wait for work, so a bucket's first real step rarely pays its setup."""
-        if not self.first_runs_left:
+        unfinished; a last step still in flight is read first); returns whether it ran one and
+        more are left (False: nothing to do now).  Serving loops call it while they wait for work,
+        so a bucket's first real step rarely pays its setup."""
+        if not self.first_runs_left or self.fault is not None or self.has_unfinished():
             return False
-        if self.fault is None and not self.has_unfinished() and self.loop.inflight is None:
-            self.runner.run_first()
+        if self.loop.inflight is not None:  # a last step whose rows' requests had ended before it
+            late = self.loop.drain()  # (nothing runs, so nothing of it is anyone's)
+            if late:
+                log.warning("warm_idle: %d output(s) of a step read after its requests ended", len(late))
+        self.runner.run_first()
         return self.first_runs_left > 0
 
     def stop_warmup(self) -> None:

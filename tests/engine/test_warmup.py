@@ -133,7 +133,7 @@ def test_first_runs_left_for_idle_time(monkeypatch):
     assert e.first_runs_left == len(keys) and list(e.runner.first_runs) == keys
     sp = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
     rid = e.submit(prompt_token_ids=list(range(1, 12)), sampling=sp)
-    assert e.warm_idle() and e.first_runs_left == len(keys)  # a request unfinished: nothing runs
+    assert not e.warm_idle() and e.first_runs_left == len(keys)  # a request unfinished: nothing runs
     ran = []
     real = e.runner.dispatch
     monkeypatch.setattr(e.runner, "dispatch", lambda plan, *a, **kw: ran.append(plan) or real(plan, *a, **kw))
@@ -152,6 +152,26 @@ def test_first_runs_left_for_idle_time(monkeypatch):
     assert (b.real_tokens, b.padded_tokens, b.real_rows, b.padded_rows) == counts
     again = e.generate(prompt_token_ids=list(range(1, 12)), sampling=sp).token_ids
     assert again == [o for out in outs if out.request_id == rid for o in out.new_token_ids]
+
+
+def test_idle_first_runs_read_a_step_left_in_flight(monkeypatch):
+    """A request that stops on a token leaves a step in flight with a row computed for nothing
+    (overlap); ``warm_idle`` reads it first, then runs the bucket."""
+    import types
+
+    e = make_engine(pages=128, max_batch=8, max_num_batched_tokens=256)
+    monkeypatch.setattr(e.runner, "device", types.SimpleNamespace(platform="gpu"))
+    e.warmup(buckets="small", progress_bar=False, first_runs="idle")
+    left = e.first_runs_left
+    greedy = e.generate(prompt_token_ids=list(range(1, 12)),
+                        sampling=SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)).token_ids
+    out = e.generate(prompt_token_ids=list(range(1, 12)),
+                     sampling=SamplingParams(max_tokens=20, temperature=0.0, stop_token_ids=[greedy[3]]))
+    assert out.finish_reason == "stop" and e.loop.inflight is not None and not e.has_unfinished()
+    assert 0 < e.first_runs_left < left
+    while e.warm_idle():
+        pass
+    assert e.first_runs_left == 0 and e.loop.inflight is None
 
 
 def test_the_serving_loop_runs_the_first_runs_while_idle(monkeypatch):
