@@ -2,15 +2,16 @@
 
 Startup does the cheap, failing-fast work first and says what it does:
 
-1. **Before the model loads**: every path and value is checked (``main.validate``), the API key
-   file is parsed, the chat template read, and the listening socket is bound and listening
-   (``bind``).  A taken port is one ``error:`` line and exit 1 within a second, never after a
-   model load; ``--port`` must be 1-65535 (parse time).  Connections that arrive meanwhile wait
-   in the socket's backlog.
+1. **Before the model loads**: every path and value is checked (``main.validate``), the chat
+   template read, and the listening socket is bound and listening (``bind``).  A taken port is
+   one ``error:`` line and exit 1 within a second, never after a model load; ``--port`` must be
+   1-65535 (parse time).  Connections that arrive meanwhile wait in the socket's backlog.
 2. **The model loads** (``Engine.from_pretrained``; ``--snapshot-dir`` restores segments and KV)
-   in the engine core process (``inferscale_jax/engine_core.py``, spawned here; ``build_engine``
-   runs there), while this process waits for it to say ready; with ``--engine-in-process`` (and
-   always with ``--coordinator``) here, on an ``AsyncEngine`` thread.  ``--api-server-count N``
+   in the engine core process (``inferscale_jax/engine_core.py``, spawned here first, before this
+   process imports the engine package, FastAPI and uvicorn, so those imports overlap its start;
+   ``build_engine`` runs there), while this process parses the API key file (a bad one is one
+   ``error:`` line, the starting core stopped, exit 1) and waits for the core to say ready; with
+   ``--engine-in-process`` (and always with ``--coordinator``) here, on an ``AsyncEngine`` thread.  ``--api-server-count N``
    then spawns N - 1 more API-server processes on the bound socket (``api_server``).
    Without ``--api-keys`` every request is tenant ``default``: the tenants the restored snapshot
    holds besides it are printed with the key file that reaches them (``tenant_hint``).
@@ -228,21 +229,30 @@ def _serve(args, socks: list, url: str, names: list[str], template: str | None, 
         # several processes (hosts), one mesh: before any other JAX call (inferscale_jax/distributed.py)
         from inferscale_jax import distributed as lockstep
         lockstep.initialize(args.coordinator, args.num_processes, args.process_id)
-    import uvicorn
+    # the core layout spawns the engine core first: its imports and the model's load then overlap
+    # this process's own imports (~2-3 s of the engine package, FastAPI and uvicorn; module docstring, 2)
+    core = _start_core(args) if lockstep is None and not getattr(args, "engine_in_process", False) else None
+    try:
+        import uvicorn
 
-    from inferscale_jax import tracing
-    from inferscale_jax.async_engine import AsyncEngine
-    from inferscale_jax.engine import Engine
-    from serving import create_app, load_api_keys
+        from inferscale_jax import tracing
+        from serving import create_app, load_api_keys
 
-    keys = load_api_keys(args.api_keys) if args.api_keys else None  # before the model loads
-    if tracing.configure_from_env():  # OTEL_* environment, 'inferscale-jax[tracing]' installed
-        print("tracing: exporting spans over OTLP", file=sys.stderr)
+        keys = load_api_keys(args.api_keys) if args.api_keys else None  # (a bad file stops the core at once)
+        if tracing.configure_from_env():  # OTEL_* environment, 'inferscale-jax[tracing]' installed
+            print("tracing: exporting spans over OTLP", file=sys.stderr)
+    except BaseException:
+        if core is not None:
+            _stop_core(*core)
+        raise
     if keys is None and args.host not in LOCAL_HOSTS:
         print(f"warning: serving on {args.host} without --api-keys: anyone who can reach it is tenant 'default'",
               file=sys.stderr)
-    if lockstep is None and not getattr(args, "engine_in_process", False):
-        return _serve_with_core(args, socks, url, names, template, keys)
+    if core is not None:
+        return _serve_with_core(args, socks, url, names, template, keys, *core)
+    from inferscale_jax.async_engine import AsyncEngine
+    from inferscale_jax.engine import Engine
+
     config = _engine_config(args, resolve_dtype)
     if lockstep is not None:
         config = lockstep.lockstep_config(config)
@@ -363,24 +373,51 @@ def api_server(socks: list, address: str, args, names: list[str], template: str 
     sys.exit(1 if client.fatal is not None else 0)
 
 
-def _serve_with_core(args, socks: list, url: str, names: list[str], template: str | None, keys) -> int:
-    """The default layout (``inferscale_jax/engine_core.py``): the engine in a core process,
-    HTTP here and in ``--api-server-count`` - 1 more API-server processes."""
+def _start_core(args) -> tuple:
+    """Spawn the engine core process (``core_main``) on a fresh IPC address; returns (the
+    process, its address, the address's folder).  Called before this process imports the engine
+    package, FastAPI or uvicorn, so the core's start does not wait for them."""
     import multiprocessing
-    import shutil
     import tempfile
-
-    from inferscale_jax import engine_core
-    from serving import create_app
-    from serving.core_client import CoreClient
 
     mp = multiprocessing.get_context("spawn")
     folder = tempfile.mkdtemp(prefix="inferscale-core-")
     address = f"ipc://{folder}/core.sock"
-    core = mp.Process(target=engine_core.run, args=(address, build_engine, (args,), os.getpid()),
-                      name="inferscale-engine-core")
+    core = mp.Process(target=core_main, args=(address, args, os.getpid()), name="inferscale-engine-core")
     core.start()
     _host_only()  # (after the spawn: the core's JAX keeps the default platforms)
+    return core, address, folder
+
+
+def core_main(address: str, args, parent_pid: int) -> None:
+    """The engine core process's body (``inferscale_jax/engine_core.py``'s ``run`` over ``build_engine``);
+    it imports the engine itself, so spawning it needs no import of the engine here."""
+    from inferscale_jax import engine_core
+
+    engine_core.run(address, build_engine, (args,), parent_pid)
+
+
+def _stop_core(core, address: str, folder: str) -> None:
+    """This process failed before serving (a bad API key file): the starting core goes at once."""
+    import shutil
+
+    core.kill()
+    core.join()
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+def _serve_with_core(args, socks: list, url: str, names: list[str], template: str | None, keys, core,
+                     address: str, folder: str) -> int:
+    """The default layout (``inferscale_jax/engine_core.py``): the engine in a core process
+    (``core``, started by ``_start_core``), HTTP here and in ``--api-server-count`` - 1 more
+    API-server processes."""
+    import multiprocessing
+    import shutil
+
+    from serving import create_app
+    from serving.core_client import CoreClient
+
+    mp = multiprocessing.get_context("spawn")
     print(f"engine core process: pid {core.pid}; API server process: pid {os.getpid()}", file=sys.stderr, flush=True)
     server_ref: list = []
     apis: list = []

@@ -364,3 +364,20 @@ def test_snapshot_warning_ends_with_the_matching_flags():
     assert SnapshotHint().filter(record)
     assert record.getMessage().endswith("Fix: run with --dtype bfloat16 (as the command that wrote it), or give "
                                         "another --snapshot-dir"), record.getMessage()
+
+
+def test_a_malformed_key_file_stops_the_starting_core(tmp_path, env):
+    """The engine core process is spawned before the key file is parsed (its start overlaps the
+    API process's imports): a file that does not parse is still one error line naming it, exit 2
+    within seconds, and the core is gone (an orphan would hold the pipes open past the timeout)."""
+    (tmp_path / "keys.json").write_text("{not json")
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    t0 = time.monotonic()
+    r = inferscale(tmp_path, env, "serve", "--port", str(port), "--api-keys", "keys.json", timeout=90)
+    took = time.monotonic() - t0
+    assert r.returncode == 2, r.stderr[-3000:]
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: ") and str(tmp_path / "keys.json") in last and "valid JSON" in last, last
+    assert took < 45, took
