@@ -189,7 +189,8 @@ case "$part" in
     ;;
 15)
     kern=(bench/kernels/cascade_groups.py --rows 64,256 --segments 1,8 --no-mixed)
-    INFERSCALE_SLOT_PREFETCH=1 step cascade_pf1 150 "${kern[@]}" --knobs st=3 pf=0 pf=0,st=3 pf=0,st=4
+    INFERSCALE_SLOT_PREFETCH=1 step cascade_pf1 200 "${kern[@]}" --knobs st=3 pf=0 pf=0,st=3 pf=0,st=4 \
+        pf=0,st=3,sp=4 pf=0,st=3,w=8
     INFERSCALE_SLOT_PREFETCH=0 step cascade_pf0 150 "${kern[@]}" --knobs st=3 pf=1
     INFERSCALE_SLOT_PREFETCH=1 step steps_pf1 130 bench/engine/steps.py --sections decode
     INFERSCALE_SLOT_PREFETCH=0 step steps_pf0 130 bench/engine/steps.py --sections decode
