@@ -383,18 +383,20 @@ def _start_core(args) -> tuple:
     mp = multiprocessing.get_context("spawn")
     folder = tempfile.mkdtemp(prefix="inferscale-core-")
     address = f"ipc://{folder}/core.sock"
-    core = mp.Process(target=core_main, args=(address, args, os.getpid()), name="inferscale-engine-core")
+    # (``build_engine`` looked up now: the benchmarks put a model-free engine's builder in its place)
+    core = mp.Process(target=core_main, args=(address, build_engine, args, os.getpid()), name="inferscale-engine-core")
     core.start()
     _host_only()  # (after the spawn: the core's JAX keeps the default platforms)
     return core, address, folder
 
 
-def core_main(address: str, args, parent_pid: int) -> None:
-    """The engine core process's body (``inferscale_jax/engine_core.py``'s ``run`` over ``build_engine``);
-    it imports the engine itself, so spawning it needs no import of the engine here."""
+def core_main(address: str, build, args, parent_pid: int) -> None:
+    """The engine core process's body (``inferscale_jax/engine_core.py``'s ``run`` over ``build``:
+    ``build_engine``); it imports the engine itself, so spawning it needs no import of the engine
+    here."""
     from inferscale_jax import engine_core
 
-    engine_core.run(address, build_engine, (args,), parent_pid)
+    engine_core.run(address, build, (args,), parent_pid)
 
 
 def _stop_core(core, address: str, folder: str) -> None:
