@@ -116,7 +116,7 @@ def case(b, n, cfg, sets):
 
 def strategies(b, n, cfg, old):
     """{name: (fn(k_pages, v_pages, *inputs) -> out [B, Hq, D], build(input set) -> inputs)}."""
-    s, seg = cfg["s"], cfg["seg"]
+    seg = cfg["seg"]
     interp = jax.default_backend() != "gpu"
     gb = StepBuckets.groups_for(n)  # the engine's group bucket
 

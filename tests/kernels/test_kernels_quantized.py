@@ -149,7 +149,7 @@ def test_int8_quantization_rounds_half_away_from_zero_without_a_round_primitive(
     import jax.numpy as jnp
     import numpy as np
 
-    from pallas_kernels.quant import quantize_kv, scales_on_rows
+    from pallas_kernels.quant import quantize_kv
 
     x = jnp.asarray([[127.0, -127.0, 63.5, -63.5, 0.49, -0.51, 10.2, 0.0]], jnp.float32)
     q, scale = quantize_kv(x, jnp.int8)

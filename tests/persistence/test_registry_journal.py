@@ -223,6 +223,8 @@ def test_kill_9_loop_loses_no_acknowledged_write(tmp_path, children):
     rng = random.Random(31)
     expected: dict = {}
     kills = exact = redone = 0
+    child_lines: list[dict] = []  # the killed child's lines, and the writes it acknowledged
+    acked: list = []
     kinds: dict[str, int] = {}
     for round_ in range(20):
         child = children(folder, "loop", str(round_ + 1))
