@@ -10,9 +10,10 @@ Startup does the cheap, failing-fast work first and says what it does:
    in the engine core process (``inferscale_jax/engine_core.py``, spawned here first, before this
    process imports the engine package, FastAPI and uvicorn, so those imports overlap its start;
    ``build_engine`` runs there), while this process parses the API key file (a bad one is one
-   ``error:`` line, the starting core stopped, exit 1) and waits for the core to say ready; with
-   ``--engine-in-process`` (and always with ``--coordinator``) here, on an ``AsyncEngine`` thread.  ``--api-server-count N``
-   then spawns N - 1 more API-server processes on the bound socket (``api_server``).
+   ``error:`` line, the starting core stopped, exit 2) and waits for the core to say ready; with
+   ``--engine-in-process`` (and always with ``--coordinator``) here, on an ``AsyncEngine``
+   thread.  ``--api-server-count N`` then spawns N - 1 more API-server processes on the bound
+   socket (``api_server``).
    Without ``--api-keys`` every request is tenant ``default``: the tenants the restored snapshot
    holds besides it are printed with the key file that reaches them (``tenant_hint``).
 3. **The app** (``serving.create_app``): a chat template that cannot render is one ``error:``
