@@ -8,7 +8,8 @@ from what determines it without tracing:
 
 - the bucket (``StepKey``), the penalty / sampler variant and the matmul precision;
 - a fingerprint of everything else the program depends on: the source of the packages that build
-  it (``inferscale_jax``, ``models``, ``pallas_kernels``), the jax / jaxlib versions, ``XLA_FLAGS``
+  it (``inferscale_jax``, ``models``, ``pallas_kernels``), the jax / jaxlib versions, ``XLA_FLAGS``,
+  the kernels' environment switches (``pallas_kernels.common.switches``)
   and every jax option (``jax.config.values``: the PRNG, the partitioner, x64, ...), the backend and its
   devices, the model config, and the tree, shapes, dtypes and shardings of the weights and the KV
   cache.
@@ -42,6 +43,8 @@ import threading
 
 import jax
 from jax.experimental import serialize_executable
+
+from pallas_kernels.common import switches as kernel_switches
 
 log = logging.getLogger("inferscale.exe_store")
 SOURCE_PACKAGES = ("inferscale_jax", "models", "pallas_kernels")
@@ -90,7 +93,8 @@ def fingerprint_parts(params, cache, cfg, devices) -> dict[str, str]:
 
     # every jax option (PRNG implementation, partitioner, x64, matmul precision ... can change the
     # program; the few that name folders or log settings cost only a spurious miss)
-    flags = [os.environ.get("XLA_FLAGS", ""), sorted((k, repr(v)) for k, v in jax.config.values.items())]
+    flags = [os.environ.get("XLA_FLAGS", ""), sorted((k, repr(v)) for k, v in jax.config.values.items()),
+             sorted(kernel_switches().items())]  # (e.g. INFERSCALE_SLOT_PREFETCH: pallas_kernels/common.py)
     return dict(source=source_digest(), versions=f"{jax.__version__} {jaxlib.__version__}", flags=repr(flags),
                 model=repr(cfg), devices=repr([(d.platform, d.device_kind, d.id, d.process_index) for d in devices]),
                 platform=str(getattr(devices[0].client, "platform_version", "")),

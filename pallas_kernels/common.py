@@ -41,6 +41,12 @@ def slot_prefetch() -> bool:
     return os.environ.get("INFERSCALE_SLOT_PREFETCH", "1") != "0"
 
 
+def switches() -> dict:
+    """The environment's switches that change the kernels' programs (for caches keyed without
+    tracing, such as the engine's executable store: a switch must name another entry)."""
+    return {"slot_prefetch": slot_prefetch()}
+
+
 def compiler_params(num_warps: int = 4, num_stages: int = 2) -> plt.CompilerParams:
     return plt.CompilerParams(num_warps=num_warps, num_stages=num_stages)
 

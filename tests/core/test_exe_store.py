@@ -116,6 +116,10 @@ def test_the_fingerprint_follows_the_model_dtype_jax_options_and_source(monkeypa
         assert fingerprint(r.params, r.cache, r.cfg, [r.device]) != base
     finally:
         jax.config.update("jax_threefry_partitionable", was)
+    monkeypatch.setenv("INFERSCALE_SLOT_PREFETCH", "0")  # a kernel switch: another program, another entry
+    assert fingerprint(r.params, r.cache, r.cfg, [r.device]) != base
+    monkeypatch.delenv("INFERSCALE_SLOT_PREFETCH")
+    assert fingerprint(r.params, r.cache, r.cfg, [r.device]) == base
     monkeypatch.setattr(exe_store, "source_digest", lambda: "edited")
     assert fingerprint(r.params, r.cache, r.cfg, [r.device]) != base
 
