@@ -450,7 +450,7 @@ def grouped_shared_prefix_attention(
     common.check_power_of_two("block_kv", block_kv, common.MIN_DOT_DIM)
     one_block = g <= 1 and b * gq <= block_rows
     num_warps = (8 if one_block else 4) if num_warps is None else num_warps
-    num_stages = (3 if one_block else 2) if num_stages is None else num_stages
+    num_stages = common.stages_for(3 if one_block else 2, common.slot_prefetch()) if num_stages is None else num_stages
     sm_scale = 1.0 / math.sqrt(d) if sm_scale is None else float(sm_scale)
     interpret = common.default_interpret() if interpret is None else interpret
     return _shared_only(q, k_pages, v_pages, group_pages, group_lens, row_group, k_scale, v_scale,
@@ -585,15 +585,15 @@ def grouped_cascade_decode_attention(
     one_block = g <= 1 and b * gq <= block_rows
     if num_warps is None:
         num_warps = 8 if one_block else 4
-    if num_stages is None:
-        num_stages = 3 if one_block else 2
+    prefetch = common.slot_prefetch() if prefetch is None else prefetch
+    if num_stages is None:  # (without the carry: at least 3, common.stages_for)
+        num_stages = common.stages_for(3 if one_block else 2, prefetch)
     sm_scale = 1.0 / math.sqrt(d) if sm_scale is None else float(sm_scale)
     interpret = common.default_interpret() if interpret is None else interpret
     return _cascade(q, k_pages, v_pages, group_pages, group_lens, row_group, suffix_table, suffix_lens,
                     k_scale, v_scale, sm_scale=sm_scale, block_rows=block_rows, block_kv=block_kv,
                     num_splits=num_splits, suffix_num_splits=suffix_num_splits, num_warps=num_warps,
-                    num_stages=num_stages, interpret=interpret, fused_merge=fused_merge,
-                    prefetch=common.slot_prefetch() if prefetch is None else prefetch)
+                    num_stages=num_stages, interpret=interpret, fused_merge=fused_merge, prefetch=prefetch)
 
 
 def grouped_cascade_decode_attention_ref(

@@ -41,6 +41,14 @@ def slot_prefetch() -> bool:
     return os.environ.get("INFERSCALE_SLOT_PREFETCH", "1") != "0"
 
 
+def stages_for(default: int, prefetch: bool) -> int:
+    """A paged kernel's default ``num_stages``: ``default`` when its loop carries the slots, else at
+    least 3.  Without the carry the K/V loads are *indirect* (their addresses come from a page-table
+    load in the same iteration), and Triton's pipeliner issues an indirect load ahead only with 3
+    stages or more (with 2 it leaves it unpipelined: triton-lang/triton#4721)."""
+    return default if prefetch else max(default, 3)
+
+
 def switches() -> dict:
     """The environment's switches that change the kernels' programs (for caches keyed without
     tracing, such as the engine's executable store: a switch must name another entry)."""

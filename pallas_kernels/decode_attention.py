@@ -248,7 +248,7 @@ def paged_decode_attention(
     num_splits: int | None = None,
     pages_per_block: int | None = None,
     num_warps: int = 4,
-    num_stages: int = 2,
+    num_stages: int | None = None,
     interpret: bool | None = None,
     return_lse: bool = False,
     k_scale: jax.Array | None = None,
@@ -283,7 +283,8 @@ def paged_decode_attention(
     The result is the attention over both key sets, as if the partials were one more split.
 
     ``prefetch``: the loop carries the next block's page slots (True) or computes each block's in
-    its own iteration (False); None: :func:`pallas_kernels.common.slot_prefetch`.
+    its own iteration (False); None: :func:`pallas_kernels.common.slot_prefetch`.  ``num_stages``
+    None: 2, or 3 without the carry (:func:`pallas_kernels.common.stages_for`).
     """
     v_usual = v_pages  # what the checks see: V in the usual layout
     if v_transposed:  # validate as the usual layout; the kernel reads the transposed one
@@ -318,6 +319,8 @@ def paged_decode_attention(
         sm_scale = 1.0 / math.sqrt(d)
     if interpret is None:
         interpret = common.default_interpret()
+    prefetch = common.slot_prefetch() if prefetch is None else prefetch
+    num_stages = common.stages_for(2, prefetch) if num_stages is None else num_stages
 
     q4 = q.reshape(b, hkv, g, d)  # [B, Hkv, G, D]
     k2 = k_pages.reshape(hkv, p * s, d)  # [Hkv, P*S, D]
@@ -356,7 +359,7 @@ def paged_decode_attention(
         _decode_kernel, quantized=quantized, init_splits=init_splits, fold_scales=fold_scales, k_major=k_major,
         v_transposed=v_transposed, group=g, page_size=s,
         block_tokens=block_tokens, num_splits=num_splits, max_pages=max_pages, scale_log2=float(sm_scale) * _LOG2E,
-        prefetch=common.slot_prefetch() if prefetch is None else prefetch)
+        prefetch=prefetch)
     if num_splits == 1:
         out_shape = jax.ShapeDtypeStruct((b, hkv, g, d), q.dtype)
         out_specs = pl.BlockSpec((None, None, gp, d), lambda i, j, k: (i, j, 0, 0))

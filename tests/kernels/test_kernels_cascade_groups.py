@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -239,3 +240,5 @@ def test_lowers_to_triton(prefetch):
     fn = jax.jit(functools.partial(grouped_cascade_decode_attention, interpret=False, prefetch=prefetch))
     text = fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("xla.gpu.triton") >= 2
+    # both kernels: 2 stages with the carried slots, 3 without (indirect loads: common.stages_for)
+    assert set(re.findall(r"num_stages = (\d+)", text)) == {"2" if prefetch else "3"}

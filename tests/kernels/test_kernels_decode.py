@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -124,3 +125,5 @@ def test_lowers_to_triton(num_splits, prefetch):
                                    num_splits=num_splits, prefetch=prefetch))
     text = fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert "xla.gpu.triton" in text
+    # without the carried slots the loads are indirect: Triton pipelines those only with >= 3 stages
+    assert set(re.findall(r"num_stages = (\d+)", text)) == {"2" if prefetch else "3"}
