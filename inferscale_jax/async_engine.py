@@ -94,7 +94,7 @@ class AsyncEngine:
         while not self._stop.is_set():
             busy = self.fatal is None and self.engine.has_unfinished()
             # the warm-up's first runs left for idle time (Engine.warm_idle): one bucket, then commands
-            idle_runs = not busy and self.warming is None and self.engine.first_runs_left and self.engine.warm_idle()
+            idle_runs = not busy and self.warming is None and self.engine.warm_idle()
             try:
                 fn, fut = self._cmds.get(block=not (busy or idle_runs), timeout=0.05)
             except queue.Empty:

@@ -322,7 +322,7 @@ class EngineCore:
         while not self.stopping:
             busy = self.fatal is None and self.engine.has_unfinished()
             # the warm-up's first runs left for idle time (Engine.warm_idle): one bucket, then messages
-            idle_runs = not busy and not self.draining and self.engine.first_runs_left and self.engine.warm_idle()
+            idle_runs = not busy and not self.draining and self.engine.warm_idle()
             if poller.poll(0 if busy or idle_runs else IDLE_POLL_MS):
                 while True:
                     try:

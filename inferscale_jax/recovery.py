@@ -95,7 +95,8 @@ def recover(p: "Persistence") -> None:
         raise _refusal(reg, have, journal.acked, lost + err.failed, snap_note) from None
     redone = [describe(r) for r in records]
     log.warning("the segment registry %s lacked %d journaled write(s) (a damaged write-ahead log, a replaced file, "
-                "or a crash between a write's journal line and its commit): rebuilt from %s and %d write(s) redone from the journal %s%s", reg.path, journal.acked - have,
+                "or a crash between a write's journal line and its commit): rebuilt from %s and %d write(s) redone "
+                "from the journal %s%s", reg.path, journal.acked - have,
                 source, len(records), reg.journal.path,
                 (": " + "; ".join(redone[:5]) + ("; ..." if len(redone) > 5 else "")) if redone else "")
     lost += failed

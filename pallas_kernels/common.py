@@ -34,9 +34,9 @@ def default_interpret() -> bool:
 
 def slot_prefetch() -> bool:
     """Whether the paged kernels' loops carry the next tile's page slots from one iteration to the
-    next (True, the default) or compute each tile's slots in its own iteration (False), which
-    leaves the loads' addresses a function of the loop index alone, as Triton's software
-    pipeliner wants them.  ``INFERSCALE_SLOT_PREFETCH=0`` picks False (an A/B switch for the
+    next (True, the default) or compute each tile's slots in its own iteration (False), from the
+    loop index and a page-table read of that iteration (an indirect load, which Triton's software
+    pipeliner can issue ahead: ``stages_for``).  ``INFERSCALE_SLOT_PREFETCH=0`` picks False (an A/B switch for the
     benchmarks, bench/NOTES.md); the kernels' ``prefetch`` argument overrides it."""
     return os.environ.get("INFERSCALE_SLOT_PREFETCH", "1") != "0"
 

@@ -160,7 +160,8 @@ def strategies(b, n, cfg, old):
     for br in cfg["block_rows"]:
         out[f"multi BR={br}"] = (multi_with(br), multi_inputs)
     for spec in cfg.get("knobs", ()):  # --knobs: the shared part's other knobs
-        knobs = {KNOB_NAMES[k]: (bool(int(v)) if k in ("fm", "pf") else int(v)) for k, v in (kv.split("=") for kv in spec.split(","))}
+        knobs = {KNOB_NAMES[k]: (bool(int(v)) if k in ("fm", "pf") else int(v))
+                 for k, v in (kv.split("=") for kv in spec.split(","))}
         out[f"multi {spec}"] = (multi_with(None, **knobs), multi_inputs)
     return out
 

@@ -99,9 +99,7 @@ class PacedEngine:
     def warmup(self, progress=None, first_runs: str = "now") -> dict:
         return {"buckets": 0, "seconds": 0.0}
 
-    first_runs_left = 0  # (no buckets: nothing to run in idle time)
-
-    def warm_idle(self) -> bool:
+    def warm_idle(self) -> bool:  # (no buckets: nothing to run in idle time)
         return False
 
     def stop_warmup(self) -> None:

@@ -3,8 +3,8 @@ by one on stdout, then killed with SIGKILL by the parent.
 
     python tests/support/journal_child.py DIR script OPS_JSON   # the writes in OPS_JSON, then idle until killed
     python tests/support/journal_child.py DIR loop SEED         # restore, report the state, then random writes forever
-    python tests/support/journal_child.py DIR crash JSON        # {"ops": OPS, "at": "journaled"|"committed"}: the
-                                                                # last op dies (os._exit) right before / after its COMMIT
+    python tests/support/journal_child.py DIR crash JSON        # {"ops": OPS, "at": "journaled"|"committed"}:
+                                        # the last op dies (os._exit) right before / after its COMMIT
 
 Every line is JSON: ``{"state": {id: [version, tokens]}, "restore": {...}}`` first (what the
 restore brought back, and its counters), then per write ``{"begin": op}`` before it and
