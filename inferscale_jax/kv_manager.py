@@ -22,8 +22,11 @@ What a request's pages go through (the scheduler, ``scheduler.py``, decides *whe
    instead (``_start_composed``, ``blend.py``).
 2. **Prepare** (``prepare``): share the final node's pages, look up the prompt's following
    full pages in the prefix cache (hash chain seeded with the tenant and the model
-   fingerprint), copy-on-write a partially filled shared page, allocate the rest.  At least
-   the last token is always computed (its logits give the first output token).
+   fingerprint), allocate the rest, and note the copy-on-write of a partially filled shared
+   page (its positions before the fork) as a KV chore of the sequence (``Seq.splices``; compose
+   notes its splices there too): the plan with the sequence's first row carries it and the
+   runner runs it before that step (``runner.StepPlan.splices``).  At least the last token is
+   always computed (its logits give the first output token).
 3. **Compute**: every page that fills is registered in the prefix cache
    (``register_full_pages``).  When pages run short (``allocate``): chain nodes are evicted,
    then unused segments demoted to host; the scheduler preempts the newest request after that.
@@ -40,12 +43,14 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from inferscale_jax.blend import blend
 from inferscale_jax.config import EngineConfig
 from inferscale_jax.errors import PoolExhausted
 from inferscale_jax.page_pool import PagePool
 from inferscale_jax.prefix_cache import PrefixCache, page_hash, root_hash
-from inferscale_jax.runner import ModelRunner, StepResult, StepRow
+from inferscale_jax.runner import ModelRunner, Splice, StepResult, StepRow, page_copy
 from inferscale_jax.segments import ChainNode, Segment, SegmentStore, is_literal
 from inferscale_jax.tiers import Tiers
 from models import ModelConfig
@@ -70,6 +75,9 @@ class Seq:
     # form one group
     shared_key: tuple = ()
     shared_hash: int = 0
+    # KV chores its first row needs run first (a shared partial page's copy, compose's splices): the
+    # scheduler puts them in the plan of the step with that row (``StepPlan.splices``)
+    splices: list[Splice] = dataclasses.field(default_factory=list)
 
 
 class KVManager:
@@ -138,18 +146,14 @@ class KVManager:
             self.pool.decref(reversed(pages))
             raise
         pages += new
-        if cow is not None:
-            try:
-                self.runner.copy_pages([cow], [new[0]])
-            except Exception:
-                self.pool.decref(reversed(pages))
-                raise
+        # copy-on-write: the positions before the fork, run before the sequence's first row
+        splices = [page_copy([cow], [new[0]], s, fork % s)] if cow is not None else []
         key = tuple(pages[:k or len(hits)])
         if len(self._shared_keys) >= 4096:  # (a bound: a key not interned only costs an equality test)
             self._shared_keys.clear()
         key = self._shared_keys.setdefault(key, key)
         return Seq(root, list(tokens), pages, hashes, first_own=k + len(hits), computed=pos, cached=pos,
-                    shared_key=key, shared_hash=hash(key))
+                    shared_key=key, shared_hash=hash(key), splices=splices)
 
     def page_hashes(self, root: bytes, tokens: list[int], base: ChainNode | None) -> list[bytes]:
         """The hashes of ``base``'s full pages under ``root`` (``tokens`` begin with its tokens),
@@ -187,7 +191,8 @@ class KVManager:
         chunk = self.config.prefill_chunk
         try:
             for c in range(seq.computed, len(tokens), chunk):
-                self.step([StepRow(tokens[c:c + chunk], c, seq.pages)], 0)
+                self.step([StepRow(tokens[c:c + chunk], c, seq.pages)], 0, splices=seq.splices)
+                seq.splices = []
         except BaseException:
             self.release(seq.pages)
             raise
@@ -195,8 +200,10 @@ class KVManager:
         self.register_full_pages(seq)
         return seq
 
-    def step(self, rows: list[StepRow], num_logprobs: int, groups: list[int] | None = None) -> StepResult:
-        result = self.runner.step(rows, num_logprobs, groups)
+    def step(self, rows: list[StepRow], num_logprobs: int, groups: list[int] | None = None,
+             splices: list[Splice] | None = None) -> StepResult:
+        """One device step now (``splices`` first): registered segments, a row run alone."""
+        result = self.runner.step(rows, num_logprobs, groups, splices)
         if self.debug_checks:
             self.check_invariants()
         return result
@@ -256,8 +263,8 @@ class KVManager:
             self.pool.incref(pages)
             new = self.allocate(-(-n // s) - len(pages))
             pages = pages + new  # from here on the except below releases them all
-            if fork % s:
-                self.runner.copy_pages([first.pages[fork // s]], [new[0]])
+            # the first segment's partial page copied up to the fork, the others' tokens spliced after it
+            splices = [page_copy([first.pages[fork // s]], [new[0]], s, fork % s)] if fork % s else []
             src, dst, shift, blended = [], [], [], []
             pos = first.num_tokens
             for node, seg in zip(nodes[1:], req.chain[1:]):
@@ -268,9 +275,12 @@ class KVManager:
                     shift.append(dp - sp)
                     blended.append(dp)
                 pos += len(seg.token_ids)
-            self.runner.splice(src, dst, shift)
+            if src:
+                splices.append(Splice(*(np.asarray(x, np.int32) for x in (src, dst, shift))))
             computed = min(pos, n - 1)
-            if req.mode == "blend":
+            if req.mode == "blend":  # (blend reads the spliced KV now: its chores run at once)
+                self.runner.run_splices(splices)
+                splices = []
                 cand = [p for p in blended if p < computed]
                 blend(self.runner, tokens, cand, pages, computed, self.config.blend_ratio)
         except BaseException:
@@ -279,7 +289,7 @@ class KVManager:
                 nd.readers -= 1
             raise
         req.seq = Seq(self.root(req.tenant), tokens, pages, [], first_own=0, computed=computed,
-                       cached=computed, cacheable=False)
+                       cached=computed, cacheable=False, splices=splices)
         req.nodes, req.prefill_end = nodes, n
         if req.cached_tokens is None:
             req.cached_tokens = computed

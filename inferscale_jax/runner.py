@@ -14,8 +14,11 @@ where a row has a sampling penalty, the generated / prompt id arrays to powers o
 logged once and counted in ``compiles`` (after warm-up: ``compiles_after_warmup``, a warning).
 Padding tokens write into the null page; padding rows read it.
 
-``copy_pages`` is the copy-on-write of partially filled shared pages: the splice kernel at
-shift 0, one call per layer inside one jitted, donating function.
+KV chores: a step plan carries the splices its rows need before they run (``StepPlan.splices``:
+the copy-on-write of a partially filled shared page - the splice kernel at shift 0 - and
+compose's segment tokens moved to their positions with K re-rotated); ``dispatch`` runs them, all
+of the step's in one jitted, donating call, before the step itself, so the runner alone writes the
+page pool and in the order the steps need.
 
 Matmul precision: the model's dots run under ``matmul_precision`` (a static argument of the
 step, so each precision is its own compile), e.g. "highest" for float32 engines, where JAX's
@@ -80,6 +83,25 @@ def penalty_width(n: int) -> int:
     return w
 
 
+@dataclasses.dataclass(frozen=True)
+class Splice:
+    """A KV chore (``StepPlan.splices``): the K/V of token slots ``src[i]`` -> ``dst[i]`` (slot =
+    page * page_size + offset) in every layer, K re-rotated by ``shift[i]`` positions (int32 arrays)."""
+    src: np.ndarray
+    dst: np.ndarray
+    shift: np.ndarray
+
+
+def page_copy(src: list[int], dst: list[int], page_size: int, upto: int | None = None) -> Splice:
+    """Pages ``src[i]`` -> ``dst[i]``, unrotated, their first ``upto`` slots (default: whole pages):
+    the copy-on-write of a shared partial page copies the positions before the fork only (its new
+    owner computes the rest, so no other chore of the step writes those slots)."""
+    off = np.arange(page_size if upto is None else upto, dtype=np.int32)
+    src_slots = (np.asarray(src, np.int32)[:, None] * page_size + off).reshape(-1)
+    dst_slots = (np.asarray(dst, np.int32)[:, None] * page_size + off).reshape(-1)
+    return Splice(src_slots, dst_slots, np.zeros_like(src_slots))
+
+
 @dataclasses.dataclass(slots=True)
 class StepRow:
     """One sequence's part of a step."""
@@ -139,6 +161,8 @@ class StepPlan:
     # ``budget`` positions from its start
     steps: int = 1
     stops: list[tuple[frozenset, int]] | None = None
+    # KV chores the rows need first (copy-on-write, compose's splices), run before the step in order
+    splices: list[Splice] = dataclasses.field(default_factory=list)
 
     @property
     def shared_pages(self) -> int:
@@ -406,9 +430,11 @@ class ModelRunner:
                                  "registry and snapshots)")
         raise self.fault from err
 
-    def step(self, rows: list[StepRow], num_logprobs: int = 0, groups: list[int] | None = None) -> StepResult:
-        """Run one device step over ``rows`` and wait for its results (``dispatch`` + ``collect``)."""
-        return self.collect(self.dispatch(StepPlan(rows, num_logprobs, groups or [])))
+    def step(self, rows: list[StepRow], num_logprobs: int = 0, groups: list[int] | None = None,
+             splices: list[Splice] | None = None) -> StepResult:
+        """Run one device step over ``rows`` (after ``splices``) and wait for its results
+        (``dispatch`` + ``collect``)."""
+        return self.collect(self.dispatch(StepPlan(rows, num_logprobs, groups or [], splices=splices or [])))
 
     def collect(self, pending: PendingStep) -> StepResult | list[StepResult]:
         """Read a dispatched step's results back (blocks until the device has computed them); a
@@ -448,7 +474,12 @@ class ModelRunner:
         logits with their masks (``sample``, a small executable of its own): at once, or, with
         ``defer_sample``, when the caller calls ``sample`` - a constrained row fed on the device
         needs the token the step before sampled applied to its grammar first, which the host does
-        while the device computes this step."""
+        while the device computes this step.
+
+        ``plan.splices`` run first (``run_splices``): the KV the rows read from pages they copied
+        or spliced at admission."""
+        if plan.splices:
+            self.run_splices(plan.splices)
         rows, num_logprobs, groups, src = plan.rows, plan.num_logprobs, plan.groups, plan.src
         assert src is None or (prev is not None and len(src) == len(rows))
         # a decode loop's row writes its budget's positions (decode_loop.py): its table covers them
@@ -944,13 +975,18 @@ class ModelRunner:
         """Commit the page pool's arrays to ``sharding`` (``jax.device_put`` aliases: no copy)."""
         self.cache = jax.device_put(self.cache, sharding)
 
+    def run_splices(self, splices: list[Splice]) -> None:
+        """Run KV chores now, in order, as one splice (a slot is the destination of at most one
+        of them: each is its owner's, into pages it allocated)."""
+        if len(splices) == 1:
+            sp = splices[0]
+            self.splice(sp.src, sp.dst, sp.shift)
+        else:
+            self.splice(*(np.concatenate([getattr(sp, f) for sp in splices]) for f in ("src", "dst", "shift")))
+
     def copy_pages(self, src: list[int], dst: list[int]) -> None:
         """Copy whole pages src[i] -> dst[i] in every layer (copy-on-write; exact)."""
-        s = self.page_size
-        off = np.arange(s, dtype=np.int32)
-        src_slots = (np.asarray(src, np.int32)[:, None] * s + off).reshape(-1)
-        dst_slots = (np.asarray(dst, np.int32)[:, None] * s + off).reshape(-1)
-        self.splice(src_slots, dst_slots, np.zeros_like(src_slots))
+        self.run_splices([page_copy(src, dst, self.page_size)])
 
     def splice(self, src_slots, dst_slots, shift) -> None:
         """K/V of token slots src -> dst in every layer, K re-rotated by ``shift`` positions."""

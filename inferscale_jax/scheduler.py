@@ -75,7 +75,7 @@ import math
 import time
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from inferscale_jax.buckets import MAX_GROUPS
@@ -110,6 +110,9 @@ class Planned:
     decode_rows: int  # (the first rows)
     tokens: int
     defer: bool  # its sampling waits until the in-flight step is applied (a constrained row is fed)
+    # the sequences whose KV chores the plan carries, with them (``StepPlan.splices``): taken off
+    # at dispatch, given back by a rollback (the rows that need them run again)
+    splices_of: list[tuple] = field(default_factory=list)
 
 
 class Scheduler:
@@ -503,9 +506,14 @@ class Scheduler:
         # grammar first, so the step's sampling waits for the in-flight step (its forward does not)
         defer = feeds and any(j >= 0 and o.grammar is not None for o, j in zip(owners, src))
         plan = StepPlan(rows, nl, [k for k, _ in cascade], src if feeds else None)
+        # the KV chores of sequences whose first row this is (decode rows have none: a sequence
+        # computes at least one token of its prompt)
+        splices_of = [(o.seq, o.seq.splices) for o in owners[decode_rows:] if o.seq.splices]
+        for _, splices in splices_of:
+            plan.splices += splices
         if steps > 1:  # (decode rows only: _loop_steps)
             plan.steps, plan.stops = steps, [(o.stop_ids, budgets[id(o)]) for o in owners]
-        return Planned(plan, entries, decode_rows, self.max_tokens - budget, defer)
+        return Planned(plan, entries, decode_rows, self.max_tokens - budget, defer, splices_of)
 
     def _loop_steps(self, ending: set[int], lag: dict[int, int]) -> tuple[int, dict[int, int]]:
         """How many decode steps the next step runs in one device loop (decode_loop.py), and each
@@ -554,6 +562,8 @@ class Scheduler:
         else:
             for owner, row, _ in step.entries:
                 owner.seq.computed = row.start + len(row.tokens)
+        for seq, _ in step.splices_of:  # (run before the step, on the device's queue)
+            seq.splices = []
         self.steps += 1
         self.step_rows += len(step.entries)
         self.step_decode_rows += step.decode_rows
@@ -575,9 +585,12 @@ class Scheduler:
 
     def rollback(self, *steps: Planned | None) -> None:
         """Forget ``steps`` whose results will never be read: each request's (or node job's)
-        ``computed`` goes back to its first row in them (rerunning a position rewrites the same KV)."""
+        ``computed`` goes back to its first row in them (rerunning a position rewrites the same KV),
+        and a sequence whose KV chores they carried gets them back (its first row runs again)."""
         starts: dict[int, tuple[object, int]] = {}
         for step in steps:
+            for seq, splices in (step.splices_of if step is not None else ()):
+                seq.splices = splices
             for owner, row, _ in (step.entries if step is not None else ()):
                 if owner.seq is not None:
                     old = starts.get(id(owner), (owner, row.start))[1]

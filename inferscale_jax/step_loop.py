@@ -154,8 +154,12 @@ class StepLoop:
         outs: list[RequestOutput] = []
         done = []
         for owner, row in zip(owners, rows):
-            try:
-                res = self.kv.step([row], MAX_LOGPROBS if owner.wants_logprobs else 0)
+            seq = owner.seq
+            try:  # (the row's KV chores first, when it is its sequence's first row)
+                res = self.kv.step([row], MAX_LOGPROBS if owner.wants_logprobs else 0,
+                                   splices=seq.splices if seq is not None else None)
+                if seq is not None:
+                    seq.splices = []
             except Exception as one:  # noqa: BLE001 - this row's failure
                 self.runner.check_device(one)
                 outs += sched.fail(owner, one)

@@ -26,11 +26,14 @@ def test_exact_page_ids_and_refcounts():
     node = e.store.nodes()[0]
     assert node.pages == [1, 2, 3] and node.num_tokens == 20
     copies = []
-    orig = e.runner.copy_pages
-    e.runner.copy_pages = lambda src, dst: (copies.append((list(src), list(dst))), orig(src, dst))
+    orig = e.runner.run_splices
+    e.runner.run_splices = lambda splices: (copies.append([tuple(map(list, (sp.src, sp.dst, sp.shift)))
+                                                           for sp in splices]), orig(splices))
     # 20 seg + 5 prompt + 3 generated: shares 1, 2; copies partial page 3 into a new page 4; then 5
     out = e.generate(prompt_token_ids=[5, 6, 7, 8, 9], segments=["a"], sampling=GREEDY)
-    assert copies == [([3], [4])]  # copy-on-write of the shared partial page, exactly once
+    # copy-on-write of the shared partial page, exactly once: its 4 positions before the fork
+    # (page 3's slots 3 * S + 0..3 -> page 4's), unrotated, with the request's first step
+    assert copies == [[([3 * S + i for i in range(4)], [4 * S + i for i in range(4)], [0] * 4)]]
     assert out.metrics.cached_tokens == 20 and out.metrics.prompt_tokens == 25
     # after the request only the segment holds pages; the request's full page 4 stays cached (free)
     assert used_pages(e) == [1, 2, 3]

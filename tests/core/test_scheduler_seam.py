@@ -15,6 +15,7 @@ from inferscale_jax.page_tables import PageTables
 from inferscale_jax.request import Request, RequestStatus
 from inferscale_jax.runner import StepResult
 from inferscale_jax.scheduler import SETTLE, Scheduler
+from inferscale_jax.segments import ChainNode, SegmentInfo
 from tests.support.tiny_engine import CFG, S
 
 
@@ -148,3 +149,36 @@ def test_a_preemption_waits_for_the_step_in_flight_then_takes_the_newest():
     assert rows(b) == [([5], 8)] and b.entries[0][0] is old
     assert new.status == RequestStatus.WAITING and new.seq is None and sched.preemptions == 1
     assert new.out_ids == [6]  # (kept: recomputed from its prompt and output when re-admitted)
+
+
+def test_a_copy_on_write_rides_with_the_first_row_and_comes_back_with_a_rollback():
+    """KV chores are plan fields: the copy of a node's partially filled last page is carried by
+    the plan holding the request's first row (the runner runs it before the step), taken off at
+    dispatch (the prompt's next chunk, planned while the first is in flight, must not copy again
+    over the tokens computed there), and given back when those steps are rolled back."""
+    sched = make()
+    kv = sched.kv
+    seg = kv.store.add(SegmentInfo("doc", "t", 20), list(range(100, 120)))
+    node = ChainNode("t", (seg.uid,), 20, kv.allocate(-(-20 // S)))  # (made by hand: its KV is never read here)
+    kv.store.add_node(node)
+    req = Request("a", "t", seg.token_ids + list(range(1, 21)), [seg],
+                  SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True), "exact", np.zeros(2, np.uint32), 0.0)
+    sched.add(req)
+    sched.admit()
+    seq = req.seq
+    k, off = divmod(20, S)  # the fork: the node's page k holds its last `off` positions
+    assert off and seq.pages[:k] == node.pages[:k] and seq.pages[k] != node.pages[k] and seq.computed == 20
+    a = sched.schedule(None)  # the first chunk, from the fork
+    assert rows(a)[0][1] == 20
+    [sp] = a.plan.splices
+    assert sp.src.tolist() == [node.pages[k] * S + i for i in range(off)]
+    assert sp.dst.tolist() == [seq.pages[k] * S + i for i in range(off)] and sp.shift.tolist() == [0] * off
+    sched.dispatched(a)
+    assert seq.splices == []
+    b = sched.schedule(a)  # the next chunk, planned while `a` is in flight: no chore
+    assert rows(b)[0][1] == 36 and b.plan.splices == []
+    sched.dispatched(b)
+    sched.rollback(a, b)  # both lost: the first row runs again, and its chore before it
+    assert seq.computed == 20 and seq.splices == a.plan.splices
+    owners, alone = sched.rows_alone()
+    assert owners == [req] and alone[0].start == 20

@@ -272,21 +272,50 @@ def test_an_output_that_cannot_be_decoded_fails_only_its_request(monkeypatch):
     e.check_page_accounting()
 
 
-def test_a_failing_copy_on_write_leaks_no_page(monkeypatch):
+def _failing_splices(monkeypatch, e, fails):
+    """``e.runner.run_splices`` raising while ``fails(splices)``; returns its calls' count."""
+    real, calls = e.runner.run_splices, {"n": 0}
+
+    def run_splices(splices):
+        calls["n"] += 1
+        if fails(splices):
+            raise RuntimeError("INTERNAL: copy failed")
+        return real(splices)
+    monkeypatch.setattr(e.runner, "run_splices", run_splices)
+    return calls
+
+
+def test_a_copy_on_write_lost_with_its_step_runs_again_before_its_row(monkeypatch):
+    """The copy of a shared partial page is a KV chore of the plan with the request's first row;
+    when that step is lost, the rows run again alone and the copy with them: same tokens."""
     e = make_engine()
     e.register_segment("a", token_ids=SEG_A, tenant="t")  # 20 tokens: a partially filled last page
-    real, calls = e.runner.copy_pages, {"n": 0}
-
-    def copy_pages(src, dst):
-        calls["n"] += 1
-        if calls["n"] == 1:
-            raise RuntimeError("INTERNAL: copy failed")
-        return real(src, dst)
-    monkeypatch.setattr(e.runner, "copy_pages", copy_pages)
+    calls = _failing_splices(monkeypatch, e, lambda splices: calls["n"] == 1)
     free = e.pool.num_free
     r1 = e.submit(prompt_token_ids=P1, segments=["a"], tenant="t", sampling=GREEDY)
-    assert isinstance(_run(e, [r1])[r1], RuntimeError)
+    r2 = e.submit(prompt_token_ids=P2, tenant="t", sampling=GREEDY)
+    done = _run(e, [r1, r2])
+    assert calls["n"] == 2  # lost with the first step, run again with r1's row alone
+    assert done[r1].token_ids == _solo(P1, [SEG_A])
+    assert done[r2].token_ids == _solo(P2)
+    assert e.fault is None
     e.check_page_accounting()
     assert e.pool.num_free == free
-    r2 = e.submit(prompt_token_ids=P1, segments=["a"], tenant="t", sampling=GREEDY)
-    assert _run(e, [r2])[r2].token_ids == _solo(P1, [SEG_A])
+
+
+def test_a_failing_copy_on_write_fails_its_request_alone_and_leaks_no_page(monkeypatch):
+    e = make_engine()
+    e.register_segment("a", token_ids=SEG_A, tenant="t")
+    calls = _failing_splices(monkeypatch, e, lambda splices: True)
+    free = e.pool.num_free
+    r1 = e.submit(prompt_token_ids=P1, segments=["a"], tenant="t", sampling=GREEDY)
+    r2 = e.submit(prompt_token_ids=P2, tenant="t", sampling=GREEDY)
+    done = _run(e, [r1, r2])
+    assert isinstance(done[r1], RuntimeError) and calls["n"] == 2
+    assert done[r2].token_ids == _solo(P2)  # in the same steps, no chore of its own
+    assert e.fault is None
+    e.check_page_accounting()
+    assert e.pool.num_free == free
+    monkeypatch.undo()
+    r3 = e.submit(prompt_token_ids=P1, segments=["a"], tenant="t", sampling=GREEDY)
+    assert _run(e, [r3])[r3].token_ids == _solo(P1, [SEG_A])

@@ -19,6 +19,7 @@ class FakeRunner(ModelRunner):
     def __init__(self, real: ModelRunner):
         self.__dict__.update(real.__dict__)
         self.steps: list[list[tuple[int, int, bool]]] = []  # per step: (start, tokens, cascade) per row
+        self.splices: list[list] = []  # per step: the KV chores its plan carried
 
     def dispatch(self, plan, prev=None):
         rows, num_logprobs, groups = plan.rows, plan.num_logprobs, plan.groups
@@ -28,6 +29,7 @@ class FakeRunner(ModelRunner):
         # asserts the step fits a bucket
         self.buckets.key(len(rows), total, need, num_logprobs, max(groups, default=0), len(groups))
         self.steps.append([(r.start, len(r.tokens), r.cascade) for r in rows])
+        self.splices.append(list(plan.splices))
         vocab = self.cfg.vocab_size
         ids = np.array([token_at(r.start + len(r.tokens) - 1, vocab) for r in rows], np.int32)
         return PendingStep(ids, len(rows), 0, num_logprobs, self.max_batch)
