@@ -2,10 +2,13 @@
 
 Files: a single ``model.safetensors``, a sharded set listed by ``model.safetensors.index.json``
 (its ``weight_map`` names the file of every tensor), or any ``*.safetensors`` in the folder.
-Each tensor named by ``param_specs`` is read with safetensors' numpy API (bf16 arrives as
-``ml_dtypes.bfloat16``), checked against its expected shape, moved to the device, then
-transposed and cast there (one jitted op per tensor, so large models are not transposed on
-the host).  A missing tensor or a wrong shape raises ``CheckpointError`` naming the tensor.
+Each tensor named by ``param_specs`` is read from a memory map of its file (``FileTensors``: the
+safetensors header gives each tensor's dtype, shape and byte range; bf16 arrives as
+``ml_dtypes.bfloat16``; a dtype numpy lacks goes through safetensors' own reader), checked
+against its expected shape, copied out of the map (numpy's copy releases the GIL, so the
+loader's threads read in parallel: safetensors' ``get_tensor`` holds it, and several threads
+read no faster than one, bench/NOTES.md run AL), moved to the device, then transposed and cast
+there (one jitted op per tensor, so large models are not transposed on the host).  A missing tensor or a wrong shape raises ``CheckpointError`` naming the tensor.
 ``load_params_sharded`` reads a checkpoint straight into the tensor-parallel layout, each device
 only its slices (``inferscale_jax/sharding.py``).
 Tensors the model does not use (``rotary_emb.inv_freq``, a tied ``lm_head``) are ignored.
@@ -17,7 +20,9 @@ import concurrent.futures
 import functools
 import hashlib
 import json
+import mmap
 import os
+import struct
 import threading
 
 import jax
@@ -50,6 +55,58 @@ def safetensors_files(model_dir: str) -> dict[str, str]:
             for name in f.keys():
                 out[name] = path
     return out
+
+
+# safetensors dtype names -> numpy dtypes (the rest are read through safetensors itself)
+_DTYPES = {"BF16": jnp.bfloat16, "F16": np.float16, "F32": np.float32, "F64": np.float64, "I8": np.int8,
+           "U8": np.uint8, "I16": np.int16, "I32": np.int32, "I64": np.int64, "BOOL": np.bool_,
+           "F8_E4M3": jnp.float8_e4m3fn, "F8_E5M2": jnp.float8_e5m2}
+
+
+class FileTensors:
+    """One ``*.safetensors`` file's tensors as copies out of a read-only memory map of it.
+
+    The file is an 8-byte little-endian header length, a JSON header (per tensor: ``dtype``,
+    ``shape``, ``data_offsets`` into the data after the header) and the data.  ``get_tensor``
+    copies a tensor's bytes out of the map into a fresh array (the copy releases the GIL; nothing
+    returned refers to the map, which ``close`` unmaps)."""
+
+    def __init__(self, path: str):
+        self.path = path
+        with open(path, "rb") as f:
+            n = struct.unpack("<Q", f.read(8))[0]
+            self.header = {k: v for k, v in json.loads(f.read(n)).items() if k != "__metadata__"}
+            self.base = 8 + n
+            self.map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if os.path.getsize(path) > 0 else None
+        self.fallback = None
+
+    def get_tensor(self, name: str) -> np.ndarray:
+        info = self.header[name]
+        dtype = _DTYPES.get(info["dtype"])
+        if dtype is None:  # (a dtype numpy has no name for here: safetensors reads it)
+            if self.fallback is None:
+                self.fallback = safe_open(self.path, framework="numpy").__enter__()
+            return self.fallback.get_tensor(name)
+        lo, hi = info["data_offsets"]
+        shape = tuple(info["shape"])
+        count = int(np.prod(shape, dtype=np.int64))
+        if hi - lo != count * np.dtype(dtype).itemsize:
+            raise CheckpointError(f"tensor {name!r} in {os.path.basename(self.path)}: {hi - lo} bytes for "
+                                  f"{info['dtype']} {list(shape)}; the file is damaged")
+        view = np.frombuffer(self.map, dtype=dtype, count=count, offset=self.base + lo) if count else \
+            np.zeros(0, dtype)
+        out = np.empty(shape, dtype)
+        np.copyto(out.reshape(-1), view)  # (the read: page faults, GIL released)
+        return out
+
+    def close(self) -> None:
+        if self.fallback is not None:
+            self.fallback.__exit__(None, None, None)
+        if self.map is not None:
+            try:
+                self.map.close()
+            except BufferError:  # (a view still referenced by an exception on its way out: unmapped with it)
+                pass
 
 
 @functools.partial(jax.jit, static_argnames=("transpose", "dtype"))
@@ -97,7 +154,7 @@ def load_params(model_dir: str, cfg: ModelConfig, dtype=jnp.bfloat16, workers: i
 
     try:
         for path in sorted({where[n] for s in specs for n in s.hf_names}):
-            handles[path] = safe_open(path, framework="numpy").__enter__()
+            handles[path] = FileTensors(path)
         if workers <= 1:
             leaves = {s.path: leaf(s) for s in specs}
         else:
@@ -106,7 +163,7 @@ def load_params(model_dir: str, cfg: ModelConfig, dtype=jnp.bfloat16, workers: i
                 leaves = {path: fut.result() for path, fut in futures.items()}  # (the first error raises)
     finally:
         for h in handles.values():
-            h.__exit__(None, None, None)
+            h.close()
     return assemble(cfg, leaves)
 
 

@@ -104,3 +104,47 @@ def test_unsupported_architecture_and_rope_are_named(tmp_path):
         ModelConfig.from_hf_dict({**d, "architectures": ["GPT2LMHeadModel"]})
     with pytest.raises(UnsupportedModelError, match="yarn"):
         ModelConfig.from_hf_dict({**d, "rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}})
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32", "int8", "int32", "int64", "bool",
+                                   "float8_e4m3fn", "float8_e5m2"])
+def test_the_memory_mapped_reader_equals_safetensors(tmp_path, dtype):
+    """``FileTensors`` (the loader's reader: copies out of a memory map of the file) gives every
+    tensor exactly as safetensors' own reader does, empty and scalar ones included; nothing it
+    returns refers to the map, which closes."""
+    from safetensors import safe_open
+
+    from models.loader import FileTensors
+
+    rng = np.random.default_rng(0)
+    dt = jnp.dtype(dtype)
+    tensors = {f"t{i}": rng.normal(size=shape).astype(np.float32).astype(dt) if dt != np.bool_
+               else np.asarray(rng.random(shape) < 0.5)
+               for i, shape in enumerate([(3, 5), (7,), (0, 4), (), (2, 3, 4)])}
+    path = str(tmp_path / "m.safetensors")
+    save_file(tensors, path, metadata={"format": "pt"})
+    ours = FileTensors(path)
+    with safe_open(path, framework="numpy") as ref:
+        for name, src in tensors.items():
+            got = ours.get_tensor(name)
+            assert got.dtype == src.dtype and got.shape == src.shape and got.tobytes() == src.tobytes(), name
+            assert got.base is None, name  # (a fresh array: nothing refers to the map)
+            if not dtype.startswith("float8"):  # (safetensors' numpy reader has no name for them)
+                want = ref.get_tensor(name)
+                assert want.dtype == got.dtype and want.tobytes() == got.tobytes(), name
+    ours.close()
+    assert ours.map.closed
+
+
+def test_a_tensor_whose_byte_range_disagrees_with_its_shape_is_named(tmp_path):
+    path = str(tmp_path / "m.safetensors")
+    save_file({"w": np.zeros((4, 4), np.float32)}, path)
+    raw = bytearray(open(path, "rb").read())
+    n = int.from_bytes(raw[:8], "little")
+    header = raw[8:8 + n].replace(b'"shape":[4,4]', b'"shape":[4,5]')
+    assert len(header) == n
+    open(path, "wb").write(bytes(raw[:8] + header + raw[8 + n:]))
+    from models.loader import FileTensors
+
+    with pytest.raises(CheckpointError, match=r"'w' in m.safetensors: 64 bytes for F32 \[4, 5\]"):
+        FileTensors(path).get_tensor("w")
