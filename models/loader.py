@@ -2,12 +2,12 @@
 
 Files: a single ``model.safetensors``, a sharded set listed by ``model.safetensors.index.json``
 (its ``weight_map`` names the file of every tensor), or any ``*.safetensors`` in the folder.
-Each tensor named by ``param_specs`` is read from a memory map of its file (``FileTensors``: the
-safetensors header gives each tensor's dtype, shape and byte range; bf16 arrives as
-``ml_dtypes.bfloat16``; a dtype numpy lacks goes through safetensors' own reader), checked
-against its expected shape, copied out of the map (numpy's copy releases the GIL, so the
-loader's threads read in parallel: safetensors' ``get_tensor`` holds it, and several threads
-read no faster than one, bench/NOTES.md run AL), moved to the device, then transposed and cast
+Each tensor named by ``param_specs`` is read from its file with ``os.preadv`` straight into a
+fresh array (``FileTensors``: the safetensors header gives each tensor's dtype, shape and byte
+range; bf16 arrives as ``ml_dtypes.bfloat16``; a dtype numpy lacks goes through safetensors'
+own reader) - the read releases the GIL, so the loader's threads read in parallel, where
+safetensors' ``get_tensor`` holds it and several threads read no faster than one
+(bench/NOTES.md, run AL and session 29) - checked against its expected shape, moved to the device, then transposed and cast
 there (one jitted op per tensor, so large models are not transposed on the host).  A missing tensor or a wrong shape raises ``CheckpointError`` naming the tensor.
 ``load_params_sharded`` reads a checkpoint straight into the tensor-parallel layout, each device
 only its slices (``inferscale_jax/sharding.py``).
@@ -20,7 +20,6 @@ import concurrent.futures
 import functools
 import hashlib
 import json
-import mmap
 import os
 import struct
 import threading
@@ -64,20 +63,28 @@ _DTYPES = {"BF16": jnp.bfloat16, "F16": np.float16, "F32": np.float32, "F64": np
 
 
 class FileTensors:
-    """One ``*.safetensors`` file's tensors as copies out of a read-only memory map of it.
+    """One ``*.safetensors`` file's tensors, each read straight into a fresh array.
 
     The file is an 8-byte little-endian header length, a JSON header (per tensor: ``dtype``,
     ``shape``, ``data_offsets`` into the data after the header) and the data.  ``get_tensor``
-    copies a tensor's bytes out of the map into a fresh array (the copy releases the GIL; nothing
-    returned refers to the map, which ``close`` unmaps)."""
+    reads a tensor's bytes with ``os.preadv`` into the array it returns (positional reads on one
+    descriptor, so threads share it; the read releases the GIL)."""
 
     def __init__(self, path: str):
         self.path = path
-        with open(path, "rb") as f:
-            n = struct.unpack("<Q", f.read(8))[0]
-            self.header = {k: v for k, v in json.loads(f.read(n)).items() if k != "__metadata__"}
-            self.base = 8 + n
-            self.map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if os.path.getsize(path) > 0 else None
+        self.fd = os.open(path, os.O_RDONLY)
+        try:
+            head = os.pread(self.fd, 8, 0)
+            n = struct.unpack("<Q", head)[0] if len(head) == 8 else -1
+            raw = os.pread(self.fd, n, 8) if n > 0 else b""
+            if len(raw) != n or n <= 0:
+                raise CheckpointError(f"{path}: not a safetensors file (its header is cut short); "
+                                      "write the checkpoint again")
+            self.header = {k: v for k, v in json.loads(raw).items() if k != "__metadata__"}
+        except BaseException:
+            os.close(self.fd)
+            raise
+        self.base = 8 + n
         self.fallback = None
 
     def get_tensor(self, name: str) -> np.ndarray:
@@ -88,25 +95,24 @@ class FileTensors:
                 self.fallback = safe_open(self.path, framework="numpy").__enter__()
             return self.fallback.get_tensor(name)
         lo, hi = info["data_offsets"]
-        shape = tuple(info["shape"])
-        count = int(np.prod(shape, dtype=np.int64))
-        if hi - lo != count * np.dtype(dtype).itemsize:
+        out = np.empty(tuple(info["shape"]), dtype)
+        if hi - lo != out.nbytes:
             raise CheckpointError(f"tensor {name!r} in {os.path.basename(self.path)}: {hi - lo} bytes for "
-                                  f"{info['dtype']} {list(shape)}; the file is damaged")
-        view = np.frombuffer(self.map, dtype=dtype, count=count, offset=self.base + lo) if count else \
-            np.zeros(0, dtype)
-        out = np.empty(shape, dtype)
-        np.copyto(out.reshape(-1), view)  # (the read: page faults, GIL released)
+                                  f"{info['dtype']} {list(out.shape)}; the file is damaged")
+        buf = memoryview(out.reshape(-1).view(np.uint8))
+        done = 0
+        while done < out.nbytes:  # (one call reads at most ~2 GiB)
+            got = os.preadv(self.fd, [buf[done:]], self.base + lo + done)
+            if got <= 0:
+                raise CheckpointError(f"tensor {name!r} in {os.path.basename(self.path)}: the file ends "
+                                      f"{out.nbytes - done} bytes early; it is damaged")
+            done += got
         return out
 
     def close(self) -> None:
         if self.fallback is not None:
             self.fallback.__exit__(None, None, None)
-        if self.map is not None:
-            try:
-                self.map.close()
-            except BufferError:  # (a view still referenced by an exception on its way out: unmapped with it)
-                pass
+        os.close(self.fd)
 
 
 @functools.partial(jax.jit, static_argnames=("transpose", "dtype"))
