@@ -193,6 +193,9 @@ class KVManager:
             for c in range(seq.computed, len(tokens), chunk):
                 self.step([StepRow(tokens[c:c + chunk], c, seq.pages)], 0, splices=seq.splices)
                 seq.splices = []
+            if seq.splices:  # nothing left to compute (all of it in ``base``): the copy alone
+                self.runner.run_splices(seq.splices)
+                seq.splices = []
         except BaseException:
             self.release(seq.pages)
             raise

@@ -94,6 +94,21 @@ def test_update_reuses_the_common_prefix_and_delete_races_fail_only_their_reques
     assert_only_nodes_hold_pages(e)
 
 
+@pytest.mark.parametrize("keep", [29, 24])
+def test_an_update_to_a_prefix_of_the_old_version_computes_nothing_and_equals_full_prefill(keep):
+    """The new version is the old one cut short: all of its KV is the old version's, no token is
+    computed, and a cut inside a page copies that page's kept positions (a KV chore with no step
+    to carry it, so it runs at once)."""
+    e = make_engine()
+    base = seg_tokens(4, 40)
+    e.register_segment("doc", token_ids=base)
+    before = e.stats()["segment_tokens_computed"]
+    e.update_segment("doc", token_ids=base[:keep])
+    assert e.stats()["segment_tokens_computed"] == before
+    same(gen(e, "doc"), full_prefill(base[:keep] + PROMPT, SP), tol=1e-4)
+    assert_only_nodes_hold_pages(e)
+
+
 @pytest.mark.parametrize("seg_len,add", [(13, 6), (16, 20), (5, 1)])
 def test_append_equals_register_of_the_concatenation_and_computes_only_the_new_tokens(seg_len, add):
     rng = np.random.default_rng(seg_len)
