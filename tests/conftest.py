@@ -1,4 +1,6 @@
+import fcntl
 import os
+import tempfile
 
 # Tests run offline: nothing may be downloaded.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -34,3 +36,26 @@ def pytest_runtest_teardown(item, nextitem):
         gc.collect()
         jax.clear_caches()
         gc.collect()
+
+
+# The suite runs on two workers (pytest-xdist, the README's test command), and the machines it runs on
+# have two cores.  A test marked ``alone`` bounds a latency or a duration; while one runs, the other
+# worker starts no test (it finishes the one it is in): every test holds a shared lock on one file
+# per run, an ``alone`` test an exclusive one.  Without xdist this does nothing.
+def pytest_configure(config):
+    config.addinivalue_line("markers", "alone: bounds a time; under pytest-xdist no other test runs beside it")
+
+
+@pytest.fixture(autouse=True)
+def _alone_under_xdist(request):
+    run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+    if run is None:
+        yield
+        return
+    alone = request.node.get_closest_marker("alone") is not None
+    with open(os.path.join(tempfile.gettempdir(), f"inferscale-tests-{run}.lock"), "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)

@@ -58,8 +58,9 @@ def test_compose_and_blend_quality(record_property):
         single_compose = distributions(e, ["b"], question, "compose")
         np.testing.assert_allclose(single_compose, single_exact, atol=1e-6)
         assert_only_nodes_hold_pages(e)  # composed pages were all released
-    kl_c, kl_b = np.mean(results["compose"]), np.mean(results["blend"])
-    ag_c, ag_b = np.mean(agree["compose"]), np.mean(agree["blend"])
+    # (plain floats: a test's properties travel to the report, across processes under pytest-xdist)
+    kl_c, kl_b = float(np.mean(results["compose"])), float(np.mean(results["blend"]))
+    ag_c, ag_b = float(np.mean(agree["compose"])), float(np.mean(agree["blend"]))
     print(f"\ncompose: mean KL {kl_c:.4f}, greedy agreement {ag_c:.2f}; "
           f"blend (ratio 0.15): mean KL {kl_b:.4f}, greedy agreement {ag_b:.2f}")
     record_property("kl_compose", kl_c)

@@ -140,6 +140,7 @@ def test_two_api_servers_share_the_port_and_the_core(tmp_path, cache, ref):
         srv.stop()
 
 
+@pytest.mark.alone  # (a time bound: conftest.py)
 def test_killing_the_core_ends_every_stream_with_an_error_and_health_fails(tmp_path, cache):
     srv = Server(tmp_path, cache)
     try:

@@ -11,7 +11,11 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from tests.support.server_util import REPO, cache_dir
+
+pytestmark = pytest.mark.alone  # (latency bounds over a minute: conftest.py)
 
 
 def test_soak_one_minute(tmp_path, tmp_path_factory):

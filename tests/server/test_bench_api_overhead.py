@@ -11,9 +11,12 @@ import sys
 import time
 
 import httpx
+import pytest
 
 from tests.server.test_bench_serve import assert_ttft_split
 from tests.support.server_util import REPO, cache_dir, free_port, sse_events, stream_text
+
+pytestmark = pytest.mark.alone  # (engine and prefill milliseconds: conftest.py)
 
 
 def test_api_overhead_serves_paced_tokens_and_stops(tmp_path, tmp_path_factory):

@@ -138,6 +138,7 @@ def test_a_client_leaving_while_a_write_waits_closes_the_body():
     assert ended == [True] and cancelling == 0
 
 
+@pytest.mark.alone  # (a time bound: conftest.py)
 def test_the_event_stream_is_sent_from_this_task_and_stops_when_the_client_leaves():
     async def main():
         req = FakeRequest()

@@ -383,6 +383,7 @@ async def _warm(url: str, model: str, tokenizer) -> None:
             await asyncio.gather(*(one(client, i) for i in range(n)))
 
 
+@pytest.mark.alone  # (a time bound: conftest.py)
 def test_guidellm_default_sweep_zero_errors(venv, server, ref, model_name, cache, tokenizer, tmp_path):
     asyncio.run(_warm(server.url, model_name, tokenizer))
     out = tmp_path / "benchmarks.json"

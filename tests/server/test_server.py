@@ -379,6 +379,7 @@ def _leave_mid_stream(http, body: dict, events: int) -> None:
                 break  # leaving the block closes the connection mid-stream
 
 
+@pytest.mark.alone  # (a time bound: conftest.py)
 def test_disconnect_aborts_and_frees_pages(http):
     base = http.get("/v1/stats", headers=A).json()
     body = {"prompt": "tell me everything", "max_tokens": 400, "ignore_eos": True, "temperature": 0, "stream": True}
@@ -388,6 +389,7 @@ def test_disconnect_aborts_and_frees_pages(http):
     assert stats["generated_tokens"] - base["generated_tokens"] < 400  # it was aborted, not finished
 
 
+@pytest.mark.alone  # (a time bound: conftest.py)
 @pytest.mark.parametrize("stream", [True, False])
 def test_a_client_leaving_an_n_2_request_aborts_both_samples(server, http, stream):
     """The client leaves while two samples generate (streamed: after a few chunks; not streamed: a

@@ -19,6 +19,8 @@ from inferscale_jax.outputs import RequestMetrics
 from serving import UVICORN_OPTIONS, create_app
 from tests.support.server_util import free_port
 
+pytestmark = pytest.mark.alone  # (timeouts of 1-5 s: conftest.py)
+
 
 class StubAsyncEngine:
     """What the app needs of an ``AsyncEngine``: ``engine``, ``call``, ``stream``, ``register_segment``."""

@@ -15,6 +15,8 @@ import pytest
 
 from tests.support.server_util import Server, cache_dir
 
+pytestmark = pytest.mark.alone  # (p99 ratios, a 200 ms gap: conftest.py)
+
 KEYS = {"key-a": "a", "key-b": "b", "key-ops": {"tenant": "ops", "admin": True}}
 FLOOD_TOKENS = 64  # and up to twice that: long, so the flood holds rows (what fairness is about) more than it
 #   costs HTTP work, and varied, so its requests do not finish (and prefill) in lockstep waves

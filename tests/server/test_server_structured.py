@@ -187,6 +187,7 @@ def test_bad_schemas_are_400_naming_the_field(http):
     assert http.get("/health").status_code == 200
 
 
+@pytest.mark.alone  # (a time bound: conftest.py)
 def test_a_grammar_that_compiles_too_long_is_a_400(monkeypatch):
     """The API's compile check is bounded: past ``COMPILE_TIMEOUT_S`` the request is a 400 naming the
     field (the engine never sees it), and the event loop was not blocked meanwhile."""
