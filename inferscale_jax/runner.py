@@ -984,10 +984,6 @@ class ModelRunner:
         else:
             self.splice(*(np.concatenate([getattr(sp, f) for sp in splices]) for f in ("src", "dst", "shift")))
 
-    def copy_pages(self, src: list[int], dst: list[int]) -> None:
-        """Copy whole pages src[i] -> dst[i] in every layer (copy-on-write; exact)."""
-        self.run_splices([page_copy(src, dst, self.page_size)])
-
     def splice(self, src_slots, dst_slots, shift) -> None:
         """K/V of token slots src -> dst in every layer, K re-rotated by ``shift`` positions."""
         n = len(src_slots)

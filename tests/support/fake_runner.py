@@ -39,8 +39,5 @@ class FakeRunner(ModelRunner):
         return StepResult(np.asarray(pending.packed), np.zeros(n, np.float32), np.zeros((n, k), np.int32),
                           np.zeros((n, k), np.float32))
 
-    def copy_pages(self, src, dst):
-        pass
-
     def splice(self, src_slots, dst_slots, shift):
         pass
