@@ -92,11 +92,11 @@ class Splice:
     shift: np.ndarray
 
 
-def page_copy(src: list[int], dst: list[int], page_size: int, upto: int | None = None) -> Splice:
-    """Pages ``src[i]`` -> ``dst[i]``, unrotated, their first ``upto`` slots (default: whole pages):
-    the copy-on-write of a shared partial page copies the positions before the fork only (its new
-    owner computes the rest, so no other chore of the step writes those slots)."""
-    off = np.arange(page_size if upto is None else upto, dtype=np.int32)
+def page_copy(src: list[int], dst: list[int], page_size: int, upto: int) -> Splice:
+    """Pages ``src[i]`` -> ``dst[i]``, unrotated, their first ``upto`` slots: the copy-on-write of a
+    shared partial page copies the positions before the fork only (its new owner computes the rest,
+    so no other chore of the step writes those slots)."""
+    off = np.arange(upto, dtype=np.int32)
     src_slots = (np.asarray(src, np.int32)[:, None] * page_size + off).reshape(-1)
     dst_slots = (np.asarray(dst, np.int32)[:, None] * page_size + off).reshape(-1)
     return Splice(src_slots, dst_slots, np.zeros_like(src_slots))

@@ -5,10 +5,12 @@ Files: a single ``model.safetensors``, a sharded set listed by ``model.safetenso
 Each tensor named by ``param_specs`` is read from its file with ``os.preadv`` straight into a
 fresh array (``FileTensors``: the safetensors header gives each tensor's dtype, shape and byte
 range; bf16 arrives as ``ml_dtypes.bfloat16``; a dtype numpy lacks goes through safetensors'
-own reader) - the read releases the GIL, so the loader's threads read in parallel, where
+own reader).  The read releases the GIL, so the loader's threads read in parallel, where
 safetensors' ``get_tensor`` holds it and several threads read no faster than one
-(bench/NOTES.md, run AL and session 29) - checked against its expected shape, moved to the device, then transposed and cast
-there (one jitted op per tensor, so large models are not transposed on the host).  A missing tensor or a wrong shape raises ``CheckpointError`` naming the tensor.
+(bench/NOTES.md, run AL and session 29).  Each tensor is checked against its expected shape,
+moved to the device, then transposed and cast there (one jitted op per tensor, so large models
+are not transposed on the host).  A missing tensor or a wrong shape raises ``CheckpointError``
+naming the tensor.
 ``load_params_sharded`` reads a checkpoint straight into the tensor-parallel layout, each device
 only its slices (``inferscale_jax/sharding.py``).
 Tensors the model does not use (``rotary_emb.inv_freq``, a tied ``lm_head``) are ignored.
@@ -76,8 +78,9 @@ class FileTensors:
         try:
             head = os.pread(self.fd, 8, 0)
             n = struct.unpack("<Q", head)[0] if len(head) == 8 else -1
-            raw = os.pread(self.fd, n, 8) if n > 0 else b""
-            if len(raw) != n or n <= 0:
+            ok = 0 < n <= os.fstat(self.fd).st_size - 8  # (a garbage length is never read)
+            raw = os.pread(self.fd, n, 8) if ok else b""
+            if not ok or len(raw) != n:
                 raise CheckpointError(f"{path}: not a safetensors file (its header is cut short); "
                                       "write the checkpoint again")
             self.header = {k: v for k, v in json.loads(raw).items() if k != "__metadata__"}

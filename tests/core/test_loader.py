@@ -163,3 +163,7 @@ def test_a_file_cut_short_is_named(tmp_path):
         f.truncate(5)
     with pytest.raises(CheckpointError, match="not a safetensors file"):
         FileTensors(path)
+    with open(path, "wb") as f:  # a header length past the file's end (garbage bytes)
+        f.write((1 << 60).to_bytes(8, "little") + b"{}")
+    with pytest.raises(CheckpointError, match="not a safetensors file"):
+        FileTensors(path)
