@@ -49,7 +49,7 @@ import jax.numpy as jnp
 from inferscale_jax import compile_cache, scoring, sharding
 from inferscale_jax.config import EngineConfig
 from inferscale_jax.errors import EngineFault, PoolExhausted, RequestTooLong
-from inferscale_jax.exe_store import ExecutableStore, exe_store_wanted
+from inferscale_jax.exe_store import ExecutableStore, Preload, exe_store_wanted, start_key
 from inferscale_jax.exe_store import fingerprint as exe_fingerprint
 from inferscale_jax.kv_cache import PagedKVCache, page_bytes
 from inferscale_jax.kv_manager import KVManager, Seq
@@ -81,10 +81,11 @@ class Engine:
     IDLE_WARM = True
 
     def __init__(self, params: dict, cfg: ModelConfig, tokenizer=None, config: EngineConfig | None = None,
-                 fingerprint: str | None = None, placed: tuple | None = None):
+                 fingerprint: str | None = None, placed: tuple | None = None, preload: Preload | None = None):
         """``placed``: ``(mesh, layout_cfg)`` when ``params`` are already in the tensor-parallel layout
         on that mesh (``models.load_params_sharded``, as ``from_pretrained`` loads them); else the
-        engine shards them itself when ``config.tensor_parallel > 1``."""
+        engine shards them itself when ``config.tensor_parallel > 1``.  ``preload``: the executable
+        store's entries ``from_pretrained`` began loading beside the weights (``exe_store.Preload``)."""
         self.config = config = config or EngineConfig()
         self.cfg, self.params, self.tokenizer = cfg, params, tokenizer
         self._grammars: GrammarCompiler | None = None
@@ -125,7 +126,10 @@ class Engine:
         if self.compilation_cache_dir is not None and exe_store_wanted(self.runner.device.platform):
             # compiled steps by bucket, opt-in (exe_store.py: slower than tracing on the H200)
             self.runner.exe_store = ExecutableStore(self.compilation_cache_dir, exe_fingerprint(
-                self.runner.params, cache, run_cfg, sorted(cache.k[0].sharding.device_set, key=lambda d: d.id)))
+                self.runner.params, cache, run_cfg, sorted(cache.k[0].sharding.device_set, key=lambda d: d.id)),
+                preload=preload)
+        elif preload is not None:
+            preload.take("")  # (no store after all: the early loads are dropped)
         self.bos_prefix: list[int] = []
         if tokenizer is not None and getattr(tokenizer, "bos_token_id", None) is not None:
             if tokenizer("a").input_ids[:1] == [tokenizer.bos_token_id]:
@@ -156,10 +160,13 @@ class Engine:
         config = config or EngineConfig()
         model_dir = model_dir or default_model_dir()
         cfg = ModelConfig.from_pretrained(model_dir)
-        placed = None
+        placed = preload = None
         t0 = time.perf_counter()
         if config.compilation_cache:  # before the load: its placing ops' compiles are cached too
-            compile_cache.enable(config.compilation_cache_dir)
+            cache_dir = compile_cache.enable(config.compilation_cache_dir)
+            if cache_dir is not None and exe_store_wanted(jax.devices()[0].platform):
+                # the store's entries the last such start used load beside the weights (exe_store.py)
+                preload = Preload(cache_dir, start_key(model_dir, cfg, config, jax.devices()))
 
         def side() -> tuple:  # the tokenizer and the weights' digest, on a thread beside the weights
             try:
@@ -184,7 +191,12 @@ class Engine:
             tokenizer, digest, t_tok, t_digest = tokenizer_future.result()
         fp = hashlib.sha256(f"{config_digest(cfg)}|{digest}".encode()).hexdigest()
         t1 = time.perf_counter()
-        engine = cls(params, cfg, tokenizer, config, fingerprint=fp, placed=placed)
+        try:
+            engine = cls(params, cfg, tokenizer, config, fingerprint=fp, placed=placed, preload=preload)
+        except BaseException:
+            if preload is not None:
+                preload.take("")  # (the early loads stop with the start)
+            raise
         log.info("loaded %s: weights and tokenizer in %.1f s (weights %.1f s, beside them the tokenizer %.1f s and "
                  "the weights' digest %.1f s), the engine (KV pool of %d pages, snapshot) in %.1f s", model_dir,
                  t1 - t0, tw - t0, t_tok, t_digest,
@@ -750,9 +762,11 @@ class Engine:
         took = time.perf_counter() - t0
         compiled = self.runner.compiles - before
         parts = self.runner.warmup_times
+        store = self.runner.exe_store
         log.info("warm-up: %d %s step buckets ready (%d compiled or loaded: %d from the compile cache, %d from the "
-                 "executable store, %d stored) in %.1f s (%s)%s", done, buckets, compiled,
-                 compile_cache.counts()["hits"] - hits0, self._loaded() - loaded0, self._stored() - stored0, took,
+                 "executable store (%d of them loaded beside the weights), %d stored) in %.1f s (%s)%s", done,
+                 buckets, compiled, compile_cache.counts()["hits"] - hits0, self._loaded() - loaded0,
+                 store.preloaded if store is not None else 0, self._stored() - stored0, took,
                  ", ".join(f"{k} {v:.1f}" for k, v in parts.items()), " (stopped)" if self._warmup_stopped else "")
         return {"buckets": done, "compiled": compiled, "seconds": took, "stopped": self._warmup_stopped, **parts}
 

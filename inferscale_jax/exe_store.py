@@ -28,6 +28,12 @@ warm-up's compile pool, and run AM's warm ``serve`` start (bench/NOTES.md) took 
 from the store against 42.9 s from JAX's cache alone.  So engines on a GPU keep a store
 (``exe_store_wanted``; ``INFERSCALE_EXE_STORE=0`` turns it off, ``=1`` on elsewhere).
 
+A warm start also loads them early (``Preload``): the folder is named only once the weights are
+placed, but the folder the last start with the same ``start_key`` (code, model, checkpoint files,
+engine config) used is almost surely this one's, so its entries load on threads while the weights
+load, and the warm-up finds them loaded; a wrong guess is dropped when the real fingerprint is
+known.
+
 Loading an executable runs code from the file (``pickle``): the folder must be as trusted as the
 engine's own installation, as JAX's cache folder already is.
 """
@@ -86,9 +92,9 @@ def _avals(tree) -> list[str]:
     return [f"{x.shape}|{x.dtype}|{getattr(x, 'sharding', None)}" for x in jax.tree_util.tree_leaves(tree)]
 
 
-def fingerprint_parts(params, cache, cfg, devices) -> dict[str, str]:
-    """The parts of ``fingerprint``, by name (a tool can say which one differs between two starts:
-    bench/tools/exe_store_check.py)."""
+def _program_parts(cfg, devices) -> dict[str, str]:
+    """What a step depends on besides its bucket and its arrays: code, versions, options, model,
+    devices."""
     import jaxlib
 
     # every jax option (PRNG implementation, partitioner, x64, matmul precision ... can change the
@@ -97,9 +103,14 @@ def fingerprint_parts(params, cache, cfg, devices) -> dict[str, str]:
              sorted(kernel_switches().items())]  # (e.g. INFERSCALE_SLOT_PREFETCH: pallas_kernels/common.py)
     return dict(source=source_digest(), versions=f"{jax.__version__} {jaxlib.__version__}", flags=repr(flags),
                 model=repr(cfg), devices=repr([(d.platform, d.device_kind, d.id, d.process_index) for d in devices]),
-                platform=str(getattr(devices[0].client, "platform_version", "")),
-                tree=repr(jax.tree_util.tree_structure((params, cache))), params="\n".join(_avals(params)),
-                cache="\n".join(_avals(cache)))
+                platform=str(getattr(devices[0].client, "platform_version", "")))
+
+
+def fingerprint_parts(params, cache, cfg, devices) -> dict[str, str]:
+    """The parts of ``fingerprint``, by name (a tool can say which one differs between two starts:
+    bench/tools/exe_store_check.py)."""
+    return dict(_program_parts(cfg, devices), tree=repr(jax.tree_util.tree_structure((params, cache))),
+                params="\n".join(_avals(params)), cache="\n".join(_avals(cache)))
 
 
 def fingerprint(params, cache, cfg, devices) -> str:
@@ -118,10 +129,12 @@ class ExecutableStore:
     on by default on GPUs, so old ones must not pile up.  A folder another engine still uses may go
     with them; that engine's later loads miss and its steps compile again."""
 
-    def __init__(self, cache_dir: str, fp: str, keep: int = KEEP_FOLDERS):
+    def __init__(self, cache_dir: str, fp: str, keep: int = KEEP_FOLDERS, preload: "Preload | None" = None):
+        """``preload``: this start's early loads (``Preload``), used if they come from ``fp``'s folder."""
         root = os.path.join(cache_dir, "inferscale-executables")
         self.folder = os.path.join(root, fp)
-        self.loads = self.saves = self.failures = 0
+        self.loads = self.saves = self.failures = self.preloaded = 0
+        self._preloaded = preload.take(fp) if preload is not None else {}
         self._lock = threading.Lock()
         try:
             os.makedirs(self.folder, exist_ok=True)
@@ -136,12 +149,11 @@ class ExecutableStore:
     def load(self, key: tuple):
         """The compiled executable saved for ``key``, or None (none saved, or it did not load)."""
         path = self._path(key)
+        early = self._preloaded.pop(path, None)
         try:
-            with open(path, "rb") as f:
-                saved_key, payload, in_tree, out_tree = pickle.load(f)
+            saved_key, exe = early.result() if early is not None and not early.cancelled() else _read(path)
             if saved_key != repr(key):
                 return None
-            exe = serialize_executable.deserialize_and_load(payload, in_tree, out_tree)
         except FileNotFoundError:
             return None
         except Exception as err:  # noqa: BLE001 - a bad entry costs a compile, never a request
@@ -152,6 +164,7 @@ class ExecutableStore:
             return None
         with self._lock:
             self.loads += 1
+            self.preloaded += early is not None
         return exe
 
     def save(self, key: tuple, exe) -> bool:
@@ -176,6 +189,91 @@ class ExecutableStore:
         with self._lock:
             self.saves += 1
         return True
+
+
+def _read(path: str) -> tuple:
+    """(the key saved in the entry at ``path``, its executable, loaded)."""
+    with open(path, "rb") as f:
+        saved_key, payload, in_tree, out_tree = pickle.load(f)
+    return saved_key, serialize_executable.deserialize_and_load(payload, in_tree, out_tree)
+
+
+def start_key(model_dir: str, cfg, config, devices) -> str:
+    """What a start knows before its weights load, hashed: the code, versions and options, the
+    model config, the devices, the checkpoint's files (names, sizes, mtimes) and the engine config.
+    A start with the same key builds the same arrays (the pool's size follows the weights' bytes:
+    ``Engine._auto_pages``), so the store folder the last one used is almost surely this one's."""
+    files = []
+    for name in sorted(os.listdir(model_dir)):
+        if name.endswith((".safetensors", ".json")):
+            st = os.stat(os.path.join(model_dir, name))
+            files.append((name, st.st_size, st.st_mtime_ns))
+    parts = dict(_program_parts(cfg, devices), files=repr(files), config=repr(config))
+    return hashlib.sha256("\n".join(parts.values()).encode()).hexdigest()[:32]
+
+
+HINTS_KEPT = 32  # start keys remembered (one small file each)
+PRELOAD_MAX = 512  # entries one start loads early, at most (the oldest first: a cold warm-up saved those)
+
+
+class Preload:
+    """A warm start's store entries, loading on threads while the weights load.
+
+    The store's folder is named by the weights' and the KV pool's shapes, known only once the
+    weights are placed (``fingerprint``), so until now every entry loaded after the load (6.5 s of
+    run AM's 16.5 s warm-up, bench/NOTES.md).  A start knows its ``start_key`` before the load; the
+    folder the last start with that key used (a hint file per key beside the store) is loaded at
+    once, every entry on a pool of ``workers`` threads.  Once the engine knows its fingerprint it
+    ``take``s them: the same folder gives the loads to the store (``ExecutableStore.load`` waits
+    for an entry still loading), another cancels them (what is already loading is dropped) and
+    the hint names the new folder.  A wrong guess costs only the threads' work."""
+
+    def __init__(self, cache_dir: str, key: str, workers: int | None = None):
+        self.hints = os.path.join(cache_dir, "inferscale-executable-starts")
+        self.key, self.fp, self.futures = key, None, {}
+        try:
+            with open(os.path.join(self.hints, key)) as f:
+                self.fp = f.read().strip() or None
+            folder = os.path.join(cache_dir, "inferscale-executables", self.fp or "")
+            entries = sorted((os.stat(e.path).st_mtime_ns, e.path) for e in os.scandir(folder)
+                             if e.name.endswith(".exe"))[:PRELOAD_MAX]
+        except OSError:  # (no hint, or its folder is gone: nothing to load early)
+            return
+        if entries:
+            import concurrent.futures
+
+            pool = concurrent.futures.ThreadPoolExecutor(workers or min(8, os.cpu_count() or 1),
+                                                         thread_name_prefix="inferscale-preload")
+            self.futures = {path: pool.submit(_read, path) for _, path in entries}
+            pool.shutdown(wait=False)  # (its threads end when the queue is done or cancelled)
+            log.info("executable store: loading %d steps of %s early", len(entries), folder)
+
+    def take(self, fp: str) -> dict:
+        """The early loads (path -> future of ``_read``) if they come from folder ``fp``, else {}
+        (and the rest cancelled); the hint names ``fp`` from now on (``""``: no store, no hint)."""
+        if fp:
+            self._remember(fp)  # (rewritten each start: the hints kept are the most recently used)
+        if fp != self.fp:
+            for fut in self.futures.values():
+                fut.cancel()
+            if self.futures:
+                log.info("executable store: this start's steps are in another folder than the last's; "
+                         "the %d early loads were dropped", len(self.futures))
+            return {}
+        return dict(self.futures)
+
+    def _remember(self, fp: str) -> None:
+        try:
+            os.makedirs(self.hints, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=self.hints, suffix=".tmp")
+            with os.fdopen(fd, "w") as f:
+                f.write(fp)
+            os.replace(tmp, os.path.join(self.hints, self.key))
+            hints = sorted(((e.stat().st_mtime, e.path) for e in os.scandir(self.hints)), reverse=True)
+            for _, path in hints[HINTS_KEPT:]:
+                os.unlink(path)
+        except OSError as err:  # (a hint is an optimization)
+            log.debug("executable store hint not written: %s", err)
 
 
 def _prune(root: str, keep: int, current: str) -> None:

@@ -146,3 +146,71 @@ def test_opening_a_store_keeps_only_the_most_recently_used_folders(tmp_path):
     assert sorted(os.listdir(root)) == ["d", "e", "new", "stray.txt"]
     ExecutableStore(str(tmp_path), "f", keep=2)
     assert sorted(os.listdir(root)) == ["d", "f", "stray.txt"]
+
+
+START_CHILD = r"""
+import json, sys
+from inferscale_jax import Engine, EngineConfig, SamplingParams
+e = Engine.from_pretrained(None, EngineConfig(hbm_pages=128, compilation_cache_dir=sys.argv[1], max_batch=4))
+e.warmup()
+out = e.generate(prompt_token_ids=[5, 6, 7, 8, 9], sampling=SamplingParams(max_tokens=6, temperature=0.0,
+                                                                         ignore_eos=True))
+st = e.runner.exe_store
+print(json.dumps(dict(loads=st.loads, preloaded=st.preloaded, saves=st.saves, buckets=len(e.runner.executables),
+                      tokens=out.token_ids)))
+"""
+
+
+def start(cache_dir: str) -> dict:
+    env = dict(os.environ, INFERSCALE_EXE_STORE="1", PYTHONPATH=ROOT)
+    out = subprocess.run([sys.executable, "-c", START_CHILD, cache_dir], env=env, capture_output=True, text=True,
+                         timeout=300, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_a_warm_start_loads_its_steps_beside_the_weights(tmp_path):
+    """``from_pretrained`` twice with one cache: the second start's steps all come from the store, every
+    one of them loaded while the weights loaded (the start key, and so the hint, is the same in a
+    new process), and the tokens are the first start's."""
+    cold = start(str(tmp_path))
+    assert cold["saves"] == cold["buckets"] >= 3 and cold["preloaded"] == 0
+    warm = start(str(tmp_path))
+    assert warm["loads"] == warm["preloaded"] == cold["buckets"] and warm["saves"] == 0
+    assert warm["tokens"] == cold["tokens"]
+
+
+def test_early_loads_are_used_only_for_their_own_folder(tmp_path):
+    # (in this process the CPU backend's executables may come from JAX's cache, and such a one does
+    # not run once loaded back: the loads are checked here, the runs by the two starts above)
+    first = with_store(tmp_path)
+    compile_one(first)
+    fp = first.runner.exe_store.folder.rsplit(os.sep, 1)[1]
+    assert exe_store.Preload(str(tmp_path), "k").take(fp) == {}  # no hint yet: nothing early; now one
+    early = exe_store.Preload(str(tmp_path), "k")
+    assert early.fp == fp and len(early.futures) == len(os.listdir(first.runner.exe_store.folder)) >= 1
+    second = make_engine(pages=64)
+    r = second.runner
+    r.exe_store = ExecutableStore(str(tmp_path), fingerprint(r.params, r.cache, r.cfg, [r.device]), preload=early)
+    keys = [k for k in first.runner.executables if os.path.exists(first.runner.exe_store._path(k))]
+    assert keys and all(r.exe_store.load(k) is not None for k in keys)
+    assert r.exe_store.preloaded == r.exe_store.loads == len(keys) == len(early.futures)
+    # a start whose fingerprint is another's: its early loads are dropped and the hint follows it
+    wrong = exe_store.Preload(str(tmp_path), "k")
+    store = ExecutableStore(str(tmp_path), "another-folder", preload=wrong)
+    assert len(wrong.futures) == len(keys) and store._preloaded == {}
+    assert store.load(keys[0]) is None and store.preloaded == 0  # (that folder holds nothing)
+    assert exe_store.Preload(str(tmp_path), "k").fp == "another-folder"
+    assert exe_store.Preload(str(tmp_path), "never-started").futures == {}
+
+
+def test_the_start_key_follows_the_checkpoint_files_and_the_engine_config(tmp_path):
+    from inferscale_jax import EngineConfig
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "model.safetensors").write_bytes(b"x" * 10)
+    devices = jax.devices()[:1]
+    base = exe_store.start_key(str(tmp_path), CFG, EngineConfig(), devices)
+    assert exe_store.start_key(str(tmp_path), CFG, EngineConfig(), devices) == base
+    assert exe_store.start_key(str(tmp_path), CFG, EngineConfig(hbm_pages=64), devices) != base
+    (tmp_path / "model.safetensors").write_bytes(b"y" * 11)
+    assert exe_store.start_key(str(tmp_path), CFG, EngineConfig(), devices) != base
