@@ -57,6 +57,7 @@ from jax.sharding import Mesh, PartitionSpec
 
 from models.config import ModelConfig
 from models.dense_cache import dense_attention
+from pallas_kernels import common
 from pallas_kernels.cascade_attention import (grouped_cascade_decode_attention,
                                               grouped_cascade_decode_attention_ref,
                                               grouped_shared_prefix_attention,
@@ -259,6 +260,7 @@ def _attend(q, kp, vp, positions, meta: AttnMeta, impl: str, scales=(None, None)
 
 MIXED_BLOCK_ROWS = 64  # the shared part's row blocks in a mixed step (its group count is not known statically)
 MIXED_REAL_GROUPS = 16  # the shared part's split count in a mixed step assumes at most this many real groups
+# (INFERSCALE_MIXED_SHARED overrides these and the kernel's other knobs: pallas_kernels/common.py)
 
 
 def _mixed(q, kp, vp, meta: AttnMeta, pallas: bool, sc: dict):
@@ -279,7 +281,8 @@ def _mixed(q, kp, vp, meta: AttnMeta, pallas: bool, sc: dict):
     shared = grouped_shared_prefix_attention if pallas else grouped_shared_prefix_attention_ref
     # the bucket pads the group table (up to 64 groups) and the tokens: the split count follows the rows
     # (most are one-token decode rows) and the real groups
-    knobs = dict(block_rows=MIXED_BLOCK_ROWS, real_groups=MIXED_REAL_GROUPS, real_rows=rows) if pallas else {}
+    knobs = {**dict(block_rows=MIXED_BLOCK_ROWS, real_groups=MIXED_REAL_GROUPS, real_rows=rows),
+             **common.mixed_shared_knobs()} if pallas else {}
     o_sh, lse_sh = shared(q, kp, vp, meta.group_pages, meta.group_lens, group, **knobs, **sc)  # [N, Hq(, D)]
     merged, _ = merge_lse(o_sh, lse_sh, out, lse)
     return jnp.where((group >= 0)[:, None, None], merged.astype(out.dtype), out)

@@ -49,10 +49,30 @@ def stages_for(default: int, prefetch: bool) -> int:
     return default if prefetch else max(default, 3)
 
 
+MIXED_SHARED_KNOBS = dict(br="block_rows", bk="block_kv", w="num_warps", st="num_stages", sp="num_splits")
+
+
+def mixed_shared_knobs() -> dict:
+    """``INFERSCALE_MIXED_SHARED`` (e.g. ``br=128,w=8,sp=1``): knobs of the cascade shared part in
+    the engine's mixed steps that override its defaults (``inferscale_jax/kv_cache.py``), by
+    ``MIXED_SHARED_KNOBS``' short names; unset: none.  An A/B switch for the benchmarks
+    (bench/NOTES.md)."""
+    spec = os.environ.get("INFERSCALE_MIXED_SHARED", "").strip()
+    out = {}
+    for item in filter(None, (x.strip() for x in spec.split(","))):
+        name, _, value = item.partition("=")
+        if name not in MIXED_SHARED_KNOBS or not value.isdigit() or int(value) < 1:
+            raise ValueError(f"INFERSCALE_MIXED_SHARED={spec!r}: {item!r} is invalid: each item must be NAME=N with "
+                             f"N >= 1 and NAME one of {sorted(MIXED_SHARED_KNOBS)} ({MIXED_SHARED_KNOBS}); "
+                             "unset it for the defaults")
+        out[MIXED_SHARED_KNOBS[name]] = int(value)
+    return out
+
+
 def switches() -> dict:
     """The environment's switches that change the kernels' programs (for caches keyed without
     tracing, such as the engine's executable store: a switch must name another entry)."""
-    return {"slot_prefetch": slot_prefetch()}
+    return {"slot_prefetch": slot_prefetch(), "mixed_shared": sorted(mixed_shared_knobs().items())}
 
 
 def compiler_params(num_warps: int = 4, num_stages: int = 2) -> plt.CompilerParams:

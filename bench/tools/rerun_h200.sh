@@ -45,6 +45,8 @@
 #      one before (INFERSCALE_SLOT_PREFETCH=0 / 1): the decode step's cascade kernels at 64 / 256 rows over 1 / 8
 #      segments with the shared part's stage counts (bench/kernels/cascade_groups.py), plain paged decode beside
 #      them, then the engine's decode steps at 1 / 64 / 256 rows both ways (bench/engine/steps.py)
+#  17  the mixed steps' cascade shared part by knob (bench/kernels/mixed_shared.py: the 2048-token cohort step and
+#      the 512-token spread step over 8 segments, INFERSCALE_MIXED_SHARED variants against the engine's default)
 #  16  the checkpoint read (models/loader.py: os.preadv into each tensor's array, threads in parallel): the 8B
 #      checkpoint loaded one tensor at a time and eight (bench/tools/weights_load.py; run AL: 14.2 / 12.1 s)
 # Parts 6-10 and 16 write the 8B checkpoint to /tmp/llama8b first when it is missing (~35 s); it stays out of
@@ -53,7 +55,7 @@
 # Each step writes its tables under RESULTS_DIR/<step>/ and its console log to RESULTS_DIR/<step>.log;
 # after each step RESULTS_DIR is packed into TARBALL when given (what a cut call still returns).
 set -uo pipefail
-part=${1:?part 1-16}
+part=${1:?part 1-17}
 res=${2:?results folder}
 tarball=${3:-}
 mkdir -p "$res"
@@ -192,6 +194,9 @@ case "$part" in
 16)
     ckpt
     step_as weights_load 150 bench/tools/weights_load.py --model /tmp/llama8b --workers 1,8 --repeat 1
+    ;;
+17)
+    step mixed_shared 300 bench/kernels/mixed_shared.py
     ;;
 15)
     kern=(bench/kernels/cascade_groups.py --rows 64,256 --segments 1,8 --no-mixed)

@@ -174,3 +174,25 @@ def test_mixed_step_with_chunks_in_groups_equals_ragged_over_whole_page_lists(im
     suffix_only = kv_cache._attend(q[None], kp, vp, None, alone, "ref")[0]
     first = 6 if chunk_groups[0] >= 0 else 11  # a grouped chunk's first token (rows 0-5 are one token each)
     assert not np.allclose(np.asarray(suffix_only[first], np.float32), np.asarray(want[first], np.float32), atol=1e-3)
+
+
+@pytest.mark.parametrize("spec", ["sp=1", "br=32,sp=2,bk=16", "w=8,st=3,sp=3"])
+def test_the_mixed_shared_switch_keeps_the_result(monkeypatch, spec):
+    """``INFERSCALE_MIXED_SHARED`` (the benchmarks' A/B switch of the shared part's knobs in mixed steps)
+    changes how the kernel runs, never what it computes; the executable store's key follows it."""
+    from pallas_kernels import common
+    q, kp, vp, casc, plain, n = mixed_case(9, chunk_groups=(0, 1))
+    want = kv_cache._attend(q[None], kp, vp, None, plain, "ref")[0]
+    base = common.switches()
+    monkeypatch.setenv("INFERSCALE_MIXED_SHARED", spec)
+    assert common.switches() != base
+    out = kv_cache._attend(q[None], kp, vp, None, casc, "pallas")[0]
+    assert_close(out[:n], want[:n], jnp.float32)
+
+
+@pytest.mark.parametrize("spec", ["br=0", "sp=two", "rows=4", "br"])
+def test_a_bad_mixed_shared_switch_is_refused_with_its_value(monkeypatch, spec):
+    from pallas_kernels import common
+    monkeypatch.setenv("INFERSCALE_MIXED_SHARED", spec)
+    with pytest.raises(ValueError, match="INFERSCALE_MIXED_SHARED=.*NAME=N"):
+        common.mixed_shared_knobs()

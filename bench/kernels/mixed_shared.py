@@ -1,0 +1,199 @@
+"""GPU benchmark of the engine's mixed-step attention with questions over shared segments, by shared-part knob.
+
+Usage (from the repository root)::
+
+    python bench/kernels/mixed_shared.py                          # H200 / H100: ~2 minutes
+    python bench/kernels/mixed_shared.py --variants sp=1 br=128,w=8,sp=1
+    python bench/kernels/mixed_shared.py --smoke --out /tmp/ms     # tiny shapes on the CPU (interpret mode)
+
+One layer's attention of the two mixed steps the served loop runs (bench/NOTES.md, run AN), Llama-3-8B shape
+(32 q heads, 8 kv heads, head_dim 128, page 16, bf16), N = 8 shared segments of 4096 tokens, every row in
+its segment's cascade group, as ``inferscale_jax/kv_cache.py``'s ``_mixed`` runs it (the ragged kernel over
+each row's own tokens, the grouped kernel's shared part over the segments, merged by log-sum-exps):
+
+* ``cohort``: the 2048-token bucket of a closed loop's wave: 200 decode rows (own tokens 64-127) and
+  28 questions of 64 tokens (1992 tokens, 228 rows of 256);
+* ``spread``: the 512-token bucket of spread answer lengths: 250 decode rows and 3 questions (442 tokens,
+  253 rows).
+
+Each variant sets ``INFERSCALE_MIXED_SHARED`` (``pallas_kernels/common.py``: ``br`` block_rows, ``bk``
+block_kv, ``w`` num_warps, ``st`` num_stages, ``sp`` num_splits) before tracing; ``engine`` is the
+engine's default (what run AN profiled: ``cascade_shared_g64_r64_bk64_sp3``).  ``ragged`` is the ragged
+kernel alone over each row's whole page list (no cascade; the engine before run AK).  Every output is
+checked against ``engine`` (bf16 tolerance).  Floors: the FLOPs of the attention (4 x query rows x keys x
+head_dim, each question token over its segment and its causal prefix) at the run's matmul ceiling, and
+the K/V bytes (each segment and own token once) at its read ceiling; ``x floor`` is against the larger.
+Timing as ``bench/kernels/kernels.py`` (R input sets compiled into one executable, median).  Writes
+``mixed_shared.md`` and ``mixed_shared.png`` to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository
+sys.path[:0] = [ROOT, os.path.join(ROOT, "bench", "lib"), os.path.join(ROOT, "bench", "kernels")]
+from cascade_groups import random_pool  # noqa: E402
+from common import matmul_ceiling, read_bandwidth  # noqa: E402
+from kernels import check, time_calls  # noqa: E402
+from report import finish, log, pyplot, save_plot, table  # noqa: E402
+from inferscale_jax import kv_cache  # noqa: E402
+from inferscale_jax.buckets import StepBuckets  # noqa: E402
+
+FULL = dict(hq=32, hkv=8, d=128, s=16, seg=4096, segments=8, rows=256, own=(64, 128), question=64, sets=4, reps=10,
+            steps=dict(cohort=(200, 28, 2048), spread=(250, 3, 512)))
+SMOKE = dict(hq=8, hkv=2, d=64, s=8, seg=64, segments=3, rows=16, own=(4, 12), question=8, sets=1, reps=1,
+             steps=dict(cohort=(6, 4, 64), spread=(10, 1, 32)))
+VARIANTS = ("engine", "sp=1", "sp=2", "br=128", "br=128,sp=1", "br=128,w=8,sp=1", "br=128,w=8,st=3,sp=1",
+            "br=128,bk=128,w=8,sp=1", "br=64,st=3,sp=1")
+RESULTS: list = []  # (step, variant, seconds, floor seconds)
+
+
+def step_case(cfg, decode, questions, tokens):
+    """The pools and ``cfg['sets']`` input sets of one mixed step: (q [T, Hq, D], the engine's AttnMeta,
+    the whole-page-list AttnMeta, real tokens, flops, bytes)."""
+    s, seg, n, rows, hq, hkv, d = (cfg[k] for k in ("s", "seg", "segments", "rows", "hq", "hkv", "d"))
+    lo, hi = cfg["own"]
+    qlen = np.array([1] * decode + [cfg["question"]] * questions, np.int32)  # [R real]
+    own = np.concatenate([lo + np.arange(decode) % (hi - lo), [cfg["question"]] * questions]).astype(np.int32)
+    real = len(qlen)
+    assert real <= rows and int(qlen.sum()) <= tokens, (real, int(qlen.sum()), tokens)
+    seg_pages = seg // s
+    own_pages = -(-own // s)
+    width = seg_pages + int(own_pages.max())
+    per_set = n * seg_pages + int(own_pages.sum())
+    kp, vp = random_pool(jax.random.PRNGKey(tokens), hkv, 1 + cfg["sets"] * per_set, s, d)
+    rng = np.random.default_rng(tokens)
+    group = np.arange(real) % n
+    gb = StepBuckets.groups_for(min(64, max(1, rows // 2)))  # the engine's mixed-step group bucket
+    q_lens = np.zeros((rows,), np.int32)
+    q_lens[:real] = qlen
+    cu = jnp.asarray(np.concatenate([[0], np.cumsum(q_lens)]), jnp.int32)
+    sets = []
+    for i in range(cfg["sets"]):
+        ids = 1 + i * per_set + rng.permutation(per_set).astype(np.int32)
+        seg_tbl = ids[:n * seg_pages].reshape(n, seg_pages)
+        suf = np.zeros((rows, width), np.int32)
+        full = np.zeros((rows, width), np.int32)
+        at = n * seg_pages
+        for r in range(real):
+            suf[r, :own_pages[r]] = ids[at:at + own_pages[r]]
+            full[r, :seg_pages] = seg_tbl[group[r]]
+            full[r, seg_pages:seg_pages + own_pages[r]] = ids[at:at + own_pages[r]]
+            at += own_pages[r]
+        lens = np.zeros((rows,), np.int32)
+        lens[:real] = own
+        pages = np.zeros((gb, width), np.int32)
+        pages[:n, :seg_pages] = seg_tbl
+        glens = np.zeros((gb,), np.int32)
+        glens[:n] = seg
+        rg = np.full((rows,), -1, np.int32)
+        rg[:real] = group
+        casc = kv_cache.AttnMeta(slots=None, page_table=jnp.asarray(suf), q_lens=None, kv_lens=jnp.asarray(lens),
+                                 cu_q_lens=cu, ragged=True, group_pages=jnp.asarray(pages),
+                                 group_lens=jnp.asarray(glens), row_group=jnp.asarray(rg))
+        flat = kv_cache.AttnMeta(slots=None, page_table=jnp.asarray(full), q_lens=None,
+                                 kv_lens=jnp.asarray(np.where(np.arange(rows) < real, lens + seg, 0), jnp.int32),
+                                 cu_q_lens=cu, ragged=True)
+        q = jax.random.normal(jax.random.PRNGKey(31 * i + tokens), (tokens, hq, d), jnp.bfloat16)
+        sets.append((q, casc, flat))
+    keys = qlen * seg + (own - qlen) * qlen + qlen * (qlen + 1) // 2  # each row's query-key pairs
+    flops = 4 * hq * d * int(keys.sum())
+    nbytes = (n * seg + int(own.sum())) * 2 * hkv * d * 2 + 2 * tokens * hq * d * 2
+    return kp, vp, sets, int(qlen.sum()), flops, nbytes
+
+
+def run_step(args, cfg, name, decode, questions, tokens):
+    kp, vp, sets, real, flops, nbytes = step_case(cfg, decode, questions, tokens)
+    floor = max(flops / args.tflops, nbytes / args.ceiling)
+    log(f"  {name}: {decode} decode rows + {questions} questions = {real} tokens in the {tokens} bucket; "
+        f"{flops / 1e9:.1f} GFLOP, {nbytes / 2**20:.0f} MiB; floor {floor * 1e6:.1f} us")
+
+    def attend(k, v, q, meta):  # (the Pallas kernels; interpret mode on the CPU: the smoke run)
+        return kv_cache._attend(q[None], k, v, None, meta, "pallas")[0]
+
+    base = None
+    for variant in args.variants[:1] + ["ragged"] + args.variants[1:]:  # (every output checked against engine's)
+        spec = "" if variant in ("engine", "ragged") else variant
+        os.environ["INFERSCALE_MIXED_SHARED"] = spec
+        try:
+            def call(k, v, q, meta):  # (a new function per variant: traced again, reading the switch)
+                return attend(k, v, q, meta)
+            inputs = [(q, flat if variant == "ragged" else casc) for q, casc, flat in sets]
+            t, outs = time_calls(call, (kp, vp), inputs, cfg["reps"])
+        except Exception as err:  # noqa: BLE001 - a variant that does not compile (shared memory) is reported
+            log(f"  {name} {variant}: failed ({type(err).__name__}: {str(err)[:200]})")
+            continue
+        finally:
+            os.environ.pop("INFERSCALE_MIXED_SHARED", None)
+        out = np.asarray(outs[0][:real], np.float32)
+        if variant == "engine":
+            base = out
+        elif base is not None:
+            check(f"{name} {variant} vs engine", out, base)
+        RESULTS.append((name, variant, t, floor))
+        log(f"  {name} {variant}: {t * 1e6:.1f} us ({t / floor:.2f}x floor)")
+        del outs
+
+
+def plot(out_dir):
+    plt = pyplot()
+    if plt is None or not RESULTS:
+        return
+    steps = list(dict.fromkeys(r[0] for r in RESULTS))
+    fig, axes = plt.subplots(1, len(steps), figsize=(6 * len(steps), 4.5), squeeze=False)
+    for ax, step in zip(axes[0], steps):
+        rows = [r for r in RESULTS if r[0] == step]
+        ax.barh([r[1] for r in rows], [r[2] * 1e6 for r in rows], color="tab:blue")
+        ax.axvline(rows[0][3] * 1e6, color="k", ls="--", label="floor")
+        ax.set_xlabel("us per layer")
+        ax.set_title(f"{step} mixed step ({jax.devices()[0].device_kind})", fontsize=9)
+        ax.invert_yaxis()
+        ax.legend(fontsize=7)
+    save_plot(fig, out_dir, "mixed_shared.png")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results"))
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes, interpret mode (the CPU): the harness only")
+    ap.add_argument("--variants", nargs="*", default=None,
+                    help=f"INFERSCALE_MIXED_SHARED values to time after 'engine' (default: {' '.join(VARIANTS[1:])})")
+    ap.add_argument("--steps", default="cohort,spread", help="which steps: cohort, spread")
+    ap.add_argument("--reps", type=int, default=None)
+    args = ap.parse_args()
+    cfg = dict(SMOKE if args.smoke else FULL)
+    cfg["reps"] = args.reps or cfg["reps"]
+    args.variants = ["engine"] + (list(VARIANTS[1:]) if args.variants is None else args.variants)
+    if args.smoke and args.variants[1:] == list(VARIANTS[1:]):
+        args.variants = ["engine", "sp=1", "br=16,sp=2"]  # (the CPU's tiny tiles: interpret mode takes minutes)
+    t0 = time.time()
+    os.makedirs(args.out, exist_ok=True)
+    log(f"devices: {jax.devices()}  jax {jax.__version__}")
+    args.ceiling = read_bandwidth(64 << 20 if args.smoke else 2 << 30, reps=cfg["reps"])
+    args.tflops = matmul_ceiling(256 if args.smoke else 8192, reps=cfg["reps"])
+    log(f"read ceiling {args.ceiling / 1e12:.2f} TB/s, matmul ceiling {args.tflops / 1e12:.0f} TFLOP/s")
+    for name in args.steps.split(","):
+        run_step(args, cfg, name, *cfg["steps"][name])
+    table(f"One layer's attention in the engine's mixed steps over {cfg['segments']} segments of {cfg['seg']} tokens "
+          f"(read ceiling {args.ceiling / 1e12:.2f} TB/s, matmul {args.tflops / 1e12:.0f} TFLOP/s)",
+          ["step", "variant (INFERSCALE_MIXED_SHARED)", "us", "floor us", "x floor", "vs engine"],
+          [[s, v, f"{t * 1e6:.1f}", f"{f * 1e6:.1f}", f"{t / f:.2f}x",
+            f"{next(tt for ss, vv, tt, _ in RESULTS if ss == s and vv == 'engine') / t:.2f}x"
+            if any(ss == s and vv == "engine" for ss, vv, _, _ in RESULTS) else ""]
+           for s, v, t, f in RESULTS])
+    plot(args.out)
+    finish(args.out, "mixed_shared.md", "The engine's mixed-step attention by shared-part knob", t0, ROOT,
+           [f"- read ceiling {args.ceiling / 1e12:.3f} TB/s, matmul ceiling {args.tflops / 1e12:.0f} TFLOP/s "
+            "(this run)"])
+
+
+if __name__ == "__main__":
+    main()
