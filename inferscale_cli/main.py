@@ -427,11 +427,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-waiting-per-tenant", type=positive(), default=None,
                    help="one tenant's queued requests beyond which its new ones get 429 + Retry-After while other "
                         "tenants are served (default: half of --max-waiting when the key file names several "
-                        "tenants, else all of it; per API-server process)")
+                        "tenants with non-admin keys, else all of it; per API-server process)")
     s.add_argument("--tenant-reserve", type=float, default=None, metavar="FRACTION",
                    help="share of --max-batch's rows no single tenant may hold, kept so another tenant's request "
                         "starts at the next step while one floods (default: 0.125 when the key file names several "
-                        "tenants, else 0)")
+                        "tenants with non-admin keys, else 0)")
     s.add_argument("--max-body-bytes", type=positive(), default=2 << 20,
                    help="request body limit (default: %(default)s)")
     s.add_argument("--body-timeout", type=positive(float), default=30.0,

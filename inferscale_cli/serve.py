@@ -49,7 +49,7 @@ SHUTDOWN_WAIT_S = 300.0  # how long the engine thread may take to finish its ste
 FAULT_EXIT_DELAY_S = 10.0  # core layout: after the engine fails, /health answers 503 this long, then exit
 DEFAULT_NAMES = ["inferscale-default", "inferscale"]  # the embedded default model's served names
 LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
-DEFAULT_TENANT_RESERVE = 0.125  # --tenant-reserve with several tenants (EngineConfig.tenant_reserve)
+DEFAULT_TENANT_RESERVE = 0.125  # --tenant-reserve with several serving tenants (EngineConfig.tenant_reserve)
 
 
 def bind(host: str, port: int) -> list[socket.socket]:
@@ -190,10 +190,11 @@ def _engine_config(args, resolve_dtype):
         extra = dict(snapshot_dir=args.snapshot_dir, strict_restore=args.strict_restore,
                      snapshot_interval_s=args.snapshot_interval, repair_registry=args.repair)
     reserve = args.tenant_reserve
-    if reserve is None:  # several tenants in the key file: 1/8 of the rows kept from any one of them
+    if reserve is None:  # several serving tenants in the key file: 1/8 of the rows kept from any one of them
         from serving import load_api_keys
 
-        reserve = DEFAULT_TENANT_RESERVE if args.api_keys and len(load_api_keys(args.api_keys).tenants()) > 1 else 0.0
+        several = args.api_keys and len(load_api_keys(args.api_keys).serving_tenants()) > 1
+        reserve = DEFAULT_TENANT_RESERVE if several else 0.0
     extra["tenant_reserve"] = reserve
     config = EngineConfig(dtype=resolve_dtype(args.dtype), page_size=args.page_size, hbm_pages=args.hbm_pages,
                           host_pages=args.host_pages,

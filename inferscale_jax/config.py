@@ -25,7 +25,7 @@ class EngineConfig:
     max_batch: int | None = None
     # rows of max_batch no single tenant may hold, as a fraction (at least one row when > 0): kept for the
     # other tenants, so a request arriving while another tenant floods starts at the next step
-    # (scheduler.py, Admit); 0: none (`serve` sets 1/8 when its key file names several tenants)
+    # (scheduler.py, Admit); 0: none (`serve` sets 1/8 when its key file names several non-admin tenants)
     tenant_reserve: float = 0.0
     prefill_chunk: int = 512  # new tokens per sequence per step at most (chunked prefill)
     # new tokens per device step, prefill chunks and decode rows together (vLLM's

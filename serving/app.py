@@ -94,7 +94,7 @@ class ServerState:
     holding ``max_waiting_per_tenant`` such requests gets 429 (its fair share is used; the others
     are still served); beyond ``max_waiting`` in all, 503.  Both carry ``Retry-After``.
     ``max_waiting`` defaults to what the KV pool holds (``auto_max_waiting``), the per-tenant cap
-    to half of it when the key file names several tenants (else the whole queue); the engine
+    to half of it when the key file names several tenants with non-admin keys (else the whole queue); the engine
     admits between tenants fairly (``inferscale_jax/fair_queue.py``).  ``Retry-After`` is the
     queue's length over its measured drain rate (requests reaching their first token per second,
     an exponential moving average), 1-60 s."""
@@ -110,7 +110,7 @@ class ServerState:
             self.tokenizer = tok
         self.api_keys = api_keys
         self.max_waiting = max_waiting if max_waiting is not None else auto_max_waiting(self.engine)
-        tenants = len(api_keys.tenants()) if api_keys is not None else 1
+        tenants = len(api_keys.serving_tenants()) if api_keys is not None else 1
         self.max_waiting_per_tenant = (max_waiting_per_tenant if max_waiting_per_tenant is not None
                                        else self.max_waiting // 2 if tenants > 1 else self.max_waiting)
         self.pending_by_tenant: collections.Counter = collections.Counter()
@@ -346,7 +346,7 @@ def create_app(engine_or_async_engine, *, api_keys=None, max_body_bytes: int = 2
     (one local tenant), a path to a JSON/TOML key file, a mapping, or ``ApiKeys``.
     ``max_waiting``: queued requests beyond which new ones get 503 (None: ``auto_max_waiting``);
     ``max_waiting_per_tenant``: one tenant's queued requests beyond which its new ones get 429
-    (None: half of ``max_waiting`` when the keys name several tenants, else all of it).
+    (None: half of ``max_waiting`` when the keys name several non-admin tenants, else all of it).
     ``model_names``: the names clients may send as ``model`` (vLLM's ``--served-model-name``;
     the first is the one responses carry; ``model_name`` is the one-name form; default
     "inferscale").  ``default_max_tokens``: chat requests that give no ``max_tokens``

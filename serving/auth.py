@@ -101,6 +101,13 @@ class ApiKeys:
         """The tenants the keys map to (each once, in file order)."""
         return list(dict.fromkeys(p.tenant for _, p in self._entries))
 
+    def serving_tenants(self) -> list[str]:
+        """The tenants with a non-admin key (each once, in file order): the ones whose traffic the
+        defaults share the engine between (``--tenant-reserve``, ``--max-waiting-per-tenant``).  A
+        tenant reached only by admin keys is an operator's (``/v1/stats``, public segments); it may
+        still send requests, but no rows or queue are kept from the others for it by default."""
+        return list(dict.fromkeys(p.tenant for _, p in self._entries if not p.admin))
+
     def authenticate(self, authorization: str | None) -> Principal:
         """The caller's principal from an ``Authorization`` header value, else 401."""
         if not authorization:

@@ -328,3 +328,29 @@ def test_key_count_before_parsing_counts_keys_not_text():
     prompt = json.dumps({"prompt": '{"a":1} \\": x"' * 20000, "max_tokens": 4}).encode()
     assert _count_keys(prompt) == 2  # the two real keys; the prompt's 40000 look-alikes are escaped
     assert _count_keys(b'{"a" : 1}') == 0  # (counted by the parse instead)
+
+
+def test_an_admin_only_tenant_is_an_operator_not_a_tenant_to_share_with(tmp_path):
+    """The defaults that share the engine between tenants (half the queue each, 1/8 of the rows kept from
+    any one) count the tenants with a non-admin key: an operator's admin-only key (``/v1/stats``, public
+    segments) beside one serving tenant leaves that tenant the whole queue and every row (before, the
+    benchmark's own admin key capped its one tenant at 224 of 256 rows: bench/NOTES.md, run AN); a second
+    serving tenant turns both on, as the flags typed by a user give them."""
+    from inferscale_cli.main import build_parser, resolve_dtype
+    from inferscale_cli.serve import DEFAULT_TENANT_RESERVE, _engine_config
+    from serving.app import ServerState
+    from serving.auth import ApiKeys
+
+    one = {"ka": "a", "kops": {"tenant": "ops", "admin": True}}
+    two = {**one, "kb": "b"}
+    assert ApiKeys(one).tenants() == ["a", "ops"] and ApiKeys(one).serving_tenants() == ["a"]
+    assert ApiKeys(two).serving_tenants() == ["a", "b"]
+    for keys, share, reserve in ((one, 4, 0.0), (two, 2, DEFAULT_TENANT_RESERVE)):
+        state = ServerState(types.SimpleNamespace(engine=types.SimpleNamespace()), api_keys=ApiKeys(keys),
+                            max_waiting=4, model_names=["m"], default_max_tokens=16)
+        assert state.max_waiting_per_tenant == share
+        (tmp_path / "keys.json").write_text(json.dumps(keys))
+        args = build_parser().parse_args(["serve", "--api-keys", str(tmp_path / "keys.json")])
+        assert _engine_config(args, resolve_dtype).tenant_reserve == reserve
+    args = build_parser().parse_args(["serve", "--api-keys", str(tmp_path / "keys.json"), "--tenant-reserve", "0"])
+    assert _engine_config(args, resolve_dtype).tenant_reserve == 0.0
