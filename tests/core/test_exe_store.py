@@ -45,9 +45,10 @@ print(json.dumps(dict(loads=st.loads, saves=st.saves, failures=st.failures, trac
 """
 
 
-def child(cache_dir: str) -> dict:
+def child(cache_dir: str, script: str = CHILD) -> dict:
+    """Run ``script`` in a new process with the store on and ``cache_dir`` as its cache; its last line's JSON."""
     env = dict(os.environ, INFERSCALE_EXE_STORE="1", PYTHONPATH=ROOT)
-    out = subprocess.run([sys.executable, "-c", CHILD, cache_dir], env=env, capture_output=True, text=True,
+    out = subprocess.run([sys.executable, "-c", script, cache_dir], env=env, capture_output=True, text=True,
                          timeout=300, cwd=ROOT)
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -161,21 +162,13 @@ print(json.dumps(dict(loads=st.loads, preloaded=st.preloaded, saves=st.saves, bu
 """
 
 
-def start(cache_dir: str) -> dict:
-    env = dict(os.environ, INFERSCALE_EXE_STORE="1", PYTHONPATH=ROOT)
-    out = subprocess.run([sys.executable, "-c", START_CHILD, cache_dir], env=env, capture_output=True, text=True,
-                         timeout=300, cwd=ROOT)
-    assert out.returncode == 0, out.stderr[-3000:]
-    return json.loads(out.stdout.strip().splitlines()[-1])
-
-
 def test_a_warm_start_loads_its_steps_beside_the_weights(tmp_path):
     """``from_pretrained`` twice with one cache: the second start's steps all come from the store, every
     one of them loaded while the weights loaded (the start key, and so the hint, is the same in a
     new process), and the tokens are the first start's."""
-    cold = start(str(tmp_path))
+    cold = child(str(tmp_path), START_CHILD)
     assert cold["saves"] == cold["buckets"] >= 3 and cold["preloaded"] == 0
-    warm = start(str(tmp_path))
+    warm = child(str(tmp_path), START_CHILD)
     assert warm["loads"] == warm["preloaded"] == cold["buckets"] and warm["saves"] == 0
     assert warm["tokens"] == cold["tokens"]
 
