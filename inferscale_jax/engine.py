@@ -155,18 +155,35 @@ class Engine:
     def from_pretrained(cls, model_dir: str | None = None, config: EngineConfig | None = None) -> "Engine":
         """Load an HF checkpoint folder (default: the embedded default model)."""
         from inferscale_jax.default_model import default_model_dir
-        from inferscale_jax.tokenizer import load_tokenizer
 
         config = config or EngineConfig()
         model_dir = model_dir or default_model_dir()
         cfg = ModelConfig.from_pretrained(model_dir)
-        placed = preload = None
+        preload = None
         t0 = time.perf_counter()
         if config.compilation_cache:  # before the load: its placing ops' compiles are cached too
             cache_dir = compile_cache.enable(config.compilation_cache_dir)
             if cache_dir is not None and exe_store_wanted(jax.devices()[0].platform):
                 # the store's entries the last such start used load beside the weights (exe_store.py)
-                preload = Preload(cache_dir, start_key(model_dir, cfg, config, jax.devices()))
+                try:
+                    preload = Preload(cache_dir, start_key(model_dir, cfg, config, jax.devices()))
+                except OSError as err:  # (a file of the folder that cannot be read: the load says which)
+                    log.debug("no early store loads: %s", err)
+        try:
+            return cls._load(model_dir, cfg, config, t0, preload)
+        except BaseException:
+            if preload is not None:
+                preload.cancel()  # (the early loads stop with the start)
+            raise
+
+    @classmethod
+    def _load(cls, model_dir: str, cfg: ModelConfig, config: EngineConfig, t0: float,
+              preload: Preload | None) -> "Engine":
+        """``from_pretrained``'s load: the weights, beside them the tokenizer and the weights'
+        digest; then the engine."""
+        from inferscale_jax.tokenizer import load_tokenizer
+
+        placed = None
 
         def side() -> tuple:  # the tokenizer and the weights' digest, on a thread beside the weights
             try:
@@ -191,12 +208,7 @@ class Engine:
             tokenizer, digest, t_tok, t_digest = tokenizer_future.result()
         fp = hashlib.sha256(f"{config_digest(cfg)}|{digest}".encode()).hexdigest()
         t1 = time.perf_counter()
-        try:
-            engine = cls(params, cfg, tokenizer, config, fingerprint=fp, placed=placed, preload=preload)
-        except BaseException:
-            if preload is not None:
-                preload.take("")  # (the early loads stop with the start)
-            raise
+        engine = cls(params, cfg, tokenizer, config, fingerprint=fp, placed=placed, preload=preload)
         log.info("loaded %s: weights and tokenizer in %.1f s (weights %.1f s, beside them the tokenizer %.1f s and "
                  "the weights' digest %.1f s), the engine (KV pool of %d pages, snapshot) in %.1f s", model_dir,
                  t1 - t0, tw - t0, t_tok, t_digest,
@@ -730,6 +742,8 @@ class Engine:
         t0 = time.perf_counter()
         before, hits0, stored0 = self.runner.compiles, compile_cache.counts()["hits"], self._stored()
         loaded0 = self._loaded()
+        store = self.runner.exe_store
+        early0 = store.preloaded if store is not None else 0
         b = self.runner.buckets
         cascade = self.config.cascade_decode and serving
         keys = b.warmup_keys(buckets, cascade=cascade, logprobs=serving)
@@ -762,11 +776,13 @@ class Engine:
         took = time.perf_counter() - t0
         compiled = self.runner.compiles - before
         parts = self.runner.warmup_times
-        store = self.runner.exe_store
+        early = store.preloaded - early0 if store is not None else 0
+        if store is not None:
+            store.drop_early()
         log.info("warm-up: %d %s step buckets ready (%d compiled or loaded: %d from the compile cache, %d from the "
-                 "executable store (%d of them loaded beside the weights), %d stored) in %.1f s (%s)%s", done,
-                 buckets, compiled, compile_cache.counts()["hits"] - hits0, self._loaded() - loaded0,
-                 store.preloaded if store is not None else 0, self._stored() - stored0, took,
+                 "executable store (%d of them from the loads begun beside the weights), %d stored) in %.1f s "
+                 "(%s)%s", done, buckets, compiled, compile_cache.counts()["hits"] - hits0, self._loaded() - loaded0,
+                 early, self._stored() - stored0, took,
                  ", ".join(f"{k} {v:.1f}" for k, v in parts.items()), " (stopped)" if self._warmup_stopped else "")
         return {"buckets": done, "compiled": compiled, "seconds": took, "stopped": self._warmup_stopped, **parts}
 

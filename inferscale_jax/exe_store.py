@@ -151,7 +151,8 @@ class ExecutableStore:
         path = self._path(key)
         early = self._preloaded.pop(path, None)
         try:
-            saved_key, exe = early.result() if early is not None and not early.cancelled() else _read(path)
+            early = early if early is not None and not early.cancelled() else None
+            saved_key, exe = early.result() if early is not None else _read(path)
             if saved_key != repr(key):
                 return None
         except FileNotFoundError:
@@ -166,6 +167,13 @@ class ExecutableStore:
             self.loads += 1
             self.preloaded += early is not None
         return exe
+
+    def drop_early(self) -> None:
+        """Let go of the early loads no step asked for (after the warm-up: a later first use loads
+        its entry from disk, and the loaded executables are not held for the engine's life)."""
+        for fut in self._preloaded.values():
+            fut.cancel()
+        self._preloaded = {}
 
     def save(self, key: tuple, exe) -> bool:
         """Keep ``exe`` (a ``jax.stages.Compiled``) for ``key`` if it serializes and loads back."""
@@ -202,7 +210,8 @@ def start_key(model_dir: str, cfg, config, devices) -> str:
     """What a start knows before its weights load, hashed: the code, versions and options, the
     model config, the devices, the checkpoint's files (names, sizes, mtimes) and the engine config.
     A start with the same key builds the same arrays (the pool's size follows the weights' bytes:
-    ``Engine._auto_pages``), so the store folder the last one used is almost surely this one's."""
+    ``Engine._auto_pages``), so the store folder the last one used is almost surely this one's.
+    Raises ``OSError`` when the folder cannot be listed (the caller then loads nothing early)."""
     files = []
     for name in sorted(os.listdir(model_dir)):
         if name.endswith((".safetensors", ".json")):
@@ -226,11 +235,12 @@ class Preload:
     once, every entry on a pool of ``workers`` threads.  Once the engine knows its fingerprint it
     ``take``s them: the same folder gives the loads to the store (``ExecutableStore.load`` waits
     for an entry still loading), another cancels them (what is already loading is dropped) and
-    the hint names the new folder.  A wrong guess costs only the threads' work."""
+    the hint names the new folder.  A wrong guess costs only the threads' work.  ``cancel`` stops
+    them (a start that failed before it knew its fingerprint)."""
 
     def __init__(self, cache_dir: str, key: str, workers: int | None = None):
         self.hints = os.path.join(cache_dir, "inferscale-executable-starts")
-        self.key, self.fp, self.futures = key, None, {}
+        self.key, self.fp, self.futures, self._pool = key, None, {}, None
         try:
             with open(os.path.join(self.hints, key)) as f:
                 self.fp = f.read().strip() or None
@@ -242,11 +252,17 @@ class Preload:
         if entries:
             import concurrent.futures
 
-            pool = concurrent.futures.ThreadPoolExecutor(workers or min(8, os.cpu_count() or 1),
-                                                         thread_name_prefix="inferscale-preload")
-            self.futures = {path: pool.submit(_read, path) for _, path in entries}
-            pool.shutdown(wait=False)  # (its threads end when the queue is done or cancelled)
+            self._pool = concurrent.futures.ThreadPoolExecutor(workers or min(8, os.cpu_count() or 1),
+                                                               thread_name_prefix="inferscale-preload")
+            self.futures = {path: self._pool.submit(_read, path) for _, path in entries}
+            self._pool.shutdown(wait=False)  # (its threads end when the queue is done or cancelled)
             log.info("executable store: loading %d steps of %s early", len(entries), folder)
+
+    def cancel(self) -> None:
+        """Stop the early loads not yet begun (the ones loading finish and are dropped)."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+        self.futures = {}
 
     def take(self, fp: str) -> dict:
         """The early loads (path -> future of ``_read``) if they come from folder ``fp``, else {}
@@ -254,11 +270,10 @@ class Preload:
         if fp:
             self._remember(fp)  # (rewritten each start: the hints kept are the most recently used)
         if fp != self.fp:
-            for fut in self.futures.values():
-                fut.cancel()
             if self.futures:
                 log.info("executable store: this start's steps are in another folder than the last's; "
                          "the %d early loads were dropped", len(self.futures))
+            self.cancel()
             return {}
         return dict(self.futures)
 

@@ -61,11 +61,13 @@ def mixed_shared_knobs() -> dict:
     out = {}
     for item in filter(None, (x.strip() for x in spec.split(","))):
         name, _, value = item.partition("=")
-        if name not in MIXED_SHARED_KNOBS or not value.isdigit() or int(value) < 1:
+        number = int(value) if value.isascii() and value.isdigit() else 0
+        tile = name in ("br", "bk")  # (tile sizes: powers of two, at least the dot's minimum)
+        if name not in MIXED_SHARED_KNOBS or number < 1 or tile and (number < MIN_DOT_DIM or number & (number - 1)):
             raise ValueError(f"INFERSCALE_MIXED_SHARED={spec!r}: {item!r} is invalid: each item must be NAME=N with "
-                             f"N >= 1 and NAME one of {sorted(MIXED_SHARED_KNOBS)} ({MIXED_SHARED_KNOBS}); "
-                             "unset it for the defaults")
-        out[MIXED_SHARED_KNOBS[name]] = int(value)
+                             f"N >= 1 (br and bk: a power of two >= {MIN_DOT_DIM}) and NAME one of "
+                             f"{sorted(MIXED_SHARED_KNOBS)} ({MIXED_SHARED_KNOBS}); unset it for the defaults")
+        out[MIXED_SHARED_KNOBS[name]] = number
     return out
 
 

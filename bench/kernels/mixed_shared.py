@@ -30,6 +30,7 @@ Timing as ``bench/kernels/kernels.py`` (R input sets compiled into one executabl
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 import time
@@ -43,7 +44,7 @@ sys.path[:0] = [ROOT, os.path.join(ROOT, "bench", "lib"), os.path.join(ROOT, "be
 from cascade_groups import random_pool  # noqa: E402
 from common import matmul_ceiling, read_bandwidth  # noqa: E402
 from kernels import check, time_calls  # noqa: E402
-from report import finish, log, pyplot, save_plot, table  # noqa: E402
+from report import FAILURES, finish, log, pyplot, save_plot, table  # noqa: E402
 from inferscale_jax import kv_cache  # noqa: E402
 from inferscale_jax.buckets import StepBuckets  # noqa: E402
 
@@ -130,6 +131,10 @@ def run_step(args, cfg, name, decode, questions, tokens):
             t, outs = time_calls(call, (kp, vp), inputs, cfg["reps"])
         except Exception as err:  # noqa: BLE001 - a variant that does not compile (shared memory) is reported
             log(f"  {name} {variant}: failed ({type(err).__name__}: {str(err)[:200]})")
+            FAILURES.append(f"{name} {variant}: {type(err).__name__}: {str(err)[:200]}")
+            RESULTS.append((name, variant, float("nan"), floor))
+            if variant == "engine":  # (nothing to check the others against)
+                return
             continue
         finally:
             os.environ.pop("INFERSCALE_MIXED_SHARED", None)
@@ -141,6 +146,15 @@ def run_step(args, cfg, name, decode, questions, tokens):
         RESULTS.append((name, variant, t, floor))
         log(f"  {name} {variant}: {t * 1e6:.1f} us ({t / floor:.2f}x floor)")
         del outs
+
+
+def row(step: str, variant: str, t: float, floor: float) -> list[str]:
+    """A report row: the time, its floor and ratio, and the engine's time over it (NaN: it failed)."""
+    if math.isnan(t):
+        return [step, variant, "failed", f"{floor * 1e6:.1f}", "", ""]
+    engine = next((tt for s, v, tt, _ in RESULTS if s == step and v == "engine"), math.nan)
+    return [step, variant, f"{t * 1e6:.1f}", f"{floor * 1e6:.1f}", f"{t / floor:.2f}x",
+            "" if math.isnan(engine) else f"{engine / t:.2f}x"]
 
 
 def plot(out_dir):
@@ -185,10 +199,7 @@ def main():
     table(f"One layer's attention in the engine's mixed steps over {cfg['segments']} segments of {cfg['seg']} tokens "
           f"(read ceiling {args.ceiling / 1e12:.2f} TB/s, matmul {args.tflops / 1e12:.0f} TFLOP/s)",
           ["step", "variant (INFERSCALE_MIXED_SHARED)", "us", "floor us", "x floor", "vs engine"],
-          [[s, v, f"{t * 1e6:.1f}", f"{f * 1e6:.1f}", f"{t / f:.2f}x",
-            f"{next(tt for ss, vv, tt, _ in RESULTS if ss == s and vv == 'engine') / t:.2f}x"
-            if any(ss == s and vv == "engine" for ss, vv, _, _ in RESULTS) else ""]
-           for s, v, t, f in RESULTS])
+          [row(*r) for r in RESULTS])
     plot(args.out)
     finish(args.out, "mixed_shared.md", "The engine's mixed-step attention by shared-part knob", t0, ROOT,
            [f"- read ceiling {args.ceiling / 1e12:.3f} TB/s, matmul ceiling {args.tflops / 1e12:.0f} TFLOP/s "

@@ -13,7 +13,7 @@ streaming clients (64-token prompts, ``--max-tokens`` greedy tokens, ``ignore_eo
 registered first, as ``bench/serving/serve.py``'s workload; ``--max-tokens-spread S`` draws each
 request's ``max_tokens`` from max-tokens +- S, so the closed loop's clients do not finish in waves)
 spread over ``--client-procs`` processes for ``--seconds``, and reports each stretch's p50 / p90 over the
-requests sent ``--skip-s`` seconds or more after the first (the first wave, every client at once, left out):
+requests sent after the first ``--skip-s`` seconds (the first wave, every client process's at once, left out):
 
 ``client_send`` (the client, before the POST) -> ``stream_enter`` (the API process's handler calls
 ``CoreClient.stream``: HTTP, parsing, validation, admission; under load mostly the event loop's
@@ -120,9 +120,11 @@ def _install_from_env() -> None:
         install_points(lambda name, rid: t(f"{name} {rid}"))
 
 
-def client_proc(url: str, clients: int, seconds: float, max_tokens: int, trace_path: str, out, segments: int = 0,
-                spread: int = 0, seed: int = 0) -> None:
-    """One client process: ``clients`` closed loops for ``seconds``; each request's send and first
+def client_proc(url: str, clients: int, seconds: float, max_tokens: int, trace_path: str, out, start,
+                segments: int = 0, spread: int = 0, seed: int = 0) -> None:
+    """One client process: ``clients`` closed loops for ``seconds``, begun when every client process
+    is ready (``start``, a barrier: spawning them takes seconds on a busy machine, and all must send
+    their first wave together for the skip window to leave it out); each request's send and first
     text go to the trace (keyed by the server's X-Request-Id).  ``segments``: each request names
     ``seg<i>`` for a random i below it; ``spread``: its ``max_tokens`` is drawn from max_tokens +- spread."""
     import random
@@ -131,6 +133,7 @@ def client_proc(url: str, clients: int, seconds: float, max_tokens: int, trace_p
 
     fd = os.open(trace_path, os.O_WRONLY | os.O_APPEND)
     rng = random.Random(seed)
+    start.wait()
 
     async def main():
         limits = httpx.Limits(max_connections=2 * clients, max_keepalive_connections=2 * clients)
@@ -177,11 +180,9 @@ def register_segments(url: str, model: str | None, count: int, tokens: int) -> N
             raise SystemExit(f"registering seg{i} answered {r.status_code}: {r.text[:300]}")
 
 
-def stretches(trace_path: str, log_path: str, skip_s: float) -> tuple[list[dict], dict]:
-    """Each request's points (sent ``skip_s`` or more after the first request was sent) and its line
-    of the server's request log (the engine's ``ttft_s``, ``queue_s``, the ``segments`` it named) per
-    request id.  (The window starts at the first send, not at the clients' launch: spawning the client
-    processes can take longer than the window on a busy machine.)"""
+def stretches(trace_path: str, log_path: str, since: float) -> tuple[list[dict], dict]:
+    """Each request's points (sent at or after ``since``) and its line of the server's request log
+    (the engine's ``ttft_s``, ``queue_s``, the ``segments`` it named) per request id."""
     points: dict[str, dict] = {}
     with open(trace_path) as f:
         for line in f:
@@ -189,7 +190,6 @@ def stretches(trace_path: str, log_path: str, skip_s: float) -> tuple[list[dict]
             if len(parts) == 3:
                 name, rid, t = parts
                 points.setdefault(rid, {}).setdefault(name, float(t))
-    since = min((p["client_send"] for p in points.values() if "client_send" in p), default=0.0) + skip_s
     sent = {rid for rid, p in points.items() if all(k in p for k in POINTS) and p["client_send"] >= since}
     engine = request_records(log_path, sent, wait_s=0.0)
     return [dict(points[rid], rid=rid) for rid in sent if rid in engine], engine
@@ -246,20 +246,24 @@ def main() -> None:
         wait_ready(url, proc, args.timeout)
         if args.segments:
             register_segments(url, args.model, args.segments, args.segment_tokens)
-        out = multiprocessing.get_context("spawn").Queue()
-        workers = [multiprocessing.get_context("spawn").Process(
+        ctx = multiprocessing.get_context("spawn")
+        out, start = ctx.Queue(), ctx.Barrier(procs + 1)
+        workers = [ctx.Process(
             target=client_proc, args=(url, args.concurrency // procs + (i < args.concurrency % procs), args.seconds,
-                                      args.max_tokens, trace_path, out, args.segments, args.max_tokens_spread, i))
+                                      args.max_tokens, trace_path, out, start, args.segments, args.max_tokens_spread,
+                                      i))
             for i in range(procs)]
         for w in workers:
             w.start()
+        start.wait(timeout=120)  # (every client process ready: they all send their first wave now)
+        since = time.perf_counter() + args.skip_s
         sent = sum(out.get(timeout=args.seconds + 600) for _ in workers)
         for w in workers:
             w.join()
         time.sleep(1.0)  # (the last requests' log lines)
     finally:
         stop_process(proc, 120)
-    done, engine = stretches(trace_path, log, args.skip_s)
+    done, engine = stretches(trace_path, log, since)
     if not done:
         raise SystemExit(f"no request passed every point ({sent} sent; server log: {log})")
     what = f"paced engine, {args.paced_step_ms} ms steps" if args.paced_step_ms is not None else \

@@ -190,8 +190,9 @@ def test_early_loads_are_used_only_for_their_own_folder(tmp_path):
     assert r.exe_store.preloaded == r.exe_store.loads == len(keys) == len(early.futures)
     # a start whose fingerprint is another's: its early loads are dropped and the hint follows it
     wrong = exe_store.Preload(str(tmp_path), "k")
+    assert len(wrong.futures) == len(keys)
     store = ExecutableStore(str(tmp_path), "another-folder", preload=wrong)
-    assert len(wrong.futures) == len(keys) and store._preloaded == {}
+    assert wrong.futures == {} and store._preloaded == {}  # (cancelled and let go)
     assert store.load(keys[0]) is None and store.preloaded == 0  # (that folder holds nothing)
     assert exe_store.Preload(str(tmp_path), "k").fp == "another-folder"
     assert exe_store.Preload(str(tmp_path), "never-started").futures == {}
@@ -207,3 +208,26 @@ def test_the_start_key_follows_the_checkpoint_files_and_the_engine_config(tmp_pa
     assert exe_store.start_key(str(tmp_path), CFG, EngineConfig(hbm_pages=64), devices) != base
     (tmp_path / "model.safetensors").write_bytes(b"y" * 11)
     assert exe_store.start_key(str(tmp_path), CFG, EngineConfig(), devices) != base
+
+
+def test_a_start_that_fails_stops_its_early_loads(tmp_path, monkeypatch):
+    """A load that raises (here: the weights) cancels the early loads not yet begun; the error is the load's."""
+    import inferscale_jax.engine as engine_mod
+    from inferscale_jax import Engine, EngineConfig
+
+    seen = []
+    real = exe_store.Preload
+
+    class Watched(real):
+        def cancel(self):
+            seen.append(self.key)
+            super().cancel()
+    monkeypatch.setenv("INFERSCALE_EXE_STORE", "1")
+    monkeypatch.setattr(engine_mod, "Preload", Watched)
+
+    def broken(*a, **k):
+        raise OSError("a shard that cannot be read")
+    monkeypatch.setattr(engine_mod, "load_params", broken)
+    with pytest.raises(OSError, match="cannot be read"):
+        Engine.from_pretrained(None, EngineConfig(hbm_pages=64, compilation_cache_dir=str(tmp_path)))
+    assert len(seen) == 1

@@ -176,21 +176,33 @@ def test_mixed_step_with_chunks_in_groups_equals_ragged_over_whole_page_lists(im
     assert not np.allclose(np.asarray(suffix_only[first], np.float32), np.asarray(want[first], np.float32), atol=1e-3)
 
 
-@pytest.mark.parametrize("spec", ["sp=1", "br=32,sp=2,bk=16", "w=8,st=3,sp=3"])
-def test_the_mixed_shared_switch_keeps_the_result(monkeypatch, spec):
+@pytest.mark.parametrize("spec,kernel", [("sp=2,bk=16", "r64_bk16_sp2"), ("br=32,sp=2,bk=16", "r32_bk16_sp2"),
+                                         ("w=8,st=3,sp=2,bk=16", "r64_bk16_sp2"), ("br=16", "r16_bk64_sp1")])
+def test_the_mixed_shared_switch_keeps_the_result(monkeypatch, spec, kernel):
     """``INFERSCALE_MIXED_SHARED`` (the benchmarks' A/B switch of the shared part's knobs in mixed steps)
-    changes how the kernel runs, never what it computes; the executable store's key follows it."""
+    changes how the kernel runs (the launched kernel's name says its tiles and splits), never what it
+    computes; the executable store's key follows it."""
+    import re
+
+    import jax
+
     from pallas_kernels import common
     q, kp, vp, casc, plain, n = mixed_case(9, chunk_groups=(0, 1))
     want = kv_cache._attend(q[None], kp, vp, None, plain, "ref")[0]
     base = common.switches()
+
+    def kernels():
+        jaxpr = jax.make_jaxpr(lambda q, k, v: kv_cache._attend(q[None], k, v, None, casc, "pallas"))(q, kp, vp)
+        return set(re.findall(r"cascade_shared_g\d+_(\w+?)\b", str(jaxpr)))
+    assert kernels() == {"r64_bk64_sp1"}  # (the defaults; interpret mode runs one split, and a split holds
+    # at least one tile: the case's shared prefixes are one 64-token tile, so more splits need bk=16)
     monkeypatch.setenv("INFERSCALE_MIXED_SHARED", spec)
-    assert common.switches() != base
+    assert common.switches() != base and kernels() == {kernel}
     out = kv_cache._attend(q[None], kp, vp, None, casc, "pallas")[0]
     assert_close(out[:n], want[:n], jnp.float32)
 
 
-@pytest.mark.parametrize("spec", ["br=0", "sp=two", "rows=4", "br"])
+@pytest.mark.parametrize("spec", ["br=0", "sp=two", "rows=4", "br", "br=48", "bk=8", "sp=\u00b2"])
 def test_a_bad_mixed_shared_switch_is_refused_with_its_value(monkeypatch, spec):
     from pallas_kernels import common
     monkeypatch.setenv("INFERSCALE_MIXED_SHARED", spec)
