@@ -47,15 +47,18 @@
 #      them, then the engine's decode steps at 1 / 64 / 256 rows both ways (bench/engine/steps.py)
 #  17  the mixed steps' cascade shared part by knob (bench/kernels/mixed_shared.py: the 2048-token cohort step and
 #      the 512-token spread step over 8 segments, INFERSCALE_MIXED_SHARED variants against the engine's default)
+#  18  the engine loop with a mixed-step variant of part 17 against the default: the bare loop at C = 256 over 8
+#      segments (bench/tools/profile_host.py), answers of 64 and of 64 +- 32 tokens, each with
+#      INFERSCALE_MIXED_SHARED="" and ="$VARIANT" (set VARIANT to part 17's winner, e.g. VARIANT=br=128,w=8,sp=1)
 #  16  the checkpoint read (models/loader.py: os.preadv into each tensor's array, threads in parallel): the 8B
 #      checkpoint loaded one tensor at a time and eight (bench/tools/weights_load.py; run AL: 14.2 / 12.1 s)
-# Parts 6-10 and 16 write the 8B checkpoint to /tmp/llama8b first when it is missing (~35 s); it stays out of
+# Parts 6-10, 16 and 18 write the 8B checkpoint to /tmp/llama8b first when it is missing (~35 s); it stays out of
 # the repository, whose copy on the machine loses files that .gitignore does not cover (bench/NOTES.md, run AH).
 #
 # Each step writes its tables under RESULTS_DIR/<step>/ and its console log to RESULTS_DIR/<step>.log;
 # after each step RESULTS_DIR is packed into TARBALL when given (what a cut call still returns).
 set -uo pipefail
-part=${1:?part 1-17}
+part=${1:?part 1-18}
 res=${2:?results folder}
 tarball=${3:-}
 mkdir -p "$res"
@@ -197,6 +200,18 @@ case "$part" in
     ;;
 17)
     step mixed_shared 300 bench/kernels/mixed_shared.py
+    ;;
+18)
+    : "${VARIANT:?set VARIANT to an INFERSCALE_MIXED_SHARED value, the winner of part 17}"
+    ckpt
+    for spread in 0 32; do
+        for v in "" "$VARIANT"; do
+            name="loop_s${spread}_${v:-default}"
+            INFERSCALE_MIXED_SHARED="$v" step_as "${name//[=,]/_}" 140 bench/tools/profile_host.py --model /tmp/llama8b \
+                --concurrency 256 --max-tokens-spread "$spread" --warm-steps 300 --steps 200 --no-profile --per-call \
+                --out "$res/${name//[=,]/_}.md"
+        done
+    done
     ;;
 15)
     kern=(bench/kernels/cascade_groups.py --rows 64,256 --segments 1,8 --no-mixed)
