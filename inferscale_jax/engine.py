@@ -129,7 +129,7 @@ class Engine:
                 self.runner.params, cache, run_cfg, sorted(cache.k[0].sharding.device_set, key=lambda d: d.id)),
                 preload=preload)
         elif preload is not None:
-            preload.take("")  # (no store after all: the early loads are dropped)
+            preload.cancel()  # (no store after all: the early loads are dropped)
         self.bos_prefix: list[int] = []
         if tokenizer is not None and getattr(tokenizer, "bos_token_id", None) is not None:
             if tokenizer("a").input_ids[:1] == [tokenizer.bos_token_id]:

@@ -266,9 +266,8 @@ class Preload:
 
     def take(self, fp: str) -> dict:
         """The early loads (path -> future of ``_read``) if they come from folder ``fp``, else {}
-        (and the rest cancelled); the hint names ``fp`` from now on (``""``: no store, no hint)."""
-        if fp:
-            self._remember(fp)  # (rewritten each start: the hints kept are the most recently used)
+        (and the rest cancelled); the hint names ``fp`` from now on."""
+        self._remember(fp)  # (rewritten each start: the hints kept are the most recently used)
         if fp != self.fp:
             if self.futures:
                 log.info("executable store: this start's steps are in another folder than the last's; "

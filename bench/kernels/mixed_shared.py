@@ -124,11 +124,9 @@ def run_step(args, cfg, name, decode, questions, tokens):
     for variant in args.variants[:1] + ["ragged"] + args.variants[1:]:  # (every output checked against engine's)
         spec = "" if variant in ("engine", "ragged") else variant
         os.environ["INFERSCALE_MIXED_SHARED"] = spec
-        try:
-            def call(k, v, q, meta):  # (a new function per variant: traced again, reading the switch)
-                return attend(k, v, q, meta)
+        try:  # (time_calls jits a new function each call: traced again, reading the switch)
             inputs = [(q, flat if variant == "ragged" else casc) for q, casc, flat in sets]
-            t, outs = time_calls(call, (kp, vp), inputs, cfg["reps"])
+            t, outs = time_calls(attend, (kp, vp), inputs, cfg["reps"])
         except Exception as err:  # noqa: BLE001 - a variant that does not compile (shared memory) is reported
             log(f"  {name} {variant}: failed ({type(err).__name__}: {str(err)[:200]})")
             FAILURES.append(f"{name} {variant}: {type(err).__name__}: {str(err)[:200]}")
