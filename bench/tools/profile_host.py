@@ -2,7 +2,9 @@
 
 C clients in a closed loop (each a fresh question naming one of S shared segments, ``max_tokens``
 greedy tokens with ``ignore_eos``; a finished request is replaced at once) drive ``Engine.step``
-directly - no HTTP, no asyncio.  After ``--warm-steps`` (every bucket compiled), ``--steps`` steps
+directly - no HTTP, no asyncio.  After ``Engine.warmup`` (every bucket compiled and run once, as
+``serve`` has them before its first request; without it, a bucket the warm-up steps missed compiled
+or loaded inside the timed steps: run AO's cohort loop, bench/NOTES.md) and ``--warm-steps``, ``--steps`` steps
 are timed twice: once plain (wall time per step, and the host's share: wall minus the time
 blocked in ``ModelRunner.collect`` waiting for the device; rows per step) and once under ``cProfile`` (the
 functions, by own and cumulative time).  On the CPU the device work is small with ``--quick``'s
@@ -154,6 +156,7 @@ def main() -> None:
         args.segment_tokens = min(args.segment_tokens, 512)
     config = EngineConfig(max_batch=args.concurrency, overlap_decode=not args.no_overlap)
     engine = Engine.from_pretrained(args.model, config)
+    warmup_s = engine.warmup(progress_bar=False)["seconds"]
     if args.fresh_inputs:
         engine.runner.stable_inputs = False
     submit = closed_loop_clients(engine, args)
@@ -193,8 +196,10 @@ def main() -> None:
     blocked[0] = 0.0
     if parts is not None:
         parts.reset()
+    compiles0 = engine.stats()["compiles_after_warmup"]
     plain = run(args.steps)
     waited = blocked[0]
+    compiles = engine.stats()["compiles_after_warmup"] - compiles0
     part_lines = parts.report(args.steps, plain) if parts is not None else []
     tokens = sum(rows_seen)
     prof = cProfile.Profile()
@@ -205,8 +210,8 @@ def main() -> None:
         prof.disable()
     lines = [f"# Host profile of the engine loop ({args.model or 'embedded default model'})", "",
              f"C={args.concurrency}, {args.segments} segments x {args.segment_tokens} tokens, "
-             f"{args.question_tokens}-token questions, {args.max_tokens} tokens each; warm-up {args.warm_steps} "
-             f"steps ({warm_s:.1f} s)", "",
+             f"{args.question_tokens}-token questions, {args.max_tokens} tokens each; Engine.warmup {warmup_s:.1f} s, "
+             f"then {args.warm_steps} steps ({warm_s:.1f} s); {compiles} step buckets compiled in the timed steps", "",
              f"- plain: {1e3 * plain / args.steps:.2f} ms per step, {tokens / plain:.0f} output tok/s, "
              f"{tokens / args.steps:.1f} outputs per step",
              f"- host time per step (wall minus the wait for the device in `collect`): "

@@ -144,6 +144,8 @@ def test_first_runs_left_for_idle_time(monkeypatch):
     b = e.runner.buckets
     counts, left = (b.real_tokens, b.padded_tokens, b.real_rows, b.padded_rows), e.first_runs_left
     ran.clear()
+    assert not e.warm_idle() and not ran  # within IDLE_QUIET_S of the last step: a next request may come
+    e._stepped_at -= e.IDLE_QUIET_S
     while e.warm_idle():
         pass
     assert e.first_runs_left == 0 and len(ran) == left > 0  # one padding step per bucket left
@@ -169,6 +171,7 @@ def test_idle_first_runs_read_a_step_left_in_flight(monkeypatch):
                      sampling=SamplingParams(max_tokens=20, temperature=0.0, stop_token_ids=[greedy[3]]))
     assert out.finish_reason == "stop" and e.loop.inflight is not None and not e.has_unfinished()
     assert 0 < e.first_runs_left < left
+    e._stepped_at -= e.IDLE_QUIET_S
     while e.warm_idle():
         pass
     assert e.first_runs_left == 0 and e.loop.inflight is None
