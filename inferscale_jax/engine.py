@@ -150,7 +150,8 @@ class Engine:
         self.persistence = Persistence(self.kv, self.model_fingerprint) if config.snapshot_dir else None
         self.scheduler = Scheduler(self.kv, self.runner.tables, config=config, cfg=cfg, max_batch=self.max_batch,
                                    max_tokens=self.runner.max_tokens,
-                                   decode=functools.partial(decode_ids, tokenizer), counters=self._counters)
+                                   decode=functools.partial(decode_ids, tokenizer), counters=self._counters,
+                                   token_buckets=self.runner.buckets.token_buckets)
         self.loop = StepLoop(self.scheduler, self.runner, self.kv, overlap=config.overlap_decode)
         if self.persistence is not None:
             self.persistence.restore()  # last: restore may compute segments on the finished engine

@@ -30,7 +30,13 @@
 3. **One device step per iteration** (``schedule``): every decoding request feeds its last
    sampled token (one row of one token each), then node jobs and prefilling requests add their next
    chunks (at most ``prefill_chunk`` tokens each) until the step's token budget
-   (``EngineConfig.max_num_batched_tokens``) is spent, oldest work first.  The step is plain
+   (``EngineConfig.max_num_batched_tokens``) is spent, oldest work first.  The device step is
+   padded to a token bucket (``buckets.py``), and above ``ROUND_DOWN_MIN_TOKENS`` a bucket's cost
+   grows with its tokens, so a step that would just overflow one (256 decode rows and 5 questions
+   of 64: 576 tokens in the 1024 bucket) takes only the prefill tokens that fill the bucket below
+   (512) when that is at least as many as it leaves for the next step (``_token_budget``): the
+   rest rides in a later step, and no step pays for ~450 padding tokens (bench/NOTES.md, session
+   31).  The step is plain
    data (``runner.StepPlan``: rows with their tokens, positions and page tables, the log-prob
    width, the cascade groups, the rows fed on the device) that the engine-core loop
    (``step_loop.py``) hands to the runner; the scheduler holds no runner: it plans
@@ -74,7 +80,7 @@ import logging
 import math
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -95,6 +101,11 @@ if TYPE_CHECKING:
     from inferscale_jax.page_tables import PageTables
 
 log = logging.getLogger("inferscale.scheduler")
+# a step whose tokens would overflow a token bucket of at least this many tokens fills that bucket
+# instead, when it keeps at least as many prefill tokens as it leaves (module docstring, 3): from
+# here up a step's matmuls are compute-bound (H100 / H200: 256 tokens of an 8B model read its
+# weights in about the time they compute), so padding costs its share of the step
+ROUND_DOWN_MIN_TOKENS = 256
 LOOKAHEAD = 8  # waiting requests considered for resident-first admission
 # cascade decode pays off once the step's groups save this many token reads per layer (the sum of
 # (rows - 1) x shared tokens, see _cascade_groups); evidence: bench/NOTES.md, "Cascade (shared-prefix) decode"
@@ -118,14 +129,16 @@ class Planned:
 class Scheduler:
     def __init__(self, kv: KVManager, tables: PageTables, *, config: EngineConfig, cfg: ModelConfig,
                  max_batch: int, max_tokens: int, decode: Callable[[list[int], SamplingParams], str],
-                 counters: dict):
+                 counters: dict, token_buckets: Sequence[int] = ()):
         """Collaborators: ``kv`` (admission, pages, node caching); ``tables`` (the running
         requests' page-table rows by slot, which the runner packs from); ``max_batch`` rows and
         ``max_tokens`` tokens per step (the runner's bucket limits); ``decode`` turns ids into text
         (stop strings, final text); ``counters`` (a plain dict the engine reports) gets each
-        finished request's token counts."""
+        finished request's token counts; ``token_buckets``: the runner's token buckets, ascending
+        (``buckets.StepBuckets.token_buckets``; empty: a step's budget is never rounded down)."""
         self.kv, self.tables, self.config, self.cfg = kv, tables, config, cfg
         self.max_batch, self.max_tokens, self.decode, self.counters = max_batch, max_tokens, decode, counters
+        self.token_buckets = tuple(token_buckets)
         reserve = config.tenant_reserve
         # rows one tenant may hold (module docstring, 2): all of them without a reserve
         self.tenant_cap = max_batch - max(1, math.ceil(reserve * max_batch)) if reserve > 0 and max_batch > 1 \
@@ -484,8 +497,9 @@ class Scheduler:
             owners.append(req)
             src.append(-1 if j is None else j)
         decode_rows = len(rows)
-        budget = self.max_tokens - decode_rows
-        for owner in self._prefill_work(prefilling):  # then chunks, oldest work first, within the budget
+        work = self._prefill_work(prefilling)
+        budget = budget0 = self._token_budget(decode_rows, work)
+        for owner in work:  # then chunks, oldest work first, within the budget
             if budget <= 0 or len(rows) >= self.max_batch:
                 break
             rows.append(self._chunk_row(owner, budget))
@@ -513,7 +527,7 @@ class Scheduler:
             plan.splices += splices
         if steps > 1:  # (decode rows only: _loop_steps)
             plan.steps, plan.stops = steps, [(o.stop_ids, budgets[id(o)]) for o in owners]
-        return Planned(plan, entries, decode_rows, self.max_tokens - budget, defer, splices_of)
+        return Planned(plan, entries, decode_rows, decode_rows + budget0 - budget, defer, splices_of)
 
     def _loop_steps(self, ending: set[int], lag: dict[int, int]) -> tuple[int, dict[int, int]]:
         """How many decode steps the next step runs in one device loop (decode_loop.py), and each
@@ -640,6 +654,27 @@ class Scheduler:
         ``prefilling`` requests."""
         jobs = [j for j in self.jobs.values() if j.seq is not None and j.seq.computed < len(j.seq.tokens)]
         return jobs + prefilling
+
+    def _token_budget(self, decode_rows: int, work: list) -> int:
+        """The prefill tokens a step of ``decode_rows`` decode rows may take from ``work`` (its node
+        jobs and prefilling requests, in order): the step's budget, or less when the step would
+        just overflow a token bucket of ``ROUND_DOWN_MIN_TOKENS`` or more and filling that bucket
+        keeps at least as many of the tokens it could take as it leaves (module docstring, 3)."""
+        budget = self.max_tokens - decode_rows
+        if not self.token_buckets or budget <= 0:
+            return budget
+        avail = 0
+        for owner in work[:self.max_batch - decode_rows]:
+            seq = owner.seq
+            end = owner.prefill_end if isinstance(owner, Request) else len(seq.tokens)
+            avail += min(self.config.prefill_chunk, end - seq.computed)
+            if avail >= budget:
+                return budget
+        total = decode_rows + avail
+        below = max((b for b in self.token_buckets if b <= total), default=0)
+        if below < ROUND_DOWN_MIN_TOKENS or below == total or below - decode_rows < total - below:
+            return budget
+        return below - decode_rows
 
     def _chunk_row(self, owner: Request | NodeJob, budget: int | None = None) -> StepRow:
         """The next prompt chunk of a request or node job: at most ``prefill_chunk`` tokens (and

@@ -44,11 +44,18 @@ class HostOnlyRunner(FakeRunner):
     def __init__(self, real):
         super().__init__(real)
         self.pack_s = 0.0
+        self.by_bucket: dict[str, list[int]] = {}  # "decode 256" / "mixed 512": [steps, real tokens]
 
     def dispatch(self, plan, prev=None, defer_sample=False):
         t = time.perf_counter()
         self._pack(plan.rows, plan.num_logprobs, plan.groups, plan.src)
         self.pack_s += time.perf_counter() - t
+        n = sum(len(r.tokens) for r in plan.rows)
+        name = (f"decode {self.buckets.rows_for(n)}" if n == len(plan.rows)
+                else f"mixed {next(b for b in self.buckets.token_buckets if b >= n)}")
+        self.by_bucket.setdefault(name, [0, 0])
+        self.by_bucket[name][0] += 1
+        self.by_bucket[name][1] += n
         return super().dispatch(plan, prev)
 
 
@@ -60,6 +67,9 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true", help="a cProfile pass after the plain one")
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--out", help="write the report (markdown) here too")
+    ap.add_argument("--no-round-down", action="store_true",
+                    help="never round a step's token budget down to a bucket (scheduler.py's ROUND_DOWN_MIN_TOKENS; "
+                         "the scheduler before session 31)")
     args = ap.parse_args()
     vocab = 512
     cfg = ModelConfig(architecture="LlamaForCausalLM", vocab_size=vocab, hidden_size=32, intermediate_size=48,
@@ -72,6 +82,8 @@ def main() -> None:
     engine = Engine(init_params(cfg, jax.random.PRNGKey(0), scale=0.5), cfg, None, config)
     fake = HostOnlyRunner(engine.runner)
     engine.runner = engine.kv.runner = engine.tiers.runner = engine.loop.runner = fake
+    if args.no_round_down:
+        engine.scheduler.token_buckets = ()
     submit = closed_loop_clients(engine, args)
 
     for _ in range(args.concurrency):
@@ -89,6 +101,7 @@ def main() -> None:
 
     run(args.warm_steps)
     fake.pack_s = 0.0
+    fake.by_bucket.clear()
     gc.collect()
     wall, made = run(args.steps)
     head = (f"C={args.concurrency}, {args.segments} segments x {args.segment_tokens} tokens, "
@@ -97,7 +110,12 @@ def main() -> None:
     lines = ["# Host time of the engine loop without a device", "", head, "",
              f"- host ms per step: {1e3 * wall / args.steps:.2f} (of which packing "
              f"{1e3 * fake.pack_s / args.steps:.2f}); {made / args.steps:.1f} tokens per step, "
-             f"{made / wall:.0f} tokens/s the host alone could drive", ""]
+             f"{made / wall:.0f} tokens/s the host alone could drive", "",
+             "| step bucket | steps | real tokens per step | padding |", "| --- | --- | --- | --- |"]
+    for name, (steps, real) in sorted(fake.by_bucket.items(), key=lambda kv: (kv[0][0], int(kv[0].split()[1]))):
+        size = int(name.split()[1])
+        lines.append(f"| {name} | {steps} | {real / steps:.1f} | {1 - real / (steps * size):.0%} |")
+    lines.append("")
     if args.profile:
         prof = cProfile.Profile()
         prof.enable()

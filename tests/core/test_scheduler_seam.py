@@ -14,12 +14,13 @@ from inferscale_jax.kv_manager import KVManager
 from inferscale_jax.page_tables import PageTables
 from inferscale_jax.request import Request, RequestStatus
 from inferscale_jax.runner import StepResult
+from inferscale_jax import scheduler as scheduler_mod
 from inferscale_jax.scheduler import SETTLE, Scheduler
 from inferscale_jax.segments import ChainNode, SegmentInfo
 from tests.support.tiny_engine import CFG, S
 
 
-def make(pages=32, max_batch=4, max_tokens=64):
+def make(pages=32, max_batch=4, max_tokens=64, token_buckets=()):
     config = EngineConfig(dtype="float32", page_size=S, hbm_pages=pages, prefill_chunk=16)
     arrays = SimpleNamespace(cache=PagedKVCache.create(CFG, pages, S, jnp.float32))
     arrays.place = lambda sharding: None  # (the tiers commit the pool to its device: nothing to do here)
@@ -27,7 +28,8 @@ def make(pages=32, max_batch=4, max_tokens=64):
     kv.debug_checks = True  # page accounting checked at every update
     counters = dict(requests=0, prompt_tokens=0, cached_tokens=0, generated_tokens=0, segment_tokens_computed=0)
     sched = Scheduler(kv, PageTables(max_batch, 16), config=config, cfg=CFG, max_batch=max_batch,
-                      max_tokens=max_tokens, decode=lambda ids, sp: " ".join(map(str, ids)), counters=counters)
+                      max_tokens=max_tokens, decode=lambda ids, sp: " ".join(map(str, ids)), counters=counters,
+                      token_buckets=token_buckets)
     assert not hasattr(sched, "runner")
     return sched
 
@@ -182,3 +184,56 @@ def test_a_copy_on_write_rides_with_the_first_row_and_comes_back_with_a_rollback
     assert seq.computed == 20 and seq.splices == a.plan.splices
     owners, alone = sched.rows_alone()
     assert owners == [req] and alone[0].start == 20
+
+
+def _decoding(sched, n, first=1):
+    """``n`` requests admitted, prefilled (prompts of 4) and decoding: their first tokens applied."""
+    for k in range(n):
+        add(sched, f"d{k}", 4, max_tokens=50, first=first)
+    sched.admit()
+    a = sched.schedule(None)
+    sched.dispatched(a)
+    assert len(sched.update(a, result(a, [5] * n))) == n
+
+
+def test_a_step_that_would_just_overflow_a_token_bucket_fills_the_one_below(monkeypatch):
+    """Above ``ROUND_DOWN_MIN_TOKENS`` a step whose decode rows and prefill chunks would land just
+    past a token bucket takes only the chunk tokens that fill the bucket below (no padding to the
+    next one); the rest of the chunk comes in the next step, from where it stopped."""
+    monkeypatch.setattr(scheduler_mod, "ROUND_DOWN_MIN_TOKENS", 16)  # (the real one is 256: a small model here)
+    sched = make(pages=64, max_batch=8, token_buckets=(8, 16, 32, 64))
+    _decoding(sched, 3)
+    q1, q2 = add(sched, "q1", 10, max_tokens=2, first=20), add(sched, "q2", 10, max_tokens=2, first=40)
+    sched.admit()
+    b = sched.schedule(None)  # 3 decode rows + 10 + 10 = 23 tokens: the 16 bucket, filled
+    assert b.decode_rows == 3 and b.tokens == 16
+    assert rows(b)[3:] == [(list(range(20, 30)), 0), (list(range(40, 43)), 0)]
+    sched.dispatched(b)
+    sched.update(b, result(b, [6] * 5))
+    c = sched.schedule(None)  # 4 decode rows and q2's other 7 tokens: 11, under the threshold
+    assert c.decode_rows == 4 and rows(c)[4:] == [(list(range(43, 50)), 3)]
+    assert q1.status == q2.status == RequestStatus.RUNNING and q2.seq.computed == 3
+
+
+def test_the_budget_is_not_rounded_down_below_the_threshold_or_when_it_would_leave_more(monkeypatch):
+    """Under ``ROUND_DOWN_MIN_TOKENS`` (a C = 1 question's step: padding is about free there) a
+    step takes every chunk token it can; so it does above, when filling the bucket below would keep
+    fewer chunk tokens than it leaves (a question would crawl a few tokens a step)."""
+    sched = make(pages=64, max_batch=8, token_buckets=(8, 16, 32, 64))
+    _decoding(sched, 3)
+    add(sched, "q1", 10, max_tokens=2, first=20), add(sched, "q2", 10, max_tokens=2, first=40)
+    sched.admit()
+    b = sched.schedule(None)  # the default threshold (256): the whole 23 tokens, padded to 32
+    assert b.tokens == 23
+
+    def work(*lengths):  # node jobs' chunks (a node job's tokens are all prefill)
+        return [SimpleNamespace(seq=SimpleNamespace(tokens=[0] * n, computed=0)) for n in lengths]
+
+    monkeypatch.setattr(scheduler_mod, "ROUND_DOWN_MIN_TOKENS", 16)
+    assert sched._token_budget(3, work(10, 10)) == 13  # 23 -> 16
+    assert sched._token_budget(14, work(16, 6)) == 64 - 14  # 16 would keep 2 and leave 20
+    assert sched._token_budget(16, work(16)) == 64 - 16  # 32: a bucket already
+    assert sched._token_budget(3, work(16, 16, 16, 16)) == 64 - 3  # more than the budget: all of it
+    assert sched._token_budget(2, work(5)) == 64 - 2  # 7: under the threshold
+    sched.token_buckets = ()
+    assert sched._token_budget(3, work(10, 10)) == 64 - 3  # no buckets: never rounded
