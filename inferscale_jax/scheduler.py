@@ -78,6 +78,7 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import math
+import os
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -106,6 +107,18 @@ log = logging.getLogger("inferscale.scheduler")
 # here up a step's matmuls are compute-bound (H100 / H200: 256 tokens of an 8B model read its
 # weights in about the time they compute), so padding costs its share of the step
 ROUND_DOWN_MIN_TOKENS = 256
+ROUND_DOWN_ENV = "INFERSCALE_ROUND_DOWN_MIN_TOKENS"  # an A/B switch for benchmarks: N, or 0 (never round down)
+
+
+def round_down_min_tokens() -> int:
+    """``ROUND_DOWN_MIN_TOKENS``, or ``$INFERSCALE_ROUND_DOWN_MIN_TOKENS`` when set (0: off)."""
+    raw = os.environ.get(ROUND_DOWN_ENV, "").strip()
+    if not raw:
+        return ROUND_DOWN_MIN_TOKENS
+    if not raw.isascii() or not raw.isdigit():
+        raise ValueError(f"{ROUND_DOWN_ENV}={raw!r} is invalid: must be a token count (0 turns the round-down "
+                         f"off; unset: {ROUND_DOWN_MIN_TOKENS})")
+    return int(raw)
 LOOKAHEAD = 8  # waiting requests considered for resident-first admission
 # cascade decode pays off once the step's groups save this many token reads per layer (the sum of
 # (rows - 1) x shared tokens, see _cascade_groups); evidence: bench/NOTES.md, "Cascade (shared-prefix) decode"
@@ -139,6 +152,7 @@ class Scheduler:
         self.kv, self.tables, self.config, self.cfg = kv, tables, config, cfg
         self.max_batch, self.max_tokens, self.decode, self.counters = max_batch, max_tokens, decode, counters
         self.token_buckets = tuple(token_buckets)
+        self.round_down = round_down_min_tokens()
         reserve = config.tenant_reserve
         # rows one tenant may hold (module docstring, 2): all of them without a reserve
         self.tenant_cap = max_batch - max(1, math.ceil(reserve * max_batch)) if reserve > 0 and max_batch > 1 \
@@ -658,10 +672,10 @@ class Scheduler:
     def _token_budget(self, decode_rows: int, work: list) -> int:
         """The prefill tokens a step of ``decode_rows`` decode rows may take from ``work`` (its node
         jobs and prefilling requests, in order): the step's budget, or less when the step would
-        just overflow a token bucket of ``ROUND_DOWN_MIN_TOKENS`` or more and filling that bucket
+        just overflow a token bucket of ``round_down`` (``ROUND_DOWN_MIN_TOKENS``) tokens or more and filling that bucket
         keeps at least as many of the tokens it could take as it leaves (module docstring, 3)."""
         budget = self.max_tokens - decode_rows
-        if not self.token_buckets or budget <= 0:
+        if not self.token_buckets or self.round_down <= 0 or budget <= 0:
             return budget
         avail = 0
         for owner in work[:self.max_batch - decode_rows]:
@@ -672,7 +686,7 @@ class Scheduler:
                 return budget
         total = decode_rows + avail
         below = max((b for b in self.token_buckets if b <= total), default=0)
-        if below < ROUND_DOWN_MIN_TOKENS or below == total or below - decode_rows < total - below:
+        if below < self.round_down or below == total or below - decode_rows < total - below:
             return budget
         return below - decode_rows
 

@@ -83,7 +83,7 @@ def main() -> None:
     fake = HostOnlyRunner(engine.runner)
     engine.runner = engine.kv.runner = engine.tiers.runner = engine.loop.runner = fake
     if args.no_round_down:
-        engine.scheduler.token_buckets = ()
+        engine.scheduler.round_down = 0
     submit = closed_loop_clients(engine, args)
 
     for _ in range(args.concurrency):

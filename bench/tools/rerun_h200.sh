@@ -50,9 +50,12 @@
 #  18  the engine loop with a mixed-step variant of part 17 against the default: the bare loop at C = 256 over 8
 #      segments (bench/tools/profile_host.py), answers of 64 and of 64 +- 32 tokens, each with
 #      INFERSCALE_MIXED_SHARED="" and ="$VARIANT" (set VARIANT to part 17's winner, e.g. VARIANT=br=128,w=8,sp=1)
+#  19  the scheduler's round-down of a step's token budget to a bucket (inferscale_jax/scheduler.py,
+#      INFERSCALE_ROUND_DOWN_MIN_TOKENS=256 / 0): the bare loop at C = 256 over 8 segments, answers of 64 +- 32
+#      and of 64 tokens, on against off (bench/tools/profile_host.py)
 #  16  the checkpoint read (models/loader.py: os.preadv into each tensor's array, threads in parallel): the 8B
 #      checkpoint loaded one tensor at a time and eight (bench/tools/weights_load.py; run AL: 14.2 / 12.1 s)
-# Parts 6-10, 16 and 18 write the 8B checkpoint to /tmp/llama8b first when it is missing (~35 s); it stays out of
+# Parts 6-10, 16, 18 and 19 write the 8B checkpoint to /tmp/llama8b first when it is missing (~35 s); it stays out of
 # the repository, whose copy on the machine loses files that .gitignore does not cover (bench/NOTES.md, run AH).
 #
 # Each step writes its tables under RESULTS_DIR/<step>/ and its console log to RESULTS_DIR/<step>.log;
@@ -210,6 +213,18 @@ case "$part" in
             INFERSCALE_MIXED_SHARED="$v" step_as "${name//[=,]/_}" 140 bench/tools/profile_host.py --model /tmp/llama8b \
                 --concurrency 256 --max-tokens-spread "$spread" --warm-steps 300 --steps 200 --no-profile --per-call \
                 --out "$res/${name//[=,]/_}.md"
+        done
+    done
+    ;;
+19)
+    # the scheduler's round-down of a step's token budget (scheduler.py, session 31): the bare loop at C = 256,
+    # equal and spread answer lengths, on (the default, 256) against off (0); then the served table with it on
+    ckpt
+    for spread in 32 0; do
+        for rd in 256 0; do
+            INFERSCALE_ROUND_DOWN_MIN_TOKENS=$rd step_as "loop_s${spread}_rd${rd}" 200 bench/tools/profile_host.py \
+                --model /tmp/llama8b --concurrency 256 --max-tokens-spread "$spread" --warm-steps 300 --steps 200 \
+                --no-profile --per-call --out "$res/loop_s${spread}_rd${rd}.md"
         done
     done
     ;;

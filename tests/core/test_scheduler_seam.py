@@ -6,6 +6,7 @@ page manager below gets only a small page pool's arrays (its tiers read their sh
 from types import SimpleNamespace
 
 import jax.numpy as jnp
+import pytest
 import numpy as np
 
 from inferscale_jax import EngineConfig, SamplingParams
@@ -215,7 +216,7 @@ def test_a_step_that_would_just_overflow_a_token_bucket_fills_the_one_below(monk
     assert q1.status == q2.status == RequestStatus.RUNNING and q2.seq.computed == 3
 
 
-def test_the_budget_is_not_rounded_down_below_the_threshold_or_when_it_would_leave_more(monkeypatch):
+def test_the_budget_is_not_rounded_down_below_the_threshold_or_when_it_would_leave_more():
     """Under ``ROUND_DOWN_MIN_TOKENS`` (a C = 1 question's step: padding is about free there) a
     step takes every chunk token it can; so it does above, when filling the bucket below would keep
     fewer chunk tokens than it leaves (a question would crawl a few tokens a step)."""
@@ -229,11 +230,23 @@ def test_the_budget_is_not_rounded_down_below_the_threshold_or_when_it_would_lea
     def work(*lengths):  # node jobs' chunks (a node job's tokens are all prefill)
         return [SimpleNamespace(seq=SimpleNamespace(tokens=[0] * n, computed=0)) for n in lengths]
 
-    monkeypatch.setattr(scheduler_mod, "ROUND_DOWN_MIN_TOKENS", 16)
+    sched.round_down = 16
     assert sched._token_budget(3, work(10, 10)) == 13  # 23 -> 16
     assert sched._token_budget(14, work(16, 6)) == 64 - 14  # 16 would keep 2 and leave 20
     assert sched._token_budget(16, work(16)) == 64 - 16  # 32: a bucket already
     assert sched._token_budget(3, work(16, 16, 16, 16)) == 64 - 3  # more than the budget: all of it
     assert sched._token_budget(2, work(5)) == 64 - 2  # 7: under the threshold
-    sched.token_buckets = ()
+    sched.round_down = 0
+    assert sched._token_budget(3, work(10, 10)) == 64 - 3  # 0: off
+    sched.round_down, sched.token_buckets = 16, ()
     assert sched._token_budget(3, work(10, 10)) == 64 - 3  # no buckets: never rounded
+
+
+def test_the_round_down_switch_is_read_from_the_environment(monkeypatch):
+    assert make().round_down == scheduler_mod.ROUND_DOWN_MIN_TOKENS == 256
+    monkeypatch.setenv("INFERSCALE_ROUND_DOWN_MIN_TOKENS", "0")
+    assert make().round_down == 0
+    for bad in ("-1", "half", "\u0662"):  # (a non-ASCII digit too)
+        monkeypatch.setenv("INFERSCALE_ROUND_DOWN_MIN_TOKENS", bad)
+        with pytest.raises(ValueError, match="INFERSCALE_ROUND_DOWN_MIN_TOKENS=.* is invalid: must be a token count"):
+            make()
