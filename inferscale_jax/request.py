@@ -42,7 +42,7 @@ class RequestStatus(str, enum.Enum):
         return self.value
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)  # identity: `req in running` / `remove` compared every field of every row
 class Request:
     id: str
     tenant: str
@@ -124,7 +124,7 @@ class Request:
         return row
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)  # (identity, as Request)
 class NodeJob:
     """A missing chain node computed as prefill rows for the requests waiting on it (scheduler.py's
     module docstring, 2).  It holds one reader on ``parent`` while it exists and one reference on each
