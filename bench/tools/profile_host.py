@@ -151,12 +151,15 @@ def main() -> None:
                     help="the young generation's GC threshold for the timed steps (Python's default: 700; "
                          "bench/NOTES.md, run AH)")
     ap.add_argument("--out", help="write the report (markdown) here too")
+    ap.add_argument("--no-warmup", action="store_true",
+                    help="skip Engine.warmup: the buckets the loop meets compile in --warm-steps (a quick A/B on a "
+                         "fresh machine; the report counts any compiled in the timed steps)")
     args = ap.parse_args()
     if args.quick:
         args.segment_tokens = min(args.segment_tokens, 512)
     config = EngineConfig(max_batch=args.concurrency, overlap_decode=not args.no_overlap)
     engine = Engine.from_pretrained(args.model, config)
-    warmup_s = engine.warmup(progress_bar=False)["seconds"]
+    warmup_s = 0.0 if args.no_warmup else engine.warmup(progress_bar=False)["seconds"]
     if args.fresh_inputs:
         engine.runner.stable_inputs = False
     submit = closed_loop_clients(engine, args)
@@ -196,10 +199,10 @@ def main() -> None:
     blocked[0] = 0.0
     if parts is not None:
         parts.reset()
-    compiles0 = engine.stats()["compiles_after_warmup"]
+    compiles0 = engine.runner.compiles
     plain = run(args.steps)
     waited = blocked[0]
-    compiles = engine.stats()["compiles_after_warmup"] - compiles0
+    compiles = engine.runner.compiles - compiles0
     part_lines = parts.report(args.steps, plain) if parts is not None else []
     tokens = sum(rows_seen)
     prof = cProfile.Profile()
