@@ -605,7 +605,13 @@ class Engine:
         accounting) sets ``fault``, after which ``step`` and ``submit`` raise it."""
         if self.fault is not None:
             raise self.fault
-        self._stepped_at = time.monotonic()
+        try:
+            return self._step()
+        finally:
+            self._stepped_at = time.monotonic()  # (after it: a slow step, a compile, leaves no quiet behind it)
+
+    def _step(self) -> list[RequestOutput]:
+        """``step`` less its timestamp: the loop's step, an unexpected failure contained."""
         try:
             return self.loop.step()
         except EngineFault:

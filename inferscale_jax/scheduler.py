@@ -678,7 +678,7 @@ class Scheduler:
         if not self.token_buckets or self.round_down <= 0 or budget <= 0:
             return budget
         avail = 0
-        for owner in work[:self.max_batch - decode_rows]:
+        for owner in work[:max(0, self.max_batch - decode_rows)]:
             seq = owner.seq
             end = owner.prefill_end if isinstance(owner, Request) else len(seq.tokens)
             avail += min(self.config.prefill_chunk, end - seq.computed)

@@ -230,16 +230,23 @@ def test_the_budget_is_not_rounded_down_below_the_threshold_or_when_it_would_lea
     def work(*lengths):  # node jobs' chunks (a node job's tokens are all prefill)
         return [SimpleNamespace(seq=SimpleNamespace(tokens=[0] * n, computed=0)) for n in lengths]
 
-    sched.round_down = 16
-    assert sched._token_budget(3, work(10, 10)) == 13  # 23 -> 16
-    assert sched._token_budget(14, work(16, 6)) == 64 - 14  # 16 would keep 2 and leave 20
-    assert sched._token_budget(16, work(16)) == 64 - 16  # 32: a bucket already
-    assert sched._token_budget(3, work(16, 16, 16, 16)) == 64 - 3  # more than the budget: all of it
-    assert sched._token_budget(2, work(5)) == 64 - 2  # 7: under the threshold
-    sched.round_down = 0
-    assert sched._token_budget(3, work(10, 10)) == 64 - 3  # 0: off
-    sched.round_down, sched.token_buckets = 16, ()
-    assert sched._token_budget(3, work(10, 10)) == 64 - 3  # no buckets: never rounded
+    wide = make(pages=64, max_batch=64, token_buckets=(8, 16, 32, 64))  # (rows to spare: only the tokens count)
+    wide.round_down = 16
+    assert wide._token_budget(3, work(10, 10)) == 13  # 23 -> 16: keeps 13, leaves 7
+    assert wide._token_budget(14, work(16, 16)) == 18  # 46 -> 32: keeps 18, leaves 14
+    assert wide._token_budget(28, work(16, 6)) == 64 - 28  # 32 would keep 4 and leave 18: all of it (50 -> 64)
+    assert wide._token_budget(20, work(3)) == 64 - 20  # 16 holds fewer than the decode rows: all of it
+    assert wide._token_budget(16, work(16)) == 64 - 16  # 32: a bucket already
+    assert wide._token_budget(3, work(16, 16, 16, 16)) == 64 - 3  # more than the budget: all of it
+    assert wide._token_budget(2, work(5)) == 64 - 2  # 7: under the threshold
+    narrow = make(pages=64, max_batch=5, token_buckets=(8, 16, 32, 64))
+    narrow.round_down = 16
+    assert narrow._token_budget(3, work(10, 10, 10)) == 13  # two rows left: 23 -> 16 (all three: 33 -> 32, 29)
+    assert narrow._token_budget(5, work(10)) == 64 - 5  # no row left: nothing to round
+    wide.round_down = 0
+    assert wide._token_budget(3, work(10, 10)) == 64 - 3  # 0: off
+    wide.round_down, wide.token_buckets = 16, ()
+    assert wide._token_budget(3, work(10, 10)) == 64 - 3  # no buckets: never rounded
 
 
 def test_the_round_down_switch_is_read_from_the_environment(monkeypatch):
