@@ -863,6 +863,8 @@ class Engine:
             "step_rows": self.scheduler.step_rows,
             "step_decode_rows": self.scheduler.step_decode_rows,
             "step_tokens": self.scheduler.step_tokens,
+            # the tokens those steps were padded to (their buckets': buckets.py; warm-up steps not counted)
+            "step_padded_tokens": self.runner.buckets.padded_tokens,
             # of those steps, decode loops (decode_loop.py; EngineConfig.decode_steps > 1)
             "decode_loops": self.scheduler.loops,
             "attention_impl": self.runner.cache.impl,

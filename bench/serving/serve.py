@@ -456,13 +456,15 @@ class Server:
 
 def engine_steps(before: dict | None, after: dict | None, wall: float) -> dict | None:
     """The engine's steps over a point from its stats before and after: how many, the wall time per
-    step, and the mean rows (all, decode) and tokens per step (None without stats or steps)."""
+    step, and the mean rows (all, decode), tokens and tokens padded to (the steps' buckets) per step
+    (None without stats or steps)."""
     if not before or not after or "steps" not in after:
         return None
     n = after["steps"] - before["steps"]
     if n <= 0:
         return None
-    per = {k: (after[f"step_{k}"] - before[f"step_{k}"]) / n for k in ("rows", "decode_rows", "tokens")}
+    keys = ("rows", "decode_rows", "tokens") + (("padded_tokens",) if "step_padded_tokens" in after else ())
+    per = {k: (after[f"step_{k}"] - before.get(f"step_{k}", 0)) / n for k in keys}
     return {"steps": n, "step_ms": 1e3 * wall / n, **per}
 
 
@@ -1151,7 +1153,8 @@ async def bench(args, client: Via, maker: TextMaker) -> dict:
             if p["engine_steps"]:
                 e = p["engine_steps"]
                 log(f"[serve] {client.via} engine: {e['steps']} steps, {e['step_ms']:.2f} ms each, rows "
-                    f"{e['rows']:.1f} ({e['decode_rows']:.1f} decode), tokens {e['tokens']:.1f} per step")
+                    f"{e['rows']:.1f} ({e['decode_rows']:.1f} decode), tokens {e['tokens']:.1f} per step"
+                    + (f" (padded to {e['padded_tokens']:.1f})" if "padded_tokens" in e else ""))
         return {"warmup": warmup, "points": points}
     finally:
         for t, sid in registered:

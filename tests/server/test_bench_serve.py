@@ -86,6 +86,7 @@ def test_bench_serve_tiny_load(tmp_path, tmp_path_factory):
     steps = point["engine_steps"]  # the server's own step counts: 4 requests of 4 tokens, 3 decode rows each
     assert steps["steps"] >= 4 and steps["rows"] >= steps["decode_rows"] > 0 and steps["step_ms"] > 0, steps
     assert round(steps["decode_rows"] * steps["steps"]) == 4 * 3, steps
+    assert steps["padded_tokens"] >= steps["tokens"] > 0, steps  # (each step padded to its bucket)
     for key in ("ttft_ms", "itl_ms", "tpot_ms", "e2e_ms"):
         assert set(point[key]) == DIST_KEYS and ordered(point[key]), (key, point[key])
     assert point["ttft_ms"]["n"] == point["e2e_ms"]["n"] == 4

@@ -114,6 +114,7 @@ def test_bench_serve_in_process(tmp_path, tmp_path_factory):
     steps = point["engine_steps"]  # 4 requests of 4 tokens: 3 decode rows each after the prefill
     assert steps["steps"] >= 4 and steps["rows"] >= steps["decode_rows"] > 0 and steps["step_ms"] > 0, steps
     assert steps["decode_rows"] * steps["steps"] == 4 * 3, steps
+    assert steps["padded_tokens"] >= steps["tokens"] > 0, steps  # (each step padded to its bucket)
     for key in ("ttft_ms", "itl_ms", "tpot_ms", "e2e_ms"):
         assert point[key]["p50"] <= point[key]["p90"] <= point[key]["p99"], (key, point[key])
     assert point["ttft_ms"]["n"] == 4 and point["tokens_per_chunk"] >= 1
