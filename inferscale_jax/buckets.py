@@ -111,6 +111,10 @@ class StepBuckets:
     def rows_for(self, n: int) -> int:
         return next(b for b in self.row_buckets if b >= n)
 
+    def tokens_for(self, n: int) -> int:
+        """The token bucket of a mixed step of ``n`` new tokens."""
+        return next(b for b in self.token_buckets if b >= n)
+
     def width_for(self, pages: int) -> int:
         return next((w for w in self.widths if w >= pages), max(pages, self.widths[-1]))
 
@@ -143,7 +147,7 @@ class StepBuckets:
             if shared_pages:
                 return StepKey(r, r, self.widths[-1], nl, self.wide(shared_pages), self.groups_for(max(groups, 1)))
             return StepKey(r, r, self.width_for(need_pages) if r < NARROW_ROWS else self.wide(need_pages), nl)
-        t = next(b for b in self.token_buckets if b >= n_tokens)
+        t = self.tokens_for(n_tokens)
         r = min(t, self.max_rows)
         if shared_pages:
             g = max(self.mixed_groups(r), self.groups_for(max(1, min(groups, MAX_GROUPS))))

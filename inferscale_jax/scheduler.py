@@ -679,9 +679,7 @@ class Scheduler:
             return budget
         avail = 0
         for owner in work[:max(0, self.max_batch - decode_rows)]:
-            seq = owner.seq
-            end = owner.prefill_end if isinstance(owner, Request) else len(seq.tokens)
-            avail += min(self.config.prefill_chunk, end - seq.computed)
+            avail += self._chunk_len(owner)
             if avail >= budget:
                 return budget
         total = decode_rows + avail
@@ -690,12 +688,17 @@ class Scheduler:
             return budget
         return below - decode_rows
 
+    def _chunk_len(self, owner: Request | NodeJob) -> int:
+        """The tokens of a request's or node job's next prompt chunk, with no step budget."""
+        seq = owner.seq
+        end = owner.prefill_end if isinstance(owner, Request) else len(seq.tokens)
+        return min(self.config.prefill_chunk, end - seq.computed)
+
     def _chunk_row(self, owner: Request | NodeJob, budget: int | None = None) -> StepRow:
         """The next prompt chunk of a request or node job: at most ``prefill_chunk`` tokens (and
         ``budget``), from its ``computed`` position."""
         seq = owner.seq
-        end = owner.prefill_end if isinstance(owner, Request) else len(seq.tokens)
-        take = min(self.config.prefill_chunk, end - seq.computed, budget or end)
+        take = self._chunk_len(owner) if budget is None else min(self._chunk_len(owner), budget)
         if isinstance(owner, Request) and owner.trace is not None:
             owner.trace.chunk(take, seq.computed)
         return owner.row(seq.tokens[seq.computed:seq.computed + take], seq.computed)

@@ -52,7 +52,7 @@ class HostOnlyRunner(FakeRunner):
         self.pack_s += time.perf_counter() - t
         n = sum(len(r.tokens) for r in plan.rows)
         name = (f"decode {self.buckets.rows_for(n)}" if n == len(plan.rows)
-                else f"mixed {next(b for b in self.buckets.token_buckets if b >= n)}")
+                else f"mixed {self.buckets.tokens_for(n)}")
         self.by_bucket.setdefault(name, [0, 0])
         self.by_bucket[name][0] += 1
         self.by_bucket[name][1] += n

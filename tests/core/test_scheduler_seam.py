@@ -6,16 +6,16 @@ page manager below gets only a small page pool's arrays (its tiers read their sh
 from types import SimpleNamespace
 
 import jax.numpy as jnp
-import pytest
 import numpy as np
+import pytest
 
 from inferscale_jax import EngineConfig, SamplingParams
+from inferscale_jax import scheduler as scheduler_mod
 from inferscale_jax.kv_cache import PagedKVCache
 from inferscale_jax.kv_manager import KVManager
 from inferscale_jax.page_tables import PageTables
 from inferscale_jax.request import Request, RequestStatus
 from inferscale_jax.runner import StepResult
-from inferscale_jax import scheduler as scheduler_mod
 from inferscale_jax.scheduler import SETTLE, Scheduler
 from inferscale_jax.segments import ChainNode, SegmentInfo
 from tests.support.tiny_engine import CFG, S
