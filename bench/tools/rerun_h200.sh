@@ -53,6 +53,9 @@
 #  19  the scheduler's round-down of a step's token budget to a bucket (inferscale_jax/scheduler.py,
 #      INFERSCALE_ROUND_DOWN_MIN_TOKENS=256 / 0): the bare loop at C = 256 over 8 segments, answers of 64 +- 32
 #      and of 64 tokens, on against off (bench/tools/profile_host.py)
+#  20  where C = 64's small mixed steps go (bench/NOTES.md, run AP): the graph-mode profile of the loop at C = 64 with
+#      answers of 64 +- 32 (bench/tools/profile_graph.py: the 64-row decode step and 128 / 256-token mixed steps), then
+#      the decode step's cascade kernel at 64 / 256 rows over 8 segments by split count (cascade_groups.py --knobs sp=N)
 #  16  the checkpoint read (models/loader.py: os.preadv into each tensor's array, threads in parallel): the 8B
 #      checkpoint loaded one tensor at a time and eight (bench/tools/weights_load.py; run AL: 14.2 / 12.1 s)
 # Parts 6-10, 16, 18 and 19 write the 8B checkpoint to /tmp/llama8b first when it is missing (~35 s); it stays out of
@@ -227,6 +230,14 @@ case "$part" in
                 --no-profile --per-call --out "$res/loop_s${spread}_rd${rd}.md"
         done
     done
+    ;;
+20)
+    ckpt
+    XLA_FLAGS="${XLA_FLAGS:-} --xla_enable_command_buffers_during_profiling=true" step_as profile_graph_c64 330 \
+        bench/tools/profile_graph.py --model /tmp/llama8b --concurrency 64 --max-tokens-spread 32 --warm-steps 200 \
+        --mixed-captures 3 --decode-reps 4 --mixed-reps 4 --raw /tmp/pg_c64 --out "$res/profile_graph_c64.md"
+    step cascade_splits 150 bench/kernels/cascade_groups.py --rows 64,256 --segments 8 --no-mixed \
+        --knobs sp=1 sp=2 sp=4 sp=6
     ;;
 15)
     kern=(bench/kernels/cascade_groups.py --rows 64,256 --segments 1,8 --no-mixed)
