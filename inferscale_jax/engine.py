@@ -846,6 +846,9 @@ class Engine:
             "compiles": self.runner.compiles,
             "warm": self.runner.warm,
             "compiles_after_warmup": self.runner.compiles_after_warmup,
+            # buckets whose first run warmup(first_runs="idle") left and no step has made yet (a step that
+            # meets one pays it, ~80 ms for the 8B model: bench/NOTES.md, run AO)
+            "first_runs_left": self.first_runs_left,
             "max_batch": self.max_batch,
             "max_num_batched_tokens": self.runner.max_tokens,
             **self.runner.buckets.padding_stats(),

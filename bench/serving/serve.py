@@ -71,7 +71,9 @@ Life of a run:
    - ``none``: the question alone (with ``--context none`` every request is one).
 
    Engine stats (``GET /v1/stats`` with the admin key; in-process ``stats()``) before and after
-   each point give the compiles in it.
+   each point give the compiles in it, and the buckets' first runs in it (``first_runs_left``: a
+   server's warm-up leaves them to idle time, so a point that starts before they are done pays
+   each one inside a step, ~80 ms for the 8B model; in-process engines make them in the warm-up).
 7. **End**: the warm segments are deleted; the server (if started here) gets SIGTERM; the
    in-process engine is shut down.  With both vias, each load point's HTTP/in-process ratio of
    output tokens/s (issue 30's target: >= 0.85 at C=256) goes in the table and the JSON
@@ -452,6 +454,20 @@ class Server:
 
     def stop(self) -> None:
         stop_process(self.proc)
+
+
+def first_runs(before: dict | None, after: dict | None) -> int | None:
+    """Buckets whose first run came inside a load point (``first_runs_left`` before minus after);
+    None when the stats lack it (an older server)."""
+    if not before or not after or "first_runs_left" not in before or "first_runs_left" not in after:
+        return None
+    return before["first_runs_left"] - after["first_runs_left"]
+
+
+def compiles_cell(p: dict) -> str:
+    """The table's compiles cell: the compiles in the point, and its first runs when there were any."""
+    cell = "n/a" if p["compiles"] is None else str(p["compiles"])
+    return cell + (f" ({p['first_runs']})" if p.get("first_runs") else "")
 
 
 def engine_steps(before: dict | None, after: dict | None, wall: float) -> dict | None:
@@ -979,13 +995,13 @@ def report(summary: dict, prefix: str) -> None:
                "docstring; p99 over fewer than 1000 samples (the `n` column) is indicative only.", ""])
     rows = via_points(summary)
     head = ["load", "via", "n", "errors", "req/s", "out tok/s", "steady tok/s"] + (["HTTP / inproc tok/s"] if both else []) + [
-        "TTFT", "ITL", "TPOT p50", "E2E", "cached ratio", "compiles", "CPU cores: bench / server / its children"]
+        "TTFT", "ITL", "TPOT p50", "E2E", "cached ratio", "compiles (first runs)", "CPU cores: bench / server / its children"]
     table("Latency (ms, p50 / p90 / p99) and throughput per load point", head, [
         [load_label(p), via, p["completed"], p["errors"], num(p["request_throughput"]), num(p["output_throughput"], 1),
          num(p.get("steady_output_throughput"), 1)]
         + ([num(ratio_of[i]["http_over_inproc"], 3) if via == "http" else ""] if both else [])
         + [fmt(p["ttft_ms"]), fmt(p["itl_ms"]), fmt(p["tpot_ms"], "p50"), fmt(p["e2e_ms"]), num(p["cached_ratio"], 3),
-           "n/a" if p["compiles"] is None else p["compiles"], cpu_cell(p)] for via, i, p in rows])
+           compiles_cell(p), cpu_cell(p)] for via, i, p in rows])
     split = [(via, p) for via, _, p in rows if p.get("ttft_split")]
     if split:
         table("Where TTFT goes (ms, p50 / p90 / p99): the engine's clock (submit -> first token), its queue "
@@ -1144,12 +1160,14 @@ async def bench(args, client: Via, maker: TextMaker) -> dict:
                  **({"steady_output_throughput": None} if mode == "rate" else {}),  # (no closed-loop window)
                  "client_procs": client_procs(args, x) if client.via == "http" and mode != "rate" else 1,
                  "compiles": after["compiles"] - before["compiles"] if before and after else None,
+                 "first_runs": first_runs(before, after),
                  "engine_steps": engine_steps(before, after, wall)}
             points.append(p)
             log(f"[serve] {client.via} {load_label(p)}: {p['completed']}/{p['requests']} ok, "
                 f"{num(p['request_throughput'])} req/s, {num(p['output_throughput'], 1)} tok/s, "
                 f"TTFT {fmt(p['ttft_ms'])} ms, ITL {fmt(p['itl_ms'])} ms, E2E {fmt(p['e2e_ms'])} ms, "
-                f"cached {num(p['cached_ratio'], 3)}, compiles {p['compiles']}")
+                f"cached {num(p['cached_ratio'], 3)}, compiles {p['compiles']}"
+                + (f", first runs {p['first_runs']}" if p["first_runs"] else ""))
             if p["engine_steps"]:
                 e = p["engine_steps"]
                 log(f"[serve] {client.via} engine: {e['steps']} steps, {e['step_ms']:.2f} ms each, rows "

@@ -124,14 +124,18 @@ def test_first_runs_left_for_idle_time(monkeypatch):
     import time
     import types
 
+    from inferscale_jax import sharding
+
     e = make_engine(pages=128, max_batch=8, max_num_batched_tokens=256)
     monkeypatch.setattr(e.runner, "device", types.SimpleNamespace(platform="gpu"))
+    monkeypatch.setattr(sharding, "mesh_stats", lambda mesh, device: {})  # (stats() on the stand-in device)
     with pytest.raises(ValueError, match="first_runs='later'"):
         e.warmup(first_runs="later", progress_bar=False)
     info = e.warmup(buckets="small", progress_bar=False, first_runs="idle")
     keys = e.runner.buckets.warmup_keys("small")
     assert info["buckets"] == len(keys) and info["first_runs_s"] == 0.0
     assert e.first_runs_left == len(keys) and list(e.runner.first_runs) == keys
+    assert e.stats()["first_runs_left"] == len(keys)
     sp = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
     rid = e.submit(prompt_token_ids=list(range(1, 12)), sampling=sp)
     assert not e.warm_idle() and e.first_runs_left == len(keys)  # a request unfinished: nothing runs
@@ -142,6 +146,7 @@ def test_first_runs_left_for_idle_time(monkeypatch):
     while e.has_unfinished():
         outs += e.step()
     assert ran and e.first_runs_left < len(keys)  # the request's own buckets ran for real
+    assert e.stats()["first_runs_left"] == e.first_runs_left
     b = e.runner.buckets
     counts, left = (b.real_tokens, b.padded_tokens, b.real_rows, b.padded_rows), e.first_runs_left
     ran.clear()
@@ -151,6 +156,7 @@ def test_first_runs_left_for_idle_time(monkeypatch):
     while e.warm_idle():
         pass
     assert e.first_runs_left == 0 and len(ran) == left > 0  # one padding step per bucket left
+    assert e.stats()["first_runs_left"] == 0
     assert all(not any(r.tokens) and not any(r.pages) for plan in ran for r in plan.rows)  # the null page only
     assert not e.warm_idle()
     assert (b.real_tokens, b.padded_tokens, b.real_rows, b.padded_rows) == counts

@@ -16,7 +16,7 @@ DIST_KEYS = {"p50", "p90", "p99", "mean", "n"}
 POINT_KEYS = {"mode", "rate", "concurrency", "requests", "completed", "errors", "error_samples", "wall_s",
               "request_throughput", "output_throughput", "ttft_ms", "itl_ms", "tpot_ms", "e2e_ms", "register_ms",
               "prompt_tokens", "cached_tokens", "completion_tokens", "cached_ratio", "tokens_per_chunk",
-              "by_kind", "compiles", "steady_output_throughput", "cpu", "client_procs", "engine_steps",
+              "by_kind", "compiles", "first_runs", "steady_output_throughput", "cpu", "client_procs", "engine_steps",
               "ttft_split"}
 KIND_KEYS = {"requests", "errors", "ttft_ms", "e2e_ms", "register_ms", "prompt_tokens", "cached_tokens",
              "cached_ratio"}
@@ -81,6 +81,7 @@ def test_bench_serve_tiny_load(tmp_path, tmp_path_factory):
     assert point["completion_tokens"] == 4 * 4  # ignore_eos: every request makes max_tokens
     assert point["request_throughput"] > 0 and point["output_throughput"] > 0
     assert isinstance(point["compiles"], int) and point["compiles"] >= 0
+    assert isinstance(point["first_runs"], int) and point["first_runs"] >= 0  # (stats' first_runs_left, before - after)
     assert point["steady_output_throughput"] is None  # (a Poisson point has no closed-loop window)
     assert point["cpu"]["bench"] > 0 and point["client_procs"] == 1
     steps = point["engine_steps"]  # the server's own step counts: 4 requests of 4 tokens, 3 decode rows each

@@ -111,6 +111,7 @@ def test_bench_serve_in_process(tmp_path, tmp_path_factory):
     assert point["requests"] == point["completed"] == 4 and point["errors"] == 0, point["error_samples"]
     assert point["completion_tokens"] == 4 * 4  # ignore_eos: every request makes max_tokens
     assert point["output_throughput"] > 0 and isinstance(point["compiles"], int)
+    assert point["first_runs"] == 0  # (an in-process engine makes its first runs in the warm-up)
     steps = point["engine_steps"]  # 4 requests of 4 tokens: 3 decode rows each after the prefill
     assert steps["steps"] >= 4 and steps["rows"] >= steps["decode_rows"] > 0 and steps["step_ms"] > 0, steps
     assert steps["decode_rows"] * steps["steps"] == 4 * 3, steps
