@@ -52,7 +52,10 @@ Life of a run:
 5. **Warm-up** (not measured): one request per warm segment (so every one has been used), then
    ``--warmup-requests`` of each kind one after another, then bursts of 2, 4, ... up to
    ``--warmup-burst`` mixed requests sent at once (batch shapes compile here rather than in the
-   measured part; ``compiles`` per load point shows what was still left).
+   measured part; ``compiles`` per load point shows what was still left).  Then, up to
+   ``--first-runs-timeout`` seconds, until the engine reports no bucket's first run left (a
+   server makes them in its idle time after ``/health`` turns 200; the in-process engine in its
+   warm-up), so neither via pays one inside a load point.
 6. **Load points**, one per ``--rates`` value (seeded Poisson arrivals; ``inf``: all at once;
    ``--num-requests`` each) or per ``--concurrency`` value C (C clients, each sending its next
    request when its last one ends; max(``--num-requests``, 2 x C) requests, so every client sends
@@ -226,6 +229,10 @@ def parse_args(argv=None):
                    "(default: %(default)s)")
     g.add_argument("--warmup-burst", type=int, default=8, help="the largest burst of mixed warm-up requests "
                    "sent at once; bursts of 2, 4, ... up to it run first (default: %(default)s)")
+    g.add_argument("--first-runs-timeout", type=float, default=120.0, help="after the warm-up, wait up to this "
+                   "many seconds for the server's buckets' first runs (its warm-up leaves them to idle time; a load "
+                   "point that meets one pays ~80 ms per bucket inside a step: bench/NOTES.md, run AP), as the "
+                   "in-process engine makes them in its warm-up; 0: do not wait (default: %(default)s)")
     g.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request (default: %(default)s)")
     g.add_argument("--switch-interval", type=float, help="in-process via: sys.setswitchinterval(SECONDS) in this "
                    "process, whose engine thread shares the GIL with the clients' event loop (Python's default 0.005)")
@@ -454,6 +461,23 @@ class Server:
 
     def stop(self) -> None:
         stop_process(self.proc)
+
+
+async def wait_first_runs(client, stats: dict | None, timeout: float) -> float:
+    """Wait (up to ``timeout`` s) until the engine reports no bucket's first run left
+    (``first_runs_left``: a server's warm-up leaves them to idle time, one bucket at a time); returns
+    the seconds waited (0.0 when none were left or the stats lack the key)."""
+    if not stats or not stats.get("first_runs_left") or timeout <= 0:
+        return 0.0
+    t0 = time.perf_counter()
+    left = stats["first_runs_left"]
+    while left and time.perf_counter() - t0 < timeout:
+        await asyncio.sleep(0.5)
+        left = ((await client.stats()) or {}).get("first_runs_left", 0)
+    waited = time.perf_counter() - t0
+    log(f"[serve] {client.via}: waited {waited:.1f} s for the buckets' first runs ({stats['first_runs_left']} left "
+        f"after the warm-up, {left} now)")
+    return waited
 
 
 def first_runs(before: dict | None, after: dict | None) -> int | None:
@@ -1020,7 +1044,10 @@ def report(summary: dict, prefix: str) -> None:
                  f"engine loaded in {run['load_s']:.0f} s, its warm-up {run['engine_warmup_s']:.0f} s"
                  if via == "inproc" else "a running server")
         MD.extend([f"`{via}`: {start}. Warm-up (not measured): {w['requests']} requests, {w['errors']} errors, "
-                   f"{w['wall_s']:.1f} s; engine compiles by then: {w['compiles']}. Segment setup: {w['segments']} "
+                   f"{w['wall_s']:.1f} s; engine compiles by then: {w['compiles']}"
+                   + (f"; then {w['first_runs_wait_s']:.1f} s waiting for the buckets' first runs "
+                      f"({w['first_runs_left']} left)" if w.get("first_runs_wait_s") else "")
+                   + f". Segment setup: {w['segments']} "
                    f"registered, register p50 {fmt(w['register_ms'], 'p50')} ms.", ""])
     out_dir, name = os.path.split(prefix)
     with open(prefix + ".json", "w") as f:
@@ -1127,11 +1154,15 @@ async def bench(args, client: Via, maker: TextMaker) -> dict:
             burst = make_specs(size, None, args, tenants, warm, maker, rng, f"burst{size}")
             results += await asyncio.gather(*(client.run(s, args) for s in burst))
         stats = await client.stats()
+        wall = time.perf_counter() - t0
+        idle_wait = await wait_first_runs(client, stats, args.first_runs_timeout)
+        stats = await client.stats() if idle_wait else stats
         warmup = {"requests": len(results), "errors": sum(not r.ok for r in results),
                   "error_samples": sorted({r.error for r in results if not r.ok})[:5],
-                  "wall_s": time.perf_counter() - t0, "compiles": stats["compiles"] if stats else None,
+                  "wall_s": wall, "compiles": stats["compiles"] if stats else None,
                   "compiles_in_warmup": stats["compiles"] - before["compiles"] if stats and before else None,
-                  "segments": len(registered), "register_ms": dist(seg_times)}
+                  "segments": len(registered), "register_ms": dist(seg_times),
+                  "first_runs_wait_s": idle_wait, "first_runs_left": stats.get("first_runs_left") if stats else None}
         log(f"[serve] {client.via} warm-up: {warmup['requests']} requests, {warmup['errors']} errors, "
             f"{warmup['wall_s']:.1f} s, compiles {warmup['compiles']}")
         points = []

@@ -137,3 +137,35 @@ def test_steady_window_counts_tokens_while_every_client_is_busy():
     # inside [2, 3]: 0 of the first, half of the second (decode 1..3), half of the third (2..4), none of the last
     assert steady(rs) == (0 + 10 + 10 + 0) / 1.0
     assert steady(rs[:2]) is None  # everyone sent once: the last send (0) is before the first end (2)
+
+
+def test_waits_for_the_servers_first_runs():
+    """bench/serving/serve.py waits after its warm-up until the engine reports no bucket's first run
+    left (a server leaves them to idle time), within its timeout, and reports the first runs a load
+    point met from the stats before and after it."""
+    import asyncio
+    import runpy
+
+    serve = runpy.run_path(os.path.join(REPO, "bench", "serving", "serve.py"), run_name="serve_under_test")
+    wait, first_runs = serve["wait_first_runs"], serve["first_runs"]
+
+    class Client:
+        via = "http"
+
+        def __init__(self, lefts):
+            self.lefts, self.calls = list(lefts), 0
+
+        async def stats(self):
+            self.calls += 1
+            return {"first_runs_left": self.lefts.pop(0) if len(self.lefts) > 1 else self.lefts[0]}
+
+    c = Client([3, 1, 0])
+    assert asyncio.run(wait(c, {"first_runs_left": 5}, 30.0)) >= 1.0 and c.calls == 3  # polled until 0
+    c = Client([2])
+    assert 0.5 <= asyncio.run(wait(c, {"first_runs_left": 2}, 0.6)) < 5.0  # the timeout ends it
+    c = Client([2])
+    assert asyncio.run(wait(c, {"first_runs_left": 0}, 30.0)) == 0.0 and c.calls == 0  # none left: no wait
+    assert asyncio.run(wait(c, {"first_runs_left": 4}, 0.0)) == 0.0 and c.calls == 0  # timeout 0: never waits
+    assert asyncio.run(wait(c, {"compiles": 1}, 30.0)) == 0.0 and asyncio.run(wait(c, None, 30.0)) == 0.0
+    assert first_runs({"first_runs_left": 7}, {"first_runs_left": 4}) == 3
+    assert first_runs({"compiles": 1}, {"compiles": 1}) is None and first_runs(None, None) is None
