@@ -54,7 +54,8 @@
 #      INFERSCALE_ROUND_DOWN_MIN_TOKENS=256 / 0): the bare loop at C = 256 over 8 segments, answers of 64 +- 32
 #      and of 64 tokens, on against off (bench/tools/profile_host.py)
 #  20  where C = 64's small mixed steps go (bench/NOTES.md, run AP): the graph-mode profile of the loop at C = 64 with
-#      answers of 64 +- 32 (bench/tools/profile_graph.py: the 64-row decode step and 128 / 256-token mixed steps), then
+#      answers of 64 +- 32 (bench/tools/profile_graph.py: the 64-row decode step and 128 / 256-token mixed steps) and at
+#      C = 1 (a lone question's prefill step), then
 #      the decode step's cascade kernel at 64 / 256 rows over 8 segments by split count (cascade_groups.py --knobs sp=N)
 #  16  the checkpoint read (models/loader.py: os.preadv into each tensor's array, threads in parallel): the 8B
 #      checkpoint loaded one tensor at a time and eight (bench/tools/weights_load.py; run AL: 14.2 / 12.1 s)
@@ -236,6 +237,10 @@ case "$part" in
     XLA_FLAGS="${XLA_FLAGS:-} --xla_enable_command_buffers_during_profiling=true" step_as profile_graph_c64 330 \
         bench/tools/profile_graph.py --model /tmp/llama8b --concurrency 64 --max-tokens-spread 32 --warm-steps 200 \
         --mixed-captures 3 --decode-reps 4 --mixed-reps 4 --raw /tmp/pg_c64 --out "$res/profile_graph_c64.md"
+    # C = 1: the mixed step is a lone question's prefill (its device time is most of C = 1's TTFT)
+    XLA_FLAGS="${XLA_FLAGS:-} --xla_enable_command_buffers_during_profiling=true" step_as profile_graph_c1 150 \
+        bench/tools/profile_graph.py --model /tmp/llama8b --concurrency 1 --warm-steps 20 --mixed-captures 1 \
+        --decode-reps 4 --mixed-reps 4 --loop-steps 8 --raw /tmp/pg_c1 --out "$res/profile_graph_c1.md"
     step cascade_splits 150 bench/kernels/cascade_groups.py --rows 64,256 --segments 8 --no-mixed \
         --knobs sp=1 sp=2 sp=4 sp=6
     ;;
