@@ -57,6 +57,8 @@
 #      answers of 64 +- 32 (bench/tools/profile_graph.py: the 64-row decode step and 128 / 256-token mixed steps) and at
 #      C = 1 (a lone question's prefill step), then
 #      the decode step's cascade kernel at 64 / 256 rows over 8 segments by split count (cascade_groups.py --knobs sp=N)
+#  21  a step call's host time by argument count, and whether a stacked weight's per-layer slice costs a copy
+#      (bench/tools/call_args.py: before stacking the weights and the cache into one array per kind)
 #  16  the checkpoint read (models/loader.py: os.preadv into each tensor's array, threads in parallel): the 8B
 #      checkpoint loaded one tensor at a time and eight (bench/tools/weights_load.py; run AL: 14.2 / 12.1 s)
 # Parts 6-10, 16, 18 and 19 write the 8B checkpoint to /tmp/llama8b first when it is missing (~35 s); it stays out of
@@ -243,6 +245,9 @@ case "$part" in
         --decode-reps 4 --mixed-reps 4 --loop-steps 8 --raw /tmp/pg_c1 --out "$res/profile_graph_c1.md"
     step cascade_splits 150 bench/kernels/cascade_groups.py --rows 64,256 --segments 8 --no-mixed \
         --knobs sp=1 sp=2 sp=4 sp=6
+    ;;
+21)
+    step call_args 150 bench/tools/call_args.py
     ;;
 15)
     kern=(bench/kernels/cascade_groups.py --rows 64,256 --segments 1,8 --no-mixed)
