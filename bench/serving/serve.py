@@ -55,7 +55,8 @@ Life of a run:
    measured part; ``compiles`` per load point shows what was still left).  Then, up to
    ``--first-runs-timeout`` seconds, until the engine reports no bucket's first run left (a
    server makes them in its idle time after ``/health`` turns 200; the in-process engine in its
-   warm-up), so neither via pays one inside a load point.
+   warm-up), so that neither via pays one inside a load point; the report says how long it
+   waited and how many were left (the table's compiles column: those a point met).
 6. **Load points**, one per ``--rates`` value (seeded Poisson arrivals; ``inf``: all at once;
    ``--num-requests`` each) or per ``--concurrency`` value C (C clients, each sending its next
    request when its last one ends; max(``--num-requests``, 2 x C) requests, so every client sends
@@ -466,18 +467,36 @@ class Server:
 async def wait_first_runs(client, stats: dict | None, timeout: float) -> float:
     """Wait (up to ``timeout`` s) until the engine reports no bucket's first run left
     (``first_runs_left``: a server's warm-up leaves them to idle time, one bucket at a time); returns
-    the seconds waited (0.0 when none were left or the stats lack the key)."""
+    the seconds waited (0.0 when none were left or the stats lack the key).  A poll that fails or
+    gets no stats (an error reply) is logged and the wait goes on: it is only an optional pause."""
     if not stats or not stats.get("first_runs_left") or timeout <= 0:
         return 0.0
     t0 = time.perf_counter()
     left = stats["first_runs_left"]
-    while left and time.perf_counter() - t0 < timeout:
-        await asyncio.sleep(0.5)
-        left = ((await client.stats()) or {}).get("first_runs_left", 0)
+    while left and (remaining := timeout - (time.perf_counter() - t0)) > 0:
+        await asyncio.sleep(min(0.5, remaining))
+        try:
+            now = await asyncio.wait_for(client.stats(), max(0.1, timeout - (time.perf_counter() - t0)))
+        except Exception as err:  # noqa: BLE001 - a failed poll: the wait goes on until its timeout
+            log(f"[serve] {client.via}: stats poll failed while waiting for the first runs ({type(err).__name__})")
+            continue
+        if now is None or "first_runs_left" not in now:
+            log(f"[serve] {client.via}: no stats while waiting for the first runs (an error reply)")
+            continue
+        left = now["first_runs_left"]
     waited = time.perf_counter() - t0
     log(f"[serve] {client.via}: waited {waited:.1f} s for the buckets' first runs ({stats['first_runs_left']} left "
-        f"after the warm-up, {left} now)")
+        f"after the warm-up, {left} at the end" + (": timed out" if left else "") + ")")
     return waited
+
+
+def warmup_first_runs(w: dict) -> str:
+    """The report's words on the first runs after the warm-up: the wait, and any runs still left."""
+    wait, left = w.get("first_runs_wait_s"), w.get("first_runs_left")
+    if not wait and not left:
+        return ""
+    text = f"; then {wait:.1f} s waiting for the buckets' first runs" if wait else "; no wait for the first runs"
+    return text + (f", {left} still left (the load points pay them)" if left else ", none left")
 
 
 def first_runs(before: dict | None, after: dict | None) -> int | None:
@@ -1045,8 +1064,7 @@ def report(summary: dict, prefix: str) -> None:
                  if via == "inproc" else "a running server")
         MD.extend([f"`{via}`: {start}. Warm-up (not measured): {w['requests']} requests, {w['errors']} errors, "
                    f"{w['wall_s']:.1f} s; engine compiles by then: {w['compiles']}"
-                   + (f"; then {w['first_runs_wait_s']:.1f} s waiting for the buckets' first runs "
-                      f"({w['first_runs_left']} left)" if w.get("first_runs_wait_s") else "")
+                   + warmup_first_runs(w)
                    + f". Segment setup: {w['segments']} "
                    f"registered, register p50 {fmt(w['register_ms'], 'p50')} ms.", ""])
     out_dir, name = os.path.split(prefix)

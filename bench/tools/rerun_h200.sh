@@ -55,19 +55,19 @@
 #      and of 64 tokens, on against off (bench/tools/profile_host.py)
 #  20  where C = 64's small mixed steps go (bench/NOTES.md, run AP): the graph-mode profile of the loop at C = 64 with
 #      answers of 64 +- 32 (bench/tools/profile_graph.py: the 64-row decode step and 128 / 256-token mixed steps) and at
-#      C = 1 (a lone question's prefill step), then
-#      the decode step's cascade kernel at 64 / 256 rows over 8 segments by split count (cascade_groups.py --knobs sp=N)
+#      C = 1 (a lone question's prefill step)
 #  21  a step call's host time by argument count, and whether a stacked weight's per-layer slice costs a copy
-#      (bench/tools/call_args.py: before stacking the weights and the cache into one array per kind)
+#      (bench/tools/call_args.py: before stacking the weights and the cache into one array per kind), then the decode
+#      step's cascade kernel at 64 / 256 rows over 8 segments by split count (cascade_groups.py --knobs sp=N)
 #  16  the checkpoint read (models/loader.py: os.preadv into each tensor's array, threads in parallel): the 8B
 #      checkpoint loaded one tensor at a time and eight (bench/tools/weights_load.py; run AL: 14.2 / 12.1 s)
-# Parts 6-10, 16, 18 and 19 write the 8B checkpoint to /tmp/llama8b first when it is missing (~35 s); it stays out of
+# Parts 6-10, 16 and 18-20 write the 8B checkpoint to /tmp/llama8b first when it is missing (~35 s); it stays out of
 # the repository, whose copy on the machine loses files that .gitignore does not cover (bench/NOTES.md, run AH).
 #
 # Each step writes its tables under RESULTS_DIR/<step>/ and its console log to RESULTS_DIR/<step>.log;
 # after each step RESULTS_DIR is packed into TARBALL when given (what a cut call still returns).
 set -uo pipefail
-part=${1:?part 1-18}
+part=${1:?part 1-21}
 res=${2:?results folder}
 tarball=${3:-}
 mkdir -p "$res"
@@ -243,11 +243,11 @@ case "$part" in
     XLA_FLAGS="${XLA_FLAGS:-} --xla_enable_command_buffers_during_profiling=true" step_as profile_graph_c1 150 \
         bench/tools/profile_graph.py --model /tmp/llama8b --concurrency 1 --warm-steps 20 --mixed-captures 1 \
         --decode-reps 4 --mixed-reps 4 --loop-steps 8 --raw /tmp/pg_c1 --out "$res/profile_graph_c1.md"
-    step cascade_splits 150 bench/kernels/cascade_groups.py --rows 64,256 --segments 8 --no-mixed \
-        --knobs sp=1 sp=2 sp=4 sp=6
     ;;
 21)
     step call_args 150 bench/tools/call_args.py
+    step cascade_splits 150 bench/kernels/cascade_groups.py --rows 64,256 --segments 8 --no-mixed \
+        --knobs sp=1 sp=2 sp=4 sp=6
     ;;
 15)
     kern=(bench/kernels/cascade_groups.py --rows 64,256 --segments 1,8 --no-mixed)

@@ -141,13 +141,14 @@ def test_steady_window_counts_tokens_while_every_client_is_busy():
 
 def test_waits_for_the_servers_first_runs():
     """bench/serving/serve.py waits after its warm-up until the engine reports no bucket's first run
-    left (a server leaves them to idle time), within its timeout, and reports the first runs a load
-    point met from the stats before and after it."""
+    left (a server leaves them to idle time), within its timeout, through failed polls; and reports
+    the wait, what was left and the first runs a load point met from the stats before and after it."""
     import asyncio
     import runpy
 
     serve = runpy.run_path(os.path.join(REPO, "bench", "serving", "serve.py"), run_name="serve_under_test")
     wait, first_runs = serve["wait_first_runs"], serve["first_runs"]
+    cell, words = serve["compiles_cell"], serve["warmup_first_runs"]
 
     class Client:
         via = "http"
@@ -157,10 +158,15 @@ def test_waits_for_the_servers_first_runs():
 
         async def stats(self):
             self.calls += 1
-            return {"first_runs_left": self.lefts.pop(0) if len(self.lefts) > 1 else self.lefts[0]}
+            left = self.lefts.pop(0) if len(self.lefts) > 1 else self.lefts[0]
+            if isinstance(left, Exception):
+                raise left
+            return None if left is None else {"first_runs_left": left}
 
     c = Client([3, 1, 0])
     assert asyncio.run(wait(c, {"first_runs_left": 5}, 30.0)) >= 1.0 and c.calls == 3  # polled until 0
+    c = Client([2, None, TimeoutError("stuck"), 0])  # an error reply and a failed poll: the wait goes on
+    assert asyncio.run(wait(c, {"first_runs_left": 5}, 30.0)) >= 1.5 and c.calls == 4
     c = Client([2])
     assert 0.5 <= asyncio.run(wait(c, {"first_runs_left": 2}, 0.6)) < 5.0  # the timeout ends it
     c = Client([2])
@@ -169,3 +175,9 @@ def test_waits_for_the_servers_first_runs():
     assert asyncio.run(wait(c, {"compiles": 1}, 30.0)) == 0.0 and asyncio.run(wait(c, None, 30.0)) == 0.0
     assert first_runs({"first_runs_left": 7}, {"first_runs_left": 4}) == 3
     assert first_runs({"compiles": 1}, {"compiles": 1}) is None and first_runs(None, None) is None
+    assert cell({"compiles": 2, "first_runs": 3}) == "2 (3)" and cell({"compiles": 0, "first_runs": 0}) == "0"
+    assert cell({"compiles": None}) == "n/a"
+    assert words({"first_runs_wait_s": 0.0, "first_runs_left": 0}) == ""
+    assert words({"first_runs_wait_s": 8.2, "first_runs_left": 0}) == "; then 8.2 s waiting for the buckets' first " \
+        "runs, none left"
+    assert "5 still left" in words({"first_runs_wait_s": 0.0, "first_runs_left": 5})  # no wait (timeout 0)
