@@ -72,10 +72,14 @@ class AsyncEngine:
         self._thread = threading.Thread(target=self._loop, name="inferscale-engine", daemon=True)
         self._thread.start()
 
-    def start_warmup(self) -> None:
+    def start_warmup(self, first_runs: str = "idle") -> None:
         """Run ``Engine.warmup`` on the engine thread, first in line; ``warming`` holds its
         progress until it is done (``/health`` answers 503 "warming up" meanwhile).  Requests
-        submitted during the warm-up wait behind it."""
+        submitted during the warm-up wait behind it.  ``first_runs`` (``Engine.warmup``'s):
+        "idle" (``serve``'s default) leaves each bucket's first run to the loop's idle time after the
+        warm-up, "now" makes them in it (a longer warm-up; no step under load pays one)."""
+        if first_runs not in ("idle", "now"):
+            raise ValueError(f"first_runs={first_runs!r} is invalid: must be 'idle' or 'now'")
         self.warming = (0, 0)
 
         def progress(done: int, total: int) -> None:
@@ -83,7 +87,7 @@ class AsyncEngine:
 
         def run() -> None:
             try:
-                info = self.engine.warmup(progress=progress, first_runs="idle")
+                info = self.engine.warmup(progress=progress, first_runs=first_runs)
                 log.info("warm-up done: %d step buckets in %.1f s", info["buckets"], info["seconds"])
             finally:
                 self.warming = None

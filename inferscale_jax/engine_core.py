@@ -14,7 +14,7 @@ RPC's arguments and result, chat chain items) travel inside as msgpack extension
 
 API -> core: ``["hello", pid, index]``, ``["submit", kwargs]`` (``Engine.submit``'s keyword
 arguments; ``sampling`` as a map of ``SamplingParams`` fields), ``["abort", request_id]``,
-``["call", call_id, name, Ext(args, kwargs)]`` (``engine_rpc.RPCS``), ``["warmup"]``,
+``["call", call_id, name, Ext(args, kwargs)]`` (``engine_rpc.RPCS``), ``["warmup", first_runs]``,
 ``["shutdown"]``, ``["bye"]``.
 Core -> API: ``["ready", Ext(meta)]`` (the model config, tokenizer, sizes and this pid),
 ``["warming", done, total]`` / ``["warm"]``, ``["reply", call_id, ok, Ext(result or error)]``,
@@ -207,7 +207,7 @@ class EngineCore:
         elif kind == "bye":
             self.apis.pop(ident, None)
         elif kind == "warmup":
-            self.warmup()
+            self.warmup(*msg[1:2])  # (["warmup", first_runs]: "idle" or "now")
         elif kind == "shutdown":
             self.stopping = True
         else:
@@ -267,7 +267,9 @@ class EngineCore:
             log.warning("the tokenizer cannot be sent to the API servers (not picklable)")
         return meta
 
-    def warmup(self) -> None:
+    def warmup(self, first_runs: str = "idle") -> None:
+        """``Engine.warmup`` (``first_runs``: "idle" leaves the buckets' first runs to the loop's idle
+        time, "now" makes them before the API servers hear ``warm``), with its progress broadcast."""
         self.broadcast(["warming", 0, 0])
 
         def progress(done: int, total: int) -> None:
@@ -275,7 +277,7 @@ class EngineCore:
             self.read_during_warmup()
 
         try:
-            info = self.engine.warmup(progress=progress, first_runs="idle")
+            info = self.engine.warmup(progress=progress, first_runs=first_runs)
             log.info("warm-up done: %d step buckets in %.1f s", info["buckets"], info["seconds"])
         except Exception:  # noqa: BLE001 - serving goes on; the first requests compile
             log.exception("warm-up failed")

@@ -316,10 +316,11 @@ class CoreClient:
     async def stats(self) -> dict:
         return await self.rpc("stats")
 
-    def start_warmup(self) -> None:
-        """``Engine.warmup`` in the core, first in line; ``warming`` holds its progress."""
+    def start_warmup(self, first_runs: str = "idle") -> None:
+        """``Engine.warmup`` in the core, first in line; ``warming`` holds its progress.
+        ``first_runs``: as ``AsyncEngine.start_warmup``."""
         self.warming = (0, 0)
-        self._send(["warmup"])
+        self._send(["warmup", first_runs])
 
     # -- the end --------------------------------------------------------------------------
     @property

@@ -213,3 +213,44 @@ def test_the_serving_loop_runs_the_first_runs_while_idle(monkeypatch):
         assert len(asyncio.run(one()).token_ids) == 3
     finally:
         ae.shutdown()
+
+
+def test_serve_first_runs_now_or_idle(monkeypatch):
+    """``serve --first-runs``: ``AsyncEngine.start_warmup("now")`` makes every bucket's first run
+    inside the warm-up (none left when ``/health`` would turn 200), ``"idle"`` leaves them all to the
+    idle loop (here kept from running); the engine core passes its message's choice on; a bad
+    value is refused by name."""
+    import functools
+    import time
+    import types
+
+    from inferscale_jax import AsyncEngine, Engine
+    from inferscale_jax.engine_core import EngineCore
+
+    left = {}
+    for first_runs in ("idle", "now"):
+        e = make_engine(pages=128, max_batch=8, max_num_batched_tokens=256)
+        monkeypatch.setattr(e.runner, "device", types.SimpleNamespace(platform="gpu"))
+        monkeypatch.setattr(e, "warmup", functools.partial(Engine.warmup, e, buckets="small", progress_bar=False))
+        monkeypatch.setattr(e, "warm_idle", lambda: False)  # (the idle loop makes none here)
+        ae = AsyncEngine(e)
+        try:
+            ae.start_warmup(first_runs)
+            end = time.monotonic() + 120
+            while ae.warming is not None and time.monotonic() < end:
+                time.sleep(0.05)
+            assert ae.warming is None and e.runner.warm
+            left[first_runs] = e.first_runs_left
+        finally:
+            ae.shutdown()
+    assert left["idle"] == len(e.runner.buckets.warmup_keys("small")) > 0 and left["now"] == 0, left
+    with pytest.raises(ValueError, match="first_runs='later'"):
+        AsyncEngine.start_warmup(types.SimpleNamespace(), "later")
+
+    asked = []
+    stub = types.SimpleNamespace(warmup=lambda progress, first_runs: asked.append(first_runs) or
+                                 {"buckets": 0, "seconds": 0.0})
+    core = EngineCore(stub, sock=None)
+    core.handle(b"api", ["warmup", "now"])
+    core.handle(b"api", ["warmup"])  # (a message without the choice: the default)
+    assert asked == ["now", "idle"]

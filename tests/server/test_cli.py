@@ -234,6 +234,9 @@ def test_bad_values_fail_fast_with_one_line(tmp_path, env):
     r = inferscale(tmp_path, env, "serve", "--decode-steps", "65", timeout=60)
     assert r.returncode == 2
     one_error_line(r, "--decode-steps", "65", "<= 64")
+    r = inferscale(tmp_path, env, "serve", "--first-runs", "later", timeout=60)
+    assert r.returncode == 2
+    one_error_line(r, "--first-runs", "later", "idle", "now")
     r = inferscale(tmp_path, env, "precompute", "missing.jsonl", "--snapshot-dir", "./kv", timeout=60)
     assert r.returncode == 2
     one_error_line(r, str(tmp_path / "missing.jsonl"))
