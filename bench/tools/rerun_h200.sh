@@ -27,7 +27,8 @@
 #      against fm=0), the checkpoint read one tensor at a time and eight (bench/tools/weights_load.py), the
 #      bare engine loop at C = 256 (profile_host.py --per-call)
 #   9  startup: serve cold then warm with the executable store (INFERSCALE_EXE_STORE=1, loads on the compile
-#      pool), then warm from JAX's cache alone (bench/tools/serve_ready.py), one compilation cache
+#      pool), then warm from JAX's cache alone (bench/tools/serve_ready.py), one compilation cache; then warm with the
+#      store and the buckets' first runs in the warm-up (serve --first-runs now)
 #  10  one request at a time: where the first token's time goes in serve (bench/tools/first_token_timeline.py),
 #      then C = 1 / 16 through HTTP and in-process (bench/serving/serve.py, 32 requests)
 #  11  multi-step decode (inferscale_jax/decode_loop.py): decode steps at 1 / 64 / 256 rows run 1, 4 and 8 to a loop
@@ -158,6 +159,9 @@ case "$part" in
         --out "$res/ready_store.md" -- --model /tmp/llama8b
     INFERSCALE_CACHE=/tmp/isc-ready INFERSCALE_EXE_STORE=0 step_as ready_jax 150 bench/tools/serve_ready.py --runs 1 \
         --out "$res/ready_jax.md" -- --model /tmp/llama8b
+    # the buckets' first runs in the warm-up (serve --first-runs now) instead of in idle time: what it costs a start
+    INFERSCALE_CACHE=/tmp/isc-ready INFERSCALE_EXE_STORE=1 step_as ready_first_runs_now 120 bench/tools/serve_ready.py \
+        --runs 1 --out "$res/ready_first_runs_now.md" -- --model /tmp/llama8b --first-runs now
     ;;
 10)
     ckpt
