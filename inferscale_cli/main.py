@@ -421,7 +421,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--no-warmup", dest="warmup", action="store_false",
                    help="skip the warm-up (compiling the step buckets: on the CPU the small set, on a GPU/TPU "
                         "every one) at startup; the first requests then compile")
-    s.add_argument("--first-runs", choices=("idle", "now"), default="idle",
+    s.add_argument("--first-runs", choices=("idle", "now"), default="idle",  # (Engine.warmup's FIRST_RUNS)
                    help="on a GPU/TPU each step bucket's first run sets up what later runs reuse (~80 ms a bucket "
                         "for an 8B model): 'idle' makes them after /health turns 200, while no request is "
                         "running (the fastest start; a bucket first met under load pays its run inside that step, "

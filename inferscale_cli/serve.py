@@ -281,7 +281,7 @@ def _serve(args, socks: list, url: str, names: list[str], template: str | None, 
               + ("warming up: /health answers 503 until it is done" if args.warmup else "no warm-up"),
               file=sys.stderr, flush=True)
         if args.warmup:
-            async_engine.start_warmup(getattr(args, "first_runs", "idle"))
+            async_engine.start_warmup(args.first_runs)
         server = _uvicorn_server(app, args)
         with _stop_signals_return():
             server.run(sockets=socks)
@@ -441,7 +441,7 @@ def _serve_with_core(args, socks: list, url: str, names: list[str], template: st
               + ("warming up: /health answers 503 until it is done" if args.warmup else "no warm-up"),
               file=sys.stderr, flush=True)
         if args.warmup:
-            client.start_warmup(getattr(args, "first_runs", "idle"))
+            client.start_warmup(args.first_runs)
         server = _uvicorn_server(app, args)
         server_ref.append(server)
         with _stop_signals_return():

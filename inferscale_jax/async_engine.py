@@ -78,8 +78,9 @@ class AsyncEngine:
         submitted during the warm-up wait behind it.  ``first_runs`` (``Engine.warmup``'s):
         "idle" (``serve``'s default) leaves each bucket's first run to the loop's idle time after the
         warm-up, "now" makes them in it (a longer warm-up; no step under load pays one)."""
-        if first_runs not in ("idle", "now"):
-            raise ValueError(f"first_runs={first_runs!r} is invalid: must be 'idle' or 'now'")
+        from inferscale_jax.engine import check_first_runs
+
+        check_first_runs(first_runs)  # (here, in the caller's thread: not on the engine thread)
         self.warming = (0, 0)
 
         def progress(done: int, total: int) -> None:

@@ -75,6 +75,15 @@ AUTO_PAGES_QUANTUM = 512  # auto-sized pools are a multiple of this many pages (
 ALLOCATOR_SLACK = 4 << 30  # device bytes in use beyond the weights that _auto_pages ignores, at most
 
 
+
+FIRST_RUNS = ("now", "idle")  # Engine.warmup's first_runs (serve --first-runs)
+
+
+def check_first_runs(first_runs: str) -> None:
+    """Refuse a ``first_runs`` that is not one of ``FIRST_RUNS``, by name."""
+    if first_runs not in FIRST_RUNS:
+        raise ValueError(f"first_runs={first_runs!r} is invalid: must be 'now' or 'idle'")
+
 class Engine:
     # whether ``warmup(first_runs="idle")`` may leave the buckets' first runs to ``warm_idle``
     # (a process of a lockstep engine may not run a step the others do not: distributed.py)
@@ -748,8 +757,7 @@ class Engine:
             raise self.fault
         if buckets not in WARMUP_SETS:
             raise ValueError(f"buckets={buckets!r} is invalid: must be one of {WARMUP_SETS}")
-        if first_runs not in ("now", "idle"):
-            raise ValueError(f"first_runs={first_runs!r} is invalid: must be 'now' or 'idle'")
+        check_first_runs(first_runs)
         if buckets == "auto":
             buckets = "small" if self.runner.device.platform == "cpu" else "all"
         t0 = time.perf_counter()

@@ -464,30 +464,32 @@ class Server:
         stop_process(self.proc)
 
 
-async def wait_first_runs(client, stats: dict | None, timeout: float) -> float:
+async def wait_first_runs(client, stats: dict | None, timeout: float) -> tuple[float, dict | None]:
     """Wait (up to ``timeout`` s) until the engine reports no bucket's first run left
     (``first_runs_left``: a server's warm-up leaves them to idle time, one bucket at a time); returns
-    the seconds waited (0.0 when none were left or the stats lack the key).  A poll that fails or
-    gets no stats (an error reply) is logged and the wait goes on: it is only an optional pause."""
+    the seconds waited (0.0 when none were left or the stats lack the key) and the last stats read.
+    A poll that fails or gets no stats (an error reply) is logged and the wait goes on: it is only
+    an optional pause."""
     if not stats or not stats.get("first_runs_left") or timeout <= 0:
-        return 0.0
+        return 0.0, stats
     t0 = time.perf_counter()
-    left = stats["first_runs_left"]
-    while left and (remaining := timeout - (time.perf_counter() - t0)) > 0:
-        await asyncio.sleep(min(0.5, remaining))
+    deadline = t0 + timeout
+    last, left = stats, stats["first_runs_left"]
+    while left and time.perf_counter() < deadline:
+        await asyncio.sleep(min(0.5, deadline - time.perf_counter()))
         try:
-            now = await asyncio.wait_for(client.stats(), max(0.1, timeout - (time.perf_counter() - t0)))
+            now = await asyncio.wait_for(client.stats(), max(0.1, deadline - time.perf_counter()))
         except Exception as err:  # noqa: BLE001 - a failed poll: the wait goes on until its timeout
             log(f"[serve] {client.via}: stats poll failed while waiting for the first runs ({type(err).__name__})")
             continue
         if now is None or "first_runs_left" not in now:
             log(f"[serve] {client.via}: no stats while waiting for the first runs (an error reply)")
             continue
-        left = now["first_runs_left"]
+        last, left = now, now["first_runs_left"]
     waited = time.perf_counter() - t0
     log(f"[serve] {client.via}: waited {waited:.1f} s for the buckets' first runs ({stats['first_runs_left']} left "
         f"after the warm-up, {left} at the end" + (": timed out" if left else "") + ")")
-    return waited
+    return waited, last
 
 
 def warmup_first_runs(w: dict) -> str:
@@ -1173,8 +1175,7 @@ async def bench(args, client: Via, maker: TextMaker) -> dict:
             results += await asyncio.gather(*(client.run(s, args) for s in burst))
         stats = await client.stats()
         wall = time.perf_counter() - t0
-        idle_wait = await wait_first_runs(client, stats, args.first_runs_timeout)
-        stats = await client.stats() if idle_wait else stats
+        idle_wait, stats = await wait_first_runs(client, stats, args.first_runs_timeout)
         warmup = {"requests": len(results), "errors": sum(not r.ok for r in results),
                   "error_samples": sorted({r.error for r in results if not r.ok})[:5],
                   "wall_s": wall, "compiles": stats["compiles"] if stats else None,

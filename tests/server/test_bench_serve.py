@@ -163,16 +163,22 @@ def test_waits_for_the_servers_first_runs():
                 raise left
             return None if left is None else {"first_runs_left": left}
 
+    def waited(client, stats, timeout):
+        return asyncio.run(wait(client, stats, timeout))
+
     c = Client([3, 1, 0])
-    assert asyncio.run(wait(c, {"first_runs_left": 5}, 30.0)) >= 1.0 and c.calls == 3  # polled until 0
+    took, last = waited(c, {"first_runs_left": 5}, 30.0)
+    assert took >= 1.0 and c.calls == 3 and last == {"first_runs_left": 0}  # polled until 0; the last stats read
     c = Client([2, None, TimeoutError("stuck"), 0])  # an error reply and a failed poll: the wait goes on
-    assert asyncio.run(wait(c, {"first_runs_left": 5}, 30.0)) >= 1.5 and c.calls == 4
+    took, last = waited(c, {"first_runs_left": 5}, 30.0)
+    assert took >= 1.5 and c.calls == 4 and last == {"first_runs_left": 0}
     c = Client([2])
-    assert 0.5 <= asyncio.run(wait(c, {"first_runs_left": 2}, 0.6)) < 5.0  # the timeout ends it
+    took, last = waited(c, {"first_runs_left": 2}, 0.6)
+    assert 0.5 <= took < 5.0 and last == {"first_runs_left": 2}  # the timeout ends it
     c = Client([2])
-    assert asyncio.run(wait(c, {"first_runs_left": 0}, 30.0)) == 0.0 and c.calls == 0  # none left: no wait
-    assert asyncio.run(wait(c, {"first_runs_left": 4}, 0.0)) == 0.0 and c.calls == 0  # timeout 0: never waits
-    assert asyncio.run(wait(c, {"compiles": 1}, 30.0)) == 0.0 and asyncio.run(wait(c, None, 30.0)) == 0.0
+    assert waited(c, {"first_runs_left": 0}, 30.0) == (0.0, {"first_runs_left": 0}) and c.calls == 0  # none left
+    assert waited(c, {"first_runs_left": 4}, 0.0) == (0.0, {"first_runs_left": 4}) and c.calls == 0  # timeout 0
+    assert waited(c, {"compiles": 1}, 30.0) == (0.0, {"compiles": 1}) and waited(c, None, 30.0) == (0.0, None)
     assert first_runs({"first_runs_left": 7}, {"first_runs_left": 4}) == 3
     assert first_runs({"compiles": 1}, {"compiles": 1}) is None and first_runs(None, None) is None
     assert cell({"compiles": 2, "first_runs": 3}) == "2 (3)" and cell({"compiles": 0, "first_runs": 0}) == "0"
