@@ -50,7 +50,8 @@
 #      the 512-token spread step over 8 segments, INFERSCALE_MIXED_SHARED variants against the engine's default)
 #  18  the engine loop with a mixed-step variant of part 17 against the default: the bare loop at C = 256 over 8
 #      segments (bench/tools/profile_host.py), answers of 64 and of 64 +- 32 tokens, each with
-#      INFERSCALE_MIXED_SHARED="" and ="$VARIANT" (set VARIANT to part 17's winner, e.g. VARIANT=br=128,w=8,sp=1)
+#      INFERSCALE_MIXED_SHARED="" and ="$VARIANT" (set VARIANT to part 17's winner, e.g. VARIANT=br=128,w=8,sp=1;
+#      CONC=64 for the loop at C = 64)
 #  19  the scheduler's round-down of a step's token budget to a bucket (inferscale_jax/scheduler.py,
 #      INFERSCALE_ROUND_DOWN_MIN_TOKENS=256 / 0): the bare loop at C = 256 over 8 segments, answers of 64 +- 32
 #      and of 64 tokens, on against off (bench/tools/profile_host.py)
@@ -60,6 +61,8 @@
 #  21  a step call's host time by argument count, and whether a stacked weight's per-layer slice costs a copy
 #      (bench/tools/call_args.py: before stacking the weights and the cache into one array per kind), then the decode
 #      step's cascade kernel at 64 / 256 rows over 8 segments by split count (cascade_groups.py --knobs sp=N)
+#  22  the 8B's matmuls at 1 / 64 / 128 / 256 / 512 rows under XLA's GEMM flags: default, the exhaustive Triton
+#      tiling search, cuBLAS only (bench/kernels/gemm_flags.py)
 #  16  the checkpoint read (models/loader.py: os.preadv into each tensor's array, threads in parallel): the 8B
 #      checkpoint loaded one tensor at a time and eight (bench/tools/weights_load.py; run AL: 14.2 / 12.1 s)
 # Parts 6-10, 16 and 18-20 write the 8B checkpoint to /tmp/llama8b first when it is missing (~35 s); it stays out of
@@ -68,7 +71,7 @@
 # Each step writes its tables under RESULTS_DIR/<step>/ and its console log to RESULTS_DIR/<step>.log;
 # after each step RESULTS_DIR is packed into TARBALL when given (what a cut call still returns).
 set -uo pipefail
-part=${1:?part 1-21}
+part=${1:?part 1-22}
 res=${2:?results folder}
 tarball=${3:-}
 mkdir -p "$res"
@@ -219,9 +222,9 @@ case "$part" in
     ckpt
     for spread in 0 32; do
         for v in "" "$VARIANT"; do
-            name="loop_s${spread}_${v:-default}"
+            name="loop_c${CONC:-256}_s${spread}_${v:-default}"
             INFERSCALE_MIXED_SHARED="$v" step_as "${name//[=,]/_}" 140 bench/tools/profile_host.py --model /tmp/llama8b \
-                --concurrency 256 --max-tokens-spread "$spread" --warm-steps 300 --steps 200 --no-profile --per-call \
+                --concurrency "${CONC:-256}" --max-tokens-spread "$spread" --warm-steps 300 --steps 200 --no-profile --per-call \
                 --out "$res/${name//[=,]/_}.md"
         done
     done
@@ -247,6 +250,9 @@ case "$part" in
     XLA_FLAGS="${XLA_FLAGS:-} --xla_enable_command_buffers_during_profiling=true" step_as profile_graph_c1 150 \
         bench/tools/profile_graph.py --model /tmp/llama8b --concurrency 1 --warm-steps 20 --mixed-captures 1 \
         --decode-reps 4 --mixed-reps 4 --loop-steps 8 --raw /tmp/pg_c1 --out "$res/profile_graph_c1.md"
+    ;;
+22)
+    step gemm_flags 480 bench/kernels/gemm_flags.py --child-timeout 200
     ;;
 21)
     step call_args 150 bench/tools/call_args.py
