@@ -52,6 +52,8 @@ from jax.experimental import serialize_executable
 
 from pallas_kernels.common import switches as kernel_switches
 
+from inferscale_jax.xla_options import step_compiler_options
+
 log = logging.getLogger("inferscale.exe_store")
 SOURCE_PACKAGES = ("inferscale_jax", "models", "pallas_kernels")
 
@@ -100,7 +102,8 @@ def _program_parts(cfg, devices) -> dict[str, str]:
     # every jax option (PRNG implementation, partitioner, x64, matmul precision ... can change the
     # program; the few that name folders or log settings cost only a spurious miss)
     flags = [os.environ.get("XLA_FLAGS", ""), sorted((k, repr(v)) for k, v in jax.config.values.items()),
-             sorted(kernel_switches().items())]  # (e.g. INFERSCALE_SLOT_PREFETCH: pallas_kernels/common.py)
+             sorted(kernel_switches().items()),  # (e.g. INFERSCALE_SLOT_PREFETCH: pallas_kernels/common.py)
+             sorted((step_compiler_options() or {}).items())]  # (INFERSCALE_GEMM: xla_options.py)
     return dict(source=source_digest(), versions=f"{jax.__version__} {jaxlib.__version__}", flags=repr(flags),
                 model=repr(cfg), devices=repr([(d.platform, d.device_kind, d.id, d.process_index) for d in devices]),
                 platform=str(getattr(devices[0].client, "platform_version", "")))

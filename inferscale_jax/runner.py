@@ -49,6 +49,7 @@ from inferscale_jax.kv_cache import AttnMeta, PagedKVCache, splice_fn
 from inferscale_jax.page_tables import PageTables
 from inferscale_jax.sampling import MAX_LOGPROBS, sample_tokens
 from inferscale_jax.structured import token_masks
+from inferscale_jax.xla_options import step_compiler_options
 from models import ModelConfig, forward
 
 log = logging.getLogger("inferscale.runner")
@@ -727,7 +728,7 @@ class ModelRunner:
         exe = self.exe_store.load(full) if self.exe_store is not None else None
         if exe is None:
             loop = next((p for p in pen_key if isinstance(p, tuple) and p[0] == "loop"), None)
-            exe = self._lower(key, args, FILTERED in pen_key, loop).compile()
+            exe = self._lower(key, args, FILTERED in pen_key, loop).compile(compiler_options=step_compiler_options())
             if self.exe_store is not None:
                 self.exe_store.save(full, exe)
         self.executables[full] = exe

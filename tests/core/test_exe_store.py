@@ -121,6 +121,11 @@ def test_the_fingerprint_follows_the_model_dtype_jax_options_and_source(monkeypa
     assert fingerprint(r.params, r.cache, r.cfg, [r.device]) != base
     monkeypatch.delenv("INFERSCALE_SLOT_PREFETCH")
     assert fingerprint(r.params, r.cache, r.cfg, [r.device]) == base
+    monkeypatch.setenv("INFERSCALE_GEMM", "exhaustive")  # the steps' compiler options (xla_options.py)
+    assert fingerprint(r.params, r.cache, r.cfg, [r.device]) != base
+    monkeypatch.setenv("INFERSCALE_GEMM", "default")  # the same options as unset: the same entry
+    assert fingerprint(r.params, r.cache, r.cfg, [r.device]) == base
+    monkeypatch.delenv("INFERSCALE_GEMM")
     monkeypatch.setattr(exe_store, "source_digest", lambda: "edited")
     assert fingerprint(r.params, r.cache, r.cfg, [r.device]) != base
 
