@@ -13,7 +13,9 @@ graph-mode profiles of the 8B's steps (bench/NOTES.md, run AQ) read the same 16 
 - ``cublas``: ``xla_gpu_enable_triton_gemm`` off (cuBLAS for every GEMM).
 
 The options only act on GPUs; elsewhere XLA accepts and ignores them.  ``bench/kernels/gemm_flags.py``
-times the model's matmul shapes under the same choices.
+times the model's matmul shapes under the same choices.  Run AQ (H100, bench/NOTES.md): cuBLAS alone is
+slower at every row count (its one-row GEMV ~4x), and the exhaustive search spends ~20 s autotuning each
+GEMM shape for no clear win at 1 and 64 rows, so ``default`` stays the default.
 """
 
 from __future__ import annotations
