@@ -63,8 +63,9 @@
 #      step's cascade kernel at 64 / 256 rows over 8 segments by split count (cascade_groups.py --knobs sp=N)
 #  22  the 8B's matmuls at 1 / 64 / 128 / 256 / 512 rows under XLA's GEMM flags: default, the exhaustive Triton
 #      tiling search, cuBLAS only (bench/kernels/gemm_flags.py)
-#  23  HTTP at C = 64 with the clients spread over 4 benchmark processes, then in 1 (part 6's): whether the client's
-#      own event loop holds C = 64's HTTP point (bench/NOTES.md, run AQ)
+#  23  HTTP at C = 64 with the clients spread over 4 benchmark processes, then also with 4 API-server processes, then
+#      the clients in 1 process (part 6's): whether the client's own event loop or the API processes' per-request
+#      work in the closed loop's waves holds C = 64's HTTP point (bench/NOTES.md, run AQ)
 #  16  the checkpoint read (models/loader.py: os.preadv into each tensor's array, threads in parallel): the 8B
 #      checkpoint loaded one tensor at a time and eight (bench/tools/weights_load.py; run AL: 14.2 / 12.1 s)
 # Parts 6-10, 16 and 18-20 write the 8B checkpoint to /tmp/llama8b first when it is missing (~35 s); it stays out of
@@ -260,8 +261,9 @@ case "$part" in
     ckpt
     serve=(bench/serving/serve.py --model /tmp/llama8b --tenants 1 --segments-per-tenant 8 --segment-tokens 4096
            --question-tokens 64 --max-tokens 64 --warm 1.0 --cold 0 --num-requests 1024 --concurrency 64 --mode http)
-    for k in 4 1; do
-        step "serve_c64_procs$k" 240 "${serve[@]}" --client-procs $k --serve-args "--api-server-count 2"
+    for ka in 4,2 4,4 1,2; do  # client processes, API-server processes (the first start compiles: ~100 s)
+        k=${ka%,*} a=${ka#*,}
+        step "serve_c64_procs${k}_api$a" 300 "${serve[@]}" --client-procs $k --serve-args "--api-server-count $a"
     done
     ;;
 21)
