@@ -31,7 +31,8 @@ schedule order), other fusions by the source lines of the ops fused in them (the
 frames) or, failing those, by op names, operand names and shapes (norms, RoPE, MLP activation,
 sampler, attention glue, split-K epilogues...).  Raw data (meta.json, HLO texts, the
 trace) go to ``--raw``; ``--analyze RAW [--ncu-csv F]`` turns them (here or elsewhere) into the
-markdown report, with each part's floor (bytes / 4.3 TB/s or FLOPs / 790 TFLOP/s, the larger).
+markdown report, with each part's floor (bytes / read bandwidth or FLOPs / matmul rate, the larger; both
+measured on the device at capture time, an H200's 4.3 TB/s and 790 TFLOP/s for raw data without them).
 
     python bench/tools/profile_graph.py --quick --concurrency 16 --warm-steps 30          # CPU: the harness
     XLA_FLAGS=--xla_enable_command_buffers_during_profiling=true \\
@@ -59,8 +60,8 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository
 sys.path[:0] = [ROOT, os.path.join(ROOT, "bench", "lib")]  # the engine's packages; bench/lib/ (report, common)
 
-BANDWIDTH = 4.3e12  # bytes/s, H200 device-to-device copy measured here (KINDS.md)
-COMPUTE = 790e12  # bf16 FLOP/s, 8192^3 matmul measured here (KINDS.md)
+BANDWIDTH = 4.3e12  # bytes/s: an H200's measured read, when a capture did not measure its device's (raw from before)
+COMPUTE = 790e12  # bf16 FLOP/s: an H200's 8192^3 matmul, likewise (a GPU capture measures both: ``ceilings``)
 MARK_STEP = "profgraph_step"
 MARK_BEGIN = "profgraph_begin"
 
@@ -229,7 +230,7 @@ def run_workload(args) -> None:
     log(f"warm-up {time.perf_counter() - t:.1f} s; compiles {w.runner.compiles}")
     mark_step, mark_begin = _marker(MARK_STEP), _marker(MARK_BEGIN)
     meta = dict(mode=args.mode, argv=sys.argv, jax=jax.__version__, device=str(jax.devices()[0]),
-                xla_flags=os.environ.get("XLA_FLAGS", ""),
+                xla_flags=os.environ.get("XLA_FLAGS", ""), ceilings=ceilings(),
                 cfg=dict(hidden=w.cfg.hidden_size, inter=w.cfg.intermediate_size, layers=w.cfg.num_layers,
                          heads=w.cfg.num_heads, kv=w.cfg.num_kv_heads, head_dim=w.cfg.head_dim,
                          vocab=w.cfg.vocab_size, page_size=w.page_size),
@@ -841,8 +842,26 @@ def assign_cublas(parts: list[tuple[str, str]], cls: Classifier) -> list[tuple[s
     return parts
 
 
-def floors(cap: dict, cfg: dict) -> dict[str, float]:
-    """Seconds: each part's floor for one step (max of bytes / BANDWIDTH and FLOPs / COMPUTE)."""
+def ceilings() -> dict | None:
+    """This GPU's read bandwidth (bytes/s) and bf16 matmul rate (FLOP/s), measured now
+    (``bench/lib/common.py``); None off a GPU.  (Before session 33 the floors used an H200's figures
+    on every device, which put an H100's floors ~1.4x too low.)"""
+    import jax
+
+    if jax.default_backend() != "gpu":
+        return None
+    from common import matmul_ceiling, read_bandwidth
+
+    out = dict(bandwidth=read_bandwidth(), compute=matmul_ceiling())
+    log(f"ceilings: read {out['bandwidth'] / 1e12:.2f} TB/s, matmul {out['compute'] / 1e12:.0f} TFLOP/s")
+    return out
+
+
+def floors(cap: dict, cfg: dict, ceil: dict | None = None) -> dict[str, float]:
+    """Seconds: each part's floor for one step (max of bytes / bandwidth and FLOPs / compute, by
+    ``ceil``: the capture's measured ceilings, else BANDWIDTH and COMPUTE)."""
+    BANDWIDTH = (ceil or {}).get("bandwidth") or globals()["BANDWIDTH"]
+    COMPUTE = (ceil or {}).get("compute") or globals()["COMPUTE"]
     L, T, R = cfg["layers"], cap["tokens"], cap["rows"]
     kvb = 2 * cfg["kv"] * cfg["head_dim"] * 2  # K and V bytes per token per layer (bf16)
     out = {}
@@ -964,6 +983,11 @@ def analyze(raw: str, ncu_csv: str | None, ncu_raw: str | None = None, top: int 
     caps = meta["captures"]
     out = [f"# Graph-mode kernel profile of the engine's steps ({meta['device']}, jax {meta['jax']})", "",
            f"`{' '.join(meta['argv'])}`; XLA_FLAGS=`{meta['xla_flags']}`", ""]
+    ceil = meta.get("ceilings")
+    out += [f"Floors at this device's measured ceilings: read {ceil['bandwidth'] / 1e12:.2f} TB/s, matmul "
+            f"{ceil['compute'] / 1e12:.0f} TFLOP/s" if ceil else
+            f"Floors at an H200's ceilings (none measured here): read {BANDWIDTH / 1e12:.1f} TB/s, matmul "
+            f"{COMPUTE / 1e12:.0f} TFLOP/s", ""]
     trace_res, ncu_res, seen_all = {}, {}, None
     for c in caps:
         if c.get("xplane") and os.path.exists(os.path.join(raw, c["xplane"])):
@@ -994,7 +1018,7 @@ def analyze(raw: str, ncu_csv: str | None, ncu_raw: str | None = None, top: int 
         if res is None and nres is None:
             continue
         ref = res["span_ms"] if res and "span_ms" in res else (nres or res)["sum_ms"]
-        flo = floors(c, cfg)
+        flo = floors(c, cfg, meta.get("ceilings"))
         out += [f"## Capture {c['id']}: {c['kind']} step", "", _step_desc(c), ""]
         if str(c["id"]).startswith("ncu-"):
             out += ["- (a step only the ncu run held: no trace of it)"]
