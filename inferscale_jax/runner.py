@@ -376,6 +376,7 @@ class ModelRunner:
                                else jax.sharding.NamedSharding(cache.mesh, jax.sharding.PartitionSpec()))
         self.fault: EngineFault | None = None  # set when the device failed: nothing more can run
         self.exe_store = None  # compiled steps on disk by bucket (exe_store.py; set by the engine)
+        self.compiler_options = step_compiler_options()  # every step's compile (INFERSCALE_GEMM: xla_options.py)
         self.warmup_times: dict = {}  # the last warm-up's parts in seconds (warmup)
         # buckets whose first run the warm-up left for idle time (warmup(first_runs=False)), in order;
         # a bucket leaves when it runs, for real or here (run_first)
@@ -728,7 +729,7 @@ class ModelRunner:
         exe = self.exe_store.load(full) if self.exe_store is not None else None
         if exe is None:
             loop = next((p for p in pen_key if isinstance(p, tuple) and p[0] == "loop"), None)
-            exe = self._lower(key, args, FILTERED in pen_key, loop).compile(compiler_options=step_compiler_options())
+            exe = self._lower(key, args, FILTERED in pen_key, loop).compile(compiler_options=self.compiler_options)
             if self.exe_store is not None:
                 self.exe_store.save(full, exe)
         self.executables[full] = exe
@@ -839,7 +840,8 @@ class ModelRunner:
                     if stop():
                         break
                     _, _, host = self._pack(rows, key.num_logprobs, self._padding_groups(key), None)
-                    futures[pool.submit(self._lower(key, self._to_device(host)).compile)] = key
+                    lowered = self._lower(key, self._to_device(host))
+                    futures[pool.submit(lowered.compile, compiler_options=self.compiler_options)] = key
                 times["lower_s"] = time.perf_counter() - t
                 t = time.perf_counter()
                 small = {pool.submit(self._lower_helper(hk).compile): hk for hk in helpers if not stop()}
@@ -925,7 +927,8 @@ class ModelRunner:
                     self.executables[full] = exe
                     done += 1
                     continue
-                futures[pool.submit(self._lower(full[0], args, False, full[1][0]).compile)] = full
+                lowered = self._lower(full[0], args, False, full[1][0])
+                futures[pool.submit(lowered.compile, compiler_options=self.compiler_options)] = full
             for fut in concurrent.futures.as_completed(futures):
                 full = futures[fut]
                 self.executables[full] = exe = fut.result()

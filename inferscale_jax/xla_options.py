@@ -12,10 +12,12 @@ graph-mode profiles of the 8B's steps (bench/NOTES.md, run AQ) read the same 16 
   longer compile, kept by the executable store and JAX's compilation cache);
 - ``cublas``: ``xla_gpu_enable_triton_gemm`` off (cuBLAS for every GEMM).
 
-The options only act on GPUs; elsewhere XLA accepts and ignores them.  ``bench/kernels/gemm_flags.py``
-times the model's matmul shapes under the same choices.  Run AQ (H100, bench/NOTES.md): cuBLAS alone is
-slower at every row count (its one-row GEMV ~4x), and the exhaustive search spends ~20 s autotuning each
-GEMM shape for no clear win at 1 and 64 rows, so ``default`` stays the default.
+The options only act on GPUs (on the CPU, where the tests run, XLA accepts and ignores them).
+``bench/kernels/gemm_flags.py`` times the model's matmul shapes under the same choices.  Run AQ (H100,
+bench/NOTES.md): a step's matmuls with cuBLAS alone take longer at 1, 64 and 256 rows (its one-row
+GEMV ~4x per matmul; only down at 64 rows was slightly faster), and the exhaustive search spent ~20 s
+autotuning each GEMM shape and finished 5 of 15 points, mixed (qkv -1 to -16%, o -6 / +10%), so
+``default`` stays the default until a run at 64 rows says otherwise (rerun_h200.sh part 22).
 """
 
 from __future__ import annotations

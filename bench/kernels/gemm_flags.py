@@ -22,7 +22,7 @@ Each shape runs as ``L`` separate weight arrays in one executable (32, as the mo
 lm_head 4), so the weights come from HBM, not L2; ``--reps`` calls go back to back before one wait
 (the middle of three such batches), so the host's dispatch and the wait overlap the device's work.
 (Run AQ's first version timed each call alone: a call's ~0.4 ms of dispatch and wait was then
-counted in 32 matmuls of ~20 us, and the rates came out ~2x low at one row.)  The
+counted in 32 matmuls, and at one row the rates came out 1.25x (gate-up) to 1.9x (qkv, o) low.)  The
 table gives microseconds per matmul, the read rate (weight bytes / time) against this device's read
 ceiling (``bench/lib/common.read_bandwidth``), and the kernel XLA chose (from the optimized HLO);
 the last table sums a step's matmuls (32 layers of qkv, o, gate-up and down, one lm_head) per flag
@@ -52,14 +52,18 @@ FLAG_SETS = {"default": "", "exhaustive": "--xla_gpu_exhaustive_tiling_search=tr
              "cublas": "--xla_gpu_enable_triton_gemm=false"}
 
 
-def kernel_of(hlo: str) -> str:
-    """The GEMM kind in an optimized HLO module: cuBLAS, or Triton with its split-K."""
+def kernel_of(hlo: str | None) -> str:
+    """The GEMM kind in an optimized HLO module: cuBLAS, or XLA's Triton GEMM (``gemm_fusion`` /
+    ``__triton...`` fusions) with its split-K; else the fusion kinds and custom-call targets seen."""
+    if not hlo:
+        return "no HLO text"
     if re.search(r'custom_call_target="__cublas', hlo):
         return "cuBLAS"
-    split = re.search(r'"split_k":"?(\d+)', hlo)
-    if "triton" in hlo.lower():
+    if re.search(r"gemm_fusion|__triton|triton_gemm", hlo, re.I):
+        split = re.search(r'"split_k":"?(\d+)', hlo)
         return f"Triton split-K {split.group(1)}" if split and split.group(1) != "1" else "Triton"
-    return "other"
+    kinds = sorted(set(re.findall(r'"kind":"([^"]+)"', hlo)) | set(re.findall(r'custom_call_target="([^"]+)"', hlo)))
+    return "other: " + (", ".join(kinds)[:80] or "none")
 
 
 def child(rows: list[int], smoke: bool, reps: int) -> None:

@@ -61,14 +61,14 @@
 #  21  a step call's host time by argument count, and whether a stacked weight's per-layer slice costs a copy
 #      (bench/tools/call_args.py: before stacking the weights and the cache into one array per kind), then the decode
 #      step's cascade kernel at 64 / 256 rows over 8 segments by split count (cascade_groups.py --knobs sp=N)
-#  22  the 8B's matmuls at 1 / 64 / 128 / 256 / 512 rows under XLA's GEMM flags: default, the exhaustive Triton
-#      tiling search, cuBLAS only (bench/kernels/gemm_flags.py)
+#  22  the 8B's matmuls at 1 / 64 / 128 / 256 / 512 rows under XLA's GEMM flags: default against cuBLAS only, then at
+#      64 rows against the exhaustive Triton tiling search (bench/kernels/gemm_flags.py)
 #  23  HTTP at C = 64 with the clients spread over 4 benchmark processes, then also with 4 API-server processes, then
 #      the clients in 1 process (part 6's): whether the client's own event loop or the API processes' per-request
 #      work in the closed loop's waves holds C = 64's HTTP point (bench/NOTES.md, run AQ)
 #  16  the checkpoint read (models/loader.py: os.preadv into each tensor's array, threads in parallel): the 8B
 #      checkpoint loaded one tensor at a time and eight (bench/tools/weights_load.py; run AL: 14.2 / 12.1 s)
-# Parts 6-10, 16 and 18-20 write the 8B checkpoint to /tmp/llama8b first when it is missing (~35 s); it stays out of
+# Parts 6-10, 16, 18-20 and 23 write the 8B checkpoint to /tmp/llama8b first when it is missing (~35 s); it stays out of
 # the repository, whose copy on the machine loses files that .gitignore does not cover (bench/NOTES.md, run AH).
 #
 # Each step writes its tables under RESULTS_DIR/<step>/ and its console log to RESULTS_DIR/<step>.log;
@@ -255,7 +255,10 @@ case "$part" in
         --decode-reps 4 --mixed-reps 4 --loop-steps 8 --raw /tmp/pg_c1 --out "$res/profile_graph_c1.md"
     ;;
 22)
-    step gemm_flags 480 bench/kernels/gemm_flags.py --child-timeout 200
+    # (the exhaustive search autotunes ~20 s per shape and row count: 64 rows alone, with a longer limit)
+    step gemm_flags 240 bench/kernels/gemm_flags.py --sets default,cublas --child-timeout 110
+    step_as gemm_exhaustive 340 bench/kernels/gemm_flags.py --sets default,exhaustive --rows 64 --child-timeout 300 \
+        --out "$res/gemm_exhaustive"
     ;;
 23)
     ckpt

@@ -1,5 +1,6 @@
 """bench/kernels/gemm_flags.py runs as documented on the CPU (``--smoke``): every flag set's process
-starts, every shape is timed at every row count, and each matmul matches ``jnp.dot``."""
+starts, every shape is timed at every row count, and each point's last matmul (first row) matches
+``jnp.dot``."""
 
 import re
 import subprocess
