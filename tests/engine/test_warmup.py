@@ -98,10 +98,10 @@ def test_an_error_in_the_warmup_starts_no_more_compiles(monkeypatch):
         def __init__(self, lowered):
             self.lowered = lowered
 
-        def compile(self):
+        def compile(self, compiler_options=None):  # (the runner passes its options: xla_options.py)
             started.append(1)
             time.sleep(2)
-            return self.lowered.compile()
+            return self.lowered.compile(compiler_options=compiler_options)
 
     def lower_then_interrupt(key, args):
         if len(lowered) == 3:
