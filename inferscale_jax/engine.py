@@ -73,16 +73,14 @@ log = logging.getLogger("inferscale.engine")
 MODES = ("exact", "compose", "blend")
 AUTO_PAGES_QUANTUM = 512  # auto-sized pools are a multiple of this many pages (_auto_pages)
 ALLOCATOR_SLACK = 4 << 30  # device bytes in use beyond the weights that _auto_pages ignores, at most
-
-
-
 FIRST_RUNS = ("now", "idle")  # Engine.warmup's first_runs (serve --first-runs)
 
 
 def check_first_runs(first_runs: str) -> None:
     """Refuse a ``first_runs`` that is not one of ``FIRST_RUNS``, by name."""
     if first_runs not in FIRST_RUNS:
-        raise ValueError(f"first_runs={first_runs!r} is invalid: must be 'now' or 'idle'")
+        raise ValueError(f"first_runs={first_runs!r} is invalid: must be one of {FIRST_RUNS}")
+
 
 class Engine:
     # whether ``warmup(first_runs="idle")`` may leave the buckets' first runs to ``warm_idle``

@@ -864,8 +864,8 @@ def ceilings() -> dict | None:
 def floors(cap: dict, cfg: dict, ceil: dict | None = None) -> dict[str, float]:
     """Seconds: each part's floor for one step (max of bytes / bandwidth and FLOPs / compute, by
     ``ceil``: the ceilings measured once in the capturing run, else BANDWIDTH and COMPUTE)."""
-    BANDWIDTH = (ceil or {}).get("bandwidth") or globals()["BANDWIDTH"]
-    COMPUTE = (ceil or {}).get("compute") or globals()["COMPUTE"]
+    bandwidth = (ceil or {}).get("bandwidth") or BANDWIDTH
+    compute = (ceil or {}).get("compute") or COMPUTE
     L, T, R = cfg["layers"], cap["tokens"], cap["rows"]
     kvb = 2 * cfg["kv"] * cfg["head_dim"] * 2  # K and V bytes per token per layer (bf16)
     out = {}
@@ -874,14 +874,14 @@ def floors(cap: dict, cfg: dict, ceil: dict | None = None) -> dict[str, float]:
         out_bytes = 4 if name == "lm_head" else 2
         by = (k * n * 2 + m * k * 2 + m * n * out_bytes) * layers
         fl = 2 * m * k * n * layers
-        out[f"gemm {name}"] = max(by / BANDWIDTH, fl / COMPUTE)
+        out[f"gemm {name}"] = max(by / bandwidth, fl / compute)
     qk = 4 * cfg["heads"] * cfg["head_dim"] * L  # FLOPs per query-key pair, all layers
-    out["attn cascade shared-prefix"] = max(cap["shared_tokens"] * kvb * L / BANDWIDTH, cap["shared_pairs"] * qk / COMPUTE)
-    priv = max(cap["private_tokens"] * kvb * L / BANDWIDTH, cap["private_pairs"] * qk / COMPUTE)
+    out["attn cascade shared-prefix"] = max(cap["shared_tokens"] * kvb * L / bandwidth, cap["shared_pairs"] * qk / compute)
+    priv = max(cap["private_tokens"] * kvb * L / bandwidth, cap["private_pairs"] * qk / compute)
     out["attn ragged (mixed step)" if cap["kind"] == "mixed" else "attn decode (private part)"] = priv
-    out["kv write"] = T * kvb * L * 2 / BANDWIDTH  # read + write of the new tokens' K/V
-    out["sampler"] = R * cfg["vocab"] * 4 / BANDWIDTH  # one read of the f32 logits
-    out["norms (+residual)"] = 2 * L * T * cfg["hidden"] * 2 * 3 / BANDWIDTH  # read x, residual, write h
+    out["kv write"] = T * kvb * L * 2 / bandwidth  # read + write of the new tokens' K/V
+    out["sampler"] = R * cfg["vocab"] * 4 / bandwidth  # one read of the f32 logits
+    out["norms (+residual)"] = 2 * L * T * cfg["hidden"] * 2 * 3 / bandwidth  # read x, residual, write h
     return out
 
 
