@@ -96,7 +96,8 @@ window in which every client is busy (from the first request's end to the last r
 request's tokens spread evenly over its decode), which leaves out the first wave's start-up and the
 last requests' tail (empty when each client sends few requests: ``--num-requests`` 8 x C gives a
 window of several waves).  An HTTP closed loop's clients run in ``--client-procs`` processes (default
-one per 64 clients): a single Python process reading 256 SSE streams held the figure down.  Each point
+one per 16 clients, at most half the machine's cores): a single Python process reading 64 SSE streams
+held the figure down (bench/NOTES.md, run AR).  Each point
 also records the CPU cores each side used (the benchmark's processes, the server, the server's
 children: the engine core and any more API servers).  A request is an error when its status is not 200, its stream
 has an error event or no usage, or the connection fails (in-process: ``stream()`` raises).  A p99
@@ -238,9 +239,9 @@ def parse_args(argv=None):
     g.add_argument("--switch-interval", type=float, help="in-process via: sys.setswitchinterval(SECONDS) in this "
                    "process, whose engine thread shares the GIL with the clients' event loop (Python's default 0.005)")
     g.add_argument("--client-procs", type=int, default=None, help="HTTP closed loops: spread the clients over this "
-                   "many benchmark processes (default: one per 64 clients: one Python process reading 256 SSE "
-                   "streams was the limit, 9.4k vs 11.8k tok/s with 4, bench/NOTES.md run AG; the table's CPU column "
-                   "shows each side's use)")
+                   "many benchmark processes (default: one per 16 clients, at most half the cores: one Python "
+                   "process reading 64 SSE streams cost C = 64 5266 vs 5548 tok/s and TTFT p50 89 vs 52 ms against 4, "
+                   "bench/NOTES.md run AR; the table's CPU column shows each side's use)")
     g = p.add_argument_group("output")
     g.add_argument("--out", help="prefix of the .json/.md/.png results (default: bench/results/serve_<device>)")
     g.add_argument("--work-dir", help="the server's key file and log (default: a temporary folder, removed after a "
@@ -817,7 +818,7 @@ async def closed_loop(client: Via, specs: list[Spec], args, concurrency: int):
 
 def client_procs(args, concurrency: int) -> int:
     """Benchmark processes of an HTTP closed loop of ``concurrency`` clients (``--client-procs``)."""
-    k = args.client_procs or -(-int(concurrency) // 64)
+    k = args.client_procs or min(-(-int(concurrency) // 16), max(1, (os.cpu_count() or 2) // 2))
     return max(1, min(k, int(concurrency)))
 
 
