@@ -144,6 +144,10 @@ class PagedKVCache:
     k_scale: list[jax.Array] | None = None
     v_scale: list[jax.Array] | None = None
     compute_dtype: str = dataclasses.field(default="bfloat16", metadata=dict(static=True))  # of dequantized KV
+    # the kernels' environment switches when the cache was made (pallas_kernels.common.switches_key):
+    # the kernels read them while tracing, so they key every jit the cache goes through, the model's
+    # nested per-layer jit included (an engine made after a switch changed traces its own steps)
+    switches: tuple = dataclasses.field(default=(), metadata=dict(static=True))
 
     @classmethod
     def create(cls, cfg: ModelConfig, num_pages: int, page_size: int, dtype, impl: str = "ref",
@@ -166,7 +170,8 @@ class PagedKVCache:
             scales = ([ones() for _ in range(cfg.num_layers)], [ones() for _ in range(cfg.num_layers)])
         return cls(k=[zeros() for _ in range(cfg.num_layers)], v=[zeros() for _ in range(cfg.num_layers)],
                    impl=impl, mesh=mesh, k_scale=scales[0] if scales else None,
-                   v_scale=scales[1] if scales else None, compute_dtype=jnp.dtype(dtype).name)
+                   v_scale=scales[1] if scales else None, compute_dtype=jnp.dtype(dtype).name,
+                   switches=common.switches_key())
 
     @property
     def quantized(self) -> bool:
@@ -274,6 +279,15 @@ def _mixed(q, kp, vp, meta: AttnMeta, pallas: bool, sc: dict):
     ragged = ragged_paged_attention if pallas else ragged_paged_attention_ref
     if meta.group_pages is None or 0 in meta.group_pages.shape:
         return ragged(q, kp, vp, meta.page_table, meta.cu_q_lens, meta.kv_lens, **sc)
+    if common.mixed_decode() == "cascade":
+        return _mixed_split(q, kp, vp, meta, pallas, sc)
+    return _mixed_shared(q, kp, vp, meta, pallas, sc)
+
+
+def _mixed_shared(q, kp, vp, meta: AttnMeta, pallas: bool, sc: dict):
+    """``_mixed`` with cascade groups: the ragged kernel over every row, each group row's tokens'
+    shared prefix through the grouped kernel's shared part, merged by log-sum-exps."""
+    ragged = ragged_paged_attention if pallas else ragged_paged_attention_ref
     out, lse = ragged(q, kp, vp, meta.page_table, meta.cu_q_lens, meta.kv_lens, return_lse=True, **sc)
     n, rows = q.shape[0], meta.row_group.shape[0]
     row = jnp.searchsorted(meta.cu_q_lens[1:], jnp.arange(n, dtype=jnp.int32), side="right")  # [N]; R: padding
@@ -286,6 +300,39 @@ def _mixed(q, kp, vp, meta: AttnMeta, pallas: bool, sc: dict):
     o_sh, lse_sh = shared(q, kp, vp, meta.group_pages, meta.group_lens, group, **knobs, **sc)  # [N, Hq(, D)]
     merged, _ = merge_lse(o_sh, lse_sh, out, lse)
     return jnp.where((group >= 0)[:, None, None], merged.astype(out.dtype), out)
+
+
+def _mixed_split(q, kp, vp, meta: AttnMeta, pallas: bool, sc: dict):
+    """``_mixed`` with cascade groups, its one-token rows apart (``INFERSCALE_MIXED_DECODE=cascade``).
+
+    A row of one token (a decode row, or a chunk's last single token) is what a decode step
+    attends: its token runs through the decode step's cascade kernel (each group's shared pages
+    read once per row block, the row's suffix in the fused decode kernel) over ``[R]`` rows, the
+    other rows masked out (group -1, no suffix).  The rows of two or more tokens keep ``_mixed``'s
+    path over a compacted token batch: their tokens gathered to the front (the one-token rows left
+    empty, ``q_len`` 0, so the ragged kernel gives them no blocks and the shared part no rows).
+    Each token's output is then taken from the side that computed it; padding tokens stay zeros."""
+    n, rows = q.shape[0], meta.row_group.shape[0]
+    i32 = jnp.int32
+    cu = meta.cu_q_lens
+    q_len = cu[1:] - cu[:-1]  # [R]
+    single = q_len == 1
+    decode = grouped_cascade_decode_attention if pallas else grouped_cascade_decode_attention_ref
+    knobs = dict(real_groups=MIXED_REAL_GROUPS, real_rows=rows) if pallas else {}
+    o_dec = decode(q[jnp.clip(cu[1:] - 1, 0, n - 1)], kp, vp, meta.group_pages, meta.group_lens,
+                   jnp.where(single, meta.row_group, -1).astype(i32), meta.page_table,
+                   jnp.where(single, meta.kv_lens, 0).astype(i32), **knobs, **sc)  # [R, Hq, D]
+    cu_c = jnp.concatenate([jnp.zeros((1,), i32), jnp.cumsum(jnp.where(single, 0, q_len), dtype=i32)])
+    tok = jnp.arange(n, dtype=i32)
+    row_c = jnp.minimum(jnp.searchsorted(cu_c[1:], tok, side="right"), rows - 1)  # [N] compacted -> row
+    q_c = q[jnp.where(tok < cu_c[rows], cu[row_c] + tok - cu_c[row_c], 0)]
+    out_c = _mixed_shared(q_c, kp, vp, dataclasses.replace(meta, cu_q_lens=cu_c), pallas, sc)
+    row = jnp.searchsorted(cu[1:], tok, side="right")  # [N] each token's row; R: padding
+    rc = jnp.minimum(row, rows - 1)
+    real = (row < rows)[:, None, None]
+    from_c = out_c[jnp.clip(cu_c[rc] + tok - cu[rc], 0, n - 1)]
+    return jnp.where(real & single[rc][:, None, None], o_dec[rc],
+                     jnp.where(real, from_c, jnp.zeros_like(from_c)))
 
 
 def _as_ragged(meta: AttnMeta, page_size: int) -> tuple[jax.Array, jax.Array, jax.Array]:

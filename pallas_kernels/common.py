@@ -71,10 +71,32 @@ def mixed_shared_knobs() -> dict:
     return out
 
 
+MIXED_DECODE_CHOICES = ("ragged", "cascade")
+
+
+def mixed_decode() -> str:
+    """``INFERSCALE_MIXED_DECODE``: how a mixed step with cascade groups attends its one-token rows
+    (``inferscale_jax/kv_cache.py``, ``_mixed_split``).  ``ragged`` (the default): every row through
+    the ragged kernel, the group rows' shared prefixes through the shared part of the chunks' tokens;
+    ``cascade``: the one-token rows through the decode step's cascade kernel, the rest as before.
+    An A/B switch for the benchmarks (bench/NOTES.md)."""
+    value = os.environ.get("INFERSCALE_MIXED_DECODE", "").strip() or MIXED_DECODE_CHOICES[0]
+    if value not in MIXED_DECODE_CHOICES:
+        raise ValueError(f"INFERSCALE_MIXED_DECODE={value!r} is invalid: use one of {list(MIXED_DECODE_CHOICES)} "
+                         f"(unset: {MIXED_DECODE_CHOICES[0]})")
+    return value
+
+
 def switches() -> dict:
     """The environment's switches that change the kernels' programs (for caches keyed without
     tracing, such as the engine's executable store: a switch must name another entry)."""
-    return {"slot_prefetch": slot_prefetch(), "mixed_shared": sorted(mixed_shared_knobs().items())}
+    return {"slot_prefetch": slot_prefetch(), "mixed_shared": sorted(mixed_shared_knobs().items()),
+            "mixed_decode": mixed_decode()}
+
+
+def switches_key() -> tuple:
+    """``switches()`` as a hashable tuple (a static field that keys jit caches)."""
+    return tuple(sorted((k, repr(v)) for k, v in switches().items()))
 
 
 def compiler_params(num_warps: int = 4, num_stages: int = 2) -> plt.CompilerParams:

@@ -17,7 +17,7 @@
 #   5  compressed-KV quality: train the small LM on 2048-token windows (bench/tools/train_small_lm.py, stopped
 #      after 150 s of steps), then bench/kernels/kv_dtype.py sections b and c on it
 #   6  serving at scale (the README's serving table): 8 segments of 4096 tokens, 64-token questions, 64 tokens,
-#      C = 64 / 256 through HTTP (two API-server processes, clients in one process per 64) and in-process
+#      C = 64 / 256 through HTTP (two API-server processes, clients in one process per 16) and in-process
 #      (bench/serving/serve.py; the README's command)
 #   7  where the served loop loses to the bare one: the engine loop's host time with no device
 #      (bench/tools/host_loop.py, on this machine's CPU), the engine loop alone at C = 64 / 256
@@ -66,15 +66,18 @@
 #  23  HTTP at C = 64 with the clients spread over 4 benchmark processes, then also with 4 API-server processes, then
 #      the clients in 1 process (part 6's): whether the client's own event loop or the API processes' per-request
 #      work in the closed loop's waves holds C = 64's HTTP point (bench/NOTES.md, run AQ)
+#  24  a mixed step's one-token rows through the decode step's cascade kernel (INFERSCALE_MIXED_DECODE=cascade) against
+#      the ragged kernel and shared part (the default): the kernels' and the engine's checks of both on the GPU
+#      (pytest), then the bare loop at C = 64 and 256 (CONCS) with answers of 64 +- 32 tokens, each mode
 #  16  the checkpoint read (models/loader.py: os.preadv into each tensor's array, threads in parallel): the 8B
 #      checkpoint loaded one tensor at a time and eight (bench/tools/weights_load.py; run AL: 14.2 / 12.1 s)
-# Parts 6-10, 16, 18-20 and 23 write the 8B checkpoint to /tmp/llama8b first when it is missing (~35 s); it stays out of
+# Parts 6-10, 16, 18-20, 23 and 24 write the 8B checkpoint to /tmp/llama8b first when it is missing (~35 s); it stays out of
 # the repository, whose copy on the machine loses files that .gitignore does not cover (bench/NOTES.md, run AH).
 #
 # Each step writes its tables under RESULTS_DIR/<step>/ and its console log to RESULTS_DIR/<step>.log;
 # after each step RESULTS_DIR is packed into TARBALL when given (what a cut call still returns).
 set -uo pipefail
-part=${1:?part 1-23}
+part=${1:?part 1-24}
 res=${2:?results folder}
 tarball=${3:-}
 mkdir -p "$res"
@@ -267,6 +270,21 @@ case "$part" in
     for ka in 4,2 4,4 1,2; do  # client processes, API-server processes (the first start compiles: ~100 s)
         k=${ka%,*} a=${ka#*,}
         step "serve_c64_procs${k}_api$a" 300 "${serve[@]}" --client-procs $k --serve-args "--api-server-count $a"
+    done
+    ;;
+24)
+    # a mixed step's one-token rows through the decode step's cascade kernel (INFERSCALE_MIXED_DECODE=cascade)
+    # against the ragged kernel + shared part (the default): the kernels' checks on the GPU first, then the
+    # bare loop at C = 64 and 256 with spread answers (most steps mixed)
+    step_as mixed_decode_tests 240 -m pytest -q -p no:cacheprovider tests/kernels/test_kernels_mixed_cascade.py \
+        tests/core/test_scheduler.py -k "decode_cascade or mixed_steps_run or questions_chunks or mixed_step"
+    ckpt
+    for conc in ${CONCS:-64 256}; do
+        for mode in ragged cascade; do
+            INFERSCALE_MIXED_DECODE=$mode step_as "loop_c${conc}_s32_$mode" 150 bench/tools/profile_host.py \
+                --model /tmp/llama8b --concurrency "$conc" --max-tokens-spread 32 --warm-steps 300 --steps 200 \
+                --no-profile --per-call --out "$res/loop_c${conc}_s32_$mode.md"
+        done
     done
     ;;
 21)

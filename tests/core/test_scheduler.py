@@ -262,11 +262,16 @@ def test_three_segment_groups_in_one_step_equal_cascade_off(impl, monkeypatch):
     assert (((4, 3), (3, 2), (2, 2)), 7, 8, False) in seen
 
 
-@pytest.mark.parametrize("impl", ["ref", "pallas"])
-def test_mixed_steps_run_their_decode_rows_through_the_cascade(impl, monkeypatch):
+MIXED_MODES = [("ref", "ragged"), ("pallas", "ragged"), ("pallas", "cascade")]  # (impl, INFERSCALE_MIXED_DECODE)
+
+
+@pytest.mark.parametrize("impl,mode", MIXED_MODES)
+def test_mixed_steps_run_their_decode_rows_through_the_cascade(impl, mode, monkeypatch):
     """A long prompt prefills chunk by chunk while rows of two segments decode: the mixed steps
     (decode rows + a chunk) read each group's pages once in the same jitted step; tokens and
-    log-probs as with cascade off."""
+    log-probs as with cascade off, with the one-token rows in the ragged kernel or in the decode
+    step's cascade kernel (``INFERSCALE_MIXED_DECODE``)."""
+    monkeypatch.setenv("INFERSCALE_MIXED_DECODE", mode)
     def setup(engine):
         engine.register_segment("kb", token_ids=list(range(1, 4 * S + 3)))  # 4 full pages + 2
         engine.register_segment("faq", token_ids=list(range(50, 50 + 2 * S)))  # 2 full pages
@@ -281,11 +286,13 @@ def test_mixed_steps_run_their_decode_rows_through_the_cascade(impl, monkeypatch
     assert (((4, 3), (2, 2)), 5, 6) in mixed  # kb's 3 rows and faq's 2 beside the prompt's chunk
 
 
-@pytest.mark.parametrize("impl", ["ref", "pallas"])
-def test_questions_chunks_over_a_segment_join_its_cascade_group(impl, monkeypatch):
+@pytest.mark.parametrize("impl,mode", MIXED_MODES)
+def test_questions_chunks_over_a_segment_join_its_cascade_group(impl, mode, monkeypatch):
     """Questions over two segments, each prefilled in chunks beside rows already decoding: a chunk
     joins the group of its segment's pages (its tokens read them in the shared part, its own in the
-    ragged kernel), a prompt over no segment joins none; tokens and log-probs as with cascade off."""
+    ragged kernel), a prompt over no segment joins none; tokens and log-probs as with cascade off,
+    either ``INFERSCALE_MIXED_DECODE``."""
+    monkeypatch.setenv("INFERSCALE_MIXED_DECODE", mode)
     chunk_members = []
 
     def setup(engine):

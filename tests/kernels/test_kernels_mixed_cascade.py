@@ -92,18 +92,19 @@ def test_shared_part_is_the_cascade_with_empty_suffixes():
     assert_close(o.astype(jnp.float32), full.astype(jnp.float32), jnp.float32)
 
 
-def mixed_case(seed, *, s=8, dtype=jnp.float32, hq=8, hkv=2, d=64, chunk_groups=(-1, -1)):
+def mixed_case(seed, *, s=8, dtype=jnp.float32, hq=8, hkv=2, d=64, chunk_groups=(-1, -1),
+               q_lens=(1, 1, 1, 1, 1, 1, 5, 12)):
     """A mixed step: 6 decode rows (4 in groups 0 / 1 of a 4-group padded table, 2 in none), then
-    2 prefill chunks (in the groups ``chunk_groups``; -1: none); 3 padding tokens.  Returns (q [N, Hq,
-    D], pages, the cascade meta (group rows' tables hold their suffix only), the plain meta (every
-    row's whole page list))."""
+    2 prefill chunks (in the groups ``chunk_groups``; -1: none); 3 padding tokens.  ``q_lens`` may
+    make any row a chunk, a 1-token chunk or an empty row.  Returns (q [N, Hq, D], pages, the cascade
+    meta (group rows' tables hold their suffix only), the plain meta (every row's whole page list))."""
     rng = np.random.default_rng(seed)
     ps = 4
     glens = [32, 24, 0, 0]  # page-aligned (the engine's guarantee); groups 2 and 3 are bucket padding
     rg = [0, 1, -1, 0, 1, -1, *chunk_groups]
     # tokens in each row's own pages (a group row's suffix holds its new token: >= 1); chunks' q_len
     own = [1, 9, 20, s, s + 1, 2 * s, 13, 30]
-    q_lens = [1, 1, 1, 1, 1, 1, 5, 12]
+    assert all(0 <= n <= o for n, o in zip(q_lens, own))
     need = [math.ceil(n / s) for n in own]
     num_pages = 1 + len(glens) * ps + sum(need) + 2
     ids = rng.permutation(np.arange(1, num_pages))
@@ -174,6 +175,44 @@ def test_mixed_step_with_chunks_in_groups_equals_ragged_over_whole_page_lists(im
     suffix_only = kv_cache._attend(q[None], kp, vp, None, alone, "ref")[0]
     first = 6 if chunk_groups[0] >= 0 else 11  # a grouped chunk's first token (rows 0-5 are one token each)
     assert not np.allclose(np.asarray(suffix_only[first], np.float32), np.asarray(want[first], np.float32), atol=1e-3)
+
+
+@pytest.mark.parametrize("impl,dtype,chunk_groups,q_lens", [
+    ("pallas", jnp.float32, (0, 1), (1, 1, 1, 1, 1, 1, 5, 12)),
+    ("pallas", jnp.bfloat16, (1, -1), (1, 3, 0, 1, 1, 1, 1, 12)),  # a chunk in a group, an empty row, a 1-token chunk
+    ("pallas", jnp.float32, (-1, 0), (1, 9, 1, 0, 1, 9, 1, 1)),  # chunks between one-token rows
+    ("ref", jnp.float32, (-1, 0), (1, 3, 0, 1, 1, 1, 1, 12))])
+def test_mixed_step_one_token_rows_through_the_decode_cascade(monkeypatch, impl, dtype, chunk_groups, q_lens):
+    """``INFERSCALE_MIXED_DECODE=cascade``: a mixed step's one-token rows run through the decode step's
+    cascade kernel, the longer rows through the ragged kernel and shared part over a compacted batch;
+    every token as the ragged kernel over each row's whole page list, padding tokens zeros.  The
+    switch does change the program (the decode kernel is launched) and the store's key."""
+    import re
+
+    import jax
+
+    from pallas_kernels import common
+    q, kp, vp, casc, plain, n = mixed_case(10, dtype=dtype, chunk_groups=chunk_groups, q_lens=q_lens)
+    want = kv_cache._attend(q[None], kp, vp, None, plain, "ref")[0]
+
+    def decode_kernels():
+        jaxpr = jax.make_jaxpr(lambda q, k, v: kv_cache._attend(q[None], k, v, None, casc, "pallas"))(q, kp, vp)
+        return re.findall(r"paged_decode_\w+", str(jaxpr))
+    base = common.switches()
+    assert not decode_kernels()
+    monkeypatch.setenv("INFERSCALE_MIXED_DECODE", "cascade")
+    assert common.switches() != base and decode_kernels()
+    out = kv_cache._attend(q[None], kp, vp, None, casc, impl)[0]
+    assert out.shape == q.shape and out.dtype == q.dtype
+    assert_close(out[:n], want[:n], dtype)
+    assert (np.asarray(out[n:], np.float32) == 0).all()  # padding tokens
+
+
+def test_a_bad_mixed_decode_switch_is_refused_with_its_value(monkeypatch):
+    from pallas_kernels import common
+    monkeypatch.setenv("INFERSCALE_MIXED_DECODE", "decode")
+    with pytest.raises(ValueError, match="INFERSCALE_MIXED_DECODE='decode'.*'ragged', 'cascade'"):
+        common.mixed_decode()
 
 
 @pytest.mark.parametrize("spec,kernel", [("sp=2,bk=16", "r64_bk16_sp2"), ("br=32,sp=2,bk=16", "r32_bk16_sp2"),
