@@ -33,7 +33,12 @@ compile all of it before serving and nothing compiles afterwards:
   takes one cascade bucket per token bucket: the group count its rows can hold at most
   (``mixed_groups``: every group has two rows or more, a prefill chunk joining only a group with
   a decode row; ``key`` still takes a bigger group bucket if a step ever held more groups, which
-  would compile when first needed), the widest page lists.
+  would compile when first needed), the widest page lists.  ``INFERSCALE_MIXED_GROUPS=fit`` (an
+  A/B switch for the benchmarks, bench/NOTES.md) gives such a step instead the smallest of
+  ``MIXED_FIT_GROUPS`` buckets (those below the most its rows can hold, and that one) that holds
+  its groups, all of them warmed: the shared kernel's static grid has a row block per group of
+  the table (``cascade_attention.num_row_blocks``), so a 64-group table for 8 real groups launches
+  ~3x the programs of a 16-group one.
 * **log-probs**: 0 or ``MAX_LOGPROBS`` columns.
 
 **Warm-up sets** (``warmup_keys``): ``all`` is every bucket above; ``small`` keeps what a small
@@ -53,14 +58,27 @@ and compile on first use (counted and logged like any compile after warm-up).
 from __future__ import annotations
 
 import dataclasses
+import os
 
 
 NARROW_ROWS = 32  # decode row buckets below this pick a table width (see the module docstring)
 GROUP_BUCKETS = (1, 4, 16, 64)  # cascade: padded group counts of a step
 MAX_GROUPS = GROUP_BUCKETS[-1]  # cascade groups one step can hold
+MIXED_FIT_GROUPS = 16  # INFERSCALE_MIXED_GROUPS=fit: mixed steps' group buckets start here (module docstring)
+MIXED_GROUPS_CHOICES = ("max", "fit")
 SMALL_TOKENS = 128  # the ``small`` warm-up set: mixed steps of up to this many new tokens
 SMALL_WIDTHS = 2  # the ``small`` warm-up set: decode steps over the narrowest widths (<= 512 tokens at page 16)
 WARMUP_SETS = ("auto", "small", "all")
+
+
+def mixed_groups_mode() -> str:
+    """``INFERSCALE_MIXED_GROUPS``: ``max`` (the default: one group bucket per mixed token bucket,
+    the most its rows can hold) or ``fit`` (module docstring)."""
+    value = os.environ.get("INFERSCALE_MIXED_GROUPS", "").strip() or MIXED_GROUPS_CHOICES[0]
+    if value not in MIXED_GROUPS_CHOICES:
+        raise ValueError(f"INFERSCALE_MIXED_GROUPS={value!r} is invalid: use one of {list(MIXED_GROUPS_CHOICES)} "
+                         f"(unset: {MIXED_GROUPS_CHOICES[0]})")
+    return value
 
 
 def next_pow2(n: int, minimum: int = 1) -> int:
@@ -105,6 +123,7 @@ class StepBuckets:
         # a mixed step's widths: the widest; with narrow_mixed all but the narrowest (it would add a
         # compile for prompts of a few pages only)
         self.mixed_widths = self.widths[min(1, len(self.widths) - 1):] if narrow_mixed else self.widths[-1:]
+        self.mixed_fit = mixed_groups_mode() == "fit"
         self.real_tokens = self.padded_tokens = self.real_rows = self.padded_rows = 0
 
     # -- choosing -------------------------------------------------------------------------
@@ -135,6 +154,14 @@ class StepBuckets:
         """The group bucket of a mixed step of ``rows`` (bucketed) rows: the most its decode rows can hold."""
         return self.groups_for(min(MAX_GROUPS, max(1, rows // 2)))
 
+    def mixed_group_buckets(self, rows: int) -> list[int]:
+        """The warmed group buckets of a mixed step of ``rows`` (bucketed) rows, smallest first:
+        ``mixed_groups``, and with ``INFERSCALE_MIXED_GROUPS=fit`` the ``MIXED_FIT_GROUPS`` buckets
+        and up below it."""
+        most = self.mixed_groups(rows)
+        fit = [g for g in GROUP_BUCKETS if MIXED_FIT_GROUPS <= g < most] if self.mixed_fit else []
+        return fit + [most]
+
     def key(self, n_rows: int, n_tokens: int, need_pages: int, num_logprobs: int, shared_pages: int = 0,
             groups: int = 0) -> StepKey:
         """The bucket of a step of ``n_rows`` rows and ``n_tokens`` new tokens whose longest row
@@ -150,7 +177,8 @@ class StepBuckets:
         t = self.tokens_for(n_tokens)
         r = min(t, self.max_rows)
         if shared_pages:
-            g = max(self.mixed_groups(r), self.groups_for(max(1, min(groups, MAX_GROUPS))))
+            need = max(1, min(groups, MAX_GROUPS))
+            g = next((c for c in self.mixed_group_buckets(r) if c >= need), self.groups_for(need))
             return StepKey(r, t, self.wide(need_pages), nl, self.wide(shared_pages), g, ragged=True)
         return StepKey(r, t, max(self.width_for(need_pages), self.mixed_widths[0]) if self.narrow_mixed
                        else self.wide(need_pages), nl, ragged=True)
@@ -173,8 +201,9 @@ class StepBuckets:
             keys += [StepKey(min(t, self.max_rows), t, w, nl, ragged=True) for t in self.token_buckets
                      for w in self.mixed_widths]
             if cascade:
-                keys += [StepKey(r, t, self.widths[-1], nl, self.widths[-1], self.mixed_groups(r), ragged=True)
-                         for t in self.token_buckets if (r := min(t, self.max_rows)) >= 3]
+                keys += [StepKey(r, t, self.widths[-1], nl, self.widths[-1], g, ragged=True)
+                         for t in self.token_buckets if (r := min(t, self.max_rows)) >= 3
+                         for g in self.mixed_group_buckets(r)]
         return list(dict.fromkeys(keys))
 
     def warmup_keys(self, which: str = "all", *, cascade: bool = True, logprobs: bool = True) -> list[StepKey]:

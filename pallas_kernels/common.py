@@ -78,8 +78,9 @@ def mixed_decode() -> str:
     """``INFERSCALE_MIXED_DECODE``: how a mixed step with cascade groups attends its one-token rows
     (``inferscale_jax/kv_cache.py``, ``_mixed_split``).  ``ragged`` (the default): every row through
     the ragged kernel, the group rows' shared prefixes through the shared part of the chunks' tokens;
-    ``cascade``: the one-token rows through the decode step's cascade kernel, the rest as before.
-    An A/B switch for the benchmarks (bench/NOTES.md)."""
+    ``cascade``: the one-token rows through the decode step's cascade kernel, the rest as before
+    (measured slower: +8% a mixed step at C = 64, +16% at 256 on an H100, bench/NOTES.md run AR).
+    An A/B switch for the benchmarks."""
     value = os.environ.get("INFERSCALE_MIXED_DECODE", "").strip() or MIXED_DECODE_CHOICES[0]
     if value not in MIXED_DECODE_CHOICES:
         raise ValueError(f"INFERSCALE_MIXED_DECODE={value!r} is invalid: use one of {list(MIXED_DECODE_CHOICES)} "

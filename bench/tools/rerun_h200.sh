@@ -69,15 +69,17 @@
 #  24  a mixed step's one-token rows through the decode step's cascade kernel (INFERSCALE_MIXED_DECODE=cascade) against
 #      the ragged kernel and shared part (the default): the kernels' and the engine's checks of both on the GPU
 #      (pytest), then the bare loop at C = 64 and 256 (CONCS) with answers of 64 +- 32 tokens, each mode
+#  25  mixed steps' cascade group bucket: the most their rows can hold (the default) against the smallest warmed one
+#      that holds their groups (INFERSCALE_MIXED_GROUPS=fit), the bare loop at C = 64 and 256 (CONCS), answers 64 +- 32
 #  16  the checkpoint read (models/loader.py: os.preadv into each tensor's array, threads in parallel): the 8B
 #      checkpoint loaded one tensor at a time and eight (bench/tools/weights_load.py; run AL: 14.2 / 12.1 s)
-# Parts 6-10, 16, 18-20, 23 and 24 write the 8B checkpoint to /tmp/llama8b first when it is missing (~35 s); it stays out of
+# Parts 6-10, 16, 18-20 and 23-25 write the 8B checkpoint to /tmp/llama8b first when it is missing (~35 s); it stays out of
 # the repository, whose copy on the machine loses files that .gitignore does not cover (bench/NOTES.md, run AH).
 #
 # Each step writes its tables under RESULTS_DIR/<step>/ and its console log to RESULTS_DIR/<step>.log;
 # after each step RESULTS_DIR is packed into TARBALL when given (what a cut call still returns).
 set -uo pipefail
-part=${1:?part 1-24}
+part=${1:?part 1-25}
 res=${2:?results folder}
 tarball=${3:-}
 mkdir -p "$res"
@@ -284,6 +286,19 @@ case "$part" in
             INFERSCALE_MIXED_DECODE=$mode step_as "loop_c${conc}_s32_$mode" 150 bench/tools/profile_host.py \
                 --model /tmp/llama8b --concurrency "$conc" --max-tokens-spread 32 --warm-steps 300 --steps 200 \
                 --no-profile --per-call --out "$res/loop_c${conc}_s32_$mode.md"
+        done
+    done
+    ;;
+25)
+    # mixed steps' group bucket: the most their rows can hold (max, the default) against the smallest warmed one that
+    # holds their groups (INFERSCALE_MIXED_GROUPS=fit: 16 for the served workload's 8 segments): the bare loop at
+    # C = 64 and 256 with spread answers (most steps mixed)
+    ckpt
+    for conc in ${CONCS:-64 256}; do
+        for mode in max fit; do
+            INFERSCALE_MIXED_GROUPS=$mode step_as "loop_c${conc}_s32_groups_$mode" 150 bench/tools/profile_host.py \
+                --model /tmp/llama8b --concurrency "$conc" --max-tokens-spread 32 --warm-steps 300 --steps 200 \
+                --no-profile --per-call --out "$res/loop_c${conc}_s32_groups_$mode.md"
         done
     done
     ;;

@@ -286,6 +286,33 @@ def test_mixed_steps_run_their_decode_rows_through_the_cascade(impl, mode, monke
     assert (((4, 3), (2, 2)), 5, 6) in mixed  # kb's 3 rows and faq's 2 beside the prompt's chunk
 
 
+def test_mixed_groups_fit_keeps_tokens_and_logprobs(monkeypatch):
+    """``INFERSCALE_MIXED_GROUPS=fit``: mixed steps of 64 rows over two segments run in the 16-group
+    bucket instead of the 64-group one, with the same tokens and log-probs."""
+    monkeypatch.setattr(scheduler, "CASCADE_MIN_SAVED_TOKENS", 0)
+
+    def run():
+        engine = make_engine(pages=256, max_batch=64, max_num_batched_tokens=128, cascade_decode=True)
+        engine.register_segment("kb", token_ids=list(range(1, 4 * S + 3)))  # 4 full pages + 2
+        engine.register_segment("faq", token_ids=list(range(50, 50 + 2 * S)))  # 2 full pages
+        keys = []
+        key = engine.runner.buckets.key
+        engine.runner.buckets.key = lambda *a, **k: keys.append(key(*a, **k)) or keys[-1]
+        reqs = [dict(prompt_token_ids=[10 + i], segments=[["kb"], ["faq"]][i % 2], sampling=greedy_lp(6))
+                for i in range(6)]
+        reqs += [dict(prompt_token_ids=list(range(2 + i, 70)), sampling=greedy_lp(2))  # chunks beside the rows:
+                 for i in range(4)]  # > 64 tokens a step, a 64-row mixed bucket
+        return engine.generate_batch(reqs), {k.groups for k in keys if k.ragged and k.groups}
+    want, groups_max = run()
+    monkeypatch.setenv("INFERSCALE_MIXED_GROUPS", "fit")
+    got, groups_fit = run()
+    assert 64 in groups_max and groups_fit == {16}, (groups_max, groups_fit)  # (max: 32-row steps take 16 too)
+    for a, b in zip(got, want):
+        assert a.token_ids == b.token_ids
+        for x, y in zip(a.logprobs, b.logprobs):
+            assert x.keys() == y.keys() and max(abs(x[k] - y[k]) for k in x) < 1e-5
+
+
 @pytest.mark.parametrize("impl,mode", MIXED_MODES)
 def test_questions_chunks_over_a_segment_join_its_cascade_group(impl, mode, monkeypatch):
     """Questions over two segments, each prefilled in chunks beside rows already decoding: a chunk
