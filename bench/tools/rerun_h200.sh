@@ -109,6 +109,19 @@ ckpt() {  # the 8B-shaped random checkpoint, once per machine
     [ -f /tmp/llama8b/model.safetensors.index.json ] || step_as checkpoint 60 bench/tools/make_checkpoint.py /tmp/llama8b
 }
 
+loops_ab() {  # loops_ab VAR PREFIX MODE...: the bare loop at C = $CONCS (64 256), answers 64 +- 32, with VAR=MODE each
+    local var=$1 prefix=$2 conc mode
+    shift 2
+    for conc in ${CONCS:-64 256}; do
+        for mode in "$@"; do
+            local name="loop_c${conc}_s32_$prefix$mode"
+            (export "$var=$mode"; step_as "$name" 150 bench/tools/profile_host.py --model /tmp/llama8b \
+                --concurrency "$conc" --max-tokens-spread 32 --warm-steps 300 --steps 200 --no-profile --per-call \
+                --out "$res/$name.md")
+        done
+    done
+}
+
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,memory.used --format=csv || true
 case "$part" in
 1)
@@ -281,26 +294,14 @@ case "$part" in
     step_as mixed_decode_tests 240 -m pytest -q -p no:cacheprovider tests/kernels/test_kernels_mixed_cascade.py \
         tests/core/test_scheduler.py -k "decode_cascade or mixed_steps_run or questions_chunks or mixed_step"
     ckpt
-    for conc in ${CONCS:-64 256}; do
-        for mode in ragged cascade; do
-            INFERSCALE_MIXED_DECODE=$mode step_as "loop_c${conc}_s32_$mode" 150 bench/tools/profile_host.py \
-                --model /tmp/llama8b --concurrency "$conc" --max-tokens-spread 32 --warm-steps 300 --steps 200 \
-                --no-profile --per-call --out "$res/loop_c${conc}_s32_$mode.md"
-        done
-    done
+    loops_ab INFERSCALE_MIXED_DECODE "" ragged cascade
     ;;
 25)
     # mixed steps' group bucket: the most their rows can hold (max, the default) against the smallest warmed one that
     # holds their groups (INFERSCALE_MIXED_GROUPS=fit: 16 for the served workload's 8 segments): the bare loop at
     # C = 64 and 256 with spread answers (most steps mixed)
     ckpt
-    for conc in ${CONCS:-64 256}; do
-        for mode in max fit; do
-            INFERSCALE_MIXED_GROUPS=$mode step_as "loop_c${conc}_s32_groups_$mode" 150 bench/tools/profile_host.py \
-                --model /tmp/llama8b --concurrency "$conc" --max-tokens-spread 32 --warm-steps 300 --steps 200 \
-                --no-profile --per-call --out "$res/loop_c${conc}_s32_groups_$mode.md"
-        done
-    done
+    loops_ab INFERSCALE_MIXED_GROUPS groups_ max fit
     ;;
 21)
     step call_args 150 bench/tools/call_args.py
