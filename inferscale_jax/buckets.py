@@ -37,8 +37,8 @@ compile all of it before serving and nothing compiles afterwards:
   A/B switch for the benchmarks, bench/NOTES.md) gives such a step instead the smallest of
   ``MIXED_FIT_GROUPS`` buckets (those below the most its rows can hold, and that one) that holds
   its groups, all of them warmed: the shared kernel's static grid has a row block per group of
-  the table (``cascade_attention.num_row_blocks``), so a 64-group table for 8 real groups launches
-  ~3x the programs of a 16-group one.
+  the table (``cascade_attention.num_row_blocks``): 72 row blocks for a 128-token step with a
+  64-group table, 24 with a 16-group one (96 / 48 at 512 tokens).
 * **log-probs**: 0 or ``MAX_LOGPROBS`` columns.
 
 **Warm-up sets** (``warmup_keys``): ``all`` is every bucket above; ``small`` keeps what a small

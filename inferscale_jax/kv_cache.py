@@ -27,6 +27,10 @@ mixed steps both carry groups: in a mixed step the group rows are its one-token 
 ragged kernel runs over every row as usual (a group row seeing only its suffix, its log-sum-exp
 kept) and the grouped kernel's shared part, in the same jitted step, adds each group row's shared
 prefix, merged by the two log-sum-exps (``_mixed``): each suffix is read once.
+(``INFERSCALE_MIXED_DECODE=cascade``, an A/B switch that measured slower: the one-token rows of a
+mixed step through the decode step's cascade kernel instead, ``_mixed_split``.)  The kernels read
+their environment switches (``pallas_kernels.common.switches``) while tracing; the cache carries
+them as a static field (``switches``), so they key every jit it goes through.
 
 ``impl`` picks the kernels, here and nowhere else (:func:`resolve_impl`, at construction):
 ``"pallas"`` the GPU (Triton-style) kernels of ``pallas_kernels/``, ``"pallas_tpu"`` the Mosaic TPU
@@ -209,6 +213,10 @@ class PagedKVCache:
 
     def attend(self, layer: int, q: jax.Array, k: jax.Array, v: jax.Array,
                positions: jax.Array, meta: AttnMeta) -> tuple[jax.Array, "PagedKVCache"]:
+        if self.switches and self.switches != common.switches_key():  # (traced code only: no cost per step)
+            raise ValueError(f"the kernels' environment switches changed after this cache was made: "
+                             f"{dict(self.switches)} then, {dict(common.switches_key())} now; set INFERSCALE_* "
+                             f"switches before making the engine (pallas_kernels/common.py)")
         scales = self._scales(layer)
         fn = functools.partial(_write_and_attend, impl=self.impl, compute_dtype=self.compute_dtype)
         if self.mesh is not None:  # per shard: each device its own q / kv heads and pages; tables replicated
@@ -318,7 +326,7 @@ def _mixed_split(q, kp, vp, meta: AttnMeta, pallas: bool, sc: dict):
     q_len = cu[1:] - cu[:-1]  # [R]
     single = q_len == 1
     decode = grouped_cascade_decode_attention if pallas else grouped_cascade_decode_attention_ref
-    knobs = dict(real_groups=MIXED_REAL_GROUPS, real_rows=rows) if pallas else {}
+    knobs = dict(real_groups=MIXED_REAL_GROUPS) if pallas else {}
     o_dec = decode(q[jnp.clip(cu[1:] - 1, 0, n - 1)], kp, vp, meta.group_pages, meta.group_lens,
                    jnp.where(single, meta.row_group, -1).astype(i32), meta.page_table,
                    jnp.where(single, meta.kv_lens, 0).astype(i32), **knobs, **sc)  # [R, Hq, D]

@@ -741,20 +741,19 @@ class ModelRunner:
         reads it; None when no step can take this bucket (a token bucket the rows cannot fill
         with chunks of ``prefill_chunk``)."""
         s, chunk = self.page_size, self.prefill_chunk
-        if key.ragged:  # key.tokens tokens in chunks of <= prefill_chunk, the first >= 2 tokens
-            lens = [min(chunk, key.tokens - c) for c in range(0, key.tokens, chunk)]
+        groups = self._padding_groups(key)
+        if key.ragged:  # key.tokens tokens in chunks of <= prefill_chunk, the first >= 2 tokens, then
+            # (cascade) a one-token row for each group
+            ones = len(groups)
+            rest = key.tokens - ones
+            lens = [min(chunk, rest - c) for c in range(0, rest, chunk)] + [1] * ones
             if len(lens) > key.rows or lens[0] < 2:
                 return None
         else:
             lens = [1] * key.rows
-        if key.ragged and key.shared:  # a one-token row to form the cascade group
-            lens = lens[:-1] + [lens[-1] - 1, 1] if lens[-1] > 1 else lens
-            if len(lens) > key.rows:
-                return None
         rows = [StepRow([0] * m, 0, [0] * -(-m // s)) for m in lens]
         if not key.ragged and not key.shared:  # the first row needs the whole table width
             rows[0].pages, rows[0].start = [0] * key.width, key.width * s - 1
-        groups = self._padding_groups(key)
         one_token = [r for r in rows if len(r.tokens) == 1]
         for i, r in enumerate(one_token[len(one_token) - len(groups):]):  # groups of one row over null pages
             r.pages, r.start, r.group = [0] * (key.shared + 1), key.shared * s, i
@@ -764,11 +763,16 @@ class ModelRunner:
             return None
         return rows
 
-    @staticmethod
-    def _padding_groups(key: StepKey) -> list[int]:
+    def _padding_groups(self, key: StepKey) -> list[int]:
         """The cascade groups of ``_padding_rows(key)``: enough for the bucket's group count (a
-        mixed step's follows its rows alone: one)."""
-        return [key.shared] * (1 if key.ragged else min(key.groups, key.rows)) if key.shared else []
+        mixed step's follows its rows: one, or with ``INFERSCALE_MIXED_GROUPS=fit`` one more than
+        the next smaller warmed bucket of its rows holds)."""
+        if not key.shared:
+            return []
+        if key.ragged:
+            below = [g for g in self.buckets.mixed_group_buckets(key.rows) if g < key.groups]
+            return [key.shared] * (1 + max(below, default=0))
+        return [key.shared] * min(key.groups, key.rows)
 
     # buckets a partial warm-up left out (Engine.warmup sets it): their first compile is expected
     warm_skipped: frozenset = frozenset()

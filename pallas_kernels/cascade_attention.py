@@ -571,9 +571,9 @@ def grouped_cascade_decode_attention(
     ``B * Hq/Hkv`` rows of a single group, else 4 / 2).  ``suffix_num_splits`` goes to the decode
     kernel (None: auto).  ``real_groups`` / ``real_rows`` (bounds on the groups and rows that hold
     work, when the group table or the rows are padded to a bucket) size the automatic split count
-    from them, as in :func:`grouped_shared_prefix_attention`.  ``prefetch`` (both kernels): each loop carries its next tile's page slots
-    (True) or computes a tile's slots in its own iteration (False); None:
-    :func:`pallas_kernels.common.slot_prefetch`.  Eager calls also check the length and group values (one host sync);
+    from them, as in :func:`grouped_shared_prefix_attention`.  ``prefetch`` (both kernels): each
+    loop carries its next tile's page slots (True) or computes a tile's slots in its own iteration
+    (False); None: :func:`pallas_kernels.common.slot_prefetch`.  Eager calls also check the length and group values (one host sync);
     under jit only shapes are."""
     b, hq, hkv, gq, p, s, d, g, ps, mp = check_grouped_inputs(
         q, k_pages, v_pages, group_pages, group_lens, row_group, suffix_table, suffix_lens, k_scale, v_scale)

@@ -214,7 +214,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     common_options(ap)
     ap.add_argument("--concurrency", type=int, default=256)
-    ap.add_argument("--client-procs", type=int, default=None, help="(default: one per 64 clients)")
+    ap.add_argument("--client-procs", type=int, default=None, help="(default: one per 16 clients, as bench/serving/serve.py)")
     ap.add_argument("--seconds", type=float, default=40.0, help="the load's length (default: 40)")
     ap.add_argument("--skip-s", type=float, default=10.0, help="requests sent in the first seconds left out")
     ap.add_argument("--max-tokens", type=int, default=64)
@@ -241,7 +241,7 @@ def main() -> None:
         ap.error("--segments needs a model: the paced engine (--paced-step-ms) holds no segments")
     url, trace_path, proc, log = launch(__file__, args, ["--log-level", "info", "--log-requests", "--max-batch",
                                                          str(args.concurrency)], "ttft-load")
-    procs = args.client_procs or max(1, -(-args.concurrency // 64))
+    procs = args.client_procs or min(max(1, -(-args.concurrency // 16)), max(1, (os.cpu_count() or 2) // 2))
     try:
         wait_ready(url, proc, args.timeout)
         if args.segments:

@@ -198,6 +198,7 @@ def test_mixed_step_one_token_rows_through_the_decode_cascade(monkeypatch, impl,
     def decode_kernels():
         jaxpr = jax.make_jaxpr(lambda q, k, v: kv_cache._attend(q[None], k, v, None, casc, "pallas"))(q, kp, vp)
         return re.findall(r"paged_decode_\w+", str(jaxpr))
+    monkeypatch.delenv("INFERSCALE_MIXED_DECODE", raising=False)
     base = common.switches()
     assert not decode_kernels()
     monkeypatch.setenv("INFERSCALE_MIXED_DECODE", "cascade")
