@@ -7,7 +7,8 @@ float64 numpy (output and log-sum-exp, rows outside every group and empty prefix
 the whole mixed step against the ragged reference over each row's concatenated page list (group
 pages + suffix pages): decode rows in groups, decode rows in none, prefill chunks, page
 boundaries, a padded group table (groups of length 0, groups without members) and padding
-tokens.  Every slot that holds no real token is NaN.
+tokens.  Every slot that holds no real token is NaN.  The same with ``INFERSCALE_MIXED_DECODE=cascade``
+(the one-token rows through the decode step's cascade kernel), on bf16 and on compressed pages.
 """
 
 from __future__ import annotations
@@ -207,6 +208,20 @@ def test_mixed_step_one_token_rows_through_the_decode_cascade(monkeypatch, impl,
     assert out.shape == q.shape and out.dtype == q.dtype
     assert_close(out[:n], want[:n], dtype)
     assert (np.asarray(out[n:], np.float32) == 0).all()  # padding tokens
+
+
+@pytest.mark.parametrize("kv", [jnp.int8, jnp.float8_e4m3fn])
+def test_mixed_step_split_on_compressed_pages(monkeypatch, kv):
+    """The split path on compressed pages (a float32 scale per token and kv head): both kernels get
+    the scales; as the ragged reference over whole page lists on the same codes."""
+    from pallas_kernels.quant import quantize_kv
+    q, kp, vp, casc, plain, n = mixed_case(11, dtype=jnp.bfloat16, chunk_groups=(0, -1), q_lens=(1, 3, 0, 1, 1, 1, 5, 1))
+    (kq, ks), (vq, vs) = (quantize_kv(jnp.nan_to_num(x.astype(jnp.float32)), kv) for x in (kp, vp))
+    want = kv_cache._attend(q[None], kq, vq, None, plain, "ref", (ks, vs))[0]
+    monkeypatch.setenv("INFERSCALE_MIXED_DECODE", "cascade")
+    out = kv_cache._attend(q[None], kq, vq, None, casc, "pallas", (ks, vs))[0]
+    assert_close(out[:n], want[:n], jnp.bfloat16)
+    assert (np.asarray(out[n:], np.float32) == 0).all()
 
 
 def test_a_bad_mixed_decode_switch_is_refused_with_its_value(monkeypatch):
