@@ -58,7 +58,8 @@ and compile on first use (counted and logged like any compile after warm-up).
 from __future__ import annotations
 
 import dataclasses
-import os
+
+from pallas_kernels.common import env_choice
 
 
 NARROW_ROWS = 32  # decode row buckets below this pick a table width (see the module docstring)
@@ -74,11 +75,7 @@ WARMUP_SETS = ("auto", "small", "all")
 def mixed_groups_mode() -> str:
     """``INFERSCALE_MIXED_GROUPS``: ``max`` (the default: one group bucket per mixed token bucket,
     the most its rows can hold) or ``fit`` (module docstring)."""
-    value = os.environ.get("INFERSCALE_MIXED_GROUPS", "").strip() or MIXED_GROUPS_CHOICES[0]
-    if value not in MIXED_GROUPS_CHOICES:
-        raise ValueError(f"INFERSCALE_MIXED_GROUPS={value!r} is invalid: use one of {list(MIXED_GROUPS_CHOICES)} "
-                         f"(unset: {MIXED_GROUPS_CHOICES[0]})")
-    return value
+    return env_choice("INFERSCALE_MIXED_GROUPS", MIXED_GROUPS_CHOICES)
 
 
 def next_pow2(n: int, minimum: int = 1) -> int:

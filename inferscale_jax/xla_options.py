@@ -22,7 +22,7 @@ autotuning each GEMM shape and finished 5 of 15 points, mixed (qkv -1 to -16%, o
 
 from __future__ import annotations
 
-import os
+from pallas_kernels.common import env_choice
 
 GEMM_CHOICES = {
     "default": {},
@@ -33,11 +33,7 @@ GEMM_CHOICES = {
 
 def gemm_choice() -> str:
     """``INFERSCALE_GEMM``'s choice (``default`` when unset); a clear error for any other value."""
-    value = os.environ.get("INFERSCALE_GEMM", "").strip() or "default"
-    if value not in GEMM_CHOICES:
-        raise ValueError(f"INFERSCALE_GEMM={value!r} is invalid: must be one of {sorted(GEMM_CHOICES)}; unset it "
-                         "for XLA's own choice")
-    return value
+    return env_choice("INFERSCALE_GEMM", GEMM_CHOICES)  # ("default", XLA's own choice, first)
 
 
 def step_compiler_options() -> dict | None:

@@ -505,17 +505,17 @@ def grouped_shared_prefix_attention_ref(
 
 @functools.partial(jax.jit, static_argnames=(
     "sm_scale", "block_rows", "block_kv", "num_splits", "suffix_num_splits", "num_warps",
-    "num_stages", "interpret", "fused_merge", "prefetch", "real_groups", "real_rows"))
+    "num_stages", "interpret", "fused_merge", "prefetch", "real_groups"))
 def _cascade(q, k_pages, v_pages, group_pages, group_lens, row_group, suffix_table, suffix_lens,
              k_scale, v_scale, *, sm_scale, block_rows, block_kv, num_splits, suffix_num_splits,
-             num_warps, num_stages, interpret, fused_merge, prefetch, real_groups=None, real_rows=None):
+             num_warps, num_stages, interpret, fused_merge, prefetch, real_groups=None):
     if 0 in group_pages.shape:  # no group or no shared page at all: plain decode
         return paged_decode_attention(q, k_pages, v_pages, suffix_table, suffix_lens, sm_scale=sm_scale,
                                       num_splits=suffix_num_splits, interpret=interpret, k_scale=k_scale,
                                       v_scale=v_scale, prefetch=prefetch)
     knobs = dict(sm_scale=sm_scale, block_rows=block_rows, block_kv=block_kv, num_splits=num_splits,
                  num_warps=num_warps, num_stages=num_stages, interpret=interpret, prefetch=prefetch,
-                 real_groups=real_groups, real_rows=real_rows)
+                 real_groups=real_groups)
     if fused_merge:  # steps 3-5 in the suffix kernel: it starts from each row's shared partials
         b, hq, _ = q.shape
         gq = hq // k_pages.shape[0]
@@ -558,7 +558,6 @@ def grouped_cascade_decode_attention(
     fused_merge: bool = True,
     prefetch: bool | None = None,
     real_groups: int | None = None,
-    real_rows: int | None = None,
 ) -> jax.Array:  # [B, Hq, D], dtype of q
     """Decode attention over each row's group prefix + its own suffix (see the module docstring).
     Compressed pages: ``k_scale`` / ``v_scale [Hkv, P, S]`` float32, tiles converted to q's dtype,
@@ -569,12 +568,12 @@ def grouped_cascade_decode_attention(
     ``num_splits`` of the shared range (None: fill the GPU ~2 programs per SM; 1 in interpret
     mode), ``num_warps`` / ``num_stages`` (default 8 / 3 when one row block holds all
     ``B * Hq/Hkv`` rows of a single group, else 4 / 2).  ``suffix_num_splits`` goes to the decode
-    kernel (None: auto).  ``real_groups`` / ``real_rows`` (bounds on the groups and rows that hold
-    work, when the group table or the rows are padded to a bucket) size the automatic split count
-    from them, as in :func:`grouped_shared_prefix_attention`.  ``prefetch`` (both kernels): each
-    loop carries its next tile's page slots (True) or computes a tile's slots in its own iteration
-    (False); None: :func:`pallas_kernels.common.slot_prefetch`.  Eager calls also check the length and group values (one host sync);
-    under jit only shapes are."""
+    kernel (None: auto).  ``real_groups`` (a bound on the groups that hold rows, when the group
+    table is padded to a bucket) sizes the automatic split count from them, as in
+    :func:`grouped_shared_prefix_attention`.  ``prefetch`` (both kernels): each loop carries its
+    next tile's page slots (True) or computes a tile's slots in its own iteration (False); None:
+    :func:`pallas_kernels.common.slot_prefetch`.  Eager calls also check the length and group
+    values (one host sync); under jit only shapes are."""
     b, hq, hkv, gq, p, s, d, g, ps, mp = check_grouped_inputs(
         q, k_pages, v_pages, group_pages, group_lens, row_group, suffix_table, suffix_lens, k_scale, v_scale)
     common.check_power_of_two("page_size", s)
@@ -599,7 +598,7 @@ def grouped_cascade_decode_attention(
                     k_scale, v_scale, sm_scale=sm_scale, block_rows=block_rows, block_kv=block_kv,
                     num_splits=num_splits, suffix_num_splits=suffix_num_splits, num_warps=num_warps,
                     num_stages=num_stages, interpret=interpret, fused_merge=fused_merge, prefetch=prefetch,
-                    real_groups=real_groups, real_rows=real_rows)
+                    real_groups=real_groups)
 
 
 def grouped_cascade_decode_attention_ref(

@@ -74,6 +74,16 @@ def mixed_shared_knobs() -> dict:
 MIXED_DECODE_CHOICES = ("ragged", "cascade")
 
 
+def env_choice(name: str, choices) -> str:
+    """Environment variable ``name``'s value, one of ``choices`` (the first when unset or empty);
+    any other value is a ``ValueError`` that names the variable, the value and the choices."""
+    choices = tuple(choices)
+    value = os.environ.get(name, "").strip() or choices[0]
+    if value not in choices:
+        raise ValueError(f"{name}={value!r} is invalid: use one of {list(choices)} (unset: {choices[0]})")
+    return value
+
+
 def mixed_decode() -> str:
     """``INFERSCALE_MIXED_DECODE``: how a mixed step with cascade groups attends its one-token rows
     (``inferscale_jax/kv_cache.py``, ``_mixed_split``).  ``ragged`` (the default): every row through
@@ -81,11 +91,7 @@ def mixed_decode() -> str:
     ``cascade``: the one-token rows through the decode step's cascade kernel, the rest as before
     (measured slower: +8% a mixed step at C = 64, +16% at 256 on an H100, bench/NOTES.md run AR).
     An A/B switch for the benchmarks."""
-    value = os.environ.get("INFERSCALE_MIXED_DECODE", "").strip() or MIXED_DECODE_CHOICES[0]
-    if value not in MIXED_DECODE_CHOICES:
-        raise ValueError(f"INFERSCALE_MIXED_DECODE={value!r} is invalid: use one of {list(MIXED_DECODE_CHOICES)} "
-                         f"(unset: {MIXED_DECODE_CHOICES[0]})")
-    return value
+    return env_choice("INFERSCALE_MIXED_DECODE", MIXED_DECODE_CHOICES)
 
 
 def switches() -> dict:

@@ -215,7 +215,8 @@ def test_mixed_step_split_on_compressed_pages(monkeypatch, kv):
     """The split path on compressed pages (a float32 scale per token and kv head): both kernels get
     the scales; as the ragged reference over whole page lists on the same codes."""
     from pallas_kernels.quant import quantize_kv
-    q, kp, vp, casc, plain, n = mixed_case(11, dtype=jnp.bfloat16, chunk_groups=(0, -1), q_lens=(1, 3, 0, 1, 1, 1, 5, 1))
+    q, kp, vp, casc, plain, n = mixed_case(11, dtype=jnp.bfloat16, chunk_groups=(0, -1),
+                                           q_lens=(1, 3, 0, 1, 1, 1, 5, 1))
     (kq, ks), (vq, vs) = (quantize_kv(jnp.nan_to_num(x.astype(jnp.float32)), kv) for x in (kp, vp))
     want = kv_cache._attend(q[None], kq, vq, None, plain, "ref", (ks, vs))[0]
     monkeypatch.setenv("INFERSCALE_MIXED_DECODE", "cascade")
