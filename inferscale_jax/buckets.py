@@ -30,15 +30,16 @@ compile all of it before serving and nothing compiles afterwards:
   ``MAX_GROUPS`` groups a step); a row bucket ``r`` takes the group buckets up to the first that
   holds ``r // 2`` groups (a decode step's group has at least two rows).  Extra groups in a bucket
   cost only empty programs of the shared kernel.  A mixed step whose rows form cascade groups
-  takes one cascade bucket per token bucket: the group count its rows can hold at most
-  (``mixed_groups``: every group has two rows or more, a prefill chunk joining only a group with
-  a decode row; ``key`` still takes a bigger group bucket if a step ever held more groups, which
-  would compile when first needed), the widest page lists.  ``INFERSCALE_MIXED_GROUPS=fit`` (an
-  A/B switch for the benchmarks, bench/NOTES.md) gives such a step instead the smallest of
-  ``MIXED_FIT_GROUPS`` buckets (those below the most its rows can hold, and that one) that holds
-  its groups, all of them warmed: the shared kernel's static grid has a row block per group of
-  the table (``cascade_attention.num_row_blocks``): 72 row blocks for a 128-token step with a
-  64-group table, 24 with a 16-group one (96 / 48 at 512 tokens).
+  takes the smallest of its warmed group buckets that holds its groups: the ``MIXED_FIT_GROUPS``
+  buckets up to the most its rows can hold (``mixed_groups``: every group has two rows or more, a
+  prefill chunk joining only a group with a decode row; ``key`` still takes a bigger group bucket if
+  a step ever held more groups, which would compile when first needed), the widest page lists.  The
+  shared kernel's static grid has a row block per group of the table
+  (``cascade_attention.num_row_blocks``): 72 row blocks for a 128-token step with a 64-group table,
+  24 with a 16-group one (96 / 48 at 512 tokens); the bare loop's mixed steps ran 1.5-3% faster
+  than in the 64-group bucket alone (bench/NOTES.md, run AS).  ``INFERSCALE_MIXED_GROUPS=max`` (an
+  A/B switch for the benchmarks) gives every mixed step the most its rows can hold, one cascade
+  bucket per token bucket (12 buckets fewer to compile).
 * **log-probs**: 0 or ``MAX_LOGPROBS`` columns.
 
 **Warm-up sets** (``warmup_keys``): ``all`` is every bucket above; ``small`` keeps what a small
@@ -65,16 +66,17 @@ from pallas_kernels.common import env_choice
 NARROW_ROWS = 32  # decode row buckets below this pick a table width (see the module docstring)
 GROUP_BUCKETS = (1, 4, 16, 64)  # cascade: padded group counts of a step
 MAX_GROUPS = GROUP_BUCKETS[-1]  # cascade groups one step can hold
-MIXED_FIT_GROUPS = 16  # INFERSCALE_MIXED_GROUPS=fit: mixed steps' group buckets start here (module docstring)
-MIXED_GROUPS_CHOICES = ("max", "fit")
+MIXED_FIT_GROUPS = 16  # mixed steps' group buckets start here (module docstring; INFERSCALE_MIXED_GROUPS=fit)
+MIXED_GROUPS_CHOICES = ("fit", "max")
 SMALL_TOKENS = 128  # the ``small`` warm-up set: mixed steps of up to this many new tokens
 SMALL_WIDTHS = 2  # the ``small`` warm-up set: decode steps over the narrowest widths (<= 512 tokens at page 16)
 WARMUP_SETS = ("auto", "small", "all")
 
 
 def mixed_groups_mode() -> str:
-    """``INFERSCALE_MIXED_GROUPS``: ``max`` (the default: one group bucket per mixed token bucket,
-    the most its rows can hold) or ``fit`` (module docstring)."""
+    """``INFERSCALE_MIXED_GROUPS``: ``fit`` (the default: a mixed step takes the smallest warmed group
+    bucket that holds its groups) or ``max`` (one group bucket per mixed token bucket, the most its
+    rows can hold): module docstring."""
     return env_choice("INFERSCALE_MIXED_GROUPS", MIXED_GROUPS_CHOICES)
 
 
@@ -153,7 +155,7 @@ class StepBuckets:
 
     def mixed_group_buckets(self, rows: int) -> list[int]:
         """The warmed group buckets of a mixed step of ``rows`` (bucketed) rows, smallest first:
-        ``mixed_groups``, and with ``INFERSCALE_MIXED_GROUPS=fit`` the ``MIXED_FIT_GROUPS`` buckets
+        ``mixed_groups``, and (unless ``INFERSCALE_MIXED_GROUPS=max``) the ``MIXED_FIT_GROUPS`` buckets
         and up below it."""
         most = self.mixed_groups(rows)
         fit = [g for g in GROUP_BUCKETS if MIXED_FIT_GROUPS <= g < most] if self.mixed_fit else []

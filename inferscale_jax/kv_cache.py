@@ -286,17 +286,23 @@ def _mixed(q, kp, vp, meta: AttnMeta, pallas: bool, sc: dict):
     one long ragged program per query block."""
     ragged = ragged_paged_attention if pallas else ragged_paged_attention_ref
     if meta.group_pages is None or 0 in meta.group_pages.shape:
-        return ragged(q, kp, vp, meta.page_table, meta.cu_q_lens, meta.kv_lens, **sc)
+        return ragged(q, kp, vp, meta.page_table, meta.cu_q_lens, meta.kv_lens, **_ragged_knobs(pallas), **sc)
     if common.mixed_decode() == "cascade":
         return _mixed_split(q, kp, vp, meta, pallas, sc)
     return _mixed_shared(q, kp, vp, meta, pallas, sc)
+
+
+def _ragged_knobs(pallas: bool) -> dict:
+    """The mixed steps' ragged-kernel knobs from ``INFERSCALE_MIXED_RAGGED`` (none: the kernel's defaults)."""
+    return common.mixed_ragged_knobs() if pallas else {}
 
 
 def _mixed_shared(q, kp, vp, meta: AttnMeta, pallas: bool, sc: dict):
     """``_mixed`` with cascade groups: the ragged kernel over every row, each group row's tokens'
     shared prefix through the grouped kernel's shared part, merged by log-sum-exps."""
     ragged = ragged_paged_attention if pallas else ragged_paged_attention_ref
-    out, lse = ragged(q, kp, vp, meta.page_table, meta.cu_q_lens, meta.kv_lens, return_lse=True, **sc)
+    out, lse = ragged(q, kp, vp, meta.page_table, meta.cu_q_lens, meta.kv_lens, return_lse=True,
+                      **_ragged_knobs(pallas), **sc)
     n, rows = q.shape[0], meta.row_group.shape[0]
     row = jnp.searchsorted(meta.cu_q_lens[1:], jnp.arange(n, dtype=jnp.int32), side="right")  # [N]; R: padding
     group = jnp.where(row < rows, meta.row_group[jnp.minimum(row, rows - 1)], -1)  # [N] each token's group

@@ -765,8 +765,8 @@ class ModelRunner:
 
     def _padding_groups(self, key: StepKey) -> list[int]:
         """The cascade groups of ``_padding_rows(key)``: enough for the bucket's group count (a
-        mixed step's follows its rows: one, or with ``INFERSCALE_MIXED_GROUPS=fit`` one more than
-        the next smaller warmed bucket of its rows holds)."""
+        mixed step's: one more than the next smaller warmed group bucket of its rows holds, one with
+        ``INFERSCALE_MIXED_GROUPS=max``)."""
         if not key.shared:
             return []
         if key.ragged:

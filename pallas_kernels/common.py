@@ -52,22 +52,43 @@ def stages_for(default: int, prefetch: bool) -> int:
 MIXED_SHARED_KNOBS = dict(br="block_rows", bk="block_kv", w="num_warps", st="num_stages", sp="num_splits")
 
 
+MIXED_RAGGED_KNOBS = dict(bq="block_q", bk="block_kv", w="num_warps", st="num_stages", sp="kv_splits",
+                          tl="tile_launches")
+
+
 def mixed_shared_knobs() -> dict:
     """``INFERSCALE_MIXED_SHARED`` (e.g. ``br=128,w=8,sp=1``): knobs of the cascade shared part in
     the engine's mixed steps that override its defaults (``inferscale_jax/kv_cache.py``), by
     ``MIXED_SHARED_KNOBS``' short names; unset: none.  An A/B switch for the benchmarks
     (bench/NOTES.md)."""
-    spec = os.environ.get("INFERSCALE_MIXED_SHARED", "").strip()
+    return _knobs("INFERSCALE_MIXED_SHARED", MIXED_SHARED_KNOBS, tiles=dict(br=MIN_DOT_DIM, bk=MIN_DOT_DIM))
+
+
+def mixed_ragged_knobs() -> dict:
+    """``INFERSCALE_MIXED_RAGGED`` (e.g. ``sp=1,tl=2``): knobs of the ragged kernel in the engine's
+    mixed steps (``pallas_kernels/ragged_attention.py``), by ``MIXED_RAGGED_KNOBS``' short names
+    (``tl``: ``tile_launches``, 1 or 2); unset: none.  An A/B switch for the benchmarks (bench/NOTES.md)."""
+    knobs = _knobs("INFERSCALE_MIXED_RAGGED", MIXED_RAGGED_KNOBS, tiles=dict(bq=1, bk=MIN_DOT_DIM))
+    if knobs.get("tile_launches", 1) not in (1, 2):
+        raise ValueError(f"INFERSCALE_MIXED_RAGGED: tl={knobs['tile_launches']} is invalid: use tl=1 (one kernel) "
+                         "or tl=2 (the small and big tiles in two launches)")
+    return knobs
+
+
+def _knobs(var: str, table: dict, tiles) -> dict:
+    """Parse ``var``'s ``NAME=N,...`` into ``{table[NAME]: N}``; a bad item is a ``ValueError`` naming it."""
+    spec = os.environ.get(var, "").strip()
     out = {}
     for item in filter(None, (x.strip() for x in spec.split(","))):
         name, _, value = item.partition("=")
         number = int(value) if value.isascii() and value.isdigit() else 0
-        tile = name in ("br", "bk")  # (tile sizes: powers of two, at least the dot's minimum)
-        if name not in MIXED_SHARED_KNOBS or number < 1 or tile and (number < MIN_DOT_DIM or number & (number - 1)):
-            raise ValueError(f"INFERSCALE_MIXED_SHARED={spec!r}: {item!r} is invalid: each item must be NAME=N with "
-                             f"N >= 1 (br and bk: a power of two >= {MIN_DOT_DIM}) and NAME one of "
-                             f"{sorted(MIXED_SHARED_KNOBS)} ({MIXED_SHARED_KNOBS}); unset it for the defaults")
-        out[MIXED_SHARED_KNOBS[name]] = number
+        tile = name in tiles  # (tile sizes: powers of two, at least the dot's minimum)
+        if name not in table or number < 1 or tile and (number < tiles[name] or number & (number - 1)):
+            sizes = ", ".join(f"{t}: a power of two >= {low}" for t, low in tiles.items())
+            raise ValueError(f"{var}={spec!r}: {item!r} is invalid: each item must be NAME=N with "
+                             f"N >= 1 ({sizes}) and NAME one of "
+                             f"{sorted(table)} ({table}); unset it for the defaults")
+        out[table[name]] = number
     return out
 
 
@@ -98,7 +119,7 @@ def switches() -> dict:
     """The environment's switches that change the kernels' programs (for caches keyed without
     tracing, such as the engine's executable store: a switch must name another entry)."""
     return {"slot_prefetch": slot_prefetch(), "mixed_shared": sorted(mixed_shared_knobs().items()),
-            "mixed_decode": mixed_decode()}
+            "mixed_decode": mixed_decode(), "mixed_ragged": sorted(mixed_ragged_knobs().items())}
 
 
 def switches_key() -> tuple:

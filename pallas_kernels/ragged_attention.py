@@ -260,11 +260,16 @@ def _attend(meta, page_table_ref, q_ref, k_ref, v_ref, o_ref, lse_refs, scale_re
         lse_refs[0][row_ids] = jnp.where(valid, m + jnp.log2(jnp.where(valid, l, 1.0)), -jnp.inf)
 
 
-def _ragged_kernel(meta_ref, page_table_ref, q_ref, k_ref, v_ref, *refs, quantized, num_blocks, tiles, **kw):
+def _ragged_kernel(meta_ref, page_table_ref, q_ref, k_ref, v_ref, *refs, quantized, num_blocks, tiles, kind,
+                   small_q, aliased, **kw):
     """meta_ref [NB * 5] int32; page_table_ref [R * max_pages]; q_ref / o_ref [N * Hq, D];
     k_ref / v_ref [P * S, D] (this kv head); refs: (ks_ref, vs_ref [P * S] fp32 when quantized),
-    o_ref, then () or (lse [N * Hq] fp32, log2-sum-exp) when split or asked for (``return_lse``)."""
-    scale_refs, (o_ref, *lse_refs) = (refs[:2], refs[2:]) if quantized else ((), refs)
+    ``aliased`` refs (the output buffers passed in again: another launch wrote their other rows),
+    o_ref, then () or (lse [N * Hq] fp32, log2-sum-exp) when split or asked for (``return_lse``).
+    ``kind``: None (every block; with two tiles the block's token count picks one), "small" (only
+    blocks of at most ``small_q`` tokens) or "big" (only the others): one launch of ``tile_launches=2``."""
+    scale_refs, refs = (refs[:2], refs[2:]) if quantized else ((), refs)
+    o_ref, *lse_refs = refs[aliased:]
     blk = num_blocks - 1 - pl.program_id(1)  # last blocks (longest loops) first
     # program ids are read here, outside the cond (interpret mode cannot read them inside)
     meta = tuple(meta_ref[blk * _META + i] for i in range(_META))
@@ -272,8 +277,13 @@ def _ragged_kernel(meta_ref, page_table_ref, q_ref, k_ref, v_ref, *refs, quantiz
     cnt = meta[1]
     attend = functools.partial(_attend, meta, page_table_ref, q_ref, k_ref, v_ref, o_ref,
                                lse_refs, scale_refs, **kw)
+    run = cnt > 0
+    if kind == "small":
+        run = run & (cnt <= small_q)
+    elif kind == "big":
+        run = run & (cnt > small_q)
 
-    @pl.when(cnt > 0)
+    @pl.when(run)
     def _():
         if len(tiles) == 1:
             attend(tiles[0])
@@ -282,9 +292,10 @@ def _ragged_kernel(meta_ref, page_table_ref, q_ref, k_ref, v_ref, *refs, quantiz
 
 
 @functools.partial(jax.jit, static_argnames=(
-    "sm_scale", "block_q", "tiles", "num_warps", "num_stages", "kv_splits", "interpret", "v_rows", "return_lse"))
+    "sm_scale", "block_q", "tiles", "num_warps", "num_stages", "kv_splits", "interpret", "v_rows", "return_lse",
+    "tile_launches"))
 def _ragged(q, k_pages, v_pages, page_table, cu_q_lens, kv_lens, k_scale, v_scale, *, sm_scale, block_q, tiles,
-            num_warps, num_stages, kv_splits, interpret, v_rows, return_lse=False):
+            num_warps, num_stages, kv_splits, interpret, v_rows, return_lse=False, tile_launches=1):
     num_tokens, num_q_heads, head_dim = q.shape  # [N, Hq, D]
     num_kv_heads, num_pages, page_size, _ = k_pages.shape  # [Hkv, P, S, D]
     num_rows, max_pages = page_table.shape  # [R, max_pages]
@@ -293,54 +304,107 @@ def _ragged(q, k_pages, v_pages, page_table, cu_q_lens, kv_lens, k_scale, v_scal
     meta = _block_meta(cu_q_lens, kv_lens, num_tokens=num_tokens, num_blocks=num_blocks,
                        block_q=block_q, max_pages=max_pages, capacity=max_pages * page_size)
     n_rows = num_tokens * num_q_heads
-    q_rows = q.reshape(n_rows, head_dim)  # free
-    k_slots = k_pages.reshape(num_kv_heads, num_pages * page_size, head_dim)  # free
-    v_slots = v_pages.reshape(num_kv_heads, num_pages * page_size, head_dim)
+    quantized = k_scale is not None
+    scales = ()
+    if quantized:  # each head's [P*S] scales, whole
+        scales = (k_scale.reshape(num_kv_heads, -1), v_scale.reshape(num_kv_heads, -1))
+    call = functools.partial(
+        _launch, page_table.astype(jnp.int32).reshape(-1), q.reshape(n_rows, head_dim),  # (free reshapes)
+        k_pages.reshape(num_kv_heads, num_pages * page_size, head_dim),
+        v_pages.reshape(num_kv_heads, num_pages * page_size, head_dim), scales,
+        group=group, num_q_heads=num_q_heads, page_size=page_size, max_pages=max_pages, sm_scale=sm_scale,
+        v_rows=v_rows and quantized, block_q=block_q, num_warps=num_warps, num_stages=num_stages,
+        interpret=interpret, out_dtype=q.dtype, small_q=tiles[0][1])
+    if tile_launches == 2 and len(tiles) == 2:
+        out, lse = _two_launches(call, meta, num_blocks, tiles, num_tokens=num_tokens, block_q=block_q,
+                                 kv_splits=kv_splits, return_lse=return_lse)
+    else:
+        out, lse = call(meta, num_blocks, tiles=tiles, kind=None, kv_splits=kv_splits, return_lse=return_lse)
+    out = out.reshape(num_tokens, num_q_heads, head_dim)
+    if not return_lse:
+        return out
+    return out, (lse * _LN2).reshape(num_tokens, num_q_heads)  # natural log, -inf: no keys
 
+
+def _launch(page_table, q_rows, k_slots, v_slots, scales, meta, num_blocks, *, tiles, kind, kv_splits, return_lse,
+            into=None, group, num_q_heads, page_size, max_pages, sm_scale, v_rows, block_q, num_warps, num_stages,
+            interpret, out_dtype, small_q):
+    """One pallas_call over the work list ``meta`` (``num_blocks`` blocks, the blocks of ``kind``):
+    ``(out [N * Hq, D] in out_dtype, lse [N * Hq] log2 or None)``, split-KV partials merged.
+    ``into``: (out, lse) a launch before wrote; this one writes its own rows into the same buffers
+    (unsplit only)."""
+    n_rows, head_dim = q_rows.shape
+    num_kv_heads = k_slots.shape[0]
     split = kv_splits > 1
     whole = lambda *shape: pl.BlockSpec(shape, lambda s, i, h: (0,) * len(shape))
-    per_head = pl.BlockSpec((None, num_pages * page_size, head_dim), lambda s, i, h: (h, 0, 0))
+    per_head = pl.BlockSpec((None,) + k_slots.shape[1:], lambda s, i, h: (h, 0, 0))
     if split:
         out_shape = [jax.ShapeDtypeStruct((kv_splits, n_rows, head_dim), jnp.float32),
                      jax.ShapeDtypeStruct((kv_splits, n_rows), jnp.float32)]
         out_specs = [pl.BlockSpec((None, n_rows, head_dim), lambda s, i, h: (s, 0, 0)),
                      pl.BlockSpec((None, n_rows), lambda s, i, h: (s, 0))]
     else:
-        out_shape = [jax.ShapeDtypeStruct((n_rows, head_dim), q.dtype)]
+        out_shape = [jax.ShapeDtypeStruct((n_rows, head_dim), out_dtype)]
         out_specs = [whole(n_rows, head_dim)]
         if return_lse:  # each token row's log2-sum-exp beside its output
             out_shape.append(jax.ShapeDtypeStruct((n_rows,), jnp.float32))
             out_specs.append(whole(n_rows))
-    quantized = k_scale is not None
-    scales, scale_specs = (), []
-    if quantized:  # each head's [P*S] scales, whole
-        scales = (k_scale.reshape(num_kv_heads, -1), v_scale.reshape(num_kv_heads, -1))
-        scale_specs = [pl.BlockSpec((None, num_pages * page_size), lambda s, i, h: (h, 0))] * 2
+    scale_specs = [pl.BlockSpec((None, k_slots.shape[1]), lambda s, i, h: (h, 0))] * len(scales)
+    ins = [meta, page_table, q_rows, k_slots, v_slots, *scales]
+    in_specs = [whole(meta.shape[0]), whole(page_table.shape[0]), whole(n_rows, head_dim), per_head, per_head,
+                *scale_specs]
+    aliases = {}
+    if into is not None:  # the other launch's buffers, written in place
+        into = [x for x in into if x is not None]
+        aliases = {len(ins) + i: i for i in range(len(into))}
+        in_specs += out_specs
+        ins += into
     kernel = functools.partial(
-        _ragged_kernel, quantized=quantized, num_blocks=num_blocks, tiles=tiles, group=group,
-        num_q_heads=num_q_heads, page_size=page_size, max_pages=max_pages,
-        num_splits=kv_splits, sm_scale=sm_scale, v_rows=v_rows and quantized)
+        _ragged_kernel, quantized=bool(scales), num_blocks=num_blocks, tiles=tiles, kind=kind, small_q=small_q,
+        aliased=len(aliases), group=group, num_q_heads=num_q_heads, page_size=page_size, max_pages=max_pages,
+        num_splits=kv_splits, sm_scale=sm_scale, v_rows=v_rows)
+    tag = "" if kind is None else f"_{kind}"
     outs = pl.pallas_call(
         kernel,
         grid=(kv_splits, num_blocks, num_kv_heads),  # dim 0 varies fastest on launch
-        in_specs=[whole(num_blocks * _META), whole(num_rows * max_pages), whole(n_rows, head_dim),
-                  per_head, per_head, *scale_specs],
+        in_specs=in_specs,
         out_specs=out_specs,
         out_shape=out_shape,
+        input_output_aliases=aliases,
         compiler_params=common.compiler_params(num_warps, num_stages),
         interpret=interpret,
-        name=f"ragged_paged_attention_bq{block_q}_bkv{tiles[-1][2]}_g{group}_s{kv_splits}",
-    )(meta, page_table.astype(jnp.int32).reshape(-1), q_rows, k_slots, v_slots, *scales)
-    lse = None
+        name=f"ragged_paged_attention_bq{block_q}_bkv{tiles[-1][2]}_g{group}_s{kv_splits}{tag}",
+    )(*ins)
     if split:  # [splits, N*Hq, D], [splits, N*Hq] -> merged (padding rows: all zero)
-        merged = common.merge_splits(*outs, q.dtype, return_lse=return_lse)
-        out, lse = merged if return_lse else (merged, None)
-    else:
-        out, lse = outs if return_lse else (outs[0], None)
-    out = out.reshape(num_tokens, num_q_heads, head_dim)
-    if not return_lse:
-        return out
-    return out, (lse * _LN2).reshape(num_tokens, num_q_heads)  # natural log, -inf: no keys
+        merged = common.merge_splits(*outs, out_dtype, return_lse=return_lse)
+        return merged if return_lse else (merged, None)
+    return (outs[0], outs[1]) if return_lse else (outs[0], None)
+
+
+def _two_launches(call, meta, num_blocks, tiles, *, num_tokens, block_q, kv_splits, return_lse):
+    """``tile_launches=2``: the small tile's blocks (decode rows) in one launch, unsplit, with only that
+    tile's registers (one kernel holding both tiles is sized for the big one), then the big tile's
+    blocks, compacted to the front of their own work list, split-KV as asked.  Unsplit, the second
+    launch writes into the first one's buffers; split, each token's result is taken from its launch."""
+    small_q = tiles[0][1]
+    out, lse = call(meta, num_blocks, tiles=tiles[:1], kind="small", kv_splits=1, return_lse=return_lse)
+    words = meta.reshape(num_blocks, _META)
+    big = words[:, 1] > small_q
+    # big blocks: rows of > small_q tokens (at most N // (small_q + 1), the padding pseudo-row
+    # included), each cut into blocks of block_q tokens
+    n_big = min(num_blocks, num_tokens // block_q + num_tokens // (small_q + 1) + 1)
+    order = jnp.argsort(jnp.logical_not(big), stable=True)[:n_big]  # big blocks first, in order
+    meta_big = jnp.where(big[order][:, None], words[order], 0).reshape(-1)
+    if kv_splits == 1:
+        return call(meta_big, n_big, tiles=tiles[1:], kind="big", kv_splits=1, return_lse=return_lse,
+                    into=(out, lse))
+    out_b, lse_b = call(meta_big, n_big, tiles=tiles[1:], kind="big", kv_splits=kv_splits, return_lse=return_lse)
+    tok = words[:, 0:1] + jnp.arange(small_q, dtype=jnp.int32)[None, :]  # [NB, small_q] tokens of small blocks
+    mine = (~big[:, None]) & (jnp.arange(small_q)[None, :] < words[:, 1:2])
+    small_tok = jnp.zeros((num_tokens,), bool).at[jnp.where(mine, tok, num_tokens)].set(True, mode="drop")
+    rows = jnp.repeat(small_tok, out.shape[0] // num_tokens)  # [N * Hq]
+    out = jnp.where(rows[:, None], out, out_b)
+    return out, (jnp.where(rows, lse, lse_b) if return_lse else None)
 
 
 def ragged_paged_attention(
@@ -362,6 +426,7 @@ def ragged_paged_attention(
     v_scale: jax.Array | None = None,
     v_rows: bool | None = None,
     return_lse: bool = False,
+    tile_launches: int = 1,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:  # [N, Hq, D], q.dtype; padding tokens: zeros
     """Causal attention of a flat batch of decode rows and prefill chunks (see module doc).
     ``return_lse=True`` returns ``(out, lse)``, ``lse [N, Hq] float32`` each query's natural-log
@@ -384,7 +449,10 @@ def ragged_paged_attention(
     The small tile for blocks of at most ``max(1, 16 // G)`` tokens (decode rows) has
     ``max(16, G)`` rows and ``2 * block_kv`` keys per step (``block_kv`` with 3+ stages).
     ``kv_splits``: None = automatic (1 when the grid fills the GPU and in interpret
-    mode), 1 = no split-KV.  Eager calls also check the length values (one host sync).
+    mode), 1 = no split-KV.  ``tile_launches=2`` runs the two tiles' blocks in two launches (the
+    small tile's unsplit, with that tile's registers only; ``kv_splits`` then applies to the big
+    tile's), 1 in one kernel that picks per block.  Eager calls also check the length values (one
+    host sync).
     """
     num_tokens, num_rows, num_q_heads, num_kv_heads, _, page_size, head_dim = (
         check_ragged_inputs(q, k_pages, v_pages, page_table, cu_q_lens, kv_lens, k_scale, v_scale))
@@ -411,12 +479,15 @@ def ragged_paged_attention(
                                        num_q_heads * head_dim * 4)
     if kv_splits < 1:
         common._fail("kv_splits", kv_splits, ">= 1 (1 = no split-KV)")
+    if tile_launches not in (1, 2):
+        common._fail("tile_launches", tile_launches, "1 (one kernel) or 2 (the small and big tiles apart)")
     if num_tokens == 0 or num_rows == 0:
         return _empty(q, return_lse)
     sm_scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else float(sm_scale)
     return _ragged(q, k_pages, v_pages, page_table, cu_q_lens, kv_lens, k_scale, v_scale, sm_scale=sm_scale,
                    block_q=block_q, tiles=tiles, num_warps=num_warps, num_stages=num_stages,
-                   kv_splits=int(kv_splits), interpret=interpret, v_rows=v_rows, return_lse=return_lse)
+                   kv_splits=int(kv_splits), interpret=interpret, v_rows=v_rows, return_lse=return_lse,
+                   tile_launches=int(tile_launches))
 
 
 def _empty(q, return_lse: bool):

@@ -71,9 +71,11 @@
 #      (pytest), then the bare loop at C = 64 and 256 (CONCS) with answers of 64 +- 32 tokens, each mode
 #  25  mixed steps' cascade group bucket: the most their rows can hold (the default) against the smallest warmed one
 #      that holds their groups (INFERSCALE_MIXED_GROUPS=fit), the bare loop at C = 64 and 256 (CONCS), answers 64 +- 32
+#  26  the mixed steps' ragged kernel (INFERSCALE_MIXED_RAGGED): its two-launch form's checks on the GPU (pytest), then
+#      the bare loop at C = 64 and 256 with the default, sp=1 (unsplit), tl=2 (the small tile's blocks apart), both
 #  16  the checkpoint read (models/loader.py: os.preadv into each tensor's array, threads in parallel): the 8B
 #      checkpoint loaded one tensor at a time and eight (bench/tools/weights_load.py; run AL: 14.2 / 12.1 s)
-# Parts 6-10, 16, 18-20 and 23-25 write the 8B checkpoint to /tmp/llama8b first when it is missing (~35 s); it stays out of
+# Parts 6-10, 16, 18-20 and 23-26 write the 8B checkpoint to /tmp/llama8b first when it is missing (~35 s); it stays out of
 # the repository, whose copy on the machine loses files that .gitignore does not cover (bench/NOTES.md, run AH).
 #
 # Each step writes its tables under RESULTS_DIR/<step>/ and its console log to RESULTS_DIR/<step>.log;
@@ -114,7 +116,8 @@ loops_ab() {  # loops_ab VAR PREFIX MODE...: the bare loop at C = $CONCS (64 256
     shift 2
     for conc in ${CONCS:-64 256}; do
         for mode in "$@"; do
-            local name="loop_c${conc}_s32_$prefix$mode"
+            local tag=${mode//[=,]/_}
+            local name="loop_c${conc}_s32_$prefix${tag:-default}"
             (export "$var=$mode"; step_as "$name" 150 bench/tools/profile_host.py --model /tmp/llama8b \
                 --concurrency "$conc" --max-tokens-spread 32 --warm-steps 300 --steps 200 --no-profile --per-call \
                 --out "$res/$name.md")
@@ -302,6 +305,15 @@ case "$part" in
     # C = 64 and 256 with spread answers (most steps mixed)
     ckpt
     loops_ab INFERSCALE_MIXED_GROUPS groups_ max fit
+    ;;
+26)
+    # the mixed steps' ragged kernel (INFERSCALE_MIXED_RAGGED): the default (one kernel, split-KV from the
+    # fewest programs a step's work can make: 4 splits at 128 tokens), unsplit (sp=1), the small tile's
+    # blocks in a launch of their own (tl=2), both; the bare loop at C = 64 and 256, answers 64 +- 32
+    step_as ragged_two_tests 240 -m pytest -q -p no:cacheprovider tests/kernels/test_kernels_ragged.py \
+        tests/core/test_scheduler.py -k "two_tile or kernel_matches_ref or lse_matches or mixed_steps_run or questions_chunks"
+    ckpt
+    loops_ab INFERSCALE_MIXED_RAGGED ragged_ "" sp=1 tl=2 tl=2,sp=1
     ;;
 21)
     step call_args 150 bench/tools/call_args.py

@@ -117,14 +117,17 @@ def test_a_mixed_step_whose_chunks_group_alone_takes_a_bucket_with_room_for_its_
         assert key.ragged and key.groups >= groups, (groups, key)
 
 
-def test_mixed_groups_fit_takes_the_smallest_warmed_group_bucket(monkeypatch):
-    """``INFERSCALE_MIXED_GROUPS=fit``: a mixed step of 64 rows takes the 16-group bucket for up to 16
-    groups and the 64-group one above; both are in the warm-up set, which grows by the fit buckets
-    alone; the default keeps one bucket per token bucket; a bad value is refused by name."""
+@pytest.mark.parametrize("fit", ["", "fit"])
+def test_mixed_groups_fit_takes_the_smallest_warmed_group_bucket(monkeypatch, fit):
+    """The default (``INFERSCALE_MIXED_GROUPS`` unset, or ``fit``): a mixed step of 64 rows takes the
+    16-group bucket for up to 16 groups and the 64-group one above; both are in the warm-up set, which
+    grows by the fit buckets alone; ``max`` keeps one bucket per token bucket; a bad value is refused
+    by name."""
     kw = dict(max_rows=64, max_tokens=2048, max_pages_per_seq=512, min_table_pages=4, num_logprobs=20)
+    monkeypatch.setenv("INFERSCALE_MIXED_GROUPS", "max")
     base = StepBuckets(**kw)
     assert base.key(60, 125, 3, 0, 2, 8).groups == 64 and base.mixed_group_buckets(64) == [64]
-    monkeypatch.setenv("INFERSCALE_MIXED_GROUPS", "fit")
+    monkeypatch.setenv("INFERSCALE_MIXED_GROUPS", fit)
     b = StepBuckets(**kw)
     keys = set(b.all_keys())
     for groups, want in ((1, 16), (8, 16), (16, 16), (17, 64), (32, 64)):
@@ -136,7 +139,7 @@ def test_mixed_groups_fit_takes_the_smallest_warmed_group_bucket(monkeypatch):
     assert extra and all(k.ragged and k.groups == 16 and k.rows >= 34 for k in extra), extra
     assert set(base.all_keys()) <= keys
     monkeypatch.setenv("INFERSCALE_MIXED_GROUPS", "tight")
-    with pytest.raises(ValueError, match="INFERSCALE_MIXED_GROUPS='tight'.*'max', 'fit'"):
+    with pytest.raises(ValueError, match="INFERSCALE_MIXED_GROUPS='tight'.*'fit', 'max'"):
         StepBuckets(**kw)
 
 

@@ -263,7 +263,14 @@ def test_three_segment_groups_in_one_step_equal_cascade_off(impl, monkeypatch):
 
 
 # (impl, INFERSCALE_MIXED_DECODE)
-MIXED_MODES = [("ref", "ragged"), ("pallas", "ragged"), ("ref", "cascade"), ("pallas", "cascade")]
+MIXED_MODES = [("ref", "ragged"), ("pallas", "ragged"), ("ref", "cascade"), ("pallas", "cascade"),
+               ("pallas", "ragged:tl=2,sp=2")]  # (INFERSCALE_MIXED_DECODE[:INFERSCALE_MIXED_RAGGED])
+
+
+def set_mixed_mode(monkeypatch, mode: str) -> None:
+    decode, _, ragged = mode.partition(":")
+    monkeypatch.setenv("INFERSCALE_MIXED_DECODE", decode)
+    monkeypatch.setenv("INFERSCALE_MIXED_RAGGED", ragged)
 
 
 @pytest.mark.parametrize("impl,mode", MIXED_MODES)
@@ -271,8 +278,8 @@ def test_mixed_steps_run_their_decode_rows_through_the_cascade(impl, mode, monke
     """A long prompt prefills chunk by chunk while rows of two segments decode: the mixed steps
     (decode rows + a chunk) read each group's pages once in the same jitted step; tokens and
     log-probs as with cascade off, with the one-token rows in the ragged kernel or in the decode
-    step's cascade kernel (``INFERSCALE_MIXED_DECODE``)."""
-    monkeypatch.setenv("INFERSCALE_MIXED_DECODE", mode)
+    step's cascade kernel (``INFERSCALE_MIXED_DECODE``), the ragged kernel in one launch or two."""
+    set_mixed_mode(monkeypatch, mode)
     def setup(engine):
         engine.register_segment("kb", token_ids=list(range(1, 4 * S + 3)))  # 4 full pages + 2
         engine.register_segment("faq", token_ids=list(range(50, 50 + 2 * S)))  # 2 full pages
@@ -288,8 +295,8 @@ def test_mixed_steps_run_their_decode_rows_through_the_cascade(impl, mode, monke
 
 
 def test_mixed_groups_fit_keeps_tokens_and_logprobs(monkeypatch):
-    """``INFERSCALE_MIXED_GROUPS=fit``: mixed steps of 64 rows over two segments run in the 16-group
-    bucket instead of the 64-group one, with the same tokens and log-probs."""
+    """The default (``INFERSCALE_MIXED_GROUPS=fit``): mixed steps of 64 rows over two segments run in the
+    16-group bucket instead of the 64-group one (``max``), with the same tokens and log-probs."""
     monkeypatch.setattr(scheduler, "CASCADE_MIN_SAVED_TOKENS", 0)
 
     def run():
@@ -304,8 +311,9 @@ def test_mixed_groups_fit_keeps_tokens_and_logprobs(monkeypatch):
         reqs += [dict(prompt_token_ids=list(range(2 + i, 70)), sampling=greedy_lp(2))  # chunks beside the rows:
                  for i in range(4)]  # > 64 tokens a step, a 64-row mixed bucket
         return engine.generate_batch(reqs), {k.groups for k in keys if k.ragged and k.groups}
+    monkeypatch.setenv("INFERSCALE_MIXED_GROUPS", "max")
     want, groups_max = run()
-    monkeypatch.setenv("INFERSCALE_MIXED_GROUPS", "fit")
+    monkeypatch.delenv("INFERSCALE_MIXED_GROUPS")
     got, groups_fit = run()
     assert 64 in groups_max and groups_fit == {16}, (groups_max, groups_fit)  # (max: 32-row steps take 16 too)
     for a, b in zip(got, want):
@@ -320,7 +328,7 @@ def test_questions_chunks_over_a_segment_join_its_cascade_group(impl, mode, monk
     joins the group of its segment's pages (its tokens read them in the shared part, its own in the
     ragged kernel), a prompt over no segment joins none; tokens and log-probs as with cascade off,
     either ``INFERSCALE_MIXED_DECODE``."""
-    monkeypatch.setenv("INFERSCALE_MIXED_DECODE", mode)
+    set_mixed_mode(monkeypatch, mode)
     chunk_members = []
 
     def setup(engine):

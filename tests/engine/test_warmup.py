@@ -256,14 +256,14 @@ def test_serve_first_runs_now_or_idle(monkeypatch):
     assert asked == ["now", "idle"]
 
 
-@pytest.mark.parametrize("mode", ["max", "fit"])
+@pytest.mark.parametrize("mode", ["max", "fit", ""])
 def test_every_bucket_of_the_full_set_has_a_padding_step(monkeypatch, mode):
     """The warm-up compiles a bucket by running a padding step that maps back to it; with
-    ``INFERSCALE_MIXED_GROUPS=fit`` a 64-row mixed step's 64-group bucket needs 17 groups of padding
-    rows (16 fit the 16-group bucket), so every bucket of the ``all`` set must still get one."""
+    ``INFERSCALE_MIXED_GROUPS=fit`` (the default) a 64-row mixed step's 64-group bucket needs 17 groups
+    of padding rows (16 fit the 16-group bucket), so every bucket of the ``all`` set must still get one."""
     monkeypatch.setenv("INFERSCALE_MIXED_GROUPS", mode)
     e = make_engine(pages=128, max_batch=64, max_num_batched_tokens=256, cascade_decode=True)
     keys = e.runner.buckets.warmup_keys("all")
-    assert {k.groups for k in keys if k.ragged and k.shared and k.rows == 64} == ({16, 64} if mode == "fit" else {64})
+    assert {k.groups for k in keys if k.ragged and k.shared and k.rows == 64} == ({64} if mode == "max" else {16, 64})
     missing = [k for k in keys if e.runner._padding_rows(k) is None]
     assert not missing, missing

@@ -259,6 +259,37 @@ def test_kernel_lse_matches_ref(case):
     np.testing.assert_allclose(lse[:n], ref[:n], atol=1e-4 if dtype == jnp.float32 else 2e-2, rtol=1e-5)
 
 
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_two_tile_launches_match_ref(case):
+    """tile_launches=2 (the small tile's blocks in one launch, the big tile's in a second one that
+    writes into the first's buffers, or, split, whose results are picked per token): the output and
+    the log-sum-exps equal the reference's, every token written (unwritten rows are NaN in interpret
+    mode), padding tokens zeros; the one-kernel result beside it agrees."""
+    dtype, Hq, Hkv, D, S, q_lens, cached, pad, kw = CASES[case]
+    args, _ = make_case(q_lens=q_lens, cached=cached, pad=pad, Hq=Hq, Hkv=Hkv, D=D, S=S, dtype=dtype)
+    _, ref = ragged_paged_attention_ref(*args, return_lse=True)
+    n = int(np.asarray(args[4])[-1])
+    for splits in sorted({kw.get("kv_splits", 1), 3}):
+        opts = {**kw, "kv_splits": splits}
+        out, lse = ragged_paged_attention(*args, return_lse=True, tile_launches=2, **opts)
+        check_output(out, args, dtype)
+        lse = np.asarray(lse)
+        assert (lse[n:] == -np.inf).all() and np.isfinite(lse[:n]).all()
+        np.testing.assert_allclose(lse[:n], np.asarray(ref)[:n], atol=1e-4 if dtype == jnp.float32 else 2e-2,
+                                   rtol=1e-5)
+        plain = ragged_paged_attention(*args, tile_launches=2, **opts)
+        np.testing.assert_array_equal(np.asarray(plain.astype(jnp.float32)), np.asarray(out.astype(jnp.float32)))
+        one = ragged_paged_attention(*args, **opts)
+        np.testing.assert_allclose(np.asarray(out.astype(jnp.float32)), np.asarray(one.astype(jnp.float32)),
+                                   **TOL[dtype])
+
+
+def test_two_tile_launches_refused_values():
+    with pytest.raises(ValueError, match="tile_launches"):
+        ragged_paged_attention(*make_case(q_lens=[1, 3], cached=[4, 0], Hq=4, Hkv=2, D=32, S=8,
+                                          dtype=jnp.float32)[0], tile_launches=3)
+
+
 def test_split_kv_equals_unsplit_and_custom_scale():
     args, _ = make_case(q_lens=[16, 1, 2, 0], cached=[90, 31, 200, 3], pad=2, Hq=4, Hkv=1, D=64,
                         S=16, dtype=jnp.float32)
