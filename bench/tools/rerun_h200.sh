@@ -115,10 +115,11 @@ loops_ab() {  # loops_ab VAR PREFIX MODE...: the bare loop at C = $CONCS (64 256
     local var=$1 prefix=$2 conc mode
     shift 2
     for conc in ${CONCS:-64 256}; do
-        for mode in "$@"; do
-            local tag=${mode//[=,]/_}
+        for mode in "$@"; do  # (mode "default": the variable set empty)
+            local tag=${mode//[=,]/_} value=$mode
+            [ "$mode" = default ] && value=
             local name="loop_c${conc}_s32_$prefix${tag:-default}"
-            (export "$var=$mode"; step_as "$name" 150 bench/tools/profile_host.py --model /tmp/llama8b \
+            (export "$var=$value"; step_as "$name" 150 bench/tools/profile_host.py --model /tmp/llama8b \
                 --concurrency "$conc" --max-tokens-spread 32 --warm-steps 300 --steps 200 --no-profile --per-call \
                 --out "$res/$name.md")
         done
@@ -310,10 +311,10 @@ case "$part" in
     # the mixed steps' ragged kernel (INFERSCALE_MIXED_RAGGED): the default (one kernel, split-KV from the
     # fewest programs a step's work can make: 4 splits at 128 tokens), unsplit (sp=1), the small tile's
     # blocks in a launch of their own (tl=2), both; the bare loop at C = 64 and 256, answers 64 +- 32
-    step_as ragged_two_tests 240 -m pytest -q -p no:cacheprovider tests/kernels/test_kernels_ragged.py \
+    [ -n "$SKIP_TESTS" ] || step_as ragged_two_tests 240 -m pytest -q -p no:cacheprovider tests/kernels/test_kernels_ragged.py \
         tests/core/test_scheduler.py -k "two_tile or kernel_matches_ref or lse_matches or mixed_steps_run or questions_chunks"
     ckpt
-    loops_ab INFERSCALE_MIXED_RAGGED ragged_ "" sp=1 tl=2 tl=2,sp=1
+    loops_ab INFERSCALE_MIXED_RAGGED ragged_ ${MODES:-default sp=1 tl=2 tl=2,sp=1}
     ;;
 21)
     step call_args 150 bench/tools/call_args.py
