@@ -311,7 +311,7 @@ case "$part" in
     # the mixed steps' ragged kernel (INFERSCALE_MIXED_RAGGED): the default (one kernel, split-KV from the
     # fewest programs a step's work can make: 4 splits at 128 tokens), unsplit (sp=1), the small tile's
     # blocks in a launch of their own (tl=2), both; the bare loop at C = 64 and 256, answers 64 +- 32
-    [ -n "$SKIP_TESTS" ] || step_as ragged_two_tests 240 -m pytest -q -p no:cacheprovider tests/kernels/test_kernels_ragged.py \
+    [ -n "${SKIP_TESTS:-}" ] || step_as ragged_two_tests 240 -m pytest -q -p no:cacheprovider tests/kernels/test_kernels_ragged.py \
         tests/core/test_scheduler.py -k "two_tile or kernel_matches_ref or lse_matches or mixed_steps_run or questions_chunks"
     ckpt
     loops_ab INFERSCALE_MIXED_RAGGED ragged_ ${MODES:-default sp=1 tl=2 tl=2,sp=1}
