@@ -53,7 +53,7 @@ MIXED_SHARED_KNOBS = dict(br="block_rows", bk="block_kv", w="num_warps", st="num
 
 
 MIXED_RAGGED_KNOBS = dict(bq="block_q", bk="block_kv", w="num_warps", st="num_stages", sp="kv_splits",
-                          tl="tile_launches")
+                          sl="split_longest")
 
 
 def mixed_shared_knobs() -> dict:
@@ -65,14 +65,14 @@ def mixed_shared_knobs() -> dict:
 
 
 def mixed_ragged_knobs() -> dict:
-    """``INFERSCALE_MIXED_RAGGED`` (e.g. ``sp=1,tl=2``): knobs of the ragged kernel in the engine's
-    mixed steps (``pallas_kernels/ragged_attention.py``), by ``MIXED_RAGGED_KNOBS``' short names
-    (``tl``: ``tile_launches``, 1 or 2); unset: none.  An A/B switch for the benchmarks (bench/NOTES.md)."""
+    """``INFERSCALE_MIXED_RAGGED`` (e.g. ``sp=1`` or ``sl=1``): knobs of the ragged kernel in the
+    engine's mixed steps (``pallas_kernels/ragged_attention.py``), by ``MIXED_RAGGED_KNOBS``' short
+    names (``sl=1``: ``split_longest``); unset: none.  An A/B switch for the benchmarks (bench/NOTES.md)."""
     knobs = _knobs("INFERSCALE_MIXED_RAGGED", MIXED_RAGGED_KNOBS, tiles=dict(bq=1, bk=MIN_DOT_DIM))
-    if knobs.get("tile_launches", 1) not in (1, 2):
-        raise ValueError(f"INFERSCALE_MIXED_RAGGED: tl={knobs['tile_launches']} is invalid: use tl=1 (one kernel) "
-                         "or tl=2 (the small and big tiles in two launches)")
-    return knobs
+    if knobs.get("split_longest", 1) != 1:
+        raise ValueError(f"INFERSCALE_MIXED_RAGGED: sl={knobs['split_longest']} is invalid: use sl=1 (split only "
+                         "the blocks that see the most keys) or leave it out (split every block)")
+    return {k: bool(v) if k == "split_longest" else v for k, v in knobs.items()}
 
 
 def _knobs(var: str, table: dict, tiles) -> dict:

@@ -63,6 +63,18 @@ split ``kv_splits`` ways; the kernel then writes fp32 partial outputs plus a log
 epilogue merges them.  ``kv_splits=None`` picks about two programs per SM, at least
 ``_MIN_SPLIT_KEYS`` keys of capacity per split, bounded partial buffers; 1 in interpret mode.
 
+That count is sized for one long chunk, but a step of many short rows pays for it too: every
+block's programs run ``kv_splits`` times (the extra ones on empty ranges), every row is written as
+fp32 partials and merged (run AT, bench/NOTES.md: a 64-row mixed step of ~100 private keys a row,
+split 4 ways, was 0.49 ms slower than unsplit on an H100).  ``split_longest=True`` splits only the
+blocks that need it: the ``cdiv(N, block_q) + 1`` blocks that see the most keys (as many as one
+chunk of all N tokens makes), each only if past ``_LONG_KEYS``; ``_split_plan`` builds the work
+list (every block once, then those blocks' extra splits) and a route per program (split, slot).
+A block run whole stores its final rows; a split block stores its splits' partials in compact
+buffers (``slots x Hkv x rows of the big tile`` per split), and a second small launch
+(``_merge_kernel``, grid (slot, kv head)) merges them into the first launch's output in place.  A
+step with no long block then costs the unsplit kernel plus two nearly empty launches.
+
 ``ragged_paged_attention_ref`` is the pure-jnp reference (each token gathers its row's pages
 densely, fp32 softmax); both call :func:`check_ragged_inputs`.
 """
@@ -87,6 +99,7 @@ _MIN_SPLIT_KEYS = 256  # kv_splits=None: at least this much KV capacity per spli
 _SPLITS_PER_SM = 2  # kv_splits=None: aim for about this many programs per SM
 _MAX_PARTIAL_BYTES = 8 << 20  # kv_splits=None: fp32 partials <= 8 MiB (their write + merge ~4 us)
 _META = 5  # int32 words per query block: tok0, count, pos0, kv_len, page-table offset
+_LONG_KEYS = 2 * _MIN_SPLIT_KEYS  # split_longest: a block that sees more keys than this is worth splitting
 _REF_CHUNK_BYTES = 1 << 25  # the reference gathers K/V for this many bytes of tokens at once (32 MiB: the
 # engine runs it on the CPU, where the allocator keeps its high-water mark as resident memory)
 
@@ -182,11 +195,14 @@ def _block_meta(cu_q_lens, kv_lens, *, num_tokens, num_blocks, block_q, max_page
     return jnp.stack(meta, axis=1).reshape(-1)
 
 
-def _attend(meta, page_table_ref, q_ref, k_ref, v_ref, o_ref, lse_refs, scale_refs, tile, *, group,
+def _attend(meta, page_table_ref, q_ref, k_ref, v_ref, store, scale_refs, tile, *, group,
             num_q_heads, page_size, max_pages, num_splits, sm_scale, v_rows):
-    """One program's attention with one static tile: (rows, block_q, block_kv, prefetch)."""
+    """One program's attention with one static tile: (rows, block_q, block_kv, prefetch).  ``meta``:
+    the block's five words, then this program's split, kv head and the block's split count (``<=
+    num_splits``, traced: 1 runs the block whole); ``store(r, row_ids, out, lse2)`` writes the
+    normalised output rows and their log2-sum-exps (tile row ``r`` is query row ``row_ids``)."""
     rows, block_q, block_kv, prefetch = tile
-    tok0, cnt, pos0, kv_len, pt_off, split, head = meta
+    tok0, cnt, pos0, kv_len, pt_off, split, head, splits = meta
     r = jnp.minimum(jnp.arange(rows, dtype=jnp.int32), block_q * group - 1)  # [M]
     t = jnp.minimum(lax.div(r, group), cnt - 1)  # [M] token within the block (clamped)
     row_ids = (tok0 + t) * num_q_heads + head * group + lax.rem(r, group)  # [M]
@@ -199,7 +215,7 @@ def _attend(meta, page_table_ref, q_ref, k_ref, v_ref, o_ref, lse_refs, scale_re
     if num_splits == 1:
         lo, hi = 0, n_total
     else:
-        per = lax.div(n_total + num_splits - 1, num_splits)
+        per = lax.div(n_total + splits - 1, splits)
         lo = jnp.minimum(split * per, n_total)
         hi = jnp.minimum(lo + per, n_total)
     scale = sm_scale * _LOG2E  # log2 domain: exp(x) == exp2(x * log2(e))
@@ -254,36 +270,35 @@ def _attend(meta, page_table_ref, q_ref, k_ref, v_ref, o_ref, lse_refs, scale_re
     acc, m, l = lax.fori_loop(mid, hi, functools.partial(body, masked=True), carry)[:3]
 
     valid = l > 0  # l == 0: no keys in this block / split (padding tokens, empty splits)
-    out = acc / jnp.where(valid, l, 1.0)[:, None]
-    o_ref[row_ids, :] = jnp.where(valid[:, None], out, 0.0).astype(o_ref.dtype)
-    if lse_refs:
-        lse_refs[0][row_ids] = jnp.where(valid, m + jnp.log2(jnp.where(valid, l, 1.0)), -jnp.inf)
+    out = jnp.where(valid[:, None], acc / jnp.where(valid, l, 1.0)[:, None], 0.0)
+    store(r, row_ids, out, jnp.where(valid, m + jnp.log2(jnp.where(valid, l, 1.0)), -jnp.inf))
 
 
-def _ragged_kernel(meta_ref, page_table_ref, q_ref, k_ref, v_ref, *refs, quantized, num_blocks, tiles, kind,
-                   small_q, aliased, **kw):
+def _ragged_kernel(meta_ref, page_table_ref, q_ref, k_ref, v_ref, *refs, quantized, num_blocks, tiles, **kw):
     """meta_ref [NB * 5] int32; page_table_ref [R * max_pages]; q_ref / o_ref [N * Hq, D];
     k_ref / v_ref [P * S, D] (this kv head); refs: (ks_ref, vs_ref [P * S] fp32 when quantized),
-    ``aliased`` refs (the output buffers passed in again: another launch wrote their other rows),
     o_ref, then () or (lse [N * Hq] fp32, log2-sum-exp) when split or asked for (``return_lse``).
-    ``kind``: None (every block; with two tiles the block's token count picks one), "small" (only
-    blocks of at most ``small_q`` tokens) or "big" (only the others): one launch of ``tile_launches=2``."""
-    scale_refs, refs = (refs[:2], refs[2:]) if quantized else ((), refs)
-    o_ref, *lse_refs = refs[aliased:]
+    Grid (split, block, kv head): every block's KV range cut in ``num_splits`` runs."""
+    scale_refs, (o_ref, *lse_refs) = (refs[:2], refs[2:]) if quantized else ((), refs)
     blk = num_blocks - 1 - pl.program_id(1)  # last blocks (longest loops) first
     # program ids are read here, outside the cond (interpret mode cannot read them inside)
     meta = tuple(meta_ref[blk * _META + i] for i in range(_META))
-    meta += (pl.program_id(0), pl.program_id(2))  # split, kv head
-    cnt = meta[1]
-    attend = functools.partial(_attend, meta, page_table_ref, q_ref, k_ref, v_ref, o_ref,
-                               lse_refs, scale_refs, **kw)
-    run = cnt > 0
-    if kind == "small":
-        run = run & (cnt <= small_q)
-    elif kind == "big":
-        run = run & (cnt > small_q)
+    meta += (pl.program_id(0), pl.program_id(2), kw["num_splits"])  # split, kv head, split count
 
-    @pl.when(run)
+    def store(r, row_ids, out, lse2):
+        o_ref[row_ids, :] = out.astype(o_ref.dtype)
+        if lse_refs:
+            lse_refs[0][row_ids] = lse2
+
+    _run_tiles(meta, tiles, functools.partial(_attend, meta, page_table_ref, q_ref, k_ref, v_ref, store,
+                                              scale_refs, **kw))
+
+
+def _run_tiles(meta, tiles, attend):
+    """Run ``attend(tile)`` for a block with tokens: its one tile, or (small, big) by its token count."""
+    cnt = meta[1]
+
+    @pl.when(cnt > 0)
     def _():
         if len(tiles) == 1:
             attend(tiles[0])
@@ -291,11 +306,94 @@ def _ragged_kernel(meta_ref, page_table_ref, q_ref, k_ref, v_ref, *refs, quantiz
             lax.cond(cnt <= tiles[0][1], lambda: attend(tiles[0]), lambda: attend(tiles[1]))
 
 
+def _longest_kernel(meta_ref, route_ref, page_table_ref, q_ref, k_ref, v_ref, *refs, quantized, num_blocks, tiles,
+                    slots, part_rows, return_lse, **kw):
+    """``split_longest``: grid (program, kv head) over the work list of every block plus ``num_splits
+    - 1`` more programs for each of the ``slots`` split blocks; ``route_ref [programs * 2]``: (split,
+    slot) - slot -1: the block runs whole and writes its rows of o_ref (and lse); else its split's
+    normalised partial and log2-sum-exp go to the compact buffers at row ``((split * slots + slot) *
+    Hkv + head) * part_rows + tile row`` for ``_merge_kernel``."""
+    scale_refs, refs = (refs[:2], refs[2:]) if quantized else ((), refs)
+    o_ref, *lse_refs = refs[:2] if return_lse else refs[:1]
+    op_ref, lp_ref = refs[-2:]
+    p = num_blocks - 1 - pl.program_id(0)  # the extra splits (end of the list) first
+    meta = tuple(meta_ref[p * _META + i] for i in range(_META))
+    split, slot, head = route_ref[2 * p], route_ref[2 * p + 1], pl.program_id(1)
+    meta += (split, head, jnp.where(slot >= 0, kw["num_splits"], 1))
+    num_kv_heads = kw["num_q_heads"] // kw["group"]
+
+    def store(r, row_ids, out, lse2):
+        @pl.when(slot < 0)
+        def _():
+            o_ref[row_ids, :] = out.astype(o_ref.dtype)
+            if lse_refs:
+                lse_refs[0][row_ids] = lse2
+
+        @pl.when(slot >= 0)
+        def _():
+            at = ((split * slots + slot) * num_kv_heads + head) * part_rows + r
+            op_ref[at, :] = out
+            lp_ref[at] = lse2
+
+    _run_tiles(meta, tiles, functools.partial(_attend, meta, page_table_ref, q_ref, k_ref, v_ref, store,
+                                              scale_refs, **kw))
+
+
+def _merge_kernel(meta_ref, op_ref, lp_ref, *refs, slots, num_splits, part_rows, group, num_q_heads, small_q,
+                  block_q, return_lse):
+    """``split_longest``'s merge, grid (slot, kv head): a split block's ``num_splits`` partials (compact
+    rows, as ``_longest_kernel`` wrote them) merged by their log2-sum-exps into its rows of o_ref (and
+    lse), which alias the first launch's outputs; an empty slot (no tokens) does nothing."""
+    o_ref, *lse_refs = refs[len(refs) // 2:]  # (the aliased inputs come first)
+    j, head = pl.program_id(0), pl.program_id(1)
+    tok0, cnt = meta_ref[j * _META], meta_ref[j * _META + 1]
+    num_kv_heads = num_q_heads // group
+
+    @pl.when(cnt > 0)
+    def _():
+        last = jnp.where(cnt <= small_q, small_q, block_q) * group - 1  # the tile's last row
+        r = jnp.minimum(jnp.arange(part_rows, dtype=jnp.int32), last)
+        t = jnp.minimum(lax.div(r, group), cnt - 1)
+        row_ids = (tok0 + t) * num_q_heads + head * group + lax.rem(r, group)
+        at = [((s * slots + j) * num_kv_heads + head) * part_rows + r for s in range(num_splits)]
+        lses = [lp_ref[a] for a in at]
+        top = functools.reduce(jnp.maximum, lses)
+        shift = jnp.where(jnp.isfinite(top), top, 0.0)
+        ws = [jnp.exp2(x - shift) for x in lses]  # an empty split: 0
+        den = functools.reduce(jnp.add, ws)
+        acc = functools.reduce(jnp.add, [w[:, None] * op_ref[a, :] for w, a in zip(ws, at)])
+        o_ref[row_ids, :] = (acc / jnp.where(den > 0, den, 1.0)[:, None]).astype(o_ref.dtype)
+        if return_lse:
+            lse_refs[0][row_ids] = jnp.where(den > 0, shift + jnp.log2(jnp.where(den > 0, den, 1.0)), -jnp.inf)
+
+
+def _split_plan(meta, *, num_blocks, slots, num_splits):
+    """``split_longest``'s work list (jnp): the ``slots`` blocks of the most visible keys, those past
+    ``_LONG_KEYS`` of them, are split ``num_splits`` ways; the others run whole.  Returns (meta of
+    the blocks then each split block's extra splits ``[(NB + slots * (splits - 1)) * 5]``, route
+    ``[same programs * 2]`` (split, slot or -1), the split blocks' words ``[slots * 5]``, zero words
+    for a slot left empty)."""
+    words = meta.reshape(num_blocks, _META)
+    cnt = words[:, 1]
+    keys = jnp.where(cnt > 0, jnp.minimum(words[:, 2] + cnt, words[:, 3]), -1)  # keys the block sees
+    top, idx = lax.top_k(keys, slots)
+    chosen = top > _LONG_KEYS
+    slot = jnp.where(chosen, jnp.arange(slots, dtype=jnp.int32), -1)
+    slot_of = jnp.full((num_blocks,), -1, jnp.int32).at[idx].set(slot)
+    split_words = jnp.where(chosen[:, None], words[idx], 0)  # [slots, 5]
+    more = num_splits - 1
+    extra = jnp.repeat(split_words, more, axis=0)  # slot j's splits 1 .. num_splits - 1
+    route = jnp.concatenate([
+        jnp.stack([jnp.zeros((num_blocks,), jnp.int32), slot_of], axis=1),
+        jnp.stack([1 + jnp.arange(slots * more, dtype=jnp.int32) % more, jnp.repeat(slot, more)], axis=1)])
+    return jnp.concatenate([words, extra]).reshape(-1), route.reshape(-1), split_words.reshape(-1)
+
+
 @functools.partial(jax.jit, static_argnames=(
     "sm_scale", "block_q", "tiles", "num_warps", "num_stages", "kv_splits", "interpret", "v_rows", "return_lse",
-    "tile_launches"))
+    "split_longest"))
 def _ragged(q, k_pages, v_pages, page_table, cu_q_lens, kv_lens, k_scale, v_scale, *, sm_scale, block_q, tiles,
-            num_warps, num_stages, kv_splits, interpret, v_rows, return_lse=False, tile_launches=1):
+            num_warps, num_stages, kv_splits, interpret, v_rows, return_lse=False, split_longest=False):
     num_tokens, num_q_heads, head_dim = q.shape  # [N, Hq, D]
     num_kv_heads, num_pages, page_size, _ = k_pages.shape  # [Hkv, P, S, D]
     num_rows, max_pages = page_table.shape  # [R, max_pages]
@@ -304,40 +402,45 @@ def _ragged(q, k_pages, v_pages, page_table, cu_q_lens, kv_lens, k_scale, v_scal
     meta = _block_meta(cu_q_lens, kv_lens, num_tokens=num_tokens, num_blocks=num_blocks,
                        block_q=block_q, max_pages=max_pages, capacity=max_pages * page_size)
     n_rows = num_tokens * num_q_heads
+    q_rows = q.reshape(n_rows, head_dim)  # free
+    k_slots = k_pages.reshape(num_kv_heads, num_pages * page_size, head_dim)  # free
+    v_slots = v_pages.reshape(num_kv_heads, num_pages * page_size, head_dim)
+    page_table = page_table.astype(jnp.int32).reshape(-1)
     quantized = k_scale is not None
     scales = ()
     if quantized:  # each head's [P*S] scales, whole
         scales = (k_scale.reshape(num_kv_heads, -1), v_scale.reshape(num_kv_heads, -1))
-    call = functools.partial(
-        _launch, page_table.astype(jnp.int32).reshape(-1), q.reshape(n_rows, head_dim),  # (free reshapes)
-        k_pages.reshape(num_kv_heads, num_pages * page_size, head_dim),
-        v_pages.reshape(num_kv_heads, num_pages * page_size, head_dim), scales,
-        group=group, num_q_heads=num_q_heads, page_size=page_size, max_pages=max_pages, sm_scale=sm_scale,
-        v_rows=v_rows and quantized, block_q=block_q, num_warps=num_warps, num_stages=num_stages,
-        interpret=interpret, out_dtype=q.dtype, small_q=tiles[0][1])
-    if tile_launches == 2 and len(tiles) == 2:
-        out, lse = _two_launches(call, meta, num_blocks, tiles, num_tokens=num_tokens, block_q=block_q,
-                                 kv_splits=kv_splits, return_lse=return_lse)
+    kw = dict(quantized=quantized, tiles=tiles, group=group, num_q_heads=num_q_heads, page_size=page_size,
+              max_pages=max_pages, num_splits=kv_splits, sm_scale=sm_scale, v_rows=v_rows and quantized)
+    name = f"ragged_paged_attention_bq{block_q}_bkv{tiles[-1][2]}_g{group}_s{kv_splits}"
+    params = common.compiler_params(num_warps, num_stages)
+    if split_longest and kv_splits > 1:
+        out, lse = _ragged_longest(meta, page_table, q_rows, k_slots, v_slots, scales, kw, num_blocks=num_blocks,
+                                   block_q=block_q, out_dtype=q.dtype, return_lse=return_lse, name=name,
+                                   params=params, interpret=interpret)
     else:
-        out, lse = call(meta, num_blocks, tiles=tiles, kind=None, kv_splits=kv_splits, return_lse=return_lse)
+        out, lse = _ragged_all(meta, page_table, q_rows, k_slots, v_slots, scales, kw, num_blocks=num_blocks,
+                               out_dtype=q.dtype, return_lse=return_lse, name=name, params=params,
+                               interpret=interpret)
     out = out.reshape(num_tokens, num_q_heads, head_dim)
     if not return_lse:
         return out
     return out, (lse * _LN2).reshape(num_tokens, num_q_heads)  # natural log, -inf: no keys
 
 
-def _launch(page_table, q_rows, k_slots, v_slots, scales, meta, num_blocks, *, tiles, kind, kv_splits, return_lse,
-            into=None, group, num_q_heads, page_size, max_pages, sm_scale, v_rows, block_q, num_warps, num_stages,
-            interpret, out_dtype, small_q):
-    """One pallas_call over the work list ``meta`` (``num_blocks`` blocks, the blocks of ``kind``):
-    ``(out [N * Hq, D] in out_dtype, lse [N * Hq] log2 or None)``, split-KV partials merged.
-    ``into``: (out, lse) a launch before wrote; this one writes its own rows into the same buffers
-    (unsplit only)."""
+def _whole(*shape):
+    return pl.BlockSpec(shape, lambda *_: (0,) * len(shape))
+
+
+def _ragged_all(meta, page_table, q_rows, k_slots, v_slots, scales, kw, *, num_blocks, out_dtype, return_lse, name,
+                params, interpret):
+    """Every block's KV range split ``kv_splits`` ways (1: unsplit): grid (split, block, kv head), the
+    splits' fp32 partials merged in jnp.  Returns (out [N * Hq, D], log2 lse [N * Hq] or None)."""
     n_rows, head_dim = q_rows.shape
-    num_kv_heads = k_slots.shape[0]
+    num_kv_heads, num_slots, _ = k_slots.shape
+    kv_splits = kw["num_splits"]
     split = kv_splits > 1
-    whole = lambda *shape: pl.BlockSpec(shape, lambda s, i, h: (0,) * len(shape))
-    per_head = pl.BlockSpec((None,) + k_slots.shape[1:], lambda s, i, h: (h, 0, 0))
+    per_head = pl.BlockSpec((None, num_slots, head_dim), lambda s, i, h: (h, 0, 0))
     if split:
         out_shape = [jax.ShapeDtypeStruct((kv_splits, n_rows, head_dim), jnp.float32),
                      jax.ShapeDtypeStruct((kv_splits, n_rows), jnp.float32)]
@@ -345,66 +448,80 @@ def _launch(page_table, q_rows, k_slots, v_slots, scales, meta, num_blocks, *, t
                      pl.BlockSpec((None, n_rows), lambda s, i, h: (s, 0))]
     else:
         out_shape = [jax.ShapeDtypeStruct((n_rows, head_dim), out_dtype)]
-        out_specs = [whole(n_rows, head_dim)]
+        out_specs = [_whole(n_rows, head_dim)]
         if return_lse:  # each token row's log2-sum-exp beside its output
             out_shape.append(jax.ShapeDtypeStruct((n_rows,), jnp.float32))
-            out_specs.append(whole(n_rows))
-    scale_specs = [pl.BlockSpec((None, k_slots.shape[1]), lambda s, i, h: (h, 0))] * len(scales)
-    ins = [meta, page_table, q_rows, k_slots, v_slots, *scales]
-    in_specs = [whole(meta.shape[0]), whole(page_table.shape[0]), whole(n_rows, head_dim), per_head, per_head,
-                *scale_specs]
-    aliases = {}
-    if into is not None:  # the other launch's buffers, written in place
-        into = [x for x in into if x is not None]
-        aliases = {len(ins) + i: i for i in range(len(into))}
-        in_specs += out_specs
-        ins += into
-    kernel = functools.partial(
-        _ragged_kernel, quantized=bool(scales), num_blocks=num_blocks, tiles=tiles, kind=kind, small_q=small_q,
-        aliased=len(aliases), group=group, num_q_heads=num_q_heads, page_size=page_size, max_pages=max_pages,
-        num_splits=kv_splits, sm_scale=sm_scale, v_rows=v_rows)
-    tag = "" if kind is None else f"_{kind}"
+            out_specs.append(_whole(n_rows))
+    scale_specs = [pl.BlockSpec((None, num_slots), lambda s, i, h: (h, 0))] * len(scales)
     outs = pl.pallas_call(
-        kernel,
+        functools.partial(_ragged_kernel, num_blocks=num_blocks, **kw),
         grid=(kv_splits, num_blocks, num_kv_heads),  # dim 0 varies fastest on launch
-        in_specs=in_specs,
+        in_specs=[_whole(num_blocks * _META), _whole(page_table.shape[0]), _whole(n_rows, head_dim),
+                  per_head, per_head, *scale_specs],
         out_specs=out_specs,
         out_shape=out_shape,
-        input_output_aliases=aliases,
-        compiler_params=common.compiler_params(num_warps, num_stages),
+        compiler_params=params,
         interpret=interpret,
-        name=f"ragged_paged_attention_bq{block_q}_bkv{tiles[-1][2]}_g{group}_s{kv_splits}{tag}",
-    )(*ins)
+        name=name,
+    )(meta, page_table, q_rows, k_slots, v_slots, *scales)
     if split:  # [splits, N*Hq, D], [splits, N*Hq] -> merged (padding rows: all zero)
         merged = common.merge_splits(*outs, out_dtype, return_lse=return_lse)
         return merged if return_lse else (merged, None)
     return (outs[0], outs[1]) if return_lse else (outs[0], None)
 
 
-def _two_launches(call, meta, num_blocks, tiles, *, num_tokens, block_q, kv_splits, return_lse):
-    """``tile_launches=2``: the small tile's blocks (decode rows) in one launch, unsplit, with only that
-    tile's registers (one kernel holding both tiles is sized for the big one), then the big tile's
-    blocks, compacted to the front of their own work list, split-KV as asked.  Unsplit, the second
-    launch writes into the first one's buffers; split, each token's result is taken from its launch."""
-    small_q = tiles[0][1]
-    out, lse = call(meta, num_blocks, tiles=tiles[:1], kind="small", kv_splits=1, return_lse=return_lse)
-    words = meta.reshape(num_blocks, _META)
-    big = words[:, 1] > small_q
-    # big blocks: rows of > small_q tokens (at most N // (small_q + 1), the padding pseudo-row
-    # included), each cut into blocks of block_q tokens
-    n_big = min(num_blocks, num_tokens // block_q + num_tokens // (small_q + 1) + 1)
-    order = jnp.argsort(jnp.logical_not(big), stable=True)[:n_big]  # big blocks first, in order
-    meta_big = jnp.where(big[order][:, None], words[order], 0).reshape(-1)
-    if kv_splits == 1:
-        return call(meta_big, n_big, tiles=tiles[1:], kind="big", kv_splits=1, return_lse=return_lse,
-                    into=(out, lse))
-    out_b, lse_b = call(meta_big, n_big, tiles=tiles[1:], kind="big", kv_splits=kv_splits, return_lse=return_lse)
-    tok = words[:, 0:1] + jnp.arange(small_q, dtype=jnp.int32)[None, :]  # [NB, small_q] tokens of small blocks
-    mine = (~big[:, None]) & (jnp.arange(small_q)[None, :] < words[:, 1:2])
-    small_tok = jnp.zeros((num_tokens,), bool).at[jnp.where(mine, tok, num_tokens)].set(True, mode="drop")
-    rows = jnp.repeat(small_tok, out.shape[0] // num_tokens)  # [N * Hq]
-    out = jnp.where(rows[:, None], out, out_b)
-    return out, (jnp.where(rows, lse, lse_b) if return_lse else None)
+def _ragged_longest(meta, page_table, q_rows, k_slots, v_slots, scales, kw, *, num_blocks, block_q, out_dtype,
+                    return_lse, name, params, interpret):
+    """``split_longest``: only the few blocks that see the most keys (``_split_plan``) are split; every
+    other block runs whole and writes its final rows, so a step of short rows pays no partial buffers
+    and no merge pass over them.  Two launches: the attention (grid (program, kv head), the split
+    blocks' partials in compact buffers), then ``_merge_kernel`` over the split blocks' rows, in place.
+    Returns (out [N * Hq, D], log2 lse [N * Hq] or None)."""
+    n_rows, head_dim = q_rows.shape
+    num_kv_heads, num_slots, _ = k_slots.shape
+    num_tokens = n_rows // kw["num_q_heads"]
+    kv_splits, tiles = kw["num_splits"], kw["tiles"]
+    # as many split blocks as one chunk of all N tokens makes (the case split-KV is sized for)
+    slots = min(num_blocks, pl.cdiv(num_tokens, block_q) + 1)
+    part_rows = tiles[-1][0]  # the biggest tile's rows
+    work, route, split_words = _split_plan(meta, num_blocks=num_blocks, slots=slots, num_splits=kv_splits)
+    programs = num_blocks + slots * (kv_splits - 1)
+    part = slots * num_kv_heads * part_rows * kv_splits
+    per_head = pl.BlockSpec((None, num_slots, head_dim), lambda p, h: (h, 0, 0))
+    out_shape = [jax.ShapeDtypeStruct((n_rows, head_dim), out_dtype)]
+    out_specs = [_whole(n_rows, head_dim)]
+    if return_lse:
+        out_shape.append(jax.ShapeDtypeStruct((n_rows,), jnp.float32))
+        out_specs.append(_whole(n_rows))
+    out_shape += [jax.ShapeDtypeStruct((part, head_dim), jnp.float32), jax.ShapeDtypeStruct((part,), jnp.float32)]
+    out_specs += [_whole(part, head_dim), _whole(part)]
+    scale_specs = [pl.BlockSpec((None, num_slots), lambda p, h: (h, 0))] * len(scales)
+    *outs, o_part, lse_part = pl.pallas_call(
+        functools.partial(_longest_kernel, num_blocks=programs, slots=slots, part_rows=part_rows,
+                          return_lse=return_lse, **kw),
+        grid=(programs, num_kv_heads),
+        in_specs=[_whole(programs * _META), _whole(programs * 2), _whole(page_table.shape[0]),
+                  _whole(n_rows, head_dim), per_head, per_head, *scale_specs],
+        out_specs=out_specs,
+        out_shape=out_shape,
+        compiler_params=params,
+        interpret=interpret,
+        name=name + "_sl",
+    )(work, route, page_table, q_rows, k_slots, v_slots, *scales)
+    outs = pl.pallas_call(
+        functools.partial(_merge_kernel, slots=slots, num_splits=kv_splits, part_rows=part_rows, group=kw["group"],
+                          num_q_heads=kw["num_q_heads"], small_q=tiles[0][1], block_q=tiles[-1][1],
+                          return_lse=return_lse),
+        grid=(slots, num_kv_heads),
+        in_specs=[_whole(slots * _META), _whole(part, head_dim), _whole(part)] + out_specs[:len(outs)],
+        out_specs=out_specs[:len(outs)],
+        out_shape=out_shape[:len(outs)],
+        input_output_aliases={3 + i: i for i in range(len(outs))},
+        compiler_params=common.compiler_params(4, 1),
+        interpret=interpret,
+        name=f"ragged_merge_s{kv_splits}",
+    )(split_words, o_part, lse_part, *outs)
+    return (outs[0], outs[1]) if return_lse else (outs[0], None)
 
 
 def ragged_paged_attention(
@@ -426,7 +543,7 @@ def ragged_paged_attention(
     v_scale: jax.Array | None = None,
     v_rows: bool | None = None,
     return_lse: bool = False,
-    tile_launches: int = 1,
+    split_longest: bool = False,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:  # [N, Hq, D], q.dtype; padding tokens: zeros
     """Causal attention of a flat batch of decode rows and prefill chunks (see module doc).
     ``return_lse=True`` returns ``(out, lse)``, ``lse [N, Hq] float32`` each query's natural-log
@@ -449,10 +566,10 @@ def ragged_paged_attention(
     The small tile for blocks of at most ``max(1, 16 // G)`` tokens (decode rows) has
     ``max(16, G)`` rows and ``2 * block_kv`` keys per step (``block_kv`` with 3+ stages).
     ``kv_splits``: None = automatic (1 when the grid fills the GPU and in interpret
-    mode), 1 = no split-KV.  ``tile_launches=2`` runs the two tiles' blocks in two launches (the
-    small tile's unsplit, with that tile's registers only; ``kv_splits`` then applies to the big
-    tile's), 1 in one kernel that picks per block.  Eager calls also check the length values (one
-    host sync).
+    mode), 1 = no split-KV.  ``split_longest=True`` splits only the blocks that see the most keys
+    (as many as one chunk of all ``N`` tokens makes, each past ``_LONG_KEYS``) and runs the others
+    whole, with no partial buffers for them (module docstring).  Eager calls also check the length
+    values (one host sync).
     """
     num_tokens, num_rows, num_q_heads, num_kv_heads, _, page_size, head_dim = (
         check_ragged_inputs(q, k_pages, v_pages, page_table, cu_q_lens, kv_lens, k_scale, v_scale))
@@ -479,15 +596,13 @@ def ragged_paged_attention(
                                        num_q_heads * head_dim * 4)
     if kv_splits < 1:
         common._fail("kv_splits", kv_splits, ">= 1 (1 = no split-KV)")
-    if tile_launches not in (1, 2):
-        common._fail("tile_launches", tile_launches, "1 (one kernel) or 2 (the small and big tiles apart)")
     if num_tokens == 0 or num_rows == 0:
         return _empty(q, return_lse)
     sm_scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else float(sm_scale)
     return _ragged(q, k_pages, v_pages, page_table, cu_q_lens, kv_lens, k_scale, v_scale, sm_scale=sm_scale,
                    block_q=block_q, tiles=tiles, num_warps=num_warps, num_stages=num_stages,
                    kv_splits=int(kv_splits), interpret=interpret, v_rows=v_rows, return_lse=return_lse,
-                   tile_launches=int(tile_launches))
+                   split_longest=bool(split_longest))
 
 
 def _empty(q, return_lse: bool):

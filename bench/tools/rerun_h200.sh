@@ -72,7 +72,8 @@
 #  25  mixed steps' cascade group bucket: the most their rows can hold (the default) against the smallest warmed one
 #      that holds their groups (INFERSCALE_MIXED_GROUPS=fit), the bare loop at C = 64 and 256 (CONCS), answers 64 +- 32
 #  26  the mixed steps' ragged kernel (INFERSCALE_MIXED_RAGGED): its two-launch form's checks on the GPU (pytest), then
-#      the bare loop at C = 64 and 256 with the default, sp=1 (unsplit), tl=2 (the small tile's blocks apart), both
+#      the bare loop at C = 64 and 256 with the default, sp=1 (unsplit), sl=1 (only the blocks that see the most keys
+#      split: the rest unsplit, no partials for them)
 #  16  the checkpoint read (models/loader.py: os.preadv into each tensor's array, threads in parallel): the 8B
 #      checkpoint loaded one tensor at a time and eight (bench/tools/weights_load.py; run AL: 14.2 / 12.1 s)
 # Parts 6-10, 16, 18-20 and 23-26 write the 8B checkpoint to /tmp/llama8b first when it is missing (~35 s); it stays out of
@@ -308,13 +309,13 @@ case "$part" in
     loops_ab INFERSCALE_MIXED_GROUPS groups_ max fit
     ;;
 26)
-    # the mixed steps' ragged kernel (INFERSCALE_MIXED_RAGGED): the default (one kernel, split-KV from the
-    # fewest programs a step's work can make: 4 splits at 128 tokens), unsplit (sp=1), the small tile's
-    # blocks in a launch of their own (tl=2), both; the bare loop at C = 64 and 256, answers 64 +- 32
+    # the mixed steps' ragged kernel (INFERSCALE_MIXED_RAGGED): the default (split-KV from the fewest programs a
+    # step's work can make: every block split 4 ways at 128 tokens), unsplit (sp=1), only the blocks that see the
+    # most keys split (sl=1); the bare loop at C = 64 and 256, answers 64 +- 32 (C = 256's default is unsplit)
     [ -n "${SKIP_TESTS:-}" ] || step_as ragged_two_tests 240 -m pytest -q -p no:cacheprovider tests/kernels/test_kernels_ragged.py \
-        tests/core/test_scheduler.py -k "two_tile or kernel_matches_ref or lse_matches or mixed_steps_run or questions_chunks"
+        tests/core/test_scheduler.py -k "split_longest or kernel_matches_ref or lse_matches or mixed_steps_run or questions_chunks"
     ckpt
-    loops_ab INFERSCALE_MIXED_RAGGED ragged_ ${MODES:-default sp=1 tl=2 tl=2,sp=1}
+    loops_ab INFERSCALE_MIXED_RAGGED ragged_ ${MODES:-default sp=1 sl=1}
     ;;
 21)
     step call_args 150 bench/tools/call_args.py

@@ -264,7 +264,7 @@ def test_three_segment_groups_in_one_step_equal_cascade_off(impl, monkeypatch):
 
 # (impl, INFERSCALE_MIXED_DECODE)
 MIXED_MODES = [("ref", "ragged"), ("pallas", "ragged"), ("ref", "cascade"), ("pallas", "cascade"),
-               ("pallas", "ragged:tl=2,sp=2")]  # (INFERSCALE_MIXED_DECODE[:INFERSCALE_MIXED_RAGGED])
+               ("pallas", "ragged:sl=1,sp=3")]  # (INFERSCALE_MIXED_DECODE[:INFERSCALE_MIXED_RAGGED])
 
 
 def set_mixed_mode(monkeypatch, mode: str) -> None:
@@ -278,7 +278,7 @@ def test_mixed_steps_run_their_decode_rows_through_the_cascade(impl, mode, monke
     """A long prompt prefills chunk by chunk while rows of two segments decode: the mixed steps
     (decode rows + a chunk) read each group's pages once in the same jitted step; tokens and
     log-probs as with cascade off, with the one-token rows in the ragged kernel or in the decode
-    step's cascade kernel (``INFERSCALE_MIXED_DECODE``), the ragged kernel in one launch or two."""
+    step's cascade kernel (``INFERSCALE_MIXED_DECODE``), the ragged kernel splitting every block or the longest."""
     set_mixed_mode(monkeypatch, mode)
     def setup(engine):
         engine.register_segment("kb", token_ids=list(range(1, 4 * S + 3)))  # 4 full pages + 2

@@ -26,6 +26,7 @@ from pallas_kernels.prefill_attention import _choose_blocks, paged_prefill_atten
 from pallas_kernels.ragged_attention import (
     _auto_kv_splits, _default_kv_splits,
     _block_bound,
+    _split_plan,
     _block_meta,
     _META,
     _small_tile,
@@ -259,35 +260,65 @@ def test_kernel_lse_matches_ref(case):
     np.testing.assert_allclose(lse[:n], ref[:n], atol=1e-4 if dtype == jnp.float32 else 2e-2, rtol=1e-5)
 
 
-@pytest.mark.parametrize("case", range(len(CASES)))
-def test_two_tile_launches_match_ref(case):
-    """tile_launches=2 (the small tile's blocks in one launch, the big tile's in a second one that
-    writes into the first's buffers, or, split, whose results are picked per token): the output and
-    the log-sum-exps equal the reference's, every token written (unwritten rows are NaN in interpret
-    mode), padding tokens zeros; the one-kernel result beside it agrees."""
-    dtype, Hq, Hkv, D, S, q_lens, cached, pad, kw = CASES[case]
+# split_longest: rows long enough to be split (> _LONG_KEYS keys) beside short ones; more long blocks
+# than split slots (the rest run whole); a long chunk over many blocks; a long decode row in the small tile
+LONG_CASES = [
+    (jnp.float32, 8, 2, 32, 16, [1, 40, 1, 3, 1], [700, 600, 20, 900, 5], 3, dict(kv_splits=3, block_kv=16)),
+    (jnp.bfloat16, 8, 2, 64, 16, [1] * 9 + [6], [600 + 37 * i for i in range(9)] + [550], 2,
+     dict(kv_splits=4, block_q=8, block_kv=32)),
+    (jnp.float32, 4, 1, 32, 8, [70, 1], [530, 0], 0, dict(kv_splits=2, block_q=16, block_kv=16)),
+    (jnp.bfloat16, 6, 2, 64, 16, [1, 16, 6, 5], [800, 16, 3, 700], 3, dict(kv_splits=3, block_q=8, block_kv=16)),
+]
+
+
+@pytest.mark.parametrize("case", [("cases", i) for i in (0, 1, 3, 8, 9, 10, 12)]
+                         + [("long", i) for i in range(len(LONG_CASES))])
+def test_split_longest_matches_ref(case):
+    """split_longest=True: the blocks that see the most keys split (their partials merged in place by the
+    merge kernel), the others whole; output and log-sum-exps equal the reference's, every token written
+    (unwritten rows are NaN in interpret mode), padding tokens zeros; the long cases really split."""
+    table, i = case
+    dtype, Hq, Hkv, D, S, q_lens, cached, pad, kw = (CASES if table == "cases" else LONG_CASES)[i]
+    kw = {**kw, "kv_splits": kw.get("kv_splits", 2)}
     args, _ = make_case(q_lens=q_lens, cached=cached, pad=pad, Hq=Hq, Hkv=Hkv, D=D, S=S, dtype=dtype)
+    out, lse = ragged_paged_attention(*args, return_lse=True, split_longest=True, **kw)
+    check_output(out, args, dtype)
     _, ref = ragged_paged_attention_ref(*args, return_lse=True)
     n = int(np.asarray(args[4])[-1])
-    for splits in sorted({kw.get("kv_splits", 1), 3}):
-        opts = {**kw, "kv_splits": splits}
-        out, lse = ragged_paged_attention(*args, return_lse=True, tile_launches=2, **opts)
-        check_output(out, args, dtype)
-        lse = np.asarray(lse)
-        assert (lse[n:] == -np.inf).all() and np.isfinite(lse[:n]).all()
-        np.testing.assert_allclose(lse[:n], np.asarray(ref)[:n], atol=1e-4 if dtype == jnp.float32 else 2e-2,
-                                   rtol=1e-5)
-        plain = ragged_paged_attention(*args, tile_launches=2, **opts)
-        np.testing.assert_array_equal(np.asarray(plain.astype(jnp.float32)), np.asarray(out.astype(jnp.float32)))
-        one = ragged_paged_attention(*args, **opts)
-        np.testing.assert_allclose(np.asarray(out.astype(jnp.float32)), np.asarray(one.astype(jnp.float32)),
-                                   **TOL[dtype])
+    lse = np.asarray(lse)
+    assert (lse[n:] == -np.inf).all() and np.isfinite(lse[:n]).all()
+    np.testing.assert_allclose(lse[:n], np.asarray(ref)[:n], atol=1e-4 if dtype == jnp.float32 else 2e-2, rtol=1e-5)
+    plain = ragged_paged_attention(*args, split_longest=True, **kw)
+    np.testing.assert_array_equal(np.asarray(plain.astype(jnp.float32)), np.asarray(out.astype(jnp.float32)))
+    if table == "long":  # the case exercises the split blocks
+        N, R = args[0].shape[0], args[3].shape[0]
+        block_q = kw["block_q"] if "block_q" in kw else _choose_blocks(N, Hq // Hkv, D, jnp.dtype(dtype).itemsize,
+                                                                        None, None, None, None, True)[0]
+        nb = _block_bound(N, R, block_q)
+        meta = _block_meta(args[4], args[5], num_tokens=N, num_blocks=nb, block_q=block_q,
+                           max_pages=args[3].shape[1], capacity=args[3].shape[1] * S)
+        slots = min(nb, -(-N // block_q) + 1)
+        _, route, words = _split_plan(meta, num_blocks=nb, slots=slots, num_splits=kw["kv_splits"])
+        assert (np.asarray(route).reshape(-1, 2)[:, 1] >= 0).any() and (np.asarray(words).reshape(-1, _META)[:, 1] > 0).any()
 
 
-def test_two_tile_launches_refused_values():
-    with pytest.raises(ValueError, match="tile_launches"):
-        ragged_paged_attention(*make_case(q_lens=[1, 3], cached=[4, 0], Hq=4, Hkv=2, D=32, S=8,
-                                          dtype=jnp.float32)[0], tile_launches=3)
+def test_split_plan_picks_the_blocks_that_see_the_most_keys():
+    """The split blocks are the ``slots`` blocks of the most visible keys past _LONG_KEYS, each once; the
+    work list keeps every block and adds each split block's extra splits; the rest of the route is -1."""
+    cu = jnp.asarray([0, 1, 2, 3, 4, 5], jnp.int32)  # five decode rows
+    kv = jnp.asarray([100, 2000, 600, 513, 3000], jnp.int32)
+    meta = _block_meta(cu, kv, num_tokens=8, num_blocks=9, block_q=4, max_pages=256, capacity=4096)
+    work, route, words = _split_plan(meta, num_blocks=9, slots=3, num_splits=3)
+    words, route, work = (np.asarray(x).reshape(-1, k) for x, k in ((words, _META), (route, 2), (work, _META)))
+    assert sorted(words[:, 3].tolist()) == [600, 2000, 3000]  # the three longest past 512 (not 513's 4th)
+    assert work.shape == (9 + 3 * 2, _META) and (work[:9] == np.asarray(meta).reshape(-1, _META)).all()
+    whole = route[:9]
+    assert (whole[:, 0] == 0).all() and sorted(whole[whole[:, 1] >= 0, 1].tolist()) == [0, 1, 2]
+    assert route[9:, 0].tolist() == [1, 2] * 3 and route[9:, 1].tolist() == [0, 0, 1, 1, 2, 2]
+    kv_short = jnp.asarray([100, 200, 300, 400, 512], jnp.int32)  # none past 512: nothing split
+    meta = _block_meta(cu, kv_short, num_tokens=8, num_blocks=9, block_q=4, max_pages=256, capacity=4096)
+    work, route, words = _split_plan(meta, num_blocks=9, slots=3, num_splits=3)
+    assert (np.asarray(route).reshape(-1, 2)[:, 1] == -1).all() and (np.asarray(words) == 0).all()
 
 
 def test_split_kv_equals_unsplit_and_custom_scale():
