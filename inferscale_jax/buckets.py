@@ -39,7 +39,7 @@ compile all of it before serving and nothing compiles afterwards:
   24 with a 16-group one (96 / 48 at 512 tokens); the bare loop's mixed steps ran 1.5-3% faster
   than in the 64-group bucket alone (bench/NOTES.md, run AS).  ``INFERSCALE_MIXED_GROUPS=max`` (an
   A/B switch for the benchmarks) gives every mixed step the most its rows can hold, one cascade
-  bucket per token bucket (12 buckets fewer to compile).
+  bucket per token bucket (for 64 rows and a 2048-token budget, 12 buckets fewer to compile).
 * **log-probs**: 0 or ``MAX_LOGPROBS`` columns.
 
 **Warm-up sets** (``warmup_keys``): ``all`` is every bucket above; ``small`` keeps what a small

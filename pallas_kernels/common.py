@@ -53,7 +53,7 @@ MIXED_SHARED_KNOBS = dict(br="block_rows", bk="block_kv", w="num_warps", st="num
 
 
 MIXED_RAGGED_KNOBS = dict(bq="block_q", bk="block_kv", w="num_warps", st="num_stages", sp="kv_splits",
-                          sl="split_longest")
+                          sl="split_longest", lk="long_keys")
 
 
 def mixed_shared_knobs() -> dict:
@@ -67,11 +67,12 @@ def mixed_shared_knobs() -> dict:
 def mixed_ragged_knobs() -> dict:
     """``INFERSCALE_MIXED_RAGGED`` (e.g. ``sp=1`` or ``sl=1``): knobs of the ragged kernel in the
     engine's mixed steps (``pallas_kernels/ragged_attention.py``), by ``MIXED_RAGGED_KNOBS``' short
-    names (``sl=1``: ``split_longest``); unset: none.  An A/B switch for the benchmarks (bench/NOTES.md)."""
+    names (``sl=1``: ``split_longest``, ``lk``: its ``long_keys``); unset: none.  An A/B switch for the
+    benchmarks (bench/NOTES.md)."""
     knobs = _knobs("INFERSCALE_MIXED_RAGGED", MIXED_RAGGED_KNOBS, tiles=dict(bq=1, bk=MIN_DOT_DIM))
     if knobs.get("split_longest", 1) != 1:
-        raise ValueError(f"INFERSCALE_MIXED_RAGGED: sl={knobs['split_longest']} is invalid: use sl=1 (split only "
-                         "the blocks that see the most keys) or leave it out (split every block)")
+        raise ValueError(f"INFERSCALE_MIXED_RAGGED: sl={knobs['split_longest']} is invalid: use sl=1 (split-KV "
+                         "only for the blocks that see the most keys) or leave it out (the kernel's split-KV)")
     return {k: bool(v) if k == "split_longest" else v for k, v in knobs.items()}
 
 

@@ -21,8 +21,8 @@ Work list.  Shapes (``N``, ``R``, ``max_pages``) are static, lengths are traced.
 cuts every row into query blocks of ``block_q`` tokens (``cdiv(q_len, block_q)`` blocks) with
 jnp ops of static size, plus the padding tokens ``[cu_q_lens[R], N)`` as a pseudo-row without
 keys (its blocks run no KV iterations and store zeros, so every output row is written).  At
-most ``min(R, N) + N // block_q + 1`` blocks exist, the static grid size; blocks past the
-actual count do nothing.  Each block is described by five int32 words (first flat token,
+most ``min(R, N) + N // block_q + 1`` blocks exist, the static grid size (with
+``split_longest``, more: below); blocks past the actual count do nothing.  Each block is described by five int32 words (first flat token,
 token count, position of its first query, the row's kv_len, the row's page-table offset)
 that the program reads before anything else.  Blocks are launched last-first: a chunk's later
 blocks have the longest loops, and engines put chunks after the decode rows.
@@ -68,12 +68,15 @@ block's programs run ``kv_splits`` times (the extra ones on empty ranges), every
 fp32 partials and merged (run AT, bench/NOTES.md: a 64-row mixed step of ~100 private keys a row,
 split 4 ways, was 0.49 ms slower than unsplit on an H100).  ``split_longest=True`` splits only the
 blocks that need it: the ``cdiv(N, block_q) + 1`` blocks that see the most keys (as many as one
-chunk of all N tokens makes), each only if past ``_LONG_KEYS``; ``_split_plan`` builds the work
-list (every block once, then those blocks' extra splits) and a route per program (split, slot).
-A block run whole stores its final rows; a split block stores its splits' partials in compact
-buffers (``slots x Hkv x rows of the big tile`` per split), and a second small launch
-(``_merge_kernel``, grid (slot, kv head)) merges them into the first launch's output in place.  A
-step with no long block then costs the unsplit kernel plus two nearly empty launches.
+chunk of all N tokens makes), each only if past ``long_keys`` (512); ``_split_plan`` builds the
+work list (every block, a split one left without tokens there, then ``kv_splits`` programs for each
+split block, launched first) and a route per program (split, slot).  A block run whole stores its
+final rows; a split block stores its splits' partials in compact buffers (``slots x Hkv x rows of
+the big tile`` per split: about the token rows of the whole step, so ``_MAX_PARTIAL_BYTES`` bounds
+them too), and a second launch (``_merge_kernel``, grid (slot, kv head)) merges them into the first
+launch's output in place.  A step with no long block then costs the unsplit kernel with
+``slots x kv_splits x Hkv`` programs more that do nothing, a merge launch whose programs do nothing,
+and the plan's few jnp ops (``lax.top_k`` over the blocks, a scatter, gathers).
 
 ``ragged_paged_attention_ref`` is the pure-jnp reference (each token gathers its row's pages
 densely, fp32 softmax); both call :func:`check_ragged_inputs`.
@@ -199,7 +202,7 @@ def _attend(meta, page_table_ref, q_ref, k_ref, v_ref, store, scale_refs, tile, 
             num_q_heads, page_size, max_pages, num_splits, sm_scale, v_rows):
     """One program's attention with one static tile: (rows, block_q, block_kv, prefetch).  ``meta``:
     the block's five words, then this program's split, kv head and the block's split count (``<=
-    num_splits``, traced: 1 runs the block whole); ``store(r, row_ids, out, lse2)`` writes the
+    num_splits``: ``num_splits`` itself, or in ``split_longest``'s kernel a traced 1 for a block run whole); ``store(r, row_ids, out, lse2)`` writes the
     normalised output rows and their log2-sum-exps (tile row ``r`` is query row ``row_ids``)."""
     rows, block_q, block_kv, prefetch = tile
     tok0, cnt, pos0, kv_len, pt_off, split, head, splits = meta
@@ -306,19 +309,20 @@ def _run_tiles(meta, tiles, attend):
             lax.cond(cnt <= tiles[0][1], lambda: attend(tiles[0]), lambda: attend(tiles[1]))
 
 
-def _longest_kernel(meta_ref, route_ref, page_table_ref, q_ref, k_ref, v_ref, *refs, quantized, num_blocks, tiles,
+def _longest_kernel(meta_ref, route_ref, page_table_ref, q_ref, k_ref, v_ref, *refs, quantized, programs, tiles,
                     slots, part_rows, return_lse, **kw):
-    """``split_longest``: grid (program, kv head) over the work list of every block plus ``num_splits
-    - 1`` more programs for each of the ``slots`` split blocks; ``route_ref [programs * 2]``: (split,
-    slot) - slot -1: the block runs whole and writes its rows of o_ref (and lse); else its split's
-    normalised partial and log2-sum-exp go to the compact buffers at row ``((split * slots + slot) *
-    Hkv + head) * part_rows + tile row`` for ``_merge_kernel``."""
+    """``split_longest``: grid (kv head, program) over ``_split_plan``'s work list (every block, the
+    split ones emptied, then ``num_splits`` programs for each of the ``slots`` split blocks);
+    ``route_ref [programs * 2]``: (split, slot).  Slot -1: the block runs whole and writes its rows of
+    o_ref (and lse); else its split's normalised partial and log2-sum-exp go to the compact buffers
+    at row ``((split * slots + slot) * Hkv + head) * part_rows + tile row`` for ``_merge_kernel``."""
     scale_refs, refs = (refs[:2], refs[2:]) if quantized else ((), refs)
     o_ref, *lse_refs = refs[:2] if return_lse else refs[:1]
     op_ref, lp_ref = refs[-2:]
-    p = num_blocks - 1 - pl.program_id(0)  # the extra splits (end of the list) first
+    head = pl.program_id(0)  # (dim 0 varies fastest: a work item's heads side by side)
+    p = programs - 1 - pl.program_id(1)  # the split blocks (end of the list) first
     meta = tuple(meta_ref[p * _META + i] for i in range(_META))
-    split, slot, head = route_ref[2 * p], route_ref[2 * p + 1], pl.program_id(1)
+    split, slot = route_ref[2 * p], route_ref[2 * p + 1]
     meta += (split, head, jnp.where(slot >= 0, kw["num_splits"], 1))
     num_kv_heads = kw["num_q_heads"] // kw["group"]
 
@@ -343,7 +347,8 @@ def _merge_kernel(meta_ref, op_ref, lp_ref, *refs, slots, num_splits, part_rows,
                   block_q, return_lse):
     """``split_longest``'s merge, grid (slot, kv head): a split block's ``num_splits`` partials (compact
     rows, as ``_longest_kernel`` wrote them) merged by their log2-sum-exps into its rows of o_ref (and
-    lse), which alias the first launch's outputs; an empty slot (no tokens) does nothing."""
+    lse), which alias the first launch's outputs; an empty slot (no tokens) does nothing.  The weights
+    come from the small lse vectors first, then one ``[rows, D]`` partial at a time is added in."""
     o_ref, *lse_refs = refs[len(refs) // 2:]  # (the aliased inputs come first)
     j, head = pl.program_id(0), pl.program_id(1)
     tok0, cnt = meta_ref[j * _META], meta_ref[j * _META + 1]
@@ -361,39 +366,42 @@ def _merge_kernel(meta_ref, op_ref, lp_ref, *refs, slots, num_splits, part_rows,
         shift = jnp.where(jnp.isfinite(top), top, 0.0)
         ws = [jnp.exp2(x - shift) for x in lses]  # an empty split: 0
         den = functools.reduce(jnp.add, ws)
-        acc = functools.reduce(jnp.add, [w[:, None] * op_ref[a, :] for w, a in zip(ws, at)])
+        acc = ws[0][:, None] * op_ref[at[0], :]
+        for w, a in zip(ws[1:], at[1:]):
+            acc += w[:, None] * op_ref[a, :]
         o_ref[row_ids, :] = (acc / jnp.where(den > 0, den, 1.0)[:, None]).astype(o_ref.dtype)
         if return_lse:
             lse_refs[0][row_ids] = jnp.where(den > 0, shift + jnp.log2(jnp.where(den > 0, den, 1.0)), -jnp.inf)
 
 
-def _split_plan(meta, *, num_blocks, slots, num_splits):
-    """``split_longest``'s work list (jnp): the ``slots`` blocks of the most visible keys, those past
-    ``_LONG_KEYS`` of them, are split ``num_splits`` ways; the others run whole.  Returns (meta of
-    the blocks then each split block's extra splits ``[(NB + slots * (splits - 1)) * 5]``, route
-    ``[same programs * 2]`` (split, slot or -1), the split blocks' words ``[slots * 5]``, zero words
-    for a slot left empty)."""
+def _split_plan(meta, *, num_blocks, slots, num_splits, long_keys):
+    """``split_longest``'s work list (jnp): the ``slots`` blocks that see the most keys, those past
+    ``long_keys`` of them, are split ``num_splits`` ways; the others run whole.  Returns (the work
+    list ``[(NB + slots * num_splits) * 5]``: every block, a split one with no tokens there, then each
+    slot's ``num_splits`` programs; the route ``[same programs * 2]``: (split, slot or -1); the split
+    blocks' words ``[slots * 5]``, zero words for a slot left empty)."""
     words = meta.reshape(num_blocks, _META)
     cnt = words[:, 1]
     keys = jnp.where(cnt > 0, jnp.minimum(words[:, 2] + cnt, words[:, 3]), -1)  # keys the block sees
     top, idx = lax.top_k(keys, slots)
-    chosen = top > _LONG_KEYS
+    chosen = top > long_keys
     slot = jnp.where(chosen, jnp.arange(slots, dtype=jnp.int32), -1)
-    slot_of = jnp.full((num_blocks,), -1, jnp.int32).at[idx].set(slot)
+    whole = words.at[idx, 1].set(jnp.where(chosen, 0, cnt[idx]))  # (top_k's indices are distinct)
     split_words = jnp.where(chosen[:, None], words[idx], 0)  # [slots, 5]
-    more = num_splits - 1
-    extra = jnp.repeat(split_words, more, axis=0)  # slot j's splits 1 .. num_splits - 1
+    i32 = jnp.int32
     route = jnp.concatenate([
-        jnp.stack([jnp.zeros((num_blocks,), jnp.int32), slot_of], axis=1),
-        jnp.stack([1 + jnp.arange(slots * more, dtype=jnp.int32) % more, jnp.repeat(slot, more)], axis=1)])
-    return jnp.concatenate([words, extra]).reshape(-1), route.reshape(-1), split_words.reshape(-1)
+        jnp.stack([jnp.zeros((num_blocks,), i32), jnp.full((num_blocks,), -1, i32)], axis=1),
+        jnp.stack([jnp.arange(slots * num_splits, dtype=i32) % num_splits, jnp.repeat(slot, num_splits)], axis=1)])
+    work = jnp.concatenate([whole, jnp.repeat(split_words, num_splits, axis=0)])
+    return work.reshape(-1), route.reshape(-1), split_words.reshape(-1)
 
 
 @functools.partial(jax.jit, static_argnames=(
     "sm_scale", "block_q", "tiles", "num_warps", "num_stages", "kv_splits", "interpret", "v_rows", "return_lse",
-    "split_longest"))
+    "split_longest", "long_keys"))
 def _ragged(q, k_pages, v_pages, page_table, cu_q_lens, kv_lens, k_scale, v_scale, *, sm_scale, block_q, tiles,
-            num_warps, num_stages, kv_splits, interpret, v_rows, return_lse=False, split_longest=False):
+            num_warps, num_stages, kv_splits, interpret, v_rows, return_lse=False, split_longest=False,
+            long_keys=_LONG_KEYS):
     num_tokens, num_q_heads, head_dim = q.shape  # [N, Hq, D]
     num_kv_heads, num_pages, page_size, _ = k_pages.shape  # [Hkv, P, S, D]
     num_rows, max_pages = page_table.shape  # [R, max_pages]
@@ -417,7 +425,7 @@ def _ragged(q, k_pages, v_pages, page_table, cu_q_lens, kv_lens, k_scale, v_scal
     if split_longest and kv_splits > 1:
         out, lse = _ragged_longest(meta, page_table, q_rows, k_slots, v_slots, scales, kw, num_blocks=num_blocks,
                                    block_q=block_q, out_dtype=q.dtype, return_lse=return_lse, name=name,
-                                   params=params, interpret=interpret)
+                                   params=params, interpret=interpret, long_keys=long_keys)
     else:
         out, lse = _ragged_all(meta, page_table, q_rows, k_slots, v_slots, scales, kw, num_blocks=num_blocks,
                                out_dtype=q.dtype, return_lse=return_lse, name=name, params=params,
@@ -471,7 +479,7 @@ def _ragged_all(meta, page_table, q_rows, k_slots, v_slots, scales, kw, *, num_b
 
 
 def _ragged_longest(meta, page_table, q_rows, k_slots, v_slots, scales, kw, *, num_blocks, block_q, out_dtype,
-                    return_lse, name, params, interpret):
+                    return_lse, name, params, interpret, long_keys):
     """``split_longest``: only the few blocks that see the most keys (``_split_plan``) are split; every
     other block runs whole and writes its final rows, so a step of short rows pays no partial buffers
     and no merge pass over them.  Two launches: the attention (grid (program, kv head), the split
@@ -484,10 +492,11 @@ def _ragged_longest(meta, page_table, q_rows, k_slots, v_slots, scales, kw, *, n
     # as many split blocks as one chunk of all N tokens makes (the case split-KV is sized for)
     slots = min(num_blocks, pl.cdiv(num_tokens, block_q) + 1)
     part_rows = tiles[-1][0]  # the biggest tile's rows
-    work, route, split_words = _split_plan(meta, num_blocks=num_blocks, slots=slots, num_splits=kv_splits)
-    programs = num_blocks + slots * (kv_splits - 1)
+    work, route, split_words = _split_plan(meta, num_blocks=num_blocks, slots=slots, num_splits=kv_splits,
+                                           long_keys=long_keys)
+    programs = num_blocks + slots * kv_splits
     part = slots * num_kv_heads * part_rows * kv_splits
-    per_head = pl.BlockSpec((None, num_slots, head_dim), lambda p, h: (h, 0, 0))
+    per_head = pl.BlockSpec((None, num_slots, head_dim), lambda h, p: (h, 0, 0))
     out_shape = [jax.ShapeDtypeStruct((n_rows, head_dim), out_dtype)]
     out_specs = [_whole(n_rows, head_dim)]
     if return_lse:
@@ -495,11 +504,11 @@ def _ragged_longest(meta, page_table, q_rows, k_slots, v_slots, scales, kw, *, n
         out_specs.append(_whole(n_rows))
     out_shape += [jax.ShapeDtypeStruct((part, head_dim), jnp.float32), jax.ShapeDtypeStruct((part,), jnp.float32)]
     out_specs += [_whole(part, head_dim), _whole(part)]
-    scale_specs = [pl.BlockSpec((None, num_slots), lambda p, h: (h, 0))] * len(scales)
+    scale_specs = [pl.BlockSpec((None, num_slots), lambda h, p: (h, 0))] * len(scales)
     *outs, o_part, lse_part = pl.pallas_call(
-        functools.partial(_longest_kernel, num_blocks=programs, slots=slots, part_rows=part_rows,
+        functools.partial(_longest_kernel, programs=programs, slots=slots, part_rows=part_rows,
                           return_lse=return_lse, **kw),
-        grid=(programs, num_kv_heads),
+        grid=(num_kv_heads, programs),
         in_specs=[_whole(programs * _META), _whole(programs * 2), _whole(page_table.shape[0]),
                   _whole(n_rows, head_dim), per_head, per_head, *scale_specs],
         out_specs=out_specs,
@@ -517,7 +526,7 @@ def _ragged_longest(meta, page_table, q_rows, k_slots, v_slots, scales, kw, *, n
         out_specs=out_specs[:len(outs)],
         out_shape=out_shape[:len(outs)],
         input_output_aliases={3 + i: i for i in range(len(outs))},
-        compiler_params=common.compiler_params(4, 1),
+        compiler_params=common.compiler_params(8, 1),  # (a [rows, D] fp32 accumulator: 8 warps hold it)
         interpret=interpret,
         name=f"ragged_merge_s{kv_splits}",
     )(split_words, o_part, lse_part, *outs)
@@ -544,6 +553,7 @@ def ragged_paged_attention(
     v_rows: bool | None = None,
     return_lse: bool = False,
     split_longest: bool = False,
+    long_keys: int | None = None,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:  # [N, Hq, D], q.dtype; padding tokens: zeros
     """Causal attention of a flat batch of decode rows and prefill chunks (see module doc).
     ``return_lse=True`` returns ``(out, lse)``, ``lse [N, Hq] float32`` each query's natural-log
@@ -566,8 +576,9 @@ def ragged_paged_attention(
     The small tile for blocks of at most ``max(1, 16 // G)`` tokens (decode rows) has
     ``max(16, G)`` rows and ``2 * block_kv`` keys per step (``block_kv`` with 3+ stages).
     ``kv_splits``: None = automatic (1 when the grid fills the GPU and in interpret
-    mode), 1 = no split-KV.  ``split_longest=True`` splits only the blocks that see the most keys
-    (as many as one chunk of all ``N`` tokens makes, each past ``_LONG_KEYS``) and runs the others
+    mode), 1 = no split-KV.  ``split_longest=True`` (with ``kv_splits`` > 1 as given or chosen; else
+    it changes nothing) splits only the blocks that see the most keys (as many as one chunk of all
+    ``N`` tokens makes, each past ``long_keys``, None: ``_LONG_KEYS`` = 512) and runs the others
     whole, with no partial buffers for them (module docstring).  Eager calls also check the length
     values (one host sync).
     """
@@ -596,13 +607,16 @@ def ragged_paged_attention(
                                        num_q_heads * head_dim * 4)
     if kv_splits < 1:
         common._fail("kv_splits", kv_splits, ">= 1 (1 = no split-KV)")
+    long_keys = _LONG_KEYS if long_keys is None else int(long_keys)
+    if long_keys < 0:
+        common._fail("long_keys", long_keys, ">= 0 (split_longest: keys a block must see past to be split)")
     if num_tokens == 0 or num_rows == 0:
         return _empty(q, return_lse)
     sm_scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else float(sm_scale)
     return _ragged(q, k_pages, v_pages, page_table, cu_q_lens, kv_lens, k_scale, v_scale, sm_scale=sm_scale,
                    block_q=block_q, tiles=tiles, num_warps=num_warps, num_stages=num_stages,
                    kv_splits=int(kv_splits), interpret=interpret, v_rows=v_rows, return_lse=return_lse,
-                   split_longest=bool(split_longest))
+                   split_longest=bool(split_longest), long_keys=long_keys)
 
 
 def _empty(q, return_lse: bool):

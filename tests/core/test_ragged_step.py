@@ -102,8 +102,9 @@ def test_every_step_shape_maps_into_the_warmup_set():
         assert key in keys, key
         assert key.rows >= rows and key.tokens >= tokens and key.width >= (need - shared if shared else need)
     # the set stays small enough to compile at startup (54 buckets before mixed steps took cascade
-    # groups: one bucket per token bucket and log-prob width more; 74 before they took the smallest
-    # group bucket that holds their groups: the 16-group buckets of 64-row mixed steps, 6 more here)
+    # groups: one bucket per token bucket and log-prob width more; 68 before they took the smallest
+    # group bucket that holds their groups: the 16-group buckets of the six 64-row mixed token buckets,
+    # with and without log-probs, 12 more here)
     assert len(keys) <= 80
 
 

@@ -264,7 +264,7 @@ def test_three_segment_groups_in_one_step_equal_cascade_off(impl, monkeypatch):
 
 # (impl, INFERSCALE_MIXED_DECODE)
 MIXED_MODES = [("ref", "ragged"), ("pallas", "ragged"), ("ref", "cascade"), ("pallas", "cascade"),
-               ("pallas", "ragged:sl=1,sp=3")]  # (INFERSCALE_MIXED_DECODE[:INFERSCALE_MIXED_RAGGED])
+               ("pallas", "ragged:sl=1,sp=3,lk=16")]  # (INFERSCALE_MIXED_DECODE[:INFERSCALE_MIXED_RAGGED])
 
 
 def set_mixed_mode(monkeypatch, mode: str) -> None:

@@ -264,3 +264,46 @@ def test_a_bad_mixed_shared_switch_is_refused_with_its_value(monkeypatch, spec):
     monkeypatch.setenv("INFERSCALE_MIXED_SHARED", spec)
     with pytest.raises(ValueError, match="INFERSCALE_MIXED_SHARED=.*NAME=N"):
         common.mixed_shared_knobs()
+
+
+@pytest.mark.parametrize("spec,want", [("sp=3", {"ragged_paged_attention_bq16_bkv16_g4_s3"}),
+                                       ("sp=2,sl=1,lk=4", {"ragged_paged_attention_bq16_bkv16_g4_s2_sl",
+                                                           "ragged_merge_s2"})])
+def test_the_mixed_ragged_switch_keeps_the_result(monkeypatch, spec, want):
+    """``INFERSCALE_MIXED_RAGGED`` (the benchmarks' A/B switch of the ragged kernel's knobs in mixed steps):
+    forced splits, or split-KV for the longest blocks only (``sl=1``, ``lk``: past how many keys), change
+    the kernels a mixed step launches, never what it computes; the executable store's key follows it."""
+    import re
+
+    import jax
+
+    from pallas_kernels import common
+    q, kp, vp, casc, plain, n = mixed_case(9, chunk_groups=(0, 1))
+    want_out = kv_cache._attend(q[None], kp, vp, None, plain, "ref")[0]
+    base = common.switches()
+
+    def kernels():
+        jaxpr = jax.make_jaxpr(lambda q, k, v: kv_cache._attend(q[None], k, v, None, casc, "pallas"))(q, kp, vp)
+        return set(re.findall(r"(ragged_\w+)", str(jaxpr)))
+    assert kernels() == {"ragged_paged_attention_bq16_bkv16_g4_s1"}  # (fp32: 16-key tiles; interpret mode: one split)
+    monkeypatch.setenv("INFERSCALE_MIXED_RAGGED", spec)
+    assert common.switches() != base and kernels() == want
+    out = kv_cache._attend(q[None], kp, vp, None, casc, "pallas")[0]
+    assert_close(out[:n], want_out[:n], jnp.float32)
+
+
+@pytest.mark.parametrize("spec,match", [("sl=2", "sl=2 is invalid"), ("sp=0", "NAME=N"), ("bq=3", "NAME=N"),
+                                        ("tl=2", "NAME=N"), ("lk=x", "NAME=N")])
+def test_a_bad_mixed_ragged_switch_is_refused_with_its_value(monkeypatch, spec, match):
+    from pallas_kernels import common
+    monkeypatch.setenv("INFERSCALE_MIXED_RAGGED", spec)
+    with pytest.raises(ValueError, match=f"INFERSCALE_MIXED_RAGGED.*{match}"):
+        common.mixed_ragged_knobs()
+
+
+def test_the_mixed_ragged_switch_parses_to_the_kernels_arguments(monkeypatch):
+    from pallas_kernels import common
+    monkeypatch.setenv("INFERSCALE_MIXED_RAGGED", "sl=1,lk=300,sp=4,w=8")
+    assert common.mixed_ragged_knobs() == dict(split_longest=True, long_keys=300, kv_splits=4, num_warps=8)
+    monkeypatch.setenv("INFERSCALE_MIXED_RAGGED", "")
+    assert common.mixed_ragged_knobs() == {}

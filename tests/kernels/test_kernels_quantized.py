@@ -65,6 +65,10 @@ def test_ragged_on_compressed_pages(kv, qdtype, splits, v_rows):
                                  interpret=True)
     ref = ragged_paged_attention_ref(q, kq, vq, table, cu, kvl, k_scale=ks, v_scale=vs)
     close(out[:14], ref[:14], qdtype)
+    if splits > 1:  # split_longest: the two rows past 10 keys split, their partials merged; the scales go along
+        out = ragged_paged_attention(q, kq, vq, table, cu, kvl, k_scale=ks, v_scale=vs, kv_splits=splits,
+                                     v_rows=v_rows, interpret=True, split_longest=True, long_keys=10)
+        close(out[:14], ref[:14], qdtype)
 
 
 @pytest.mark.parametrize("kv", KV)

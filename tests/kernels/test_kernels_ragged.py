@@ -12,8 +12,10 @@ produces NaN and fails.  Padding tokens must come out as exact zeros.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -271,12 +273,18 @@ LONG_CASES = [
 ]
 
 
-@pytest.mark.parametrize("case", [("cases", i) for i in (0, 1, 3, 8, 9, 10, 12)]
+def kernel_names(fn, *args) -> set[str]:
+    """The Pallas kernels ``fn(*args)`` launches, by name (from its jaxpr)."""
+    return set(re.findall(r"(ragged_\w+)", str(jax.make_jaxpr(fn)(*args))))
+
+
+@pytest.mark.parametrize("case", [("cases", i) for i in (0, 1, 3, 8, 9, 10, 11, 12)]
                          + [("long", i) for i in range(len(LONG_CASES))])
 def test_split_longest_matches_ref(case):
     """split_longest=True: the blocks that see the most keys split (their partials merged in place by the
     merge kernel), the others whole; output and log-sum-exps equal the reference's, every token written
-    (unwritten rows are NaN in interpret mode), padding tokens zeros; the long cases really split."""
+    (unwritten rows are NaN in interpret mode), padding tokens zeros; the long cases really split, in
+    the split-longest kernels."""
     table, i = case
     dtype, Hq, Hkv, D, S, q_lens, cached, pad, kw = (CASES if table == "cases" else LONG_CASES)[i]
     kw = {**kw, "kv_splits": kw.get("kv_splits", 2)}
@@ -290,7 +298,7 @@ def test_split_longest_matches_ref(case):
     np.testing.assert_allclose(lse[:n], np.asarray(ref)[:n], atol=1e-4 if dtype == jnp.float32 else 2e-2, rtol=1e-5)
     plain = ragged_paged_attention(*args, split_longest=True, **kw)
     np.testing.assert_array_equal(np.asarray(plain.astype(jnp.float32)), np.asarray(out.astype(jnp.float32)))
-    if table == "long":  # the case exercises the split blocks
+    if table == "long":  # the case exercises the split blocks, in the split-longest kernels
         N, R = args[0].shape[0], args[3].shape[0]
         block_q = kw["block_q"] if "block_q" in kw else _choose_blocks(N, Hq // Hkv, D, jnp.dtype(dtype).itemsize,
                                                                         None, None, None, None, True)[0]
@@ -298,27 +306,44 @@ def test_split_longest_matches_ref(case):
         meta = _block_meta(args[4], args[5], num_tokens=N, num_blocks=nb, block_q=block_q,
                            max_pages=args[3].shape[1], capacity=args[3].shape[1] * S)
         slots = min(nb, -(-N // block_q) + 1)
-        _, route, words = _split_plan(meta, num_blocks=nb, slots=slots, num_splits=kw["kv_splits"])
+        _, route, words = _split_plan(meta, num_blocks=nb, slots=slots, num_splits=kw["kv_splits"], long_keys=512)
         assert (np.asarray(route).reshape(-1, 2)[:, 1] >= 0).any() and (np.asarray(words).reshape(-1, _META)[:, 1] > 0).any()
+        names = kernel_names(functools.partial(ragged_paged_attention, split_longest=True, **kw), *args)
+        assert any(x.endswith("_sl") for x in names) and any(x.startswith("ragged_merge") for x in names), names
+
+
+def test_split_longest_threshold():
+    """long_keys: a row of 300 keys is split with long_keys=200 (the split kernels run and agree with the
+    reference) and not with the default 512; a negative threshold is refused by name."""
+    args, _ = make_case(q_lens=[1, 20, 1], cached=[300, 5, 40], Hq=8, Hkv=2, D=32, S=16, dtype=jnp.float32)
+    for long_keys in (200, None):
+        out = ragged_paged_attention(*args, kv_splits=3, split_longest=True, long_keys=long_keys)
+        check_output(out, args, jnp.float32)
+    with pytest.raises(ValueError, match="long_keys"):
+        ragged_paged_attention(*args, kv_splits=3, split_longest=True, long_keys=-1)
 
 
 def test_split_plan_picks_the_blocks_that_see_the_most_keys():
-    """The split blocks are the ``slots`` blocks of the most visible keys past _LONG_KEYS, each once; the
-    work list keeps every block and adds each split block's extra splits; the rest of the route is -1."""
+    """The split blocks are the ``slots`` blocks of the most visible keys past long_keys, each once and
+    emptied in the whole-block part of the work list; each gets ``num_splits`` programs (splits 0 .. S-1)
+    at the end; the other blocks keep their words and route (0, -1)."""
     cu = jnp.asarray([0, 1, 2, 3, 4, 5], jnp.int32)  # five decode rows
     kv = jnp.asarray([100, 2000, 600, 513, 3000], jnp.int32)
     meta = _block_meta(cu, kv, num_tokens=8, num_blocks=9, block_q=4, max_pages=256, capacity=4096)
-    work, route, words = _split_plan(meta, num_blocks=9, slots=3, num_splits=3)
+    work, route, words = _split_plan(meta, num_blocks=9, slots=3, num_splits=3, long_keys=512)
     words, route, work = (np.asarray(x).reshape(-1, k) for x, k in ((words, _META), (route, 2), (work, _META)))
+    blocks = np.asarray(meta).reshape(-1, _META)
     assert sorted(words[:, 3].tolist()) == [600, 2000, 3000]  # the three longest past 512 (not 513's 4th)
-    assert work.shape == (9 + 3 * 2, _META) and (work[:9] == np.asarray(meta).reshape(-1, _META)).all()
-    whole = route[:9]
-    assert (whole[:, 0] == 0).all() and sorted(whole[whole[:, 1] >= 0, 1].tolist()) == [0, 1, 2]
-    assert route[9:, 0].tolist() == [1, 2] * 3 and route[9:, 1].tolist() == [0, 0, 1, 1, 2, 2]
+    assert work.shape == (9 + 3 * 3, _META) and (route[:9] == [0, -1]).all()
+    split = np.isin(blocks[:, 3], [600, 2000, 3000]) & (blocks[:, 1] > 0)
+    assert (work[:9][split, 1] == 0).all() and (work[:9][~split] == blocks[~split]).all()
+    assert route[9:, 0].tolist() == [0, 1, 2] * 3 and route[9:, 1].tolist() == [0, 0, 0, 1, 1, 1, 2, 2, 2]
+    assert (work[9:] == np.repeat(words, 3, axis=0)).all()
     kv_short = jnp.asarray([100, 200, 300, 400, 512], jnp.int32)  # none past 512: nothing split
     meta = _block_meta(cu, kv_short, num_tokens=8, num_blocks=9, block_q=4, max_pages=256, capacity=4096)
-    work, route, words = _split_plan(meta, num_blocks=9, slots=3, num_splits=3)
+    work, route, words = _split_plan(meta, num_blocks=9, slots=3, num_splits=3, long_keys=512)
     assert (np.asarray(route).reshape(-1, 2)[:, 1] == -1).all() and (np.asarray(words) == 0).all()
+    assert (np.asarray(work).reshape(-1, _META)[:9] == np.asarray(meta).reshape(-1, _META)).all()
 
 
 def test_split_kv_equals_unsplit_and_custom_scale():
