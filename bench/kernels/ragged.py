@@ -24,6 +24,10 @@ Sections (each guarded: a failure prints its traceback and the run goes on):
 3. Mixed step: 63 decode rows over 4k + one 512-token chunk over 4k, and 255 + one 2048:
    ragged in one call vs the decode kernel + the prefill kernel timed apart (sum), and both
    apart inside one jit (what an engine without the ragged kernel would run).
+4. Split-KV forms: the engine's C = 64 mixed step (61 decode rows + a 64-token question over its own keys),
+   the same with the chunk over 16k private keys, a lone 64-token question over 4k / 16k (C = 1): the
+   automatic split count for every block, unsplit, and ``split_longest`` (only the blocks that see the most
+   keys split); speed = auto's time / the form's.
 
 Timing as bench/kernels/kernels.py: every measurement jit-compiles R calls on R different input sets
 (separate pages, so XLA cannot merge them and K/V rotate through more memory than L2), then
@@ -302,6 +306,53 @@ def mixed(args):
            "ragged speed vs one jit"], rows)
 
 
+# ---------------------------------------------------------------- 4. split-KV forms
+
+def _split_shapes(quick):
+    """(name, rows, padding tokens): the engine's C = 64 mixed step (61 decode rows of ~100 private keys
+    and a 64-token question whose segment the cascade reads: its own keys only), the same beside one
+    64-token chunk over a long private context, and a lone question over 4k / 16k private keys (C = 1)."""
+    if quick:
+        return [("rows + question", [(1, 12)] * 5 + [(8, 0)], 3), ("rows + long chunk", [(1, 12)] * 5 + [(8, 700)], 3),
+                ("lone question", [(8, 700)], 0)]
+    return [("61 rows + question (C = 64 mixed)", [(1, 100)] * 61 + [(64, 0)], 3),
+            ("61 rows + chunk over 16k", [(1, 100)] * 61 + [(64, 16384)], 3),
+            ("lone question over 4k (C = 1)", [(64, 4096)], 0),
+            ("lone question over 16k", [(64, 16384)], 0)]
+
+
+SPLIT_FORMS = [("auto (every block split)", {}), ("unsplit (kv_splits=1)", dict(kv_splits=1)),
+               ("split_longest", dict(split_longest=True))]
+
+
+@section
+def splits(args):
+    """Split-KV forms of the same steps: the automatic count for every block, none, and only the blocks
+    that see the most keys (``split_longest``); each checked against the reference."""
+    hq, hkv = (4, 2) if args.quick else (HQ, HKV)
+    rows = []
+    for name, shape, pad in _split_shapes(args.quick):
+        kp, vp, sets = make_steps(shape, pad=pad, nv=2 if args.quick else 4, hq=hq, hkv=hkv, seed=len(shape) + pad)
+        q0, tb0, cu0, kv0 = sets[0]
+        ref = ragged_paged_attention_ref(q0, kp, vp, tb0, cu0, kv0)
+        n = int(cu0[-1])
+        times = []
+        for label, kw in SPLIT_FORMS:
+            kw = dict(kw, kv_splits=kw.get("kv_splits", 3)) if args.interpret and "kv_splits" not in kw else kw
+            t, outs = time_calls(ragged_call(args.interpret, **kw), (kp, vp), sets, args.reps)
+            check(f"{name} {label} vs ref", outs[0][:n], ref[:n])
+            times.append(t)
+        rows.append([name, q0.shape[0], len(shape)] + [us(t) for t in times]
+                    + [fx(speed(times[0], t)) for t in times[1:]])
+        for (label, _), t in zip(SPLIT_FORMS[1:], times[1:]):
+            PLOT.append(("splits", f"{name}: {label} vs auto", speed(times[0], t)))
+        log(f"  {name}: " + ", ".join(f"{lab} {us(t)} us" for (lab, _), t in zip(SPLIT_FORMS, times)))
+        del kp, vp, sets
+    table(f"4. Split-KV forms ({hq}/{hkv} heads, d=128, page 16, bf16; speed = auto's time / the form's)",
+          ["step", "tokens", "rows"] + [f"{lab} us" for lab, _ in SPLIT_FORMS]
+          + [f"{lab} speed vs auto" for lab, _ in SPLIT_FORMS[1:]], rows)
+
+
 # ---------------------------------------------------------------- tune
 
 TUNE_SHAPES = {  # name -> step: (new tokens, kv length) per sequence
@@ -375,7 +426,7 @@ def write_report(args, argv):
     pts = [p for p in PLOT if p[2] is not None]
     if plt is None or not pts:
         return
-    colors = {"prefill": "tab:blue", "decode": "tab:orange", "mixed": "tab:green"}
+    colors = {"prefill": "tab:blue", "decode": "tab:orange", "mixed": "tab:green", "splits": "tab:purple"}
     fig, ax = plt.subplots(figsize=(8, 0.35 * len(pts) + 1.5))
     y = np.arange(len(pts))[::-1]
     ax.barh(y, [p[2] for p in pts], color=[colors[p[0]] for p in pts])
@@ -394,14 +445,15 @@ def write_report(args, argv):
 def main():
     ap = parser(__doc__, "tiny shapes (works on CPU)")
     ap.add_argument("--tune", action="store_true", help="also sweep the knobs")
-    ap.add_argument("--sections", default="0123", help="subset of 0,1,2,3 to run")
+    ap.add_argument("--sections", default="01234", help="subset of 0,1,2,3,4 to run")
     ap.add_argument("--tune-shapes", default="prefill,decode,mixed",
                     help=f"--tune: the shapes swept, comma separated, of {','.join(TUNE_SHAPES)}")
     ap.add_argument("--reps", type=int, default=None)
     args = ap.parse_args()
     args.interpret = jax.default_backend() != "gpu"
     args.reps = args.reps or (2 if args.quick else 10)
-    plan = [("0", correctness), ("1", prefill), ("2", decode), ("3", mixed), (None if args.tune else "", tune)]
+    plan = [("0", correctness), ("1", prefill), ("2", decode), ("3", mixed), ("4", splits),
+            (None if args.tune else "", tune)]
     return run_sections(args, plan, report, note=f"interpret={args.interpret}")
 
 

@@ -71,7 +71,8 @@
 #      (pytest), then the bare loop at C = 64 and 256 (CONCS) with answers of 64 +- 32 tokens, each mode
 #  25  mixed steps' cascade group bucket: the most their rows can hold (the default) against the smallest warmed one
 #      that holds their groups (INFERSCALE_MIXED_GROUPS=fit), the bare loop at C = 64 and 256 (CONCS), answers 64 +- 32
-#  26  the mixed steps' ragged kernel (INFERSCALE_MIXED_RAGGED): the kernel's checks on the GPU (pytest), then
+#  26  the mixed steps' ragged kernel (INFERSCALE_MIXED_RAGGED): the kernel's checks on the GPU (pytest) and its split-KV
+#      forms alone (bench/kernels/ragged.py --sections 4), then
 #      the bare loop at C = 64 and 256 with the default, sp=1 (unsplit), sl=1 (only the blocks that see the most keys
 #      split: the rest unsplit, no partials for them)
 #  16  the checkpoint read (models/loader.py: os.preadv into each tensor's array, threads in parallel): the 8B
@@ -131,7 +132,7 @@ nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,memory.used --f
 case "$part" in
 1)
     step kernels 220 bench/kernels/kernels.py --sections abcdef --decode-shapes 32x4096,32x32768,128x4096
-    step ragged 110 bench/kernels/ragged.py
+    step ragged 150 bench/kernels/ragged.py
     step kv_dtype 110 bench/kernels/kv_dtype.py --sections a
     step tiers_int8 50 bench/engine/tier_moves.py --kv-dtype int8 --sections ab
     ;;
@@ -315,6 +316,8 @@ case "$part" in
     # (the kernel's checks only: the scheduler's engine tests compile for minutes on the GPU, run AT)
     [ -n "${SKIP_TESTS:-}" ] || step_as ragged_tests 300 -m pytest -q -p no:cacheprovider \
         tests/kernels/test_kernels_ragged.py -k "split_longest or split_plan or kernel_matches_ref or lse_matches"
+    # the kernel alone on the steps that matter: the C = 64 mixed step, a long chunk beside it, a lone question
+    [ -n "${SKIP_TESTS:-}" ] || step ragged_splits 150 bench/kernels/ragged.py --sections 4
     ckpt
     loops_ab INFERSCALE_MIXED_RAGGED ragged_ ${MODES:-default sp=1 sl=1}
     ;;
