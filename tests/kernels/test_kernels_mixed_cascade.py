@@ -13,6 +13,8 @@ tokens.  Every slot that holds no real token is NaN.  The same with ``INFERSCALE
 
 from __future__ import annotations
 
+import functools
+
 import math
 
 import jax.numpy as jnp
@@ -232,24 +234,26 @@ def test_a_bad_mixed_decode_switch_is_refused_with_its_value(monkeypatch):
         common.mixed_decode()
 
 
+def mixed_step_kernels(q, kp, vp, casc, pattern: str) -> set[str]:
+    """What ``pattern`` captures in the names of the kernels the mixed step's attention launches (its jaxpr)."""
+    import re
+
+    import jax
+    jaxpr = jax.make_jaxpr(lambda q, k, v: kv_cache._attend(q[None], k, v, None, casc, "pallas"))(q, kp, vp)
+    return set(re.findall(pattern, str(jaxpr)))
+
+
 @pytest.mark.parametrize("spec,kernel", [("sp=2,bk=16", "r64_bk16_sp2"), ("br=32,sp=2,bk=16", "r32_bk16_sp2"),
                                          ("w=8,st=3,sp=2,bk=16", "r64_bk16_sp2"), ("br=16", "r16_bk64_sp1")])
 def test_the_mixed_shared_switch_keeps_the_result(monkeypatch, spec, kernel):
     """``INFERSCALE_MIXED_SHARED`` (the benchmarks' A/B switch of the shared part's knobs in mixed steps)
     changes how the kernel runs (the launched kernel's name says its tiles and splits), never what it
     computes; the executable store's key follows it."""
-    import re
-
-    import jax
-
     from pallas_kernels import common
     q, kp, vp, casc, plain, n = mixed_case(9, chunk_groups=(0, 1))
     want = kv_cache._attend(q[None], kp, vp, None, plain, "ref")[0]
     base = common.switches()
-
-    def kernels():
-        jaxpr = jax.make_jaxpr(lambda q, k, v: kv_cache._attend(q[None], k, v, None, casc, "pallas"))(q, kp, vp)
-        return set(re.findall(r"cascade_shared_g\d+_(\w+?)\b", str(jaxpr)))
+    kernels = functools.partial(mixed_step_kernels, q, kp, vp, casc, r"cascade_shared_g\d+_(\w+?)\b")
     assert kernels() == {"r64_bk64_sp1"}  # (the defaults; interpret mode runs one split, and a split holds
     # at least one tile: the case's shared prefixes are one 64-token tile, so more splits need bk=16)
     monkeypatch.setenv("INFERSCALE_MIXED_SHARED", spec)
@@ -273,18 +277,11 @@ def test_the_mixed_ragged_switch_keeps_the_result(monkeypatch, spec, want):
     """``INFERSCALE_MIXED_RAGGED`` (the benchmarks' A/B switch of the ragged kernel's knobs in mixed steps):
     forced splits, or split-KV for the longest blocks only (``sl=1``, ``lk``: past how many keys), change
     the kernels a mixed step launches, never what it computes; the executable store's key follows it."""
-    import re
-
-    import jax
-
     from pallas_kernels import common
     q, kp, vp, casc, plain, n = mixed_case(9, chunk_groups=(0, 1))
     want_out = kv_cache._attend(q[None], kp, vp, None, plain, "ref")[0]
     base = common.switches()
-
-    def kernels():
-        jaxpr = jax.make_jaxpr(lambda q, k, v: kv_cache._attend(q[None], k, v, None, casc, "pallas"))(q, kp, vp)
-        return set(re.findall(r"(ragged_\w+)", str(jaxpr)))
+    kernels = functools.partial(mixed_step_kernels, q, kp, vp, casc, r"(ragged_\w+)")
     assert kernels() == {"ragged_paged_attention_bq16_bkv16_g4_s1"}  # (fp32: 16-key tiles; interpret mode: one split)
     monkeypatch.setenv("INFERSCALE_MIXED_RAGGED", spec)
     assert common.switches() != base and kernels() == want
