@@ -22,8 +22,8 @@ cuts every row into query blocks of ``block_q`` tokens (``cdiv(q_len, block_q)``
 jnp ops of static size, plus the padding tokens ``[cu_q_lens[R], N)`` as a pseudo-row without
 keys (its blocks run no KV iterations and store zeros, so every output row is written).  At
 most ``min(R, N) + N // block_q + 1`` blocks exist, the static grid size (with
-``split_longest``, more: below); blocks past the actual count do nothing.  Each block is described by five int32 words (first flat token,
-token count, position of its first query, the row's kv_len, the row's page-table offset)
+``split_longest``, more: below); blocks past the actual count do nothing.  Each block is
+described by five int32 words (first flat token, token count, position of its first query, the row's kv_len, the row's page-table offset)
 that the program reads before anything else.  Blocks are launched last-first: a chunk's later
 blocks have the longest loops, and engines put chunks after the decode rows.
 
@@ -198,17 +198,25 @@ def _block_meta(cu_q_lens, kv_lens, *, num_tokens, num_blocks, block_q, max_page
     return jnp.stack(meta, axis=1).reshape(-1)
 
 
+def _tile_rows(rows, last, tok0, cnt, head, group, num_q_heads):
+    """A block's tile rows ``r`` ([rows], clamped to the tile's ``last`` row: extra rows repeat it), each
+    row's token within the block ``t`` (clamped to its ``cnt`` tokens) and its query row in ``q`` viewed
+    as ``[N * Hq, D]`` (token ``tok0 + t``, head ``head * group + r % group``)."""
+    r = jnp.minimum(jnp.arange(rows, dtype=jnp.int32), last)
+    t = jnp.minimum(lax.div(r, group), cnt - 1)
+    return r, t, (tok0 + t) * num_q_heads + head * group + lax.rem(r, group)
+
+
 def _attend(meta, page_table_ref, q_ref, k_ref, v_ref, store, scale_refs, tile, *, group,
             num_q_heads, page_size, max_pages, num_splits, sm_scale, v_rows):
     """One program's attention with one static tile: (rows, block_q, block_kv, prefetch).  ``meta``:
     the block's five words, then this program's split, kv head and the block's split count (``<=
-    num_splits``: ``num_splits`` itself, or in ``split_longest``'s kernel a traced 1 for a block run whole); ``store(r, row_ids, out, lse2)`` writes the
-    normalised output rows and their log2-sum-exps (tile row ``r`` is query row ``row_ids``)."""
+    num_splits``: ``num_splits`` itself, or in ``split_longest``'s kernel a traced 1 for a block run
+    whole); ``store(r, row_ids, out, lse2)`` writes the normalised output rows and their
+    log2-sum-exps (tile row ``r`` is query row ``row_ids``)."""
     rows, block_q, block_kv, prefetch = tile
     tok0, cnt, pos0, kv_len, pt_off, split, head, splits = meta
-    r = jnp.minimum(jnp.arange(rows, dtype=jnp.int32), block_q * group - 1)  # [M]
-    t = jnp.minimum(lax.div(r, group), cnt - 1)  # [M] token within the block (clamped)
-    row_ids = (tok0 + t) * num_q_heads + head * group + lax.rem(r, group)  # [M]
+    r, t, row_ids = _tile_rows(rows, block_q * group - 1, tok0, cnt, head, group, num_q_heads)
     q = q_ref[row_ids, :]  # [M, D]
     q_pos = pos0 + t  # [M] absolute positions
 
@@ -356,10 +364,8 @@ def _merge_kernel(meta_ref, op_ref, lp_ref, *refs, slots, num_splits, part_rows,
 
     @pl.when(cnt > 0)
     def _():
-        last = jnp.where(cnt <= small_q, small_q, block_q) * group - 1  # the tile's last row
-        r = jnp.minimum(jnp.arange(part_rows, dtype=jnp.int32), last)
-        t = jnp.minimum(lax.div(r, group), cnt - 1)
-        row_ids = (tok0 + t) * num_q_heads + head * group + lax.rem(r, group)
+        last = jnp.where(cnt <= small_q, small_q, block_q) * group - 1  # the tile the block ran in
+        r, _, row_ids = _tile_rows(part_rows, last, tok0, cnt, head, group, num_q_heads)
         at = [((s * slots + j) * num_kv_heads + head) * part_rows + r for s in range(num_splits)]
         lses = [lp_ref[a] for a in at]
         top = functools.reduce(jnp.maximum, lses)
@@ -482,7 +488,7 @@ def _ragged_longest(meta, page_table, q_rows, k_slots, v_slots, scales, kw, *, n
                     return_lse, name, params, interpret, long_keys):
     """``split_longest``: only the few blocks that see the most keys (``_split_plan``) are split; every
     other block runs whole and writes its final rows, so a step of short rows pays no partial buffers
-    and no merge pass over them.  Two launches: the attention (grid (program, kv head), the split
+    and no merge pass over them.  Two launches: the attention (grid (kv head, program), the split
     blocks' partials in compact buffers), then ``_merge_kernel`` over the split blocks' rows, in place.
     Returns (out [N * Hq, D], log2 lse [N * Hq] or None)."""
     n_rows, head_dim = q_rows.shape

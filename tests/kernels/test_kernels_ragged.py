@@ -273,6 +273,20 @@ LONG_CASES = [
 ]
 
 
+def split_blocks(args, group, D, dtype, kw, *, long_keys) -> int:
+    """How many blocks ``split_longest`` splits in the step ``args`` with knobs ``kw`` (its plan, rebuilt)."""
+    N, R, S = args[0].shape[0], args[3].shape[0], args[1].shape[2]
+    block_q = kw.get("block_q") or _choose_blocks(N, group, D, jnp.dtype(dtype).itemsize, None, None, None, None,
+                                                  True)[0]
+    nb = _block_bound(N, R, block_q)
+    meta = _block_meta(args[4], args[5], num_tokens=N, num_blocks=nb, block_q=block_q,
+                       max_pages=args[3].shape[1], capacity=args[3].shape[1] * S)
+    slots = min(nb, -(-N // block_q) + 1)
+    _, route, words = _split_plan(meta, num_blocks=nb, slots=slots, num_splits=kw["kv_splits"], long_keys=long_keys)
+    assert ((np.asarray(route).reshape(-1, 2)[:, 1] >= 0).any()) == (np.asarray(words).reshape(-1, _META)[:, 1] > 0).any()
+    return int((np.asarray(words).reshape(-1, _META)[:, 1] > 0).sum())
+
+
 def kernel_names(fn, *args) -> set[str]:
     """The Pallas kernels ``fn(*args)`` launches, by name (from its jaxpr)."""
     return set(re.findall(r"(ragged_\w+)", str(jax.make_jaxpr(fn)(*args))))
@@ -299,15 +313,7 @@ def test_split_longest_matches_ref(case):
     plain = ragged_paged_attention(*args, split_longest=True, **kw)
     np.testing.assert_array_equal(np.asarray(plain.astype(jnp.float32)), np.asarray(out.astype(jnp.float32)))
     if table == "long":  # the case exercises the split blocks, in the split-longest kernels
-        N, R = args[0].shape[0], args[3].shape[0]
-        block_q = kw["block_q"] if "block_q" in kw else _choose_blocks(N, Hq // Hkv, D, jnp.dtype(dtype).itemsize,
-                                                                        None, None, None, None, True)[0]
-        nb = _block_bound(N, R, block_q)
-        meta = _block_meta(args[4], args[5], num_tokens=N, num_blocks=nb, block_q=block_q,
-                           max_pages=args[3].shape[1], capacity=args[3].shape[1] * S)
-        slots = min(nb, -(-N // block_q) + 1)
-        _, route, words = _split_plan(meta, num_blocks=nb, slots=slots, num_splits=kw["kv_splits"], long_keys=512)
-        assert (np.asarray(route).reshape(-1, 2)[:, 1] >= 0).any() and (np.asarray(words).reshape(-1, _META)[:, 1] > 0).any()
+        assert split_blocks(args, Hq // Hkv, D, dtype, kw, long_keys=512) > 0
         names = kernel_names(functools.partial(ragged_paged_attention, split_longest=True, **kw), *args)
         assert any(x.endswith("_sl") for x in names) and any(x.startswith("ragged_merge") for x in names), names
 
@@ -316,6 +322,9 @@ def test_split_longest_threshold():
     """long_keys: a row of 300 keys is split with long_keys=200 (the split kernels run and agree with the
     reference) and not with the default 512; a negative threshold is refused by name."""
     args, _ = make_case(q_lens=[1, 20, 1], cached=[300, 5, 40], Hq=8, Hkv=2, D=32, S=16, dtype=jnp.float32)
+    kw = dict(kv_splits=3)
+    assert split_blocks(args, 4, 32, jnp.float32, kw, long_keys=200) == 1
+    assert split_blocks(args, 4, 32, jnp.float32, kw, long_keys=512) == 0
     for long_keys in (200, None):
         out = ragged_paged_attention(*args, kv_splits=3, split_longest=True, long_keys=long_keys)
         check_output(out, args, jnp.float32)
