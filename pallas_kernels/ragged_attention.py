@@ -331,7 +331,9 @@ def _longest_kernel(meta_ref, route_ref, page_table_ref, q_ref, k_ref, v_ref, *r
     p = programs - 1 - pl.program_id(1)  # the split blocks (end of the list) first
     meta = tuple(meta_ref[p * _META + i] for i in range(_META))
     split, slot = route_ref[2 * p], route_ref[2 * p + 1]
-    meta += (split, head, jnp.where(slot >= 0, kw["num_splits"], 1))
+    # (integer arithmetic: Triton's lowering types where(bool, int, int) as i1, and the split count then
+    # meets i32 in _attend's arithmetic)
+    meta += (split, head, jnp.maximum(jnp.minimum(slot + 1, 1) * kw["num_splits"], 1))
     num_kv_heads = kw["num_q_heads"] // kw["group"]
 
     def store(r, row_ids, out, lse2):
@@ -364,7 +366,9 @@ def _merge_kernel(meta_ref, op_ref, lp_ref, *refs, slots, num_splits, part_rows,
 
     @pl.when(cnt > 0)
     def _():
-        last = jnp.where(cnt <= small_q, small_q, block_q) * group - 1  # the tile the block ran in
+        big = jnp.minimum(jnp.maximum(cnt - small_q, 0), 1)  # 1: the block ran in the big tile (integer form:
+        # Triton's lowering types where(bool, int, int) as i1)
+        last = (small_q + (block_q - small_q) * big) * group - 1  # the tile the block ran in
         r, _, row_ids = _tile_rows(part_rows, last, tok0, cnt, head, group, num_q_heads)
         at = [((s * slots + j) * num_kv_heads + head) * part_rows + r for s in range(num_splits)]
         lses = [lp_ref[a] for a in at]

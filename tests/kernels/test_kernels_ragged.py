@@ -516,3 +516,34 @@ def test_validator_returns_dims():
     dims = check_ragged_inputs(*args)
     assert dims[4] == args[1].shape[1]  # P: the pool's pages
     assert dims == (7, 2, 4, 2, dims[4], 8, 16)
+
+
+@pytest.mark.parametrize("kw", [
+    dict(),  # auto split-KV from the step's work
+    dict(kv_splits=1),
+    dict(kv_splits=4, split_longest=True),
+    dict(kv_splits=4, split_longest=True, return_lse=True, pages=jnp.int8),
+    dict(kv_splits=4, split_longest=True, pages=jnp.float8_e4m3fn),
+], ids=["auto", "unsplit", "split_longest", "split_longest_int8_lse", "split_longest_fp8"])
+def test_lowers_to_triton(kw):
+    """The compiled (non-interpret) path lowers to Triton for CUDA, even on a CPU host: interpret mode
+    does not run the Triton lowering, and that lowering refuses things interpret mode accepts (a
+    ``jnp.where(bool, int, int)`` scalar, typed i1 there, failed split_longest on the GPU in run AU).
+    A mixed step's shape: 61 decode rows and a 64-token chunk, Llama-3-8B heads, 16-token pages."""
+    kw = dict(kw)
+    pages = kw.pop("pages", jnp.bfloat16)
+    sd = jax.ShapeDtypeStruct
+    N, R, P, M = 128, 62, 600, 300
+    args = (sd((N, 32, 128), jnp.bfloat16), sd((8, P, 16, 128), pages), sd((8, P, 16, 128), pages),
+            sd((R, M), jnp.int32), sd((R + 1,), jnp.int32), sd((R,), jnp.int32))
+    if pages != jnp.bfloat16:  # the per-slot scales, traced arguments too
+        args += (sd((8, P, 16), jnp.float32), sd((8, P, 16), jnp.float32))
+
+    def fn(*a):
+        scales = dict(zip(("k_scale", "v_scale"), a[6:]))
+        return ragged_paged_attention(*a[:6], interpret=False, **scales, **kw)
+
+    fn = jax.jit(fn)
+    text = fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    calls = text.count("xla.gpu.triton")
+    assert calls >= (2 if kw.get("split_longest") else 1), calls  # split_longest: the split kernel and its merge
