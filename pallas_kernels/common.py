@@ -67,25 +67,27 @@ def mixed_shared_knobs() -> dict:
 def mixed_ragged_knobs() -> dict:
     """``INFERSCALE_MIXED_RAGGED`` (e.g. ``sp=1`` or ``sl=1``): knobs of the ragged kernel in the
     engine's mixed steps (``pallas_kernels/ragged_attention.py``), by ``MIXED_RAGGED_KNOBS``' short
-    names (``sl=1``: ``split_longest``, ``lk``: its ``long_keys``); unset: none.  An A/B switch for the
+    names (``sl=0``: every block split-KV, not only the longest (``split_longest``, the kernel's
+    default), ``lk``: ``split_longest``'s ``long_keys``); unset: none.  An A/B switch for the
     benchmarks (bench/NOTES.md)."""
-    knobs = _knobs("INFERSCALE_MIXED_RAGGED", MIXED_RAGGED_KNOBS, tiles=dict(bq=1, bk=MIN_DOT_DIM))
-    if knobs.get("split_longest", 1) != 1:
-        raise ValueError(f"INFERSCALE_MIXED_RAGGED: sl={knobs['split_longest']} is invalid: use sl=1 (split-KV "
-                         "only for the blocks that see the most keys) or leave it out (the kernel's split-KV)")
+    knobs = _knobs("INFERSCALE_MIXED_RAGGED", MIXED_RAGGED_KNOBS, tiles=dict(bq=1, bk=MIN_DOT_DIM),
+                   flags=("sl",))
     return {k: bool(v) if k == "split_longest" else v for k, v in knobs.items()}
 
 
-def _knobs(var: str, table: dict, tiles) -> dict:
-    """Parse ``var``'s ``NAME=N,...`` into ``{table[NAME]: N}``; a bad item is a ``ValueError`` naming it."""
+def _knobs(var: str, table: dict, tiles, flags=()) -> dict:
+    """Parse ``var``'s ``NAME=N,...`` into ``{table[NAME]: N}`` (``flags``: names that take 0 or 1); a
+    bad item is a ``ValueError`` naming it."""
     spec = os.environ.get(var, "").strip()
     out = {}
     for item in filter(None, (x.strip() for x in spec.split(","))):
         name, _, value = item.partition("=")
-        number = int(value) if value.isascii() and value.isdigit() else 0
+        number = int(value) if value.isascii() and value.isdigit() else -1
         tile = name in tiles  # (tile sizes: powers of two, at least the dot's minimum)
-        if name not in table or number < 1 or tile and (number < tiles[name] or number & (number - 1)):
-            sizes = ", ".join(f"{t}: a power of two >= {low}" for t, low in tiles.items())
+        bad = number not in (0, 1) if name in flags else number < 1
+        if name not in table or bad or tile and (number < tiles[name] or number & (number - 1)):
+            sizes = ", ".join([f"{t}: a power of two >= {low}" for t, low in tiles.items()]
+                              + [f"{f}: 0 or 1" for f in flags])
             raise ValueError(f"{var}={spec!r}: {item!r} is invalid: each item must be NAME=N with "
                              f"N >= 1 ({sizes}) and NAME one of "
                              f"{sorted(table)} ({table}); unset it for the defaults")

@@ -270,12 +270,15 @@ def test_a_bad_mixed_shared_switch_is_refused_with_its_value(monkeypatch, spec):
         common.mixed_shared_knobs()
 
 
-@pytest.mark.parametrize("spec,want", [("sp=3", {"ragged_paged_attention_bq16_bkv16_g4_s3"}),
+@pytest.mark.parametrize("spec,want", [("sp=3,sl=0", {"ragged_paged_attention_bq16_bkv16_g4_s3"}),
+                                       ("sp=2,lk=4", {"ragged_paged_attention_bq16_bkv16_g4_s2_sl",
+                                                      "ragged_merge_s2"}),
                                        ("sp=2,sl=1,lk=4", {"ragged_paged_attention_bq16_bkv16_g4_s2_sl",
                                                            "ragged_merge_s2"})])
 def test_the_mixed_ragged_switch_keeps_the_result(monkeypatch, spec, want):
     """``INFERSCALE_MIXED_RAGGED`` (the benchmarks' A/B switch of the ragged kernel's knobs in mixed steps):
-    forced splits, or split-KV for the longest blocks only (``sl=1``, ``lk``: past how many keys), change
+    forced splits, split-KV for the longest blocks only (the default, ``sl=1``; ``lk``: past how many keys)
+    or for every block (``sl=0``), change
     the kernels a mixed step launches, never what it computes; the executable store's key follows it."""
     from pallas_kernels import common
     q, kp, vp, casc, plain, n = mixed_case(9, chunk_groups=(0, 1))
@@ -289,7 +292,7 @@ def test_the_mixed_ragged_switch_keeps_the_result(monkeypatch, spec, want):
     assert_close(out[:n], want_out[:n], jnp.float32)
 
 
-@pytest.mark.parametrize("spec,match", [("sl=2", "sl=2 is invalid"), ("sp=0", "NAME=N"), ("bq=3", "NAME=N"),
+@pytest.mark.parametrize("spec,match", [("sl=2", "sl: 0 or 1"), ("sp=0", "NAME=N"), ("bq=3", "NAME=N"),
                                         ("tl=2", "NAME=N"), ("lk=x", "NAME=N")])
 def test_a_bad_mixed_ragged_switch_is_refused_with_its_value(monkeypatch, spec, match):
     from pallas_kernels import common
@@ -302,5 +305,7 @@ def test_the_mixed_ragged_switch_parses_to_the_kernels_arguments(monkeypatch):
     from pallas_kernels import common
     monkeypatch.setenv("INFERSCALE_MIXED_RAGGED", "sl=1,lk=300,sp=4,w=8")
     assert common.mixed_ragged_knobs() == dict(split_longest=True, long_keys=300, kv_splits=4, num_warps=8)
+    monkeypatch.setenv("INFERSCALE_MIXED_RAGGED", "sl=0")
+    assert common.mixed_ragged_knobs() == dict(split_longest=False)
     monkeypatch.setenv("INFERSCALE_MIXED_RAGGED", "")
     assert common.mixed_ragged_knobs() == {}

@@ -163,7 +163,7 @@ def test_ref_and_kernel_match_decode_ref():
     expect = np.asarray(paged_decode_attention_ref(q, kp, vp, table, kv_lens))
     np.testing.assert_allclose(np.asarray(ragged_paged_attention_ref(*args)), expect,
                                atol=1e-6, rtol=1e-6)
-    for kw in ({}, dict(kv_splits=3)):
+    for kw in ({}, dict(kv_splits=3), dict(kv_splits=3, split_longest=False)):
         np.testing.assert_allclose(np.asarray(ragged_paged_attention(*args, **kw)), expect,
                                    atol=1e-5, rtol=1e-5)
 
@@ -292,30 +292,32 @@ def kernel_names(fn, *args) -> set[str]:
     return set(re.findall(r"(ragged_\w+)", str(jax.make_jaxpr(fn)(*args))))
 
 
-@pytest.mark.parametrize("case", [("cases", i) for i in (0, 1, 3, 8, 9, 10, 11, 12)]
-                         + [("long", i) for i in range(len(LONG_CASES))])
-def test_split_longest_matches_ref(case):
-    """split_longest=True: the blocks that see the most keys split (their partials merged in place by the
-    merge kernel), the others whole; output and log-sum-exps equal the reference's, every token written
-    (unwritten rows are NaN in interpret mode), padding tokens zeros; the long cases really split, in
-    the split-longest kernels."""
+# (the CASES run split_longest, the default, in test_kernel_matches_ref; here every block split-KV)
+@pytest.mark.parametrize("case,longest", [(("cases", i), False) for i in (0, 1, 3, 8, 9, 10, 11, 12)]
+                         + [(("long", i), sl) for i in range(len(LONG_CASES)) for sl in (True, False)])
+def test_split_forms_match_ref(case, longest):
+    """split_longest=True (the default): the blocks that see the most keys split (their partials merged in
+    place by the merge kernel), the others whole; False: every block split-KV, merged in jnp.  Output and
+    log-sum-exps equal the reference's, every token written (unwritten rows are NaN in interpret mode),
+    padding tokens zeros; the long cases really split, in the kernels of the form asked for."""
     table, i = case
     dtype, Hq, Hkv, D, S, q_lens, cached, pad, kw = (CASES if table == "cases" else LONG_CASES)[i]
-    kw = {**kw, "kv_splits": kw.get("kv_splits", 2)}
+    kw = {**kw, "kv_splits": kw.get("kv_splits", 2), "split_longest": longest}
     args, _ = make_case(q_lens=q_lens, cached=cached, pad=pad, Hq=Hq, Hkv=Hkv, D=D, S=S, dtype=dtype)
-    out, lse = ragged_paged_attention(*args, return_lse=True, split_longest=True, **kw)
+    out, lse = ragged_paged_attention(*args, return_lse=True, **kw)
     check_output(out, args, dtype)
     _, ref = ragged_paged_attention_ref(*args, return_lse=True)
     n = int(np.asarray(args[4])[-1])
     lse = np.asarray(lse)
     assert (lse[n:] == -np.inf).all() and np.isfinite(lse[:n]).all()
     np.testing.assert_allclose(lse[:n], np.asarray(ref)[:n], atol=1e-4 if dtype == jnp.float32 else 2e-2, rtol=1e-5)
-    plain = ragged_paged_attention(*args, split_longest=True, **kw)
+    plain = ragged_paged_attention(*args, **kw)
     np.testing.assert_array_equal(np.asarray(plain.astype(jnp.float32)), np.asarray(out.astype(jnp.float32)))
-    if table == "long":  # the case exercises the split blocks, in the split-longest kernels
+    names = kernel_names(functools.partial(ragged_paged_attention, **kw), *args)
+    longest = any(x.endswith("_sl") for x in names) and any(x.startswith("ragged_merge") for x in names)
+    assert longest == kw["split_longest"], names
+    if table == "long":  # the case exercises the split blocks
         assert split_blocks(args, Hq // Hkv, D, dtype, kw, long_keys=512) > 0
-        names = kernel_names(functools.partial(ragged_paged_attention, split_longest=True, **kw), *args)
-        assert any(x.endswith("_sl") for x in names) and any(x.startswith("ragged_merge") for x in names), names
 
 
 def test_split_longest_threshold():
@@ -360,9 +362,9 @@ def test_split_kv_equals_unsplit_and_custom_scale():
                         S=16, dtype=jnp.float32)
     whole = check_output(ragged_paged_attention(*args, kv_splits=1, sm_scale=0.2), args,
                          jnp.float32, sm_scale=0.2)
-    for splits in (2, 4):
-        split = check_output(ragged_paged_attention(*args, kv_splits=splits, sm_scale=0.2),
-                             args, jnp.float32, sm_scale=0.2)
+    for splits, longest in itertools.product((2, 4), (True, False)):
+        split = check_output(ragged_paged_attention(*args, kv_splits=splits, sm_scale=0.2, split_longest=longest,
+                                                    long_keys=64), args, jnp.float32, sm_scale=0.2)
         np.testing.assert_allclose(split, whole, atol=1e-5, rtol=1e-5)
 
 
