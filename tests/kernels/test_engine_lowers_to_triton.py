@@ -1,0 +1,137 @@
+"""The engine's whole jitted steps lower to Triton for CUDA on this CPU host.
+
+Interpret mode (every kernel test on the CPU) never runs Pallas' Triton lowering, and that lowering
+refuses programs interpret mode accepts: run AU (bench/NOTES.md) lost a GPU call to a scalar
+``jnp.where(bool, int, int)`` that Triton typed i1.  Here the engine's own step buckets, with the
+production head shape (head_dim 128, four query heads per kv head, 16-token pages, bf16), are traced
+with the kernels' compiled path (``common.default_interpret`` patched to False, as on a GPU) and
+lowered for ``cuda``: decode steps with and without cascade groups, mixed steps with and without,
+log-prob buckets, the multi-step decode loop, compressed KV pages, and the A/B switches' kernel forms.
+Each lowering also names the kernels it launches, so a switch that silently changes nothing fails.
+Lowering is not compiling: a kernel that lowers can still fail in ptxas on the GPU (registers,
+shared memory); ``bench/tools/rerun_h200.sh`` runs the GPU-side checks.
+"""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import pytest
+
+from inferscale_jax import Engine, EngineConfig
+from inferscale_jax import decode_loop as decode_loop_mod
+from inferscale_jax import runner as runner_mod
+from inferscale_jax.buckets import StepKey
+from inferscale_jax.decode_loop import pack_stops
+from inferscale_jax.runner import StepPlan
+from models import ModelConfig, RopeConfig, init_params
+from pallas_kernels import common
+
+CFG = ModelConfig(architecture="LlamaForCausalLM", vocab_size=97, hidden_size=256, intermediate_size=512,
+                  num_layers=2, num_heads=8, num_kv_heads=2, head_dim=128, rms_norm_eps=1e-5,
+                  rope=RopeConfig(), max_position_embeddings=4096)
+
+
+@pytest.fixture
+def compiled_kernels(monkeypatch):
+    """The kernels' GPU path on this host, and no stale traces (a switch is read when a step is traced)."""
+    monkeypatch.setattr(common, "default_interpret", lambda: False)
+    runner_mod._model_step.clear_cache()
+    decode_loop_mod._decode_loop.clear_cache()
+    yield
+    runner_mod._model_step.clear_cache()
+    decode_loop_mod._decode_loop.clear_cache()
+
+
+def make_engine(**kw) -> Engine:
+    params = init_params(CFG, jax.random.PRNGKey(0), scale=0.5)
+    return Engine(params, CFG, None, EngineConfig(**{"dtype": "bfloat16", "page_size": 16, "hbm_pages": 256,
+                                                     "max_batch": 16, "attention_impl": "pallas",
+                                                     "cascade_decode": True, **kw}))
+
+
+def kinds(engine) -> dict[str, StepKey]:
+    """One bucket of each kind the engine warms up (``buckets.all_keys``)."""
+    keys = engine.runner.buckets.all_keys()
+    pick = {
+        "decode": lambda k: not k.ragged and not k.shared and not k.num_logprobs,
+        "decode, cascade": lambda k: not k.ragged and k.shared and k.groups > 1,
+        "mixed": lambda k: k.ragged and not k.shared and k.tokens > k.rows,
+        "mixed, cascade": lambda k: k.ragged and k.shared and k.tokens > k.rows,
+        "mixed, cascade, log-probs": lambda k: k.ragged and k.shared and k.num_logprobs,
+    }
+    return {name: next(k for k in keys if want(k)) for name, want in pick.items()}
+
+
+def lowered_kernels(engine, key: StepKey, loop_steps: int = 0) -> set[str]:
+    """Lower bucket ``key``'s step (or its ``loop_steps``-step decode loop) for CUDA, as the warm-up builds
+    it on padding; returns the Pallas kernels the lowered module launches."""
+    r = engine.runner
+    rows = r._padding_rows(key)
+    groups = r._padding_groups(key)
+    if loop_steps and not key.shared:  # (as Runner.warmup_loops: the widest row ends where its table does)
+        rows[0].start = max(0, key.width * r.page_size - loop_steps)
+    _, _, host = r._pack(rows, key.num_logprobs, groups, None, *((loop_steps,) if loop_steps else ()))
+    if loop_steps:
+        plan = StepPlan(rows, key.num_logprobs, groups, steps=loop_steps, stops=[([1], 1)] * len(rows))
+        args = r._to_device(host[:3] + (pack_stops(plan.stops, key.rows),))
+        traced = decode_loop_mod._decode_loop.trace(r.params, r.cache, *args, cfg=r.cfg, key=key, steps=loop_steps,
+                                                    size=r.max_batch, precision=r.matmul_precision)
+    else:
+        traced = runner_mod._model_step.trace(r.params, r.cache, *r._to_device(host), cfg=r.cfg, key=key,
+                                              precision=r.matmul_precision)
+    text = traced.lower(lowering_platforms=("cuda",)).as_text()
+    assert "xla.gpu.triton" in text
+    return set(re.findall(r'name = "([a-z]\w*)"', text))
+
+
+def test_every_kind_of_step_lowers(compiled_kernels):
+    engine = make_engine()
+    found = {name: lowered_kernels(engine, key) for name, key in kinds(engine).items()}
+    assert all(any(n.startswith("write_kv") for n in k) for k in found.values()), found
+    assert not any(n.startswith("ragged") for n in found["decode"]), found["decode"]
+    assert any(n.startswith("cascade_") for n in found["decode, cascade"]), found["decode, cascade"]
+    for name in ("mixed", "mixed, cascade", "mixed, cascade, log-probs"):
+        assert any(n.startswith("ragged_paged_attention") for n in found[name]), (name, found[name])
+    assert any(n.startswith("cascade_shared") for n in found["mixed, cascade"]), found["mixed, cascade"]
+
+
+@pytest.mark.parametrize("spec,form", [
+    ("", "split_longest"),  # the default: the longest blocks split, then merged in place
+    ("sp=4", "split_longest"),
+    ("sp=4,sl=0", "every block split"),
+    ("sp=1", "unsplit"),
+])
+def test_the_mixed_ragged_forms_lower(compiled_kernels, monkeypatch, spec, form):
+    """``INFERSCALE_MIXED_RAGGED``'s kernel forms in a mixed cascade step (the C = 64 step's kind)."""
+    monkeypatch.setenv("INFERSCALE_MIXED_RAGGED", spec)
+    engine = make_engine()
+    names = lowered_kernels(engine, kinds(engine)["mixed, cascade"])
+    ragged = {n for n in names if n.startswith("ragged_")}
+    merged = any(n.startswith("ragged_merge") for n in ragged)
+    split = any(re.search(r"_s([2-9]|\d\d)", n) for n in ragged)
+    assert {"split_longest": merged and split, "every block split": split and not merged,
+            "unsplit": not split and not merged}[form], (spec, ragged)
+
+
+def test_the_cascade_mixed_decode_lowers(compiled_kernels, monkeypatch):
+    """``INFERSCALE_MIXED_DECODE=cascade``: a mixed step's one-token rows in the decode step's cascade kernel."""
+    monkeypatch.setenv("INFERSCALE_MIXED_DECODE", "cascade")
+    engine = make_engine()
+    names = lowered_kernels(engine, kinds(engine)["mixed, cascade"])
+    assert any(n.startswith("ragged_paged_attention") for n in names), names
+
+
+@pytest.mark.parametrize("kv_dtype", ["int8", "float8_e4m3fn"])
+def test_compressed_pages_lower(compiled_kernels, kv_dtype):
+    engine = make_engine(kv_dtype=kv_dtype)
+    for name, key in kinds(engine).items():
+        assert lowered_kernels(engine, key), name
+
+
+def test_the_decode_loop_lowers(compiled_kernels):
+    """Multi-step decode (``--decode-steps``): the loop of decode steps, plain and cascade buckets."""
+    engine = make_engine(decode_steps=4)
+    for name in ("decode", "decode, cascade"):
+        assert lowered_kernels(engine, kinds(engine)[name], loop_steps=4), name
