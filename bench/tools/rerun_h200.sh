@@ -73,8 +73,10 @@
 #      that holds their groups (INFERSCALE_MIXED_GROUPS=fit), the bare loop at C = 64 and 256 (CONCS), answers 64 +- 32
 #  26  the mixed steps' ragged kernel (INFERSCALE_MIXED_RAGGED): the kernel's checks on the GPU (pytest) and its split-KV
 #      forms alone (bench/kernels/ragged.py --sections 4), then
-#      the bare loop at C = 64 and 256 with the default, sp=1 (unsplit), sl=1 (only the blocks that see the most keys
-#      split: the rest unsplit, no partials for them)
+#      the bare loop at C = 64 and 256 with the default (sl: only the blocks that see the most keys split), sp=1
+#      (unsplit), sl=0 (every block split)
+#  27  the mixed steps' shared part against dense attention libraries on the same work (cuDNN, jax's Mosaic GPU
+#      FlashAttention-3 kernel, plain XLA; bench/kernels/shared_ceiling.py): whether a Hopper kernel is worth writing
 #  16  the checkpoint read (models/loader.py: os.preadv into each tensor's array, threads in parallel): the 8B
 #      checkpoint loaded one tensor at a time and eight (bench/tools/weights_load.py; run AL: 14.2 / 12.1 s)
 # Parts 6-10, 16, 18-20 and 23-26 write the 8B checkpoint to /tmp/llama8b first when it is missing (~35 s); it stays out of
@@ -310,16 +312,19 @@ case "$part" in
     loops_ab INFERSCALE_MIXED_GROUPS groups_ max fit
     ;;
 26)
-    # the mixed steps' ragged kernel (INFERSCALE_MIXED_RAGGED): the default (split-KV from the fewest programs a
-    # step's work can make: every block split 4 ways at 128 tokens), unsplit (sp=1), only the blocks that see the
-    # most keys split (sl=1); the bare loop at C = 64 and 256, answers 64 +- 32 (C = 256's default is unsplit)
+    # the mixed steps' ragged kernel (INFERSCALE_MIXED_RAGGED): the default (only the blocks that see the most keys
+    # split), unsplit (sp=1), every block split (sl=0: split-KV from the fewest programs a step's work can make,
+    # 4 ways at 128 tokens); the bare loop at C = 64 and 256, answers 64 +- 32 (C = 256 is unsplit by both)
     # (the kernel's checks only: the scheduler's engine tests compile for minutes on the GPU, run AT)
     [ -n "${SKIP_TESTS:-}" ] || step_as ragged_tests 300 -m pytest -q -p no:cacheprovider \
-        tests/kernels/test_kernels_ragged.py -k "split_longest or split_plan or kernel_matches_ref or lse_matches"
+        tests/kernels/test_kernels_ragged.py -k "split_forms or split_longest or split_plan or kernel_matches_ref or lse_matches"
     # the kernel alone on the steps that matter: the C = 64 mixed step, a long chunk beside it, a lone question
     [ -n "${SKIP_TESTS:-}" ] || step ragged_splits 150 bench/kernels/ragged.py --sections 4
     ckpt
-    loops_ab INFERSCALE_MIXED_RAGGED ragged_ ${MODES:-default sp=1 sl=1}
+    loops_ab INFERSCALE_MIXED_RAGGED ragged_ ${MODES:-default sp=1 sl=0}
+    ;;
+27)
+    step shared_ceiling 240 bench/kernels/shared_ceiling.py
     ;;
 21)
     step call_args 150 bench/tools/call_args.py
