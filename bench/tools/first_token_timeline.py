@@ -13,13 +13,21 @@ median and mean over the requests (the first ``--skip`` left out).  The points, 
 process's HTTP protocol) -> ``asgi_enter`` (the app is called) -> ``route_job`` (the completion
 handler builds its job: body parsed and validated, auth and admission passed) -> ``stream_enter``
 (``CoreClient.stream``) -> ``tokenized`` -> ``submit_sent`` (handed to the I/O thread for the
-core) -> ``step_received`` (the core's first step message back, on the I/O thread) ->
+core) -> in the engine core's process: ``core_recv`` (``EngineCore.handle`` takes the submit) ->
+``dispatch_start`` / ``dispatch_end`` (the first ``ModelRunner.dispatch`` after it: the question's
+prefill step packed and launched) -> ``collect_start`` / ``collect_end`` (the first
+``ModelRunner.collect``: the loop reads a step one iteration late, so between ``dispatch_end`` and
+``collect_start`` it plans and launches the next step, and ``collect`` then waits for the device) ->
+``core_sent`` (the core's first step message for it on its socket) -> ``step_received`` (that
+message, on the API's I/O thread) ->
 ``first_delta`` (the stream's first delta, on the event loop) -> ``first_body`` (the first SSE
 bytes handed to uvicorn) -> ``client_first`` (this process: the first text chunk parsed).
 
 Every point reads ``time.perf_counter()`` (CLOCK_MONOTONIC: one clock across processes on Linux).
-``submit_sent -> step_received`` holds the core: the ZMQ hops, admission and the first step (with
-the real engine, the question's prefill).  Writes ``--out`` (markdown) when given.
+The core's points are installed in the core process: ``serve`` spawns it, and a spawned process
+imports its parent's main module (this file, as ``__mp_main__``), which installs them there when
+``INFERSCALE_TIMELINE_TRACE`` names the trace file.  With ``--paced-step-ms`` (no runner) the four
+runner points are left out.  Writes ``--out`` (markdown) when given.
 """
 
 from __future__ import annotations
@@ -39,7 +47,10 @@ sys.path.insert(0, os.path.join(ROOT, "bench", "serving"))
 
 from servers import free_port, stop_process  # noqa: E402  (bench/serving/servers.py)
 POINTS = ("client_send", "uvicorn_data", "asgi_enter", "route_job", "stream_enter", "tokenized", "submit_sent",
+          "core_recv", "dispatch_start", "dispatch_end", "collect_start", "collect_end", "core_sent",
           "step_received", "first_delta", "first_body", "client_first")
+RUNNER_POINTS = ("dispatch_start", "dispatch_end", "collect_start", "collect_end")  # (not with the paced engine)
+TRACE_ENV = "INFERSCALE_TIMELINE_TRACE"  # the trace file, for the core process's points
 PROMPT = ("Summarize what the segment says about the engine's cache, and name the two settings that matter "
           "most for a server under load.")
 
@@ -132,10 +143,46 @@ def install_points(trace: Trace) -> None:
     client._send, client._on_message = traced_send, traced_on_message
 
 
+def install_core_points(trace: Trace) -> None:
+    """Wrap the engine core's functions at its points (the module docstring's list), in the core process."""
+    from inferscale_jax import engine_core, runner
+
+    core, model_runner = engine_core.EngineCore, runner.ModelRunner
+    handle, send, dispatch, collect = core.handle, core.send, model_runner.dispatch, model_runner.collect
+
+    def traced_handle(self, ident, msg):
+        if msg[0] == "submit":
+            trace("core_recv")
+        return handle(self, ident, msg)
+
+    def traced_send(self, ident, msg):
+        if msg[0] == "step":
+            trace("core_sent")
+        return send(self, ident, msg)
+
+    def traced_dispatch(self, *args, **kwargs):
+        trace("dispatch_start")
+        try:
+            return dispatch(self, *args, **kwargs)
+        finally:
+            trace("dispatch_end")
+
+    def traced_collect(self, *args, **kwargs):
+        trace("collect_start")
+        try:
+            return collect(self, *args, **kwargs)
+        finally:
+            trace("collect_end")
+
+    core.handle, core.send = traced_handle, traced_send
+    model_runner.dispatch, model_runner.collect = traced_dispatch, traced_collect
+
+
 def serve_child(args, serve_args: list[str]) -> int:
-    """This tool's child: the API process of ``serve``, traced."""
+    """This tool's child: the API process of ``serve``, traced (and, through ``TRACE_ENV``, its core)."""
     sys.path[:0] = [ROOT, os.path.join(ROOT, "bench", "lib")]
     install_points(Trace(args.trace))
+    os.environ[TRACE_ENV] = args.trace  # (the spawned core inherits it: the end of this file)
     from inferscale_cli import main as cli
     from inferscale_cli import serve
 
@@ -179,8 +226,9 @@ def send_requests(url: str, trace: Trace, n: int, max_tokens: int, gap_s: float)
             time.sleep(gap_s)
 
 
-def timeline(path: str, skip: int) -> list[dict]:
-    """Each request's first occurrence of every point after its ``client_send``."""
+def timeline(path: str, skip: int, points=POINTS) -> list[dict]:
+    """Each request's first occurrence of every point after its ``client_send`` (requests that reached
+    every one of ``points``)."""
     events = []
     with open(path) as f:
         for line in f:
@@ -192,16 +240,16 @@ def timeline(path: str, skip: int) -> list[dict]:
             requests.append({name: t})
         elif requests and name not in requests[-1]:
             requests[-1][name] = t
-    return [r for r in requests[skip:] if all(p in r for p in POINTS)]
+    return [r for r in requests[skip:] if all(p in r for p in points)]
 
 
-def report(requests: list[dict], title: str) -> str:
+def report(requests: list[dict], title: str, points=POINTS) -> str:
     """Each stretch's median and mean over the requests (ms).  The means add up to the TTFT's mean
     (every request has every point); the medians need not (a stretch that is long in a few requests
     only, such as a wait for the core's step, moves the TTFT's median but not its own)."""
     lines = [title, "", f"{len(requests)} requests (ms):", "", "| from | to | median | mean |",
              "| --- | --- | --- | --- |"]
-    for a, b in zip(POINTS, POINTS[1:]):
+    for a, b in zip(points, points[1:]):
         ms = [(r[b] - r[a]) * 1e3 for r in requests]
         lines.append(f"| {a} | {b} | {statistics.median(ms):.3f} | {statistics.fmean(ms):.3f} |")
     ms = [(r["client_first"] - r["client_send"]) * 1e3 for r in requests]
@@ -259,15 +307,20 @@ def main() -> None:
         send_requests(url, Trace(trace_path), args.requests, args.max_tokens, args.gap_ms / 1e3)
     finally:
         stop_process(proc, 120)
-    requests = timeline(trace_path, args.skip)
+    points = tuple(p for p in POINTS if args.paced_step_ms is None or p not in RUNNER_POINTS)
+    requests = timeline(trace_path, args.skip, points)
     if not requests:
         raise SystemExit(f"no request passed every point (server log: {log})")
     engine = f"paced engine, {args.paced_step_ms} ms steps" if args.paced_step_ms is not None else \
         (args.model or "the default model")
     write_report(report(requests, f"# First-token timeline of `serve` at C = 1 ({engine})\n\n`python "
-                                  f"bench/tools/first_token_timeline.py {' '.join(sys.argv[1:])}`"), args.out)
+                                  f"bench/tools/first_token_timeline.py {' '.join(sys.argv[1:])}`", points), args.out)
     os.unlink(trace_path)
 
+
+if __name__ == "__mp_main__" and os.environ.get(TRACE_ENV):  # the engine core, spawned by the traced serve
+    sys.path[:0] = [ROOT]
+    install_core_points(Trace(os.environ[TRACE_ENV]))
 
 if __name__ == "__main__":
     main()
