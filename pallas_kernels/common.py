@@ -65,7 +65,7 @@ def mixed_shared_knobs() -> dict:
 
 
 def mixed_ragged_knobs() -> dict:
-    """``INFERSCALE_MIXED_RAGGED`` (e.g. ``sp=1`` or ``sl=1``): knobs of the ragged kernel in the
+    """``INFERSCALE_MIXED_RAGGED`` (e.g. ``sp=1`` or ``sl=0``): knobs of the ragged kernel in the
     engine's mixed steps (``pallas_kernels/ragged_attention.py``), by ``MIXED_RAGGED_KNOBS``' short
     names (``sl=0``: every block split-KV, not only the longest (``split_longest``, the kernel's
     default), ``lk``: ``split_longest``'s ``long_keys``); unset: none.  An A/B switch for the
@@ -86,10 +86,10 @@ def _knobs(var: str, table: dict, tiles, flags=()) -> dict:
         tile = name in tiles  # (tile sizes: powers of two, at least the dot's minimum)
         bad = number not in (0, 1) if name in flags else number < 1
         if name not in table or bad or tile and (number < tiles[name] or number & (number - 1)):
-            sizes = ", ".join([f"{t}: a power of two >= {low}" for t, low in tiles.items()]
-                              + [f"{f}: 0 or 1" for f in flags])
+            sizes = ", ".join(f"{t}: a power of two >= {low}" for t, low in tiles.items())
+            flagged = "".join(f"; {f}: 0 or 1" for f in flags)
             raise ValueError(f"{var}={spec!r}: {item!r} is invalid: each item must be NAME=N with "
-                             f"N >= 1 ({sizes}) and NAME one of "
+                             f"N >= 1 ({sizes}{flagged}) and NAME one of "
                              f"{sorted(table)} ({table}); unset it for the defaults")
         out[table[name]] = number
     return out

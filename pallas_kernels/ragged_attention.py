@@ -411,7 +411,7 @@ def _split_plan(meta, *, num_blocks, slots, num_splits, long_keys):
     "sm_scale", "block_q", "tiles", "num_warps", "num_stages", "kv_splits", "interpret", "v_rows", "return_lse",
     "split_longest", "long_keys"))
 def _ragged(q, k_pages, v_pages, page_table, cu_q_lens, kv_lens, k_scale, v_scale, *, sm_scale, block_q, tiles,
-            num_warps, num_stages, kv_splits, interpret, v_rows, return_lse=False, split_longest=False,
+            num_warps, num_stages, kv_splits, interpret, v_rows, return_lse=False, split_longest=True,
             long_keys=_LONG_KEYS):
     num_tokens, num_q_heads, head_dim = q.shape  # [N, Hq, D]
     num_kv_heads, num_pages, page_size, _ = k_pages.shape  # [Hkv, P, S, D]

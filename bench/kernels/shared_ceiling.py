@@ -3,12 +3,12 @@
 Usage (from the repository root)::
 
     python bench/kernels/shared_ceiling.py                       # H100 / H200: ~2 minutes
-    python bench/kernels/shared_ceiling.py --smoke --out /tmp/sc  # tiny shapes on the CPU: the engine form only
+    python bench/kernels/shared_ceiling.py --smoke --out /tmp/sc  # tiny shapes on the CPU: engine, jnp forms; Mosaic lowered
 
 The cascade's shared part of a mixed step (``inferscale_jax/kv_cache.py``'s ``_mixed``): each group's
 query tokens (its decode rows' one token each, its questions' 64) attend, without a mask, to the group's
 shared segment of 4096 tokens, and return outputs and log-sum-exps for the merge with the private part.
-At C = 256 it is ~4.4 ms of a ~19.7 ms step at ~220-240 TFLOP/s (bench/NOTES.md, run AN's graph profile),
+At C = 256 it is ~4.4 ms of a ~19.7 ms step at ~215 TFLOP/s (bench/NOTES.md, runs AN and AO),
 the Triton tile's ceiling. Whether a Hopper-specific kernel (wgmma fed by TMA, warp-specialised: the
 FlashAttention-3 design) would be worth writing for it depends on what such kernels reach on this *small,
 ragged* work, which this measures, one layer (Llama-3-8B heads: 32 q, 8 kv, head_dim 128) of the steps
@@ -17,8 +17,8 @@ ragged* work, which this measures, one layer (Llama-3-8B heads: 32 q, 8 kv, head
 * ``engine``: ``grouped_shared_prefix_attention`` over the paged pool (bf16; what the engine runs).
 * ``cudnn``: ``jax.nn.dot_product_attention(implementation="cudnn")`` on a dense copy of each group's
   segment (``[G, 4096, 8, 128]``, made outside the timed call) with the group's tokens padded to the
-  largest group and ``query_seq_lengths`` (bf16, GQA native).  No log-sum-exps out of this API: an
-  upper bound of what it would give the engine.
+  largest group and ``query_seq_lengths`` (bf16, GQA native).  Its log-sum-exps would come back in bf16
+  only (``return_residual``), too coarse for the merge: an upper bound of what it would give the engine.
 * ``mosaic``: jax's FlashAttention-3 kernel in Pallas Mosaic GPU
   (``jax.experimental.pallas.ops.gpu.attention_mgpu``), same dense segments, each group's tokens x 4 query
   heads folded into rows (``[G, rows, 8, 128]``: the work is unmasked, so a kv head's 4 query heads are
@@ -28,7 +28,8 @@ ragged* work, which this measures, one layer (Llama-3-8B heads: 32 q, 8 kv, head
 * ``xla``: the same dense attention as plain jnp (einsum, softmax), for scale.
 
 TFLOP/s count the real work only (4 x real query rows x 4096 x 128); ``padded`` says what the dense
-forms computed. Every output is checked against ``engine``'s (bf16 / f16 tolerance). Timing as
+forms computed. Every output is checked against ``engine``'s (bf16 / f16 tolerance); the dense forms are
+timed on their own layout (the gather back to the engine's token order is made for the check only). Timing as
 ``bench/kernels/kernels.py`` (R input sets in one executable, median). Writes ``shared_ceiling.md`` and
 ``shared_ceiling.png`` to ``--out``.
 """
@@ -58,7 +59,8 @@ FULL = dict(hq=32, hkv=8, d=128, s=16, seg=4096, groups=8, question=64, sets=4, 
                    "cohort (200 rows + 28 questions)": (200, 28)})
 SMOKE = dict(hq=8, hkv=2, d=64, s=8, seg=64, groups=3, question=8, sets=1, reps=1,
              steps={"smoke": (10, 2)})
-MOSAIC_TUNINGS = [(64, 64, 2), (64, 128, 2), (64, 128, 4), (128, 128, 2)]  # (block_q, block_kv, concurrent steps)
+# (block_q, block_kv, concurrent steps): the pipeline's K/V buffers must fit the SM's ~227 KiB of shared memory
+MOSAIC_TUNINGS = [(64, 64, 2), (64, 64, 4), (64, 128, 2), (64, 128, 3)]
 RESULTS: list = []  # (step, form, seconds, real flops, padded flops)
 
 
@@ -129,14 +131,15 @@ def run_step(args, cfg, name, decode, questions):
     RESULTS.append((name, "engine", t_eng, real_flops, real_flops))
     log(f"  engine: {t_eng * 1e6:.1f} us, {real_flops / t_eng / 1e12:.0f} TFLOP/s")
 
-    def timed(form, fn, inputs, padded_flops, tol=2e-2):
+    def timed(form, fn, inputs, padded_flops, tol=2e-2, back=lambda o: o[jnp.asarray(group), jnp.asarray(slot)]):
+        """Time ``fn`` on its own layout; ``back`` maps its first output to the engine's token order."""
         try:
             sec, outs = time_calls(fn, (), inputs, cfg["reps"])
         except Exception as err:  # noqa: BLE001 - a form this device or jax cannot run is reported, not fatal
             log(f"  {form}: failed ({type(err).__name__}: {str(err)[:300]})")
             RESULTS.append((name, form, math.nan, real_flops, padded_flops))
             return
-        check(f"{name} {form} vs engine", np.asarray(outs[0], np.float32), base, tol)
+        check(f"{name} {form} vs engine", np.asarray(back(outs[0]), np.float32), base, tol)
         RESULTS.append((name, form, sec, real_flops, padded_flops))
         log(f"  {form}: {sec * 1e6:.1f} us, {real_flops / sec / 1e12:.0f} TFLOP/s real "
             f"({padded_flops / sec / 1e12:.0f} padded), engine / it {t_eng / sec:.2f}x")
@@ -149,8 +152,7 @@ def run_step(args, cfg, name, decode, questions):
     def xla(qg, k, v):
         kk, vv = jnp.repeat(k, hq // hkv, axis=2), jnp.repeat(v, hq // hkv, axis=2)
         sc = jnp.einsum("gthd,gshd->ghts", qg, kk, preferred_element_type=jnp.float32) * scale
-        o = jnp.einsum("ghts,gshd->gthd", jax.nn.softmax(sc, axis=-1).astype(vv.dtype), vv)
-        return o[jnp.asarray(group), jnp.asarray(slot)]
+        return jnp.einsum("ghts,gshd->gthd", jax.nn.softmax(sc, axis=-1).astype(vv.dtype), vv)
 
     timed("xla (dense jnp)", xla, dense_in, pad_flops)
     if args.smoke:  # (cudnn and Mosaic GPU need a GPU): the folding the mosaic form uses, checked in jnp, and
@@ -159,10 +161,10 @@ def run_step(args, cfg, name, decode, questions):
 
         def folded_jnp(qf, k, v, gq=folded[0][1]):
             sc = jnp.einsum("grhd,gshd->ghrs", qf, k, preferred_element_type=jnp.float32) * scale
-            o = jnp.einsum("ghrs,gshd->grhd", jax.nn.softmax(sc, axis=-1).astype(v.dtype), v)
-            return unfold(o, group, slot, hkv, gq)
+            return jnp.einsum("ghrs,gshd->grhd", jax.nn.softmax(sc, axis=-1).astype(v.dtype), v)
 
-        timed("folded rows (jnp)", folded_jnp, [(f, x["k"], x["v"]) for (f, _), x in zip(folded, sets)], pad_flops)
+        timed("folded rows (jnp)", folded_jnp, [(f, x["k"], x["v"]) for (f, _), x in zip(folded, sets)], pad_flops,
+              back=lambda o, gq=folded[0][1]: unfold(o, group, slot, hkv, gq))
         try:
             from jax.experimental.pallas.ops.gpu import attention_mgpu
             if attention_mgpu.cuda_versions is None:  # (no CUDA libraries here: a stand-in for the runtime version)
@@ -178,8 +180,7 @@ def run_step(args, cfg, name, decode, questions):
         return
 
     def cudnn(qg, k, v):
-        o = jax.nn.dot_product_attention(qg, k, v, scale=scale, query_seq_lengths=qlen, implementation="cudnn")
-        return o[jnp.asarray(group), jnp.asarray(slot)]
+        return jax.nn.dot_product_attention(qg, k, v, scale=scale, query_seq_lengths=qlen, implementation="cudnn")
 
     timed("cudnn", cudnn, dense_in, pad_flops)
     try:
@@ -197,9 +198,10 @@ def run_step(args, cfg, name, decode, questions):
 
         def mosaic(qf, k, v, bq=bq, bkv=bkv, steps=steps):
             cfg_ = attention_mgpu.TuningConfig(block_q=bq, block_kv=bkv, max_concurrent_steps=steps)
-            return unfold(attention_mgpu.attention(qf, k, v, cfg_), group, slot, hkv, gq)
+            return attention_mgpu.attention(qf, k, v, cfg_)
 
-        timed(f"mosaic f16 bq{bq} bkv{bkv} c{steps}", mosaic, inputs, 4 * g * rows * hkv * seg * d, tol=3e-2)
+        timed(f"mosaic f16 bq{bq} bkv{bkv} c{steps}", mosaic, inputs, 4 * g * rows * hkv * seg * d, tol=3e-2,
+              back=lambda o, gq=gq: unfold(o, group, slot, hkv, gq))
 
 
 def plot(out_dir):

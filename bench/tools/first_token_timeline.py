@@ -318,7 +318,15 @@ def main() -> None:
     os.unlink(trace_path)
 
 
-if __name__ == "__mp_main__" and os.environ.get(TRACE_ENV):  # the engine core, spawned by the traced serve
+def _in_core() -> bool:
+    """Whether this process is the engine core a traced ``serve`` spawned (not another spawned API process)."""
+    import multiprocessing
+
+    return __name__ == "__mp_main__" and bool(os.environ.get(TRACE_ENV)) and \
+        multiprocessing.current_process().name == "inferscale-engine-core"
+
+
+if _in_core():
     sys.path[:0] = [ROOT]
     install_core_points(Trace(os.environ[TRACE_ENV]))
 

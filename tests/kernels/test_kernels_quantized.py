@@ -62,7 +62,7 @@ def test_ragged_on_compressed_pages(kv, qdtype, splits, v_rows):
     table = jnp.array([[1, 2, 3, 0], [4, 5, 6, 7], [8, 0, 0, 0]], jnp.int32)
     q = jax.random.normal(jax.random.PRNGKey(4), (16, hq, D)).astype(qdtype)
     out = ragged_paged_attention(q, kq, vq, table, cu, kvl, k_scale=ks, v_scale=vs, kv_splits=splits, v_rows=v_rows,
-                                 interpret=True)
+                                 interpret=True, split_longest=False)  # (every block split-KV: sl=0's form)
     ref = ragged_paged_attention_ref(q, kq, vq, table, cu, kvl, k_scale=ks, v_scale=vs)
     close(out[:14], ref[:14], qdtype)
     if splits > 1:  # split_longest: the two rows past 10 keys split, their partials merged; the scales go along

@@ -40,7 +40,7 @@ def test_the_core_points_with_the_real_engine(tmp_path, tmp_path_factory):
     proc = subprocess.run([sys.executable, "bench/tools/first_token_timeline.py", "--requests", "4", "--skip", "1",
                            "--out", str(out)], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    rows = re.findall(r"^\| (\w+) \| (\w+) \| ([\d.]+) \| ([\d.]+) \|$", out.read_text(), re.M)
+    rows = re.findall(r"^\| (\w+) \| (\w+) \| (-?[\d.]+) \| (-?[\d.]+) \|$", out.read_text(), re.M)
     assert [r[0] for r in rows][6:13] == ["submit_sent", "core_recv", "dispatch_start", "dispatch_end",
                                           "collect_start", "collect_end", "core_sent"], rows
     assert all(float(r[2]) >= 0 for r in rows) and "3 requests" in out.read_text()
