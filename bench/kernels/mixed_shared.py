@@ -44,7 +44,7 @@ sys.path[:0] = [ROOT, os.path.join(ROOT, "bench", "lib"), os.path.join(ROOT, "be
 from cascade_groups import random_pool  # noqa: E402
 from common import matmul_ceiling, read_bandwidth  # noqa: E402
 from kernels import check, time_calls  # noqa: E402
-from report import FAILURES, finish, log, pyplot, save_plot, table  # noqa: E402
+from report import FAILURES, finish, log, save_plot, step_axes, table  # noqa: E402
 from inferscale_jax import kv_cache  # noqa: E402
 from inferscale_jax.buckets import StepBuckets  # noqa: E402
 
@@ -156,12 +156,10 @@ def row(step: str, variant: str, t: float, floor: float) -> list[str]:
 
 
 def plot(out_dir):
-    plt = pyplot()
-    if plt is None or not RESULTS:
+    fig, panels = step_axes(RESULTS, 6, 4.5)
+    if fig is None:
         return
-    steps = list(dict.fromkeys(r[0] for r in RESULTS))
-    fig, axes = plt.subplots(1, len(steps), figsize=(6 * len(steps), 4.5), squeeze=False)
-    for ax, step in zip(axes[0], steps):
+    for ax, step in panels:
         rows = [r for r in RESULTS if r[0] == step]
         ax.barh([r[1] for r in rows], [r[2] * 1e6 for r in rows], color="tab:blue")
         ax.axvline(rows[0][3] * 1e6, color="k", ls="--", label="floor")

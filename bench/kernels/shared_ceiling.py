@@ -51,7 +51,7 @@ sys.path[:0] = [ROOT, os.path.join(ROOT, "bench", "lib"), os.path.join(ROOT, "be
 from cascade_groups import random_pool  # noqa: E402
 from common import matmul_ceiling  # noqa: E402
 from kernels import check, time_calls  # noqa: E402
-from report import FAILURES, finish, log, pyplot, save_plot, table  # noqa: E402
+from report import FAILURES, finish, log, save_plot, step_axes, table  # noqa: E402
 from pallas_kernels.cascade_attention import grouped_shared_prefix_attention  # noqa: E402
 
 FULL = dict(hq=32, hkv=8, d=128, s=16, seg=4096, groups=8, question=64, sets=4, reps=10,
@@ -205,12 +205,10 @@ def run_step(args, cfg, name, decode, questions):
 
 
 def plot(out_dir):
-    plt = pyplot()
-    if plt is None or not RESULTS:
+    fig, panels = step_axes(RESULTS, 5.5, 4)
+    if fig is None:
         return
-    steps = list(dict.fromkeys(r[0] for r in RESULTS))
-    fig, axes = plt.subplots(1, len(steps), figsize=(5.5 * len(steps), 4), squeeze=False)
-    for ax, step in zip(axes[0], steps):
+    for ax, step in panels:
         rows = [r for r in RESULTS if r[0] == step and not math.isnan(r[2])]
         ax.barh([r[1] for r in rows], [r[3] / r[2] / 1e12 for r in rows])
         ax.set_title(step, fontsize=9)

@@ -62,6 +62,17 @@ def pyplot():
     return plt
 
 
+def step_axes(results, width: float, height: float):
+    """One panel per step for a benchmark's ``results`` (rows whose first item names their step, in order):
+    (figure, [(axis, step), ...]), or (None, []) without matplotlib or results."""
+    plt = pyplot() if results else None
+    if plt is None:
+        return None, []
+    steps = list(dict.fromkeys(r[0] for r in results))
+    fig, axes = plt.subplots(1, len(steps), figsize=(width * len(steps), height), squeeze=False)
+    return fig, list(zip(axes[0], steps))
+
+
 def table(title, headers, rows, md=True):
     """Print a right-aligned table; add it to the markdown report unless ``md`` is False."""
     log(f"\n## {title}")

@@ -160,22 +160,17 @@ def install_core_points(trace: Trace) -> None:
             trace("core_sent")
         return send(self, ident, msg)
 
-    def traced_dispatch(self, *args, **kwargs):
-        trace("dispatch_start")
-        try:
-            return dispatch(self, *args, **kwargs)
-        finally:
-            trace("dispatch_end")
-
-    def traced_collect(self, *args, **kwargs):
-        trace("collect_start")
-        try:
-            return collect(self, *args, **kwargs)
-        finally:
-            trace("collect_end")
+    def spanned(fn, name):  # fn between the points NAME_start and NAME_end
+        def traced(self, *args, **kwargs):
+            trace(f"{name}_start")
+            try:
+                return fn(self, *args, **kwargs)
+            finally:
+                trace(f"{name}_end")
+        return traced
 
     core.handle, core.send = traced_handle, traced_send
-    model_runner.dispatch, model_runner.collect = traced_dispatch, traced_collect
+    model_runner.dispatch, model_runner.collect = spanned(dispatch, "dispatch"), spanned(collect, "collect")
 
 
 def serve_child(args, serve_args: list[str]) -> int:
