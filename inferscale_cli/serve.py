@@ -50,6 +50,7 @@ FAULT_EXIT_DELAY_S = 10.0  # core layout: after the engine fails, /health answer
 DEFAULT_NAMES = ["inferscale-default", "inferscale"]  # the embedded default model's served names
 LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
 DEFAULT_TENANT_RESERVE = 0.125  # --tenant-reserve with several serving tenants (EngineConfig.tenant_reserve)
+CORE_PROCESS_NAME = "inferscale-engine-core"  # the spawned engine core's multiprocessing name
 
 
 def bind(host: str, port: int) -> list[socket.socket]:
@@ -386,7 +387,7 @@ def _start_core(args) -> tuple:
     folder = tempfile.mkdtemp(prefix="inferscale-core-")
     address = f"ipc://{folder}/core.sock"
     # (``build_engine`` looked up now: the benchmarks put a model-free engine's builder in its place)
-    core = mp.Process(target=core_main, args=(address, build_engine, args, os.getpid()), name="inferscale-engine-core")
+    core = mp.Process(target=core_main, args=(address, build_engine, args, os.getpid()), name=CORE_PROCESS_NAME)
     core.start()
     _host_only()  # (after the spawn: the core's JAX keeps the default platforms)
     return core, address, folder

@@ -23,7 +23,8 @@ jnp ops of static size, plus the padding tokens ``[cu_q_lens[R], N)`` as a pseud
 keys (its blocks run no KV iterations and store zeros, so every output row is written).  At
 most ``min(R, N) + N // block_q + 1`` blocks exist, the static grid size (with
 ``split_longest``, more: below); blocks past the actual count do nothing.  Each block is
-described by five int32 words (first flat token, token count, position of its first query, the row's kv_len, the row's page-table offset)
+described by five int32 words (first flat token, token count, position of its first query, the
+row's kv_len, the row's page-table offset)
 that the program reads before anything else.  Blocks are launched last-first: a chunk's later
 blocks have the longest loops, and engines put chunks after the decode rows.
 
@@ -68,8 +69,9 @@ block's programs run ``kv_splits`` times (the extra ones on empty ranges), every
 fp32 partials and merged (run AT, bench/NOTES.md: a 64-row mixed step of ~100 private keys a row,
 split 4 ways, was 0.49 ms slower than unsplit on an H100).  ``split_longest=True`` (the default since
 run AU: as fast as unsplit on that step, 16% faster than every block split beside a 16k-key chunk,
-within 4% on a lone question) splits only the blocks that need it: the ``cdiv(N, block_q) + 1`` blocks that see the most keys (as many as one
-chunk of all N tokens makes), each only if past ``long_keys`` (512); ``_split_plan`` builds the
+within 4% on a lone question) splits only the blocks that need it: the ``cdiv(N, block_q) + 1``
+blocks that see the most keys (as many as one chunk of all N tokens makes), each only if past
+``long_keys`` (512); ``_split_plan`` builds the
 work list (every block, a split one left without tokens there, then ``kv_splits`` programs for each
 split block, launched first) and a route per program (split, slot).  A block run whole stores its
 final rows; a split block stores its splits' partials in compact buffers (``slots x Hkv x rows of
@@ -197,6 +199,13 @@ def _block_meta(cu_q_lens, kv_lens, *, num_tokens, num_blocks, block_q, max_page
     pos0 = jnp.where(rc < rows, kv[rc] - q_len[rc] + q0, 0)
     meta = [cu[rc] + q0, cnt, pos0, kv[rc], jnp.minimum(rc, rows - 1) * max_pages]
     return jnp.stack(meta, axis=1).reshape(-1)
+
+
+def _positive(x):
+    """1 where int32 ``x > 0``, else 0, in integer arithmetic: Pallas' Triton lowering types a scalar
+    ``jnp.where(bool, int, int)`` as i1, which then fails to meet the i32 it is added to (run AU,
+    bench/NOTES.md); ``tests/kernels/test_engine_lowers_to_triton.py`` catches such forms on the CPU."""
+    return jnp.minimum(jnp.maximum(x, 0), 1)
 
 
 def _tile_rows(rows, last, tok0, cnt, head, group, num_q_heads):
@@ -332,9 +341,7 @@ def _longest_kernel(meta_ref, route_ref, page_table_ref, q_ref, k_ref, v_ref, *r
     p = programs - 1 - pl.program_id(1)  # the split blocks (end of the list) first
     meta = tuple(meta_ref[p * _META + i] for i in range(_META))
     split, slot = route_ref[2 * p], route_ref[2 * p + 1]
-    # (integer arithmetic: Triton's lowering types where(bool, int, int) as i1, and the split count then
-    # meets i32 in _attend's arithmetic)
-    meta += (split, head, jnp.maximum(jnp.minimum(slot + 1, 1) * kw["num_splits"], 1))
+    meta += (split, head, 1 + (kw["num_splits"] - 1) * _positive(slot + 1))  # a split block: all its splits
     num_kv_heads = kw["num_q_heads"] // kw["group"]
 
     def store(r, row_ids, out, lse2):
@@ -367,9 +374,7 @@ def _merge_kernel(meta_ref, op_ref, lp_ref, *refs, slots, num_splits, part_rows,
 
     @pl.when(cnt > 0)
     def _():
-        big = jnp.minimum(jnp.maximum(cnt - small_q, 0), 1)  # 1: the block ran in the big tile (integer form:
-        # Triton's lowering types where(bool, int, int) as i1)
-        last = (small_q + (block_q - small_q) * big) * group - 1  # the tile the block ran in
+        last = (small_q + (block_q - small_q) * _positive(cnt - small_q)) * group - 1  # the tile it ran in
         r, _, row_ids = _tile_rows(part_rows, last, tok0, cnt, head, group, num_q_heads)
         at = [((s * slots + j) * num_kv_heads + head) * part_rows + r for s in range(num_splits)]
         lses = [lp_ref[a] for a in at]
@@ -588,8 +593,8 @@ def ragged_paged_attention(
     ``max(16, G)`` rows and ``2 * block_kv`` keys per step (``block_kv`` with 3+ stages).
     ``kv_splits``: None = automatic (1 when the grid fills the GPU and in interpret
     mode), 1 = no split-KV.  ``split_longest=True`` (the default; with ``kv_splits`` > 1 as given or
-    chosen, else it changes nothing) splits only the blocks that see the most keys (as many as one chunk of all
-    ``N`` tokens makes, each past ``long_keys``, None: ``_LONG_KEYS`` = 512) and runs the others
+    chosen, else it changes nothing) splits only the blocks that see the most keys (as many as one
+    chunk of all ``N`` tokens makes, each past ``long_keys``, None: ``_LONG_KEYS`` = 512) and runs the others
     whole, with no partial buffers for them (module docstring).  Eager calls also check the length
     values (one host sync).
     """

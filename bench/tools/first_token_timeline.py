@@ -317,12 +317,15 @@ def _in_core() -> bool:
     """Whether this process is the engine core a traced ``serve`` spawned (not another spawned API process)."""
     import multiprocessing
 
-    return __name__ == "__mp_main__" and bool(os.environ.get(TRACE_ENV)) and \
-        multiprocessing.current_process().name == "inferscale-engine-core"
+    if __name__ != "__mp_main__" or not os.environ.get(TRACE_ENV):
+        return False
+    sys.path[:0] = [ROOT]
+    from inferscale_cli.serve import CORE_PROCESS_NAME
+
+    return multiprocessing.current_process().name == CORE_PROCESS_NAME
 
 
 if _in_core():
-    sys.path[:0] = [ROOT]
     install_core_points(Trace(os.environ[TRACE_ENV]))
 
 if __name__ == "__main__":

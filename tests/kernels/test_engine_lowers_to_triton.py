@@ -37,11 +37,9 @@ CFG = ModelConfig(architecture="LlamaForCausalLM", vocab_size=97, hidden_size=25
 def compiled_kernels(monkeypatch):
     """The kernels' GPU path on this host, and no stale traces (a switch is read when a step is traced)."""
     monkeypatch.setattr(common, "default_interpret", lambda: False)
-    runner_mod._model_step.clear_cache()
-    decode_loop_mod._decode_loop.clear_cache()
+    jax.clear_caches()
     yield
-    runner_mod._model_step.clear_cache()
-    decode_loop_mod._decode_loop.clear_cache()
+    jax.clear_caches()
 
 
 def make_engine(**kw) -> Engine:
@@ -116,22 +114,33 @@ def test_the_mixed_ragged_forms_lower(compiled_kernels, monkeypatch, spec, form)
 
 
 def test_the_cascade_mixed_decode_lowers(compiled_kernels, monkeypatch):
-    """``INFERSCALE_MIXED_DECODE=cascade``: a mixed step's one-token rows in the decode step's cascade kernel."""
+    """``INFERSCALE_MIXED_DECODE=cascade``: a mixed step's one-token rows in the decode step's cascade kernel
+    (its private part, ``paged_decode``, which the default mixed step does not launch), the chunks ragged."""
+    engine = make_engine()
+    default = lowered_kernels(engine, kinds(engine)["mixed, cascade"])
+    jax.clear_caches()  # (the switch is read when a step is traced)
     monkeypatch.setenv("INFERSCALE_MIXED_DECODE", "cascade")
     engine = make_engine()
     names = lowered_kernels(engine, kinds(engine)["mixed, cascade"])
+    assert not any(n.startswith("paged_decode") for n in default), default
+    assert any(n.startswith("paged_decode") for n in names), names
     assert any(n.startswith("ragged_paged_attention") for n in names), names
 
 
 @pytest.mark.parametrize("kv_dtype", ["int8", "float8_e4m3fn"])
 def test_compressed_pages_lower(compiled_kernels, kv_dtype):
+    """Every kind of step over int8 / float8 pages: the quantizing KV write, and the mixed steps' ragged kernel."""
     engine = make_engine(kv_dtype=kv_dtype)
     for name, key in kinds(engine).items():
-        assert lowered_kernels(engine, key), name
+        names = lowered_kernels(engine, key)
+        assert any(n.startswith("write_kv_quantized") for n in names), (name, names)
+        assert any(n.startswith("ragged_paged_attention") for n in names) == key.ragged, (name, names)
 
 
 def test_the_decode_loop_lowers(compiled_kernels):
     """Multi-step decode (``--decode-steps``): the loop of decode steps, plain and cascade buckets."""
     engine = make_engine(decode_steps=4)
     for name in ("decode", "decode, cascade"):
-        assert lowered_kernels(engine, kinds(engine)[name], loop_steps=4), name
+        names = lowered_kernels(engine, kinds(engine)[name], loop_steps=4)
+        assert any(n.startswith("paged_decode") for n in names), (name, names)
+        assert any(n.startswith("cascade_shared") for n in names) == (name == "decode, cascade"), (name, names)
