@@ -116,8 +116,15 @@ def check(name, out, ref, tol=2e-2):
     return err
 
 
+WARM_S = 0.2  # seconds of back-to-back runs before the timed ones (bench/NOTES.md, session 37)
+
+
 def _median(run, reps):
-    """Median wall time of run() (blocking) over reps runs."""
+    """Median wall time of run() (blocking) over reps runs, after ``WARM_S`` of back-to-back runs: a GPU whose
+    SM clock idles low (345 MHz on one H100 host) otherwise runs short timed calls before it has boosted."""
+    end = time.perf_counter() + WARM_S
+    while time.perf_counter() < end:
+        jax.block_until_ready(run())
     times = []
     for _ in range(reps):
         t0 = time.perf_counter()
@@ -140,6 +147,18 @@ def time_calls(call, shared, variants, reps):
     multi = jax.jit(lambda sh, vs: [call(*sh, *v) for v in vs])
     outs = jax.block_until_ready(multi(shared, variants))  # compile + warm up
     return _median(lambda: multi(shared, variants), reps) / len(variants), outs
+
+
+def device_time_calls(call, shared, variants, reps):
+    """(seconds per call the GPU spent in kernels, [(line, kernel, us per call, launches per call)]) of
+    ``time_calls``' executable, from the profiler (``bench/lib/profile_ops.py``): no launch gaps, no host time.
+    NaN and [] off the GPU."""
+    from profile_ops import kernel_times
+    multi = jax.jit(lambda sh, vs: [call(*sh, *v) for v in vs])
+    jax.block_until_ready(multi(shared, variants))
+    kt = kernel_times(lambda: jax.block_until_ready([multi(shared, variants) for _ in range(reps)]),
+                      reps * len(variants), top=1000)
+    return (sum(r[2] for r in kt) * 1e-6 if kt else math.nan), kt
 
 
 def time_chain(step, state, variants, reps):

@@ -14,7 +14,9 @@ each row's own tokens, the grouped kernel's shared part over the segments, merge
 * ``cohort``: the 2048-token bucket of a closed loop's wave: 200 decode rows (own tokens 64-127) and
   28 questions of 64 tokens (1992 tokens, 228 rows of 256);
 * ``spread``: the 512-token bucket of spread answer lengths: 250 decode rows and 3 questions (442 tokens,
-  253 rows).
+  253 rows);
+* ``c64`` (``--steps c64``): C = 64's 128-token bucket, 61 decode rows and one question (125 tokens, 62 rows of
+  64).
 
 Each variant sets ``INFERSCALE_MIXED_SHARED`` (``pallas_kernels/common.py``: ``br`` block_rows, ``bk``
 block_kv, ``w`` num_warps, ``st`` num_stages, ``sp`` num_splits) before tracing; ``engine`` is the
@@ -23,7 +25,8 @@ kernel alone over each row's whole page list (no cascade; the engine before run 
 checked against ``engine`` (bf16 tolerance).  Floors: the FLOPs of the attention (4 x query rows x keys x
 head_dim, each question token over its segment and its causal prefix) at the run's matmul ceiling, and
 the K/V bytes (each segment and own token once) at its read ceiling; ``x floor`` is against the larger.
-Timing as ``bench/kernels/kernels.py`` (R input sets compiled into one executable, median).  Writes
+Timing as ``bench/kernels/kernels.py`` (R input sets compiled into one executable, median), and the GPU's
+kernel time of the same executable (the profiler's: no launch gaps).  Writes
 ``mixed_shared.md`` and ``mixed_shared.png`` to ``--out``.
 """
 
@@ -43,24 +46,26 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 sys.path[:0] = [ROOT, os.path.join(ROOT, "bench", "lib"), os.path.join(ROOT, "bench", "kernels")]
 from cascade_groups import random_pool  # noqa: E402
 from common import matmul_ceiling, read_bandwidth  # noqa: E402
-from kernels import check, time_calls  # noqa: E402
+from kernels import check, device_time_calls, time_calls  # noqa: E402
 from report import FAILURES, finish, log, save_plot, step_axes, table  # noqa: E402
 from inferscale_jax import kv_cache  # noqa: E402
 from inferscale_jax.buckets import StepBuckets  # noqa: E402
 
 FULL = dict(hq=32, hkv=8, d=128, s=16, seg=4096, segments=8, rows=256, own=(64, 128), question=64, sets=4, reps=10,
-            steps=dict(cohort=(200, 28, 2048), spread=(250, 3, 512)))
+            steps=dict(cohort=(200, 28, 2048), spread=(250, 3, 512), c64=(61, 1, 128, 64)))
 SMOKE = dict(hq=8, hkv=2, d=64, s=8, seg=64, segments=3, rows=16, own=(4, 12), question=8, sets=1, reps=1,
-             steps=dict(cohort=(6, 4, 64), spread=(10, 1, 32)))
+             steps=dict(cohort=(6, 4, 64), spread=(10, 1, 32), c64=(5, 1, 16, 8)))
 VARIANTS = ("engine", "sp=1", "sp=2", "br=128", "br=128,sp=1", "br=128,w=8,sp=1", "br=128,w=8,st=3,sp=1",
             "br=128,bk=128,w=8,sp=1", "br=64,st=3,sp=1")
-RESULTS: list = []  # (step, variant, seconds, floor seconds)
+RESULTS: list = []  # (step, variant, seconds, floor seconds, device seconds, its top kernels)
 
 
-def step_case(cfg, decode, questions, tokens):
-    """The pools and ``cfg['sets']`` input sets of one mixed step: (q [T, Hq, D], the engine's AttnMeta,
-    the whole-page-list AttnMeta, real tokens, flops, bytes)."""
-    s, seg, n, rows, hq, hkv, d = (cfg[k] for k in ("s", "seg", "segments", "rows", "hq", "hkv", "d"))
+def step_case(cfg, decode, questions, tokens, rows=None):
+    """The pools and ``cfg['sets']`` input sets of one mixed step (``rows``: its bucket's rows, default
+    ``cfg['rows']``): (q [T, Hq, D], the engine's AttnMeta, the whole-page-list AttnMeta, real tokens, flops,
+    bytes)."""
+    s, seg, n, hq, hkv, d = (cfg[k] for k in ("s", "seg", "segments", "hq", "hkv", "d"))
+    rows = cfg["rows"] if rows is None else rows
     lo, hi = cfg["own"]
     qlen = np.array([1] * decode + [cfg["question"]] * questions, np.int32)  # [R real]
     own = np.concatenate([lo + np.arange(decode) % (hi - lo), [cfg["question"]] * questions]).astype(np.int32)
@@ -111,8 +116,8 @@ def step_case(cfg, decode, questions, tokens):
     return kp, vp, sets, int(qlen.sum()), flops, nbytes
 
 
-def run_step(args, cfg, name, decode, questions, tokens):
-    kp, vp, sets, real, flops, nbytes = step_case(cfg, decode, questions, tokens)
+def run_step(args, cfg, name, decode, questions, tokens, rows=None):
+    kp, vp, sets, real, flops, nbytes = step_case(cfg, decode, questions, tokens, rows)
     floor = max(flops / args.tflops, nbytes / args.ceiling)
     log(f"  {name}: {decode} decode rows + {questions} questions = {real} tokens in the {tokens} bucket; "
         f"{flops / 1e9:.1f} GFLOP, {nbytes / 2**20:.0f} MiB; floor {floor * 1e6:.1f} us")
@@ -127,10 +132,11 @@ def run_step(args, cfg, name, decode, questions, tokens):
         try:  # (time_calls jits a new function each call: traced again, reading the switch)
             inputs = [(q, flat if variant == "ragged" else casc) for q, casc, flat in sets]
             t, outs = time_calls(attend, (kp, vp), inputs, cfg["reps"])
+            t_dev, kt = device_time_calls(attend, (kp, vp), inputs, cfg["reps"])
         except Exception as err:  # noqa: BLE001 - a variant that does not compile (shared memory) is reported
             log(f"  {name} {variant}: failed ({type(err).__name__}: {str(err)[:200]})")
             FAILURES.append(f"{name} {variant}: {type(err).__name__}: {str(err)[:200]}")
-            RESULTS.append((name, variant, float("nan"), floor))
+            RESULTS.append((name, variant, float("nan"), floor, float("nan"), ""))
             if variant == "engine":  # (nothing to check the others against)
                 return
             continue
@@ -141,18 +147,22 @@ def run_step(args, cfg, name, decode, questions, tokens):
             base = out
         elif base is not None:
             check(f"{name} {variant} vs engine", out, base)
-        RESULTS.append((name, variant, t, floor))
-        log(f"  {name} {variant}: {t * 1e6:.1f} us ({t / floor:.2f}x floor)")
+        top = ", ".join(f"`{k[1][:44]}` {k[2]:.1f}" for k in kt[:2])
+        RESULTS.append((name, variant, t, floor, t_dev, top))
+        log(f"  {name} {variant}: {t * 1e6:.1f} us ({t / floor:.2f}x floor), device {t_dev * 1e6:.1f} us ({top})")
         del outs
 
 
-def row(step: str, variant: str, t: float, floor: float) -> list[str]:
-    """A report row: the time, its floor and ratio, and the engine's time over it (NaN: it failed)."""
+def row(step: str, variant: str, t: float, floor: float, t_dev: float, top: str) -> list[str]:
+    """A report row: the time, its floor and ratio, and the engine's time over it (NaN: it failed); then the
+    same by the GPU's kernel time (the profiler's; empty off the GPU) and the top kernels."""
     if math.isnan(t):
-        return [step, variant, "failed", f"{floor * 1e6:.1f}", "", ""]
-    engine = next((tt for s, v, tt, _ in RESULTS if s == step and v == "engine"), math.nan)
+        return [step, variant, "failed", f"{floor * 1e6:.1f}", "", "", "", "", ""]
+    engine, engine_dev = next(((r[2], r[4]) for r in RESULTS if r[0] == step and r[1] == "engine"), (math.nan,) * 2)
+    dev = not math.isnan(t_dev)
     return [step, variant, f"{t * 1e6:.1f}", f"{floor * 1e6:.1f}", f"{t / floor:.2f}x",
-            "" if math.isnan(engine) else f"{engine / t:.2f}x"]
+            "" if math.isnan(engine) else f"{engine / t:.2f}x", f"{t_dev * 1e6:.1f}" if dev else "",
+            f"{engine_dev / t_dev:.2f}x" if dev and not math.isnan(engine_dev) else "", top]
 
 
 def plot(out_dir):
@@ -176,7 +186,8 @@ def main():
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, interpret mode (the CPU): the harness only")
     ap.add_argument("--variants", nargs="*", default=None,
                     help=f"INFERSCALE_MIXED_SHARED values to time after 'engine' (default: {' '.join(VARIANTS[1:])})")
-    ap.add_argument("--steps", default="cohort,spread", help="which steps: cohort, spread")
+    ap.add_argument("--steps", default="cohort,spread", help="which steps: cohort, spread, c64 (C = 64's 128-token "
+                    "bucket: 61 decode rows and one question, 64 rows)")
     ap.add_argument("--reps", type=int, default=None)
     args = ap.parse_args()
     cfg = dict(SMOKE if args.smoke else FULL)
@@ -194,7 +205,8 @@ def main():
         run_step(args, cfg, name, *cfg["steps"][name])
     table(f"One layer's attention in the engine's mixed steps over {cfg['segments']} segments of {cfg['seg']} tokens "
           f"(read ceiling {args.ceiling / 1e12:.2f} TB/s, matmul {args.tflops / 1e12:.0f} TFLOP/s)",
-          ["step", "variant (INFERSCALE_MIXED_SHARED)", "us", "floor us", "x floor", "vs engine"],
+          ["step", "variant (INFERSCALE_MIXED_SHARED)", "us", "floor us", "x floor", "vs engine", "device us",
+           "device: vs engine", "top kernels (device us)"],
           [row(*r) for r in RESULTS])
     plot(args.out)
     finish(args.out, "mixed_shared.md", "The engine's mixed-step attention by shared-part knob", t0, ROOT,

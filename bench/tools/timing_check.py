@@ -36,8 +36,7 @@ import jax.numpy as jnp
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository
 sys.path[:0] = [ROOT, os.path.join(ROOT, "bench", "lib"), os.path.join(ROOT, "bench", "kernels")]
-from kernels import _median, time_calls  # noqa: E402
-from profile_ops import kernel_times  # noqa: E402
+from kernels import _median, device_time_calls, time_calls  # noqa: E402
 from report import finish, log, table  # noqa: E402
 from shared_ceiling import FULL, SMOKE, folded_q, padded_q, step_case  # noqa: E402
 from pallas_kernels.cascade_attention import grouped_shared_prefix_attention  # noqa: E402
@@ -82,10 +81,7 @@ def measure(step: str, form: str, fn, sets, n_chain: int, reps: int, smoke: bool
         spin(2.0)
     t_s, _ = time_calls(fn, (), sets, reps)
     t_c = chained(fn, sets[0], n_chain, reps)
-    multi = jax.jit(lambda vs: [fn(*v) for v in vs])
-    jax.block_until_ready(multi(sets))
-    kt = kernel_times(lambda: jax.block_until_ready([multi(sets) for _ in range(reps)]), reps * len(sets), top=50)
-    t_d = sum(r[2] for r in kt) * 1e-6 if kt else math.nan
+    t_d, kt = device_time_calls(fn, (), sets, reps)
     top = ", ".join(f"{r[1][:40]} {r[2]:.1f}" for r in kt[:3])
     log(f"  {form}: harness {t_h * 1e6:.1f} us, after spin {t_s * 1e6:.1f}, chained {t_c * 1e6:.1f}, "
         f"device {t_d * 1e6:.1f} ({top})")
