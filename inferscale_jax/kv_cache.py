@@ -273,6 +273,13 @@ def _attend(q, kp, vp, positions, meta: AttnMeta, impl: str, scales=(None, None)
 
 MIXED_BLOCK_ROWS = 64  # the shared part's row blocks in a mixed step (its group count is not known statically)
 MIXED_REAL_GROUPS = 16  # the shared part's split count in a mixed step assumes at most this many real groups
+# The shared part's split count in a mixed step by the step's token bucket: from ``MIXED_SPLIT_BUCKETS[i][0]``
+# tokens up, ``[i][1]`` splits; below the smallest, the automatic count (a lone question's few programs need the
+# splits: C = 1's first token).  Measured (bench/NOTES.md, run AV: the kernel's GPU time a layer on an H100,
+# Llama-3-8B's 8 kv heads, 8 segments of 4096): 128 tokens (C = 64) 91.2 us with the automatic 3 splits, 76.8
+# with 2, 86-95 with 5-8; 512 (spread answers at C = 256) 134.6 / 130.8 with 2, worse with 5-8; 2048 (a wave of
+# questions) 454.4 / 447.6 with 2 / 422.1 with 1.
+MIXED_SPLIT_BUCKETS = ((1024, 1), (128, 2))
 # (INFERSCALE_MIXED_SHARED overrides these and the kernel's other knobs: pallas_kernels/common.py)
 
 
@@ -307,9 +314,10 @@ def _mixed_shared(q, kp, vp, meta: AttnMeta, pallas: bool, sc: dict):
     row = jnp.searchsorted(meta.cu_q_lens[1:], jnp.arange(n, dtype=jnp.int32), side="right")  # [N]; R: padding
     group = jnp.where(row < rows, meta.row_group[jnp.minimum(row, rows - 1)], -1)  # [N] each token's group
     shared = grouped_shared_prefix_attention if pallas else grouped_shared_prefix_attention_ref
-    # the bucket pads the group table (up to 64 groups) and the tokens: the split count follows the rows
-    # (most are one-token decode rows) and the real groups
-    knobs = {**dict(block_rows=MIXED_BLOCK_ROWS, real_groups=MIXED_REAL_GROUPS, real_rows=rows),
+    # the bucket pads the group table (up to 64 groups) and the tokens: the split count by the token bucket
+    # (MIXED_SPLIT_BUCKETS), below it from the rows (most are one-token decode rows) and the real groups
+    splits = next((sp for at_least, sp in MIXED_SPLIT_BUCKETS if n >= at_least), None)
+    knobs = {**dict(block_rows=MIXED_BLOCK_ROWS, real_groups=MIXED_REAL_GROUPS, real_rows=rows, num_splits=splits),
              **common.mixed_shared_knobs()} if pallas else {}
     o_sh, lse_sh = shared(q, kp, vp, meta.group_pages, meta.group_lens, group, **knobs, **sc)  # [N, Hq(, D)]
     merged, _ = merge_lse(o_sh, lse_sh, out, lse)

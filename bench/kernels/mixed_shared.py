@@ -20,7 +20,7 @@ each row's own tokens, the grouped kernel's shared part over the segments, merge
 
 Each variant sets ``INFERSCALE_MIXED_SHARED`` (``pallas_kernels/common.py``: ``br`` block_rows, ``bk``
 block_kv, ``w`` num_warps, ``st`` num_stages, ``sp`` num_splits) before tracing; ``engine`` is the
-engine's default (what run AN profiled: ``cascade_shared_g64_r64_bk64_sp3``).  ``ragged`` is the ragged
+engine's default (since run AV, 2 splits at 128-1023 tokens and 1 from 1024: ``kv_cache.MIXED_SPLIT_BUCKETS``).  ``ragged`` is the ragged
 kernel alone over each row's whole page list (no cascade; the engine before run AK).  Every output is
 checked against ``engine`` (bf16 tolerance).  Floors: the FLOPs of the attention (4 x query rows x keys x
 head_dim, each question token over its segment and its causal prefix) at the run's matmul ceiling, and

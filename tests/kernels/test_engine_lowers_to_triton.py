@@ -144,3 +144,19 @@ def test_the_decode_loop_lowers(compiled_kernels):
         names = lowered_kernels(engine, kinds(engine)[name], loop_steps=4)
         assert any(n.startswith("paged_decode") for n in names), (name, names)
         assert any(n.startswith("cascade_shared") for n in names) == (name == "decode, cascade"), (name, names)
+
+
+def test_the_mixed_shared_split_count_follows_the_token_bucket(compiled_kernels, monkeypatch):
+    """A mixed step's shared part splits by its token bucket (``kv_cache.MIXED_SPLIT_BUCKETS``: 2 from 128
+    tokens, 1 from 1024; below, the automatic count); ``INFERSCALE_MIXED_SHARED``'s ``sp`` overrides it."""
+    def splits(engine, tokens):
+        key = next(k for k in engine.runner.buckets.all_keys() if k.ragged and k.shared and k.tokens == tokens)
+        found = {int(m) for n in lowered_kernels(engine, key) for m in re.findall(r"^cascade_shared\w*_sp(\d+)$", n)}
+        assert len(found) == 1, (tokens, found)
+        return found.pop()
+    engine = make_engine()
+    assert [splits(engine, t) for t in (128, 512, 1024, 2048)] == [2, 2, 1, 1]
+    assert splits(engine, 64) >= 1
+    jax.clear_caches()
+    monkeypatch.setenv("INFERSCALE_MIXED_SHARED", "sp=3")
+    assert splits(make_engine(), 512) == 3
