@@ -116,7 +116,8 @@ def check(name, out, ref, tol=2e-2):
     return err
 
 
-WARM_S = 0.2  # seconds of back-to-back runs before the timed ones (bench/NOTES.md, session 37)
+# seconds of back-to-back runs before the timed ones (bench/NOTES.md, run AV); BENCH_WARM_S=0: the old harness
+WARM_S = float(os.environ.get("BENCH_WARM_S", "0.2"))
 
 
 def _median(run, reps):
