@@ -274,13 +274,24 @@ def _attend(q, kp, vp, positions, meta: AttnMeta, impl: str, scales=(None, None)
 MIXED_BLOCK_ROWS = 64  # the shared part's row blocks in a mixed step (its group count is not known statically)
 MIXED_REAL_GROUPS = 16  # the shared part's split count in a mixed step assumes at most this many real groups
 # The shared part's split count in a mixed step by the step's token bucket: from ``MIXED_SPLIT_BUCKETS[i][0]``
-# tokens up, ``[i][1]`` splits; below the smallest, the automatic count (a lone question's few programs need the
-# splits: C = 1's first token).  Measured (bench/NOTES.md, run AV: the kernel's GPU time a layer on an H100,
-# Llama-3-8B's 8 kv heads, 8 segments of 4096): 128 tokens (C = 64) 91.2 us with the automatic 3 splits, 76.8
-# with 2, 86-95 with 5-8; 512 (spread answers at C = 256) 134.6 / 130.8 with 2, worse with 5-8; 2048 (a wave of
-# questions) 454.4 / 447.6 with 2 / 422.1 with 1.
-MIXED_SPLIT_BUCKETS = ((1024, 1), (128, 2))
+# tokens up, ``[i][1]`` splits for ``MIXED_SPLIT_KV_HEADS`` kv heads on the device (fewer, e.g. under tensor
+# parallelism: proportionally more splits, so the kernel keeps the program count that was measured); below the
+# smallest, the automatic count (not measured).  Measured (bench/NOTES.md, run AV: the shared kernel's GPU time a
+# layer on an H100, Llama-3-8B's 8 kv heads, 8 segments of 4096, the group table padded to 64): 128 tokens (C = 64)
+# 91.2 us with the automatic 3 splits, 76.8 with 2, 86-95 with 5-8; 512 (spread answers at C = 256) 134.6 / 130.8
+# with 2, worse with 5-8; 2048 (a wave of questions) 454.4 / 447.6 with 2 / 422.1 with 1 (1024: not measured).
+# The C = 64 bare loop with 2: +2.2% tok/s (one run each way).
+MIXED_SPLIT_BUCKETS = ((1024, 1), (128, 2))  # (largest first)
+MIXED_SPLIT_KV_HEADS = 8
+assert list(MIXED_SPLIT_BUCKETS) == sorted(MIXED_SPLIT_BUCKETS, reverse=True)
 # (INFERSCALE_MIXED_SHARED overrides these and the kernel's other knobs: pallas_kernels/common.py)
+
+
+def mixed_shared_splits(tokens: int, kv_heads: int) -> int | None:
+    """The shared part's split count in a mixed step of ``tokens`` (bucketed) tokens over ``kv_heads`` kv heads
+    on this device (``MIXED_SPLIT_BUCKETS``); None: the kernel's automatic count."""
+    base = next((sp for at_least, sp in MIXED_SPLIT_BUCKETS if tokens >= at_least), None)
+    return None if base is None else base * max(1, MIXED_SPLIT_KV_HEADS // max(1, kv_heads))
 
 
 def _mixed(q, kp, vp, meta: AttnMeta, pallas: bool, sc: dict):
@@ -316,7 +327,7 @@ def _mixed_shared(q, kp, vp, meta: AttnMeta, pallas: bool, sc: dict):
     shared = grouped_shared_prefix_attention if pallas else grouped_shared_prefix_attention_ref
     # the bucket pads the group table (up to 64 groups) and the tokens: the split count by the token bucket
     # (MIXED_SPLIT_BUCKETS), below it from the rows (most are one-token decode rows) and the real groups
-    splits = next((sp for at_least, sp in MIXED_SPLIT_BUCKETS if n >= at_least), None)
+    splits = mixed_shared_splits(n, kp.shape[0])
     knobs = {**dict(block_rows=MIXED_BLOCK_ROWS, real_groups=MIXED_REAL_GROUPS, real_rows=rows, num_splits=splits),
              **common.mixed_shared_knobs()} if pallas else {}
     o_sh, lse_sh = shared(q, kp, vp, meta.group_pages, meta.group_lens, group, **knobs, **sc)  # [N, Hq(, D)]

@@ -116,16 +116,22 @@ def check(name, out, ref, tol=2e-2):
     return err
 
 
-# seconds of back-to-back runs before the timed ones (bench/NOTES.md, run AV); BENCH_WARM_S=0: the old harness
+# seconds of back-to-back runs before the timed ones on a GPU (bench/NOTES.md, run AV; none elsewhere: interpret
+# mode's calls take seconds); BENCH_WARM_S=0: the harness before it
 WARM_S = float(os.environ.get("BENCH_WARM_S", "0.2"))
 
 
-def _median(run, reps):
-    """Median wall time of run() (blocking) over reps runs, after ``WARM_S`` of back-to-back runs: a GPU whose
-    SM clock idles low (345 MHz on one H100 host) otherwise runs short timed calls before it has boosted."""
-    end = time.perf_counter() + WARM_S
+def _warm(run):
+    """``run()`` back to back for ``WARM_S`` seconds (on a GPU only)."""
+    end = time.perf_counter() + (WARM_S if jax.default_backend() == "gpu" else 0.0)
     while time.perf_counter() < end:
         jax.block_until_ready(run())
+
+
+def _median(run, reps):
+    """Median wall time of run() (blocking) over reps runs, after ``WARM_S`` of back-to-back runs on a GPU: one whose
+    SM clock idles low (345 MHz on one H100 host) otherwise runs short timed calls before it has boosted."""
+    _warm(run)
     times = []
     for _ in range(reps):
         t0 = time.perf_counter()
@@ -151,12 +157,16 @@ def time_calls(call, shared, variants, reps):
 
 
 def device_time_calls(call, shared, variants, reps):
-    """(seconds per call the GPU spent in kernels, [(line, kernel, us per call, launches per call)]) of
-    ``time_calls``' executable, from the profiler (``bench/lib/profile_ops.py``): no launch gaps, no host time.
-    NaN and [] off the GPU."""
+    """(seconds per call the GPU spent in kernels, [(line, kernel, us per call, launches per call)]) of an
+    executable like ``time_calls``' (compiled again), from the profiler (``bench/lib/profile_ops.py``): the
+    kernels' and copies' durations on the GPU's stream lines, summed (no dispatch or sync time; a second stream's
+    overlap would be counted twice).  NaN and [] off the GPU."""
+    if jax.default_backend() != "gpu":
+        return math.nan, []
     from profile_ops import kernel_times
     multi = jax.jit(lambda sh, vs: [call(*sh, *v) for v in vs])
     jax.block_until_ready(multi(shared, variants))
+    _warm(lambda: multi(shared, variants))
     kt = kernel_times(lambda: jax.block_until_ready([multi(shared, variants) for _ in range(reps)]),
                       reps * len(variants), top=1000)
     return (sum(r[2] for r in kt) * 1e-6 if kt else math.nan), kt

@@ -20,7 +20,9 @@ each row's own tokens, the grouped kernel's shared part over the segments, merge
 
 Each variant sets ``INFERSCALE_MIXED_SHARED`` (``pallas_kernels/common.py``: ``br`` block_rows, ``bk``
 block_kv, ``w`` num_warps, ``st`` num_stages, ``sp`` num_splits) before tracing; ``engine`` is the
-engine's default (since run AV, 2 splits at 128-1023 tokens and 1 from 1024: ``kv_cache.MIXED_SPLIT_BUCKETS``).  ``ragged`` is the ragged
+engine's default (since run AV, 2 splits at 128-1023 tokens and 1 from 1024: ``kv_cache.MIXED_SPLIT_BUCKETS``),
+over the group table the engine's step takes (``INFERSCALE_MIXED_GROUPS``: the smallest warmed bucket that holds
+the step's groups by default, 16 for 8 segments; ``max``: the most the step's rows can hold, 64, as in run AV's tables).  ``ragged`` is the ragged
 kernel alone over each row's whole page list (no cascade; the engine before run AK).  Every output is
 checked against ``engine`` (bf16 tolerance).  Floors: the FLOPs of the attention (4 x query rows x keys x
 head_dim, each question token over its segment and its causal prefix) at the run's matmul ceiling, and
@@ -49,7 +51,8 @@ from common import matmul_ceiling, read_bandwidth  # noqa: E402
 from kernels import check, device_time_calls, time_calls  # noqa: E402
 from report import FAILURES, finish, log, save_plot, step_axes, table  # noqa: E402
 from inferscale_jax import kv_cache  # noqa: E402
-from inferscale_jax.buckets import StepBuckets  # noqa: E402
+from inferscale_jax.buckets import (GROUP_BUCKETS, MAX_GROUPS, MIXED_FIT_GROUPS, StepBuckets,  # noqa: E402
+                                    mixed_groups_mode)
 
 FULL = dict(hq=32, hkv=8, d=128, s=16, seg=4096, segments=8, rows=256, own=(64, 128), question=64, sets=4, reps=10,
             steps=dict(cohort=(200, 28, 2048), spread=(250, 3, 512), c64=(61, 1, 128, 64)))
@@ -78,7 +81,11 @@ def step_case(cfg, decode, questions, tokens, rows=None):
     kp, vp = random_pool(jax.random.PRNGKey(tokens), hkv, 1 + cfg["sets"] * per_set, s, d)
     rng = np.random.default_rng(tokens)
     group = np.arange(real) % n
-    gb = StepBuckets.groups_for(min(64, max(1, rows // 2)))  # the engine's mixed-step group bucket
+    most = StepBuckets.groups_for(min(MAX_GROUPS, max(1, rows // 2)))  # the most a step of ``rows`` rows holds
+    # the engine's mixed-step group bucket (``StepBuckets.key``): with ``fit`` (its default) the smallest of
+    # MIXED_FIT_GROUPS and up that holds the step's groups; ``INFERSCALE_MIXED_GROUPS=max``: always ``most``
+    fit = [c for c in GROUP_BUCKETS if MIXED_FIT_GROUPS <= c < most] if mixed_groups_mode() == "fit" else []
+    gb = next(c for c in fit + [most] if c >= n)
     q_lens = np.zeros((rows,), np.int32)
     q_lens[:real] = qlen
     cu = jnp.asarray(np.concatenate([[0], np.cumsum(q_lens)]), jnp.int32)

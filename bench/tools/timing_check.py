@@ -12,12 +12,14 @@ check of ``shared_ceiling.py``).  If a fixed cost rides on every harness call, t
 forms are compressed toward 1 and its decisions are wrong.  This times the same calls of
 ``bench/kernels/shared_ceiling.py``'s steps (the engine's shared part; the dense cuDNN and Mosaic GPU forms)
 
-* ``harness``: ``time_calls`` as the benchmarks use it, right after compiling;
+* ``harness``: ``time_calls`` as the benchmarks used it before run AV, right after compiling (its warm-up,
+  ``kernels.WARM_S``, off for this column);
 * ``after spin``: the same after ~2 s of back-to-back matmuls (the SM clock boosted, if it was not);
-* ``chained``: N calls in one ``lax.fori_loop``, each call's query depending on the last call's output
-  (so nothing is hoisted or merged), host clock / N;
-* ``device``: the profiler's kernel durations of the harness's executable (``bench/lib/profile_ops.py``),
-  summed per call: what the GPU spent, no launch or host time.
+* ``chained``: N calls in one ``lax.fori_loop``, each call's query depending on the last call's output (so the
+  calls are not merged; what does not depend on the query, e.g. the engine's row layout, XLA may hoist out of
+  the loop, and each iteration adds the small add that carries the dependency), host clock / N;
+* ``device``: the profiler's kernel durations of the same executable (``kernels.device_time_calls``), summed
+  per call: what the GPU spent, no dispatch or sync time.
 
 and the SM clock (``nvidia-smi``) before and after the spin.  Writes ``timing_check.md`` to ``--out``.
 """
@@ -36,6 +38,7 @@ import jax.numpy as jnp
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository
 sys.path[:0] = [ROOT, os.path.join(ROOT, "bench", "lib"), os.path.join(ROOT, "bench", "kernels")]
+import kernels  # noqa: E402
 from kernels import _median, device_time_calls, time_calls  # noqa: E402
 from report import finish, log, table  # noqa: E402
 from shared_ceiling import FULL, SMOKE, folded_q, padded_q, step_case  # noqa: E402
@@ -76,10 +79,14 @@ def chained(fn, inputs, n: int, reps: int) -> float:
 
 def measure(step: str, form: str, fn, sets, n_chain: int, reps: int, smoke: bool) -> None:
     """``fn(first, *rest)`` over R input sets; the four timings of one form."""
-    t_h, _ = time_calls(fn, (), sets, reps)
-    if not smoke:
-        spin(2.0)
-    t_s, _ = time_calls(fn, (), sets, reps)
+    warm, kernels.WARM_S = kernels.WARM_S, 0.0  # (the harness before run AV: no warm-up)
+    try:
+        t_h, _ = time_calls(fn, (), sets, reps)
+        if not smoke:
+            spin(2.0)
+        t_s, _ = time_calls(fn, (), sets, reps)
+    finally:
+        kernels.WARM_S = warm
     t_c = chained(fn, sets[0], n_chain, reps)
     t_d, kt = device_time_calls(fn, (), sets, reps)
     top = ", ".join(f"{r[1][:40]} {r[2]:.1f}" for r in kt[:3])

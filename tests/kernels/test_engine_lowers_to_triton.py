@@ -21,6 +21,7 @@ import pytest
 
 from inferscale_jax import Engine, EngineConfig
 from inferscale_jax import decode_loop as decode_loop_mod
+from inferscale_jax import kv_cache
 from inferscale_jax import runner as runner_mod
 from inferscale_jax.buckets import StepKey
 from inferscale_jax.decode_loop import pack_stops
@@ -148,15 +149,25 @@ def test_the_decode_loop_lowers(compiled_kernels):
 
 def test_the_mixed_shared_split_count_follows_the_token_bucket(compiled_kernels, monkeypatch):
     """A mixed step's shared part splits by its token bucket (``kv_cache.MIXED_SPLIT_BUCKETS``: 2 from 128
-    tokens, 1 from 1024; below, the automatic count); ``INFERSCALE_MIXED_SHARED``'s ``sp`` overrides it."""
+    tokens, 1 from 1024, for 8 kv heads on the device, proportionally more for fewer; below 128, the automatic
+    count); ``INFERSCALE_MIXED_SHARED``'s ``sp`` overrides it."""
     def splits(engine, tokens):
         key = next(k for k in engine.runner.buckets.all_keys() if k.ragged and k.shared and k.tokens == tokens)
         found = {int(m) for n in lowered_kernels(engine, key) for m in re.findall(r"^cascade_shared\w*_sp(\d+)$", n)}
         assert len(found) == 1, (tokens, found)
         return found.pop()
-    engine = make_engine()
-    assert [splits(engine, t) for t in (128, 512, 1024, 2048)] == [2, 2, 1, 1]
-    assert splits(engine, 64) >= 1
+    engine = make_engine()  # (CFG: 2 kv heads, so 4x the 8-head counts)
+    assert [splits(engine, t) for t in (128, 512, 1024, 2048)] == [8, 8, 4, 4]
+    below = splits(engine, 64)
+    jax.clear_caches()
+    monkeypatch.setattr(kv_cache, "MIXED_SPLIT_BUCKETS", ())  # the kernel's automatic count everywhere
+    assert splits(make_engine(), 64) == below and splits(make_engine(), 512) not in (8, 4)
     jax.clear_caches()
     monkeypatch.setenv("INFERSCALE_MIXED_SHARED", "sp=3")
     assert splits(make_engine(), 512) == 3
+
+
+def test_the_mixed_shared_split_count_scales_with_the_devices_kv_heads():
+    """8 kv heads on the device take the measured counts; fewer (tensor parallelism) proportionally more."""
+    assert [kv_cache.mixed_shared_splits(t, 8) for t in (64, 128, 512, 1024, 4096)] == [None, 2, 2, 1, 1]
+    assert [kv_cache.mixed_shared_splits(t, h) for t, h in ((128, 4), (128, 1), (2048, 2), (2048, 16))] == [4, 16, 4, 1]
