@@ -367,6 +367,7 @@ class ModelRunner:
         self.stable_inputs = True
         self._staged: dict[tuple, jax.Array] = {}
         self._last: tuple | None = None  # the last step's executable and device inputs (replay_last)
+        self.last_key: StepKey | None = None  # the last dispatched step's bucket (benchmarks name what they replay)
         self.compiles = 0
         self.warm = False  # set by Engine.warmup: a compile after it is logged as a warning
         self.compiles_after_warmup = 0
@@ -496,7 +497,7 @@ class ModelRunner:
         if exe is None:
             exe = self._compile(key, pen_key, (ints_d, floats_d, shared, penalties))
         packed, logits, self.cache = exe(self.params, self.cache, ints_d, floats_d, shared, penalties)
-        self._last = (exe, (ints_d, floats_d, shared, penalties))
+        self._last, self.last_key = (exe, (ints_d, floats_d, shared, penalties)), key
         if any(r.matcher is not None for r in rows):
             deferred = DeferredStep(packed, logits, ints_d, floats_d, penalties, rows, key, pen_key, num_logprobs)
             return deferred if defer_sample else self.sample(deferred)
@@ -516,7 +517,7 @@ class ModelRunner:
         if exe is None:
             exe = self._compile(key, loop_key, args)
         packed, ids, self.cache = exe(self.params, self.cache, *args)
-        self._last = (exe, args)
+        self._last, self.last_key = (exe, args), key
         return PendingStep(packed, len(plan.rows), key.num_logprobs, plan.num_logprobs, self.max_batch,
                            _ids=ids, steps=plan.steps)
 

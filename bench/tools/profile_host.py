@@ -124,7 +124,8 @@ class PartTimer:
         lines += ["## Per part of a step (ms per step; the parts nest: dispatch holds pack, device put, calls)", "",
                  f"dispatched steps: {self.step_kinds['decode']} decode-only, {self.step_kinds['mixed']} mixed "
                  "(with chunks); "
-                 f"the last step replayed on the device alone: {1e3 * replay:.2f} ms", "",
+                 f"the last step replayed on the device alone: {1e3 * replay:.2f} ms (its bucket: "
+                 f"`{runner.last_key}`)", "",
                  "| part | ms per step | share of the step |", "| --- | --- | --- |"]
         for name, sec in sorted(t.items(), key=lambda kv: -kv[1]):
             lines.append(f"| {name} | {1e3 * sec / steps:.3f} | {sec / wall:.0%} |")

@@ -177,10 +177,13 @@ def test_config_rejects_a_budget_below_a_chunk():
 
 def test_replay_last_reruns_the_step_and_leaves_the_kv_as_it_was():
     """``ModelRunner.replay_last`` (device-only step timing in bench/engine/engine_bench.py): the same step again
-    on the same inputs writes the same K/V into the same slots."""
+    on the same inputs writes the same K/V into the same slots; ``last_key`` names its bucket."""
     e = make_engine()
     pages = e.kv.allocate(3)
+    assert e.runner.last_key is None
     e.runner.step([StepRow(list(range(1, 9)), 0, pages), StepRow([5, 6, 7], 0, pages[2:])])
+    key = e.runner.last_key
+    assert key.ragged and key.tokens >= 11 and key.rows >= 2, key
     before = [np.asarray(k) for k in e.runner.cache.k + e.runner.cache.v]
     k0 = e.runner.cache.k[0]
     assert e.runner.replay_last(2) > 0

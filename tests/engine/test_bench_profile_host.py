@@ -53,3 +53,4 @@ def test_profile_host_per_call_reports_the_parts_and_the_device_cadence(ckpt, tm
     idle = float(re.search(r"idle waiting for the host: mean ([\d.]+) ms", report).group(1))
     assert p50 > 0 and idle >= 0
     assert float(re.search(r"replayed on the device alone: ([\d.]+) ms", report).group(1)) > 0
+    assert re.search(r"replayed on the device alone: [\d.]+ ms \(its bucket: `StepKey\(rows=\d+, tokens=\d+", report)
