@@ -34,7 +34,8 @@ plus q and the output): ``floor = bytes / read ceiling``, the ceiling measured i
 (``common.read_bandwidth``).  ``of ceiling`` is floor / time; ``vs ideal`` is time over the floor of
 the least any strategy must read (every segment once + every suffix).  Timing as
 ``bench/kernels/kernels.py``: R calls on R input sets (own pages, so K/V rotate through more memory than
-L2) compiled into one executable, median of the repetitions divided by R.  Every output is
+L2) compiled into one executable, median of the repetitions divided by R; beside it (decode steps) the GPU's kernel
+time of the same calls (``kernels.device_time_calls``: no dispatch or sync).  Every output is
 checked against ``plain`` (bf16 tolerance).  Writes ``cascade_groups.md`` and ``cascade_groups.png``
 to ``--out``; exits non-zero if a check failed.
 """
@@ -55,7 +56,7 @@ import numpy as np
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository
 sys.path[:0] = [ROOT, os.path.join(ROOT, "bench", "lib")]  # the engine's packages; bench/lib/ (report, common)
 from common import read_bandwidth  # noqa: E402
-from kernels import check, time_calls  # noqa: E402
+from kernels import check, device_time_calls, time_calls  # noqa: E402
 from report import finish, log, pyplot, save_plot, section, table  # noqa: E402
 from inferscale_jax import kv_cache  # noqa: E402
 from inferscale_jax.buckets import StepBuckets  # noqa: E402
@@ -74,6 +75,7 @@ KNOB_NAMES = dict(bk="block_kv", sp="num_splits", w="num_warps", st="num_stages"
                   pf="prefetch")  # pf=0: each tile's page slots computed in its own iteration (both kernels)
 DT = jnp.bfloat16
 RESULTS: list = []  # (B, N, strategy, seconds, its floor s, the ideal floor s, bytes it must read)
+DEVICE: dict = {}  # (B, N, strategy) -> the GPU's kernel seconds per call (kernels.device_time_calls; NaN off it)
 
 
 def random_pool(key, hkv, num_pages, s, d):
@@ -192,6 +194,7 @@ def groups(args, cfg, old):
             base = None
             for name, (fn, build) in strategies(b, n, cfg, old).items():
                 t, outs = time_calls(fn, (kp, vp), [build(st) for st in inputs], cfg["reps"])
+                DEVICE[b, n, name] = device_time_calls(fn, (kp, vp), [build(st) for st in inputs], cfg["reps"])[0]
                 if base is None:
                     base = outs[0]
                 else:
@@ -205,13 +208,15 @@ def groups(args, cfg, old):
     rows = []
     plain_t = {(b, n): t for b, n, name, t, *_ in RESULTS if name == "plain"}
     for b, n, name, t, floor, ideal, nbytes in RESULTS:
+        dev = DEVICE.get((b, n, name), math.nan)
         rows.append([b, n, name, f"{t * 1e6:.1f}", f"{nbytes / 2**20:.1f}", f"{floor * 1e6:.1f}",
-                     f"{floor / t:.0%}", f"{t / ideal:.2f}x", f"{plain_t[b, n] / t:.2f}x"])
+                     f"{floor / t:.0%}", f"{t / ideal:.2f}x", f"{plain_t[b, n] / t:.2f}x",
+                     "" if math.isnan(dev) else f"{dev * 1e6:.1f}", "" if math.isnan(dev) else f"{floor / dev:.0%}"])
     table(f"Cascade decode over N shared segments of {cfg['seg']} tokens ({cfg['hq']}/{cfg['hkv']} heads, "
           f"d={cfg['d']}, page {cfg['s']}, bf16, suffixes {cfg['suffix'][0]}-{cfg['suffix'][1] - 1} tokens; "
           f"read ceiling {args.ceiling / 1e12:.2f} TB/s)",
           ["B", "segments", "strategy", "us", "must read MiB", "floor us", "of ceiling", "vs ideal floor",
-           "speedup vs plain"], rows)
+           "speedup vs plain", "GPU kernel us", "of ceiling by kernel time"], rows)
 
 
 def mixed_case(b, n, cfg, sets):
