@@ -35,7 +35,7 @@ plus q and the output): ``floor = bytes / read ceiling``, the ceiling measured i
 the least any strategy must read (every segment once + every suffix).  Timing as
 ``bench/kernels/kernels.py``: R calls on R input sets (own pages, so K/V rotate through more memory than
 L2) compiled into one executable, median of the repetitions divided by R; beside it (decode steps) the GPU's kernel
-time of the same calls (``kernels.device_time_calls``: no dispatch or sync).  Every output is
+time of the same calls (``kernels.time_calls_and_device``: no dispatch or sync).  Every output is
 checked against ``plain`` (bf16 tolerance).  Writes ``cascade_groups.md`` and ``cascade_groups.png``
 to ``--out``; exits non-zero if a check failed.
 """
@@ -56,7 +56,7 @@ import numpy as np
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository
 sys.path[:0] = [ROOT, os.path.join(ROOT, "bench", "lib")]  # the engine's packages; bench/lib/ (report, common)
 from common import read_bandwidth  # noqa: E402
-from kernels import check, device_time_calls, time_calls  # noqa: E402
+from kernels import check, time_calls, time_calls_and_device  # noqa: E402
 from report import finish, log, pyplot, save_plot, section, table  # noqa: E402
 from inferscale_jax import kv_cache  # noqa: E402
 from inferscale_jax.buckets import StepBuckets  # noqa: E402
@@ -75,7 +75,7 @@ KNOB_NAMES = dict(bk="block_kv", sp="num_splits", w="num_warps", st="num_stages"
                   pf="prefetch")  # pf=0: each tile's page slots computed in its own iteration (both kernels)
 DT = jnp.bfloat16
 RESULTS: list = []  # (B, N, strategy, seconds, its floor s, the ideal floor s, bytes it must read)
-DEVICE: dict = {}  # (B, N, strategy) -> the GPU's kernel seconds per call (kernels.device_time_calls; NaN off it)
+DEVICE: dict = {}  # (B, N, strategy) -> the GPU's kernel seconds per call (kernels.time_calls_and_device; NaN off it)
 
 
 def random_pool(key, hkv, num_pages, s, d):
@@ -193,8 +193,8 @@ def groups(args, cfg, old):
             ideal = must_read(b, n, cfg, inputs[0], "multi")
             base = None
             for name, (fn, build) in strategies(b, n, cfg, old).items():
-                t, outs = time_calls(fn, (kp, vp), [build(st) for st in inputs], cfg["reps"])
-                DEVICE[b, n, name] = device_time_calls(fn, (kp, vp), [build(st) for st in inputs], cfg["reps"])[0]
+                t, outs, DEVICE[b, n, name], _ = time_calls_and_device(fn, (kp, vp), [build(st) for st in inputs],
+                                                                       cfg["reps"])
                 if base is None:
                     base = outs[0]
                 else:

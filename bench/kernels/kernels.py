@@ -146,14 +146,28 @@ def median_time(fn, args, reps):
     return _median(lambda: fn(*args), reps)
 
 
+def _multi(call):
+    """One executable of ``call`` over every variant (R distinct input sets: XLA cannot merge the calls)."""
+    return jax.jit(lambda sh, vs: [call(*sh, *v) for v in vs])
+
+
 def time_calls(call, shared, variants, reps):
     """(seconds per call, outputs) of call(*shared, *variant) for every variant.
 
     The R = len(variants) calls are compiled into one executable: R distinct input sets keep
     XLA from merging them and amortise the dispatch overhead over R kernels."""
-    multi = jax.jit(lambda sh, vs: [call(*sh, *v) for v in vs])
+    multi = _multi(call)
     outs = jax.block_until_ready(multi(shared, variants))  # compile + warm up
     return _median(lambda: multi(shared, variants), reps) / len(variants), outs
+
+
+def time_calls_and_device(call, shared, variants, reps):
+    """``time_calls``' (seconds per call, outputs), then ``device_time_calls``' (GPU seconds per call, kernel rows)
+    of the same executable, compiled once."""
+    multi = _multi(call)
+    outs = jax.block_until_ready(multi(shared, variants))  # compile + warm up
+    t = _median(lambda: multi(shared, variants), reps) / len(variants)
+    return (t, outs) + _device_time(multi, shared, variants, reps)
 
 
 def device_time_calls(call, shared, variants, reps):
@@ -161,10 +175,13 @@ def device_time_calls(call, shared, variants, reps):
     executable like ``time_calls``' (compiled again), from the profiler (``bench/lib/profile_ops.py``): the
     kernels' and copies' durations on the GPU's stream lines, summed (no dispatch or sync time; a second stream's
     overlap would be counted twice).  NaN and [] off the GPU."""
+    return _device_time(_multi(call), shared, variants, reps)
+
+
+def _device_time(multi, shared, variants, reps):
     if jax.default_backend() != "gpu":
         return math.nan, []
     from profile_ops import kernel_times
-    multi = jax.jit(lambda sh, vs: [call(*sh, *v) for v in vs])
     jax.block_until_ready(multi(shared, variants))
     _warm(lambda: multi(shared, variants))
     kt = kernel_times(lambda: jax.block_until_ready([multi(shared, variants) for _ in range(reps)]),

@@ -48,7 +48,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 sys.path[:0] = [ROOT, os.path.join(ROOT, "bench", "lib"), os.path.join(ROOT, "bench", "kernels")]
 from cascade_groups import random_pool  # noqa: E402
 from common import matmul_ceiling, read_bandwidth  # noqa: E402
-from kernels import check, device_time_calls, time_calls  # noqa: E402
+from kernels import check, time_calls_and_device  # noqa: E402
 from report import FAILURES, finish, log, save_plot, step_axes, table  # noqa: E402
 from inferscale_jax import kv_cache  # noqa: E402
 from inferscale_jax.buckets import (GROUP_BUCKETS, MAX_GROUPS, MIXED_FIT_GROUPS, StepBuckets,  # noqa: E402
@@ -138,8 +138,7 @@ def run_step(args, cfg, name, decode, questions, tokens, rows=None):
         os.environ["INFERSCALE_MIXED_SHARED"] = spec
         try:  # (time_calls jits a new function each call: traced again, reading the switch)
             inputs = [(q, flat if variant == "ragged" else casc) for q, casc, flat in sets]
-            t, outs = time_calls(attend, (kp, vp), inputs, cfg["reps"])
-            t_dev, kt = device_time_calls(attend, (kp, vp), inputs, cfg["reps"])
+            t, outs, t_dev, kt = time_calls_and_device(attend, (kp, vp), inputs, cfg["reps"])
         except Exception as err:  # noqa: BLE001 - a variant that does not compile (shared memory) is reported
             log(f"  {name} {variant}: failed ({type(err).__name__}: {str(err)[:200]})")
             FAILURES.append(f"{name} {variant}: {type(err).__name__}: {str(err)[:200]}")

@@ -28,7 +28,7 @@ Sections (each guarded: a failure prints its traceback and the run goes on):
    the same with the chunk over 16k private keys, a lone 64-token question over 4k / 16k (C = 1): the
    automatic split count for every block (``split_longest=False``), unsplit, and ``split_longest`` (the
    default: only the blocks that see the most keys split); speed = every-block-split's time / the form's; the
-   GPU's kernel time of each form beside it (the profiler's: no launch gaps, ``kernels.device_time_calls``).
+   GPU's kernel time of each form beside it (the profiler's: no launch gaps, ``kernels.time_calls_and_device``).
 
 Timing as bench/kernels/kernels.py: every measurement jit-compiles R calls on R different input sets
 (separate pages, so XLA cannot merge them and K/V rotate through more memory than L2), then
@@ -51,7 +51,7 @@ import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository
 sys.path[:0] = [ROOT, os.path.join(ROOT, "bench", "lib")]  # the engine's packages; bench/lib/ (report, common)
-from kernels import check, device_time_calls, fits, time_calls  # noqa: E402
+from kernels import check, fits, time_calls, time_calls_and_device  # noqa: E402
 from report import FAILURES, MD, code_version, log, pyplot, save_plot, section, table, write_md  # noqa: E402
 from sections import parser, run_sections  # noqa: E402  (bench/lib/sections.py)
 from pallas_kernels.decode_attention import paged_decode_attention  # noqa: E402
@@ -340,10 +340,10 @@ def splits(args):
         times, dev = [], []
         for label, kw in SPLIT_FORMS:
             kw = dict(kw, kv_splits=kw.get("kv_splits", 3)) if args.interpret and "kv_splits" not in kw else kw
-            t, outs = time_calls(ragged_call(args.interpret, **kw), (kp, vp), sets, args.reps)
+            t, outs, t_dev, _ = time_calls_and_device(ragged_call(args.interpret, **kw), (kp, vp), sets, args.reps)
             check(f"{name} {label} vs ref", outs[0][:n], ref[:n])
             times.append(t)
-            dev.append(device_time_calls(ragged_call(args.interpret, **kw), (kp, vp), sets, args.reps)[0])
+            dev.append(t_dev)
         rows.append([name, q0.shape[0], len(shape)] + [us(t) for t in times]
                     + [fx(speed(times[0], t)) for t in times[1:]]
                     + ["" if d != d else us(d) for d in dev])  # (NaN off the GPU: no profiler times)

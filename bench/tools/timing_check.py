@@ -18,7 +18,7 @@ forms are compressed toward 1 and its decisions are wrong.  This times the same 
 * ``chained``: N calls in one ``lax.fori_loop``, each call's query depending on the last call's output (so the
   calls are not merged; what does not depend on the query, e.g. the engine's row layout, XLA may hoist out of
   the loop, and each iteration adds the small add that carries the dependency), host clock / N;
-* ``device``: the profiler's kernel durations of the same executable (``kernels.device_time_calls``), summed
+* ``device``: the profiler's kernel durations of the same calls (``kernels.device_time_calls``), summed
   per call: what the GPU spent, no dispatch or sync time.
 
 and the SM clock (``nvidia-smi``) before and after the spin.  Writes ``timing_check.md`` to ``--out``.
