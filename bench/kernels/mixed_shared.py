@@ -51,8 +51,7 @@ from common import matmul_ceiling, read_bandwidth  # noqa: E402
 from kernels import check, time_calls_and_device  # noqa: E402
 from report import FAILURES, finish, log, save_plot, step_axes, table  # noqa: E402
 from inferscale_jax import kv_cache  # noqa: E402
-from inferscale_jax.buckets import (GROUP_BUCKETS, MAX_GROUPS, MIXED_FIT_GROUPS, StepBuckets,  # noqa: E402
-                                    mixed_groups_mode)
+from inferscale_jax.buckets import StepBuckets  # noqa: E402
 
 FULL = dict(hq=32, hkv=8, d=128, s=16, seg=4096, segments=8, rows=256, own=(64, 128), question=64, sets=4, reps=10,
             steps=dict(cohort=(200, 28, 2048), spread=(250, 3, 512), c64=(61, 1, 128, 64)))
@@ -81,11 +80,9 @@ def step_case(cfg, decode, questions, tokens, rows=None):
     kp, vp = random_pool(jax.random.PRNGKey(tokens), hkv, 1 + cfg["sets"] * per_set, s, d)
     rng = np.random.default_rng(tokens)
     group = np.arange(real) % n
-    most = StepBuckets.groups_for(min(MAX_GROUPS, max(1, rows // 2)))  # the most a step of ``rows`` rows holds
-    # the engine's mixed-step group bucket (``StepBuckets.key``): with ``fit`` (its default) the smallest of
-    # MIXED_FIT_GROUPS and up that holds the step's groups; ``INFERSCALE_MIXED_GROUPS=max``: always ``most``
-    fit = [c for c in GROUP_BUCKETS if MIXED_FIT_GROUPS <= c < most] if mixed_groups_mode() == "fit" else []
-    gb = next(c for c in fit + [most] if c >= n)
+    # the engine's mixed-step group bucket, as ``StepBuckets.key`` picks it (``INFERSCALE_MIXED_GROUPS``)
+    buckets = StepBuckets(max_rows=rows, max_tokens=max(rows, tokens), max_pages_per_seq=width)
+    gb = next(c for c in buckets.mixed_group_buckets(rows) if c >= n)
     q_lens = np.zeros((rows,), np.int32)
     q_lens[:real] = qlen
     cu = jnp.asarray(np.concatenate([[0], np.cumsum(q_lens)]), jnp.int32)
