@@ -284,6 +284,14 @@ MIXED_REAL_GROUPS = 16  # the shared part's split count in a mixed step assumes 
 MIXED_SPLIT_BUCKETS = ((1024, 1), (128, 2))  # (largest first)
 MIXED_SPLIT_KV_HEADS = 8
 assert list(MIXED_SPLIT_BUCKETS) == sorted(MIXED_SPLIT_BUCKETS, reverse=True)
+# The shared part's pipeline stages in a mixed step (the kernel's own default there is 2), for head dims up to
+# MIXED_STAGES_MAX_HEAD_DIM (the measured one; a 256-wide K/V tile x 3 stages would near the shared-memory limit).
+# Measured (bench/NOTES.md, run AW: H100, 8 segments of 4096, the engine's `fit` group table, by the GPU's kernel
+# time a layer): 3 stages against 2: 57.0 / 68.7 us at C = 64 (128 tokens), 107.5 / 123.1 at spread answers
+# (512), 391.9 / 419.4 on a wave of questions (2048); the bare loop +2.3% tok/s at C = 64, +1.9% at C = 256, the
+# replayed mixed step -0.36 / -0.44 ms.
+MIXED_SHARED_STAGES = 3
+MIXED_STAGES_MAX_HEAD_DIM = 128
 # (INFERSCALE_MIXED_SHARED overrides these and the kernel's other knobs: pallas_kernels/common.py)
 
 
@@ -328,8 +336,9 @@ def _mixed_shared(q, kp, vp, meta: AttnMeta, pallas: bool, sc: dict):
     # the bucket pads the group table (up to 64 groups) and the tokens: the split count by the token bucket
     # (MIXED_SPLIT_BUCKETS), below it from the rows (most are one-token decode rows) and the real groups
     splits = mixed_shared_splits(n, kp.shape[0])
-    knobs = {**dict(block_rows=MIXED_BLOCK_ROWS, real_groups=MIXED_REAL_GROUPS, real_rows=rows, num_splits=splits),
-             **common.mixed_shared_knobs()} if pallas else {}
+    stages = MIXED_SHARED_STAGES if q.shape[-1] <= MIXED_STAGES_MAX_HEAD_DIM else None  # (None: the kernel's)
+    knobs = {**dict(block_rows=MIXED_BLOCK_ROWS, real_groups=MIXED_REAL_GROUPS, real_rows=rows, num_splits=splits,
+                    num_stages=stages), **common.mixed_shared_knobs()} if pallas else {}
     o_sh, lse_sh = shared(q, kp, vp, meta.group_pages, meta.group_lens, group, **knobs, **sc)  # [N, Hq(, D)]
     merged, _ = merge_lse(o_sh, lse_sh, out, lse)
     return jnp.where((group >= 0)[:, None, None], merged.astype(out.dtype), out)

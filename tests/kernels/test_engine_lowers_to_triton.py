@@ -66,6 +66,16 @@ def kinds(engine) -> dict[str, StepKey]:
 def lowered_kernels(engine, key: StepKey, loop_steps: int = 0) -> set[str]:
     """Lower bucket ``key``'s step (or its ``loop_steps``-step decode loop) for CUDA, as the warm-up builds
     it on padding; returns the Pallas kernels the lowered module launches."""
+    return set(re.findall(r'name = "([a-z]\w*)"', lowered_text(engine, key, loop_steps)))
+
+
+def launch_params(engine, key: StepKey) -> dict[str, tuple[int, int]]:
+    """The Pallas kernels of bucket ``key``'s lowered step: name -> (num_stages, num_warps)."""
+    found = re.findall(r'name = "([a-z]\w*)", num_stages = (\d+) : i32, num_warps = (\d+)', lowered_text(engine, key))
+    return {name: (int(st), int(w)) for name, st, w in found}
+
+
+def lowered_text(engine, key: StepKey, loop_steps: int = 0) -> str:
     r = engine.runner
     rows = r._padding_rows(key)
     groups = r._padding_groups(key)
@@ -82,7 +92,7 @@ def lowered_kernels(engine, key: StepKey, loop_steps: int = 0) -> set[str]:
                                               precision=r.matmul_precision)
     text = traced.lower(lowering_platforms=("cuda",)).as_text()
     assert "xla.gpu.triton" in text
-    return set(re.findall(r'name = "([a-z]\w*)"', text))
+    return text
 
 
 def test_every_kind_of_step_lowers(compiled_kernels):
@@ -165,6 +175,27 @@ def test_the_mixed_shared_split_count_follows_the_token_bucket(compiled_kernels,
     jax.clear_caches()
     monkeypatch.setenv("INFERSCALE_MIXED_SHARED", "sp=3")
     assert splits(make_engine(), 512) == 3
+
+
+def test_the_mixed_shared_part_runs_three_pipeline_stages(compiled_kernels, monkeypatch):
+    """A mixed step's shared part runs ``kv_cache.MIXED_SHARED_STAGES`` (3) stages, where the kernel's own
+    default is 2 (measured faster in the loop, bench/NOTES.md run AW); the decode step's cascade kernel keeps
+    its own; ``INFERSCALE_MIXED_SHARED``'s ``st`` overrides it."""
+    def stages(engine, mixed=True):
+        key = next(k for k in engine.runner.buckets.all_keys()
+                   if k.ragged == mixed and k.shared and k.groups > 1 and k.tokens >= 128 * mixed)
+        found = {st for name, (st, _) in launch_params(engine, key).items() if name.startswith("cascade_")}
+        assert found, key
+        return found
+    engine = make_engine()
+    assert stages(engine) == {3}
+    decode = stages(engine, mixed=False)
+    jax.clear_caches()
+    monkeypatch.setattr(kv_cache, "MIXED_SHARED_STAGES", None)  # the kernel's own default
+    assert stages(make_engine()) == {2} and stages(make_engine(), mixed=False) == decode
+    jax.clear_caches()
+    monkeypatch.setenv("INFERSCALE_MIXED_SHARED", "st=4")
+    assert stages(make_engine()) == {4}
 
 
 def test_the_mixed_shared_split_count_scales_with_the_devices_kv_heads():
