@@ -16,7 +16,10 @@ each row's own tokens, the grouped kernel's shared part over the segments, merge
 * ``spread``: the 512-token bucket of spread answer lengths: 250 decode rows and 3 questions (442 tokens,
   253 rows);
 * ``c64`` (``--steps c64``): C = 64's 128-token bucket, 61 decode rows and one question (125 tokens, 62 rows of
-  64).
+  64);
+* ``c64q3`` (``--steps c64q3``): C = 64's 256-token bucket with three questions, each in its own segment's group
+  (61 decode rows, 253 tokens, 64 rows of 64): the step whose shared part run AW's profile found 1.7x the
+  one-question step's (bench/NOTES.md, run AW 5).
 
 Each variant sets ``INFERSCALE_MIXED_SHARED`` (``pallas_kernels/common.py``: ``br`` block_rows, ``bk``
 block_kv, ``w`` num_warps, ``st`` num_stages, ``sp`` num_splits) before tracing; ``engine`` is the
@@ -54,9 +57,9 @@ from inferscale_jax import kv_cache  # noqa: E402
 from inferscale_jax.buckets import StepBuckets  # noqa: E402
 
 FULL = dict(hq=32, hkv=8, d=128, s=16, seg=4096, segments=8, rows=256, own=(64, 128), question=64, sets=4, reps=10,
-            steps=dict(cohort=(200, 28, 2048), spread=(250, 3, 512), c64=(61, 1, 128, 64)))
+            steps=dict(cohort=(200, 28, 2048), spread=(250, 3, 512), c64=(61, 1, 128, 64), c64q3=(61, 3, 256, 64)))
 SMOKE = dict(hq=8, hkv=2, d=64, s=8, seg=64, segments=3, rows=16, own=(4, 12), question=8, sets=1, reps=1,
-             steps=dict(cohort=(6, 4, 64), spread=(10, 1, 32), c64=(5, 1, 16, 8)))
+             steps=dict(cohort=(6, 4, 64), spread=(10, 1, 32), c64=(5, 1, 16, 8), c64q3=(5, 2, 32, 8)))
 VARIANTS = ("engine", "sp=1", "sp=2", "br=128", "br=128,sp=1", "br=128,w=8,sp=1", "br=128,w=8,st=3,sp=1",
             "br=128,bk=128,w=8,sp=1", "br=64,st=3,sp=1")
 RESULTS: list = []  # (step, variant, seconds, floor seconds, device seconds, its top kernels)
@@ -190,7 +193,7 @@ def main():
     ap.add_argument("--variants", nargs="*", default=None,
                     help=f"INFERSCALE_MIXED_SHARED values to time after 'engine' (default: {' '.join(VARIANTS[1:])})")
     ap.add_argument("--steps", default="cohort,spread", help="which steps: cohort, spread, c64 (C = 64's 128-token "
-                    "bucket: 61 decode rows and one question, 64 rows)")
+                    "bucket: 61 decode rows and one question, 64 rows), c64q3 (its 256-token bucket, three questions)")
     ap.add_argument("--reps", type=int, default=None)
     args = ap.parse_args()
     cfg = dict(SMOKE if args.smoke else FULL)
