@@ -62,7 +62,7 @@ from jax.sharding import Mesh, PartitionSpec
 from models.config import ModelConfig
 from models.dense_cache import dense_attention
 from pallas_kernels import common
-from pallas_kernels.cascade_attention import (grouped_cascade_decode_attention,
+from pallas_kernels.cascade_attention import (SHARED_BLOCK_KV, grouped_cascade_decode_attention,
                                               grouped_cascade_decode_attention_ref,
                                               grouped_shared_prefix_attention,
                                               grouped_shared_prefix_attention_ref, merge_lse)
@@ -284,14 +284,15 @@ MIXED_REAL_GROUPS = 16  # the shared part's split count in a mixed step assumes 
 MIXED_SPLIT_BUCKETS = ((1024, 1), (128, 2))  # (largest first)
 MIXED_SPLIT_KV_HEADS = 8
 assert list(MIXED_SPLIT_BUCKETS) == sorted(MIXED_SPLIT_BUCKETS, reverse=True)
-# The shared part's pipeline stages in a mixed step (the kernel's own default there is 2), for head dims up to
-# MIXED_STAGES_MAX_HEAD_DIM (the measured one; a 256-wide K/V tile x 3 stages would near the shared-memory limit).
+# The shared part's pipeline stages in a mixed step (the kernel's own default there is 2), where one K (or V) tile
+# is at most MIXED_STAGES_MAX_TILE_BYTES: the measured tile, 64 tokens x head dim 128 x bf16 (a 256-wide or fp32
+# tile, or a 128-token one, x 3 stages would near the shared-memory limit; those keep the kernel's default).
 # Measured (bench/NOTES.md, run AW: H100, 8 segments of 4096, the engine's `fit` group table, by the GPU's kernel
 # time a layer): 3 stages against 2: 57.0 / 68.7 us at C = 64 (128 tokens), 107.5 / 123.1 at spread answers
-# (512), 391.9 / 419.4 on a wave of questions (2048); the bare loop +2.3% tok/s at C = 64, +1.9% at C = 256, the
-# replayed mixed step -0.36 / -0.44 ms.
+# (512), 391.9 / 419.4 on a wave of questions (2048); the same replayed mixed step -0.36 ms at C = 64, -0.44 at
+# C = 256; the bare loop +2.3% / +1.9% tok/s (one run each way, inside its 2-3.5% spread between runs).
 MIXED_SHARED_STAGES = 3
-MIXED_STAGES_MAX_HEAD_DIM = 128
+MIXED_STAGES_MAX_TILE_BYTES = 64 * 128 * 2
 # (INFERSCALE_MIXED_SHARED overrides these and the kernel's other knobs: pallas_kernels/common.py)
 
 
@@ -336,9 +337,11 @@ def _mixed_shared(q, kp, vp, meta: AttnMeta, pallas: bool, sc: dict):
     # the bucket pads the group table (up to 64 groups) and the tokens: the split count by the token bucket
     # (MIXED_SPLIT_BUCKETS), below it from the rows (most are one-token decode rows) and the real groups
     splits = mixed_shared_splits(n, kp.shape[0])
-    stages = MIXED_SHARED_STAGES if q.shape[-1] <= MIXED_STAGES_MAX_HEAD_DIM else None  # (None: the kernel's)
+    user = common.mixed_shared_knobs()  # (INFERSCALE_MIXED_SHARED: st=N sets the stages, bk=N the tile)
+    tile = user.get("block_kv", SHARED_BLOCK_KV) * q.shape[-1] * kp.dtype.itemsize  # one K tile's bytes
+    stages = MIXED_SHARED_STAGES if tile <= MIXED_STAGES_MAX_TILE_BYTES else None  # (None: the kernel's)
     knobs = {**dict(block_rows=MIXED_BLOCK_ROWS, real_groups=MIXED_REAL_GROUPS, real_rows=rows, num_splits=splits,
-                    num_stages=stages), **common.mixed_shared_knobs()} if pallas else {}
+                    num_stages=stages), **user} if pallas else {}
     o_sh, lse_sh = shared(q, kp, vp, meta.group_pages, meta.group_lens, group, **knobs, **sc)  # [N, Hq(, D)]
     merged, _ = merge_lse(o_sh, lse_sh, out, lse)
     return jnp.where((group >= 0)[:, None, None], merged.astype(out.dtype), out)

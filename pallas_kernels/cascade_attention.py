@@ -107,6 +107,7 @@ _M_INIT = -1e30  # finite running-max start: empty programs stay NaN-free
 _PREC = lax.Precision.HIGHEST  # fp32: IEEE matmul on Triton (DEFAULT = TF32); no-op for bf16
 PROGRAMS_PER_SM = 2  # shared-part programs are matmul tiles, heavier than decode's
 MIN_BLOCKS_PER_SPLIT = 4
+SHARED_BLOCK_KV = 64  # the shared part's default K/V tile (tokens)
 
 
 def check_grouped_inputs(q, k_pages, v_pages, group_pages, group_lens, row_group, suffix_table,
@@ -446,7 +447,7 @@ def grouped_shared_prefix_attention(
         return jnp.zeros(q.shape, jnp.float32), jnp.full(q.shape[:2], -jnp.inf, jnp.float32)
     block_rows = default_block_rows(b, gq, g, q.dtype) if block_rows is None else block_rows
     common.check_power_of_two("block_rows", block_rows, common.MIN_DOT_DIM)
-    block_kv = 64 if block_kv is None else block_kv
+    block_kv = SHARED_BLOCK_KV if block_kv is None else block_kv
     common.check_power_of_two("block_kv", block_kv, common.MIN_DOT_DIM)
     one_block = g <= 1 and b * gq <= block_rows
     num_warps = (8 if one_block else 4) if num_warps is None else num_warps
@@ -584,7 +585,7 @@ def grouped_cascade_decode_attention(
     if block_rows is None:
         block_rows = default_block_rows(b, gq, g, q.dtype)
     common.check_power_of_two("block_rows", block_rows, common.MIN_DOT_DIM)
-    block_kv = 64 if block_kv is None else block_kv
+    block_kv = SHARED_BLOCK_KV if block_kv is None else block_kv
     common.check_power_of_two("block_kv", block_kv, common.MIN_DOT_DIM)
     one_block = g <= 1 and b * gq <= block_rows
     if num_warps is None:

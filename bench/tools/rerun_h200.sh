@@ -81,7 +81,7 @@
 #      graph-mode profile at C = 1 under each (bench/tools/profile_graph.py): kernels per step and the replayed step
 #  16  the checkpoint read (models/loader.py: os.preadv into each tensor's array, threads in parallel): the 8B
 #      checkpoint loaded one tensor at a time and eight (bench/tools/weights_load.py; run AL: 14.2 / 12.1 s)
-# Parts 6-10, 16, 18-20 and 23-26 write the 8B checkpoint to /tmp/llama8b first when it is missing (~35 s); it stays out of
+# Parts 6-14, 16, 18-20, 23-26 and 28 write the 8B checkpoint to /tmp/llama8b first when it is missing (~35 s); it stays out of
 # the repository, whose copy on the machine loses files that .gitignore does not cover (bench/NOTES.md, run AH).
 #
 # Each step writes its tables under RESULTS_DIR/<step>/ and its console log to RESULTS_DIR/<step>.log;
@@ -330,14 +330,15 @@ case "$part" in
     ;;
 28)
     # XLA's own fusion flags against its defaults: the graph-mode profile of C = 1's steps under each (kernels per
-    # step, the step's replayed time); FUSION_FLAGS names the flags (space-separated, "-" for none), CONC the
-    # concurrency (1: the decode step of the C = 1 ITL target; 64: also its mixed steps)
+    # step, the step's replayed time); FUSION_FLAGS names boolean flags, bare (no "--", no "=value"; each is set
+    # true), space-separated, "-" for none; CONC the concurrency (1: the decode step of the C = 1 ITL target; 64:
+    # also its mixed steps)
     ckpt
     conc=${CONC:-1}
     for f in ${FUSION_FLAGS:-- xla_gpu_experimental_enable_triton_heroless_priority_fusion \
             xla_gpu_experimental_enable_fusion_block_level_rewriter}; do
         flag=; [ "$f" = - ] || flag="--$f=true"
-        tag=${f#xla_gpu_}; tag=${tag//experimental_/}; [ "$f" = - ] && tag=default
+        tag=${f#xla_gpu_}; tag=${tag//experimental_/}; tag=${tag#enable_}; [ "$f" = - ] && tag=default
         XLA_FLAGS="${XLA_FLAGS:-} --xla_enable_command_buffers_during_profiling=true $flag" step_as \
             "fusion_c${conc}_$tag" 150 bench/tools/profile_graph.py --model /tmp/llama8b --concurrency "$conc" \
             --max-tokens-spread 32 --warm-steps 20 --mixed-captures 1 --decode-reps 4 --mixed-reps 4 --loop-steps 8 \

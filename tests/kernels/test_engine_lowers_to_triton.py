@@ -179,8 +179,9 @@ def test_the_mixed_shared_split_count_follows_the_token_bucket(compiled_kernels,
 
 def test_the_mixed_shared_part_runs_three_pipeline_stages(compiled_kernels, monkeypatch):
     """A mixed step's shared part runs ``kv_cache.MIXED_SHARED_STAGES`` (3) stages, where the kernel's own
-    default is 2 (measured faster in the loop, bench/NOTES.md run AW); the decode step's cascade kernel keeps
-    its own; ``INFERSCALE_MIXED_SHARED``'s ``st`` overrides it."""
+    default is 2 (measured faster, bench/NOTES.md run AW), on K/V tiles up to the measured one's bytes (64
+    tokens x 128 x bf16); fp32 pages or a 128-token tile keep the kernel's default; the decode step's cascade
+    kernel keeps its own; ``INFERSCALE_MIXED_SHARED``'s ``st`` overrides it."""
     def stages(engine, mixed=True):
         key = next(k for k in engine.runner.buckets.all_keys()
                    if k.ragged == mixed and k.shared and k.groups > 1 and k.tokens >= 128 * mixed)
@@ -193,6 +194,13 @@ def test_the_mixed_shared_part_runs_three_pipeline_stages(compiled_kernels, monk
     jax.clear_caches()
     monkeypatch.setattr(kv_cache, "MIXED_SHARED_STAGES", None)  # the kernel's own default
     assert stages(make_engine()) == {2} and stages(make_engine(), mixed=False) == decode
+    monkeypatch.undo()
+    monkeypatch.setattr(common, "default_interpret", lambda: False)
+    jax.clear_caches()
+    assert stages(make_engine(dtype="float32")) == {2}  # (a 64 x 128 fp32 tile: twice the measured bytes)
+    jax.clear_caches()
+    monkeypatch.setenv("INFERSCALE_MIXED_SHARED", "bk=128")
+    assert stages(make_engine()) == {2}
     jax.clear_caches()
     monkeypatch.setenv("INFERSCALE_MIXED_SHARED", "st=4")
     assert stages(make_engine()) == {4}
