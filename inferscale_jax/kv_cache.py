@@ -338,11 +338,21 @@ def _mixed_shared(q, kp, vp, meta: AttnMeta, pallas: bool, sc: dict):
     # (MIXED_SPLIT_BUCKETS), below it from the rows (most are one-token decode rows) and the real groups
     splits = mixed_shared_splits(n, kp.shape[0])
     user = common.mixed_shared_knobs()  # (INFERSCALE_MIXED_SHARED: st=N sets the stages, bk=N the tile)
+    chunk_rows, chunk_warps = user.pop("chunk_block_rows", None), user.pop("chunk_num_warps", None)
     tile = user.get("block_kv", SHARED_BLOCK_KV) * q.shape[-1] * kp.dtype.itemsize  # one K tile's bytes
     stages = MIXED_SHARED_STAGES if tile <= MIXED_STAGES_MAX_TILE_BYTES else None  # (None: the kernel's)
     knobs = {**dict(block_rows=MIXED_BLOCK_ROWS, real_groups=MIXED_REAL_GROUPS, real_rows=rows, num_splits=splits,
                     num_stages=stages), **user} if pallas else {}
-    o_sh, lse_sh = shared(q, kp, vp, meta.group_pages, meta.group_lens, group, **knobs, **sc)  # [N, Hq(, D)]
+    if pallas and chunk_rows:  # (cb=N: the chunks' tokens in N-row blocks, a launch of their own)
+        q_lens = meta.cu_q_lens[1:] - meta.cu_q_lens[:-1]  # [R]
+        one = q_lens[jnp.minimum(row, rows - 1)] == 1  # [N] a one-token row's token (padding: its group is -1)
+        o_a, lse_a = shared(q, kp, vp, meta.group_pages, meta.group_lens, jnp.where(one, group, -1), **knobs, **sc)
+        chunk_knobs = {**knobs, "block_rows": chunk_rows, "num_warps": chunk_warps or knobs.get("num_warps")}
+        o_b, lse_b = shared(q, kp, vp, meta.group_pages, meta.group_lens, jnp.where(one, -1, group), **chunk_knobs,
+                            **sc)
+        o_sh, lse_sh = jnp.where(one[:, None, None], o_a, o_b), jnp.where(one[:, None], lse_a, lse_b)
+    else:
+        o_sh, lse_sh = shared(q, kp, vp, meta.group_pages, meta.group_lens, group, **knobs, **sc)  # [N, Hq(, D)]
     merged, _ = merge_lse(o_sh, lse_sh, out, lse)
     return jnp.where((group >= 0)[:, None, None], merged.astype(out.dtype), out)
 

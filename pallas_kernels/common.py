@@ -49,7 +49,8 @@ def stages_for(default: int, prefetch: bool) -> int:
     return default if prefetch else max(default, 3)
 
 
-MIXED_SHARED_KNOBS = dict(br="block_rows", bk="block_kv", w="num_warps", st="num_stages", sp="num_splits")
+MIXED_SHARED_KNOBS = dict(br="block_rows", bk="block_kv", w="num_warps", st="num_stages", sp="num_splits",
+                          cb="chunk_block_rows", cw="chunk_num_warps")
 
 
 MIXED_RAGGED_KNOBS = dict(bq="block_q", bk="block_kv", w="num_warps", st="num_stages", sp="kv_splits",
@@ -59,9 +60,11 @@ MIXED_RAGGED_KNOBS = dict(bq="block_q", bk="block_kv", w="num_warps", st="num_st
 def mixed_shared_knobs() -> dict:
     """``INFERSCALE_MIXED_SHARED`` (e.g. ``br=128,w=8,sp=1``): knobs of the cascade shared part in
     the engine's mixed steps that override its defaults (``inferscale_jax/kv_cache.py``), by
-    ``MIXED_SHARED_KNOBS``' short names; unset: none.  An A/B switch for the benchmarks
-    (bench/NOTES.md)."""
-    return _knobs("INFERSCALE_MIXED_SHARED", MIXED_SHARED_KNOBS, tiles=dict(br=MIN_DOT_DIM, bk=MIN_DOT_DIM))
+    ``MIXED_SHARED_KNOBS``' short names; unset: none.  ``cb=N`` (with ``cw=W``, its warps) runs the
+    prefill chunks' tokens in a launch of their own with ``N``-row blocks, the one-token rows' in the
+    other with ``br``'s.  An A/B switch for the benchmarks (bench/NOTES.md)."""
+    return _knobs("INFERSCALE_MIXED_SHARED", MIXED_SHARED_KNOBS,
+                  tiles=dict(br=MIN_DOT_DIM, bk=MIN_DOT_DIM, cb=MIN_DOT_DIM))
 
 
 def mixed_ragged_knobs() -> dict:

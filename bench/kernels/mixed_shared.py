@@ -22,12 +22,13 @@ each row's own tokens, the grouped kernel's shared part over the segments, merge
   one-question step's (bench/NOTES.md, run AW 5).
 
 Each variant sets ``INFERSCALE_MIXED_SHARED`` (``pallas_kernels/common.py``: ``br`` block_rows, ``bk``
-block_kv, ``w`` num_warps, ``st`` num_stages, ``sp`` num_splits) before tracing; ``engine`` is the
-engine's default (since run AV, 2 splits at 128-1023 tokens and 1 from 1024: ``kv_cache.MIXED_SPLIT_BUCKETS``;
-since run AW, 3 pipeline stages on 64-token bf16 tiles: ``kv_cache.MIXED_SHARED_STAGES``; a variant inherits
-whatever it does not set, so ``st=2`` is the old stage count),
-over the group table the engine's step takes (``INFERSCALE_MIXED_GROUPS``: the smallest warmed bucket that holds
-the step's groups by default, 16 for 8 segments; ``max``: the most the step's rows can hold, 64, as in run AV's tables).  ``ragged`` is the ragged
+block_kv, ``w`` num_warps, ``st`` num_stages, ``sp`` num_splits; ``cb`` / ``cw``: the chunks' tokens in a
+launch of their own with ``cb``-row blocks and ``cw`` warps) before tracing; ``engine`` is the engine's default
+(since run AV, 2 splits at 128-1023 tokens and 1 from 1024: ``kv_cache.MIXED_SPLIT_BUCKETS``; since run AW, 3
+pipeline stages on 64-token bf16 tiles: ``kv_cache.MIXED_SHARED_STAGES``; a variant inherits whatever it does not
+set, so ``st=2`` is the old stage count), over the group table the engine's step takes
+(``INFERSCALE_MIXED_GROUPS``: the smallest warmed bucket that holds the step's groups by default, 16 for 8
+segments; ``max``: the most the step's rows can hold, 64, as in run AV's tables).  ``ragged`` is the ragged
 kernel alone over each row's whole page list (no cascade; the engine before run AK).  Every output is
 checked against ``engine`` (bf16 tolerance).  Floors: the FLOPs of the attention (4 x query rows x keys x
 head_dim, each question token over its segment and its causal prefix) at the run's matmul ceiling, and
@@ -62,8 +63,8 @@ FULL = dict(hq=32, hkv=8, d=128, s=16, seg=4096, segments=8, rows=256, own=(64, 
             steps=dict(cohort=(200, 28, 2048), spread=(250, 3, 512), c64=(61, 1, 128, 64), c64q3=(61, 3, 256, 64)))
 SMOKE = dict(hq=8, hkv=2, d=64, s=8, seg=64, segments=3, rows=16, own=(4, 12), question=8, sets=1, reps=1,
              steps=dict(cohort=(6, 4, 64), spread=(10, 1, 32), c64=(5, 1, 16, 8), c64q3=(5, 2, 32, 8)))
-VARIANTS = ("engine", "st=2", "sp=1", "sp=3", "br=128", "br=128,w=8", "br=128,w=8,st=2", "br=128,w=8,sp=1",
-            "br=128,bk=128,w=8,sp=1")  # (bk=128: the engine keeps the kernel's 2 stages there, kv_cache.py)
+VARIANTS = ("engine", "st=2", "sp=1", "sp=3", "br=128", "br=128,w=8", "br=128,w=8,st=2", "cb=128,cw=8",
+            "br=128,w=8,sp=1", "br=128,bk=128,w=8,sp=1")  # (bk=128: the kernel's 2 stages, kv_cache.py)
 RESULTS: list = []  # (step, variant, seconds, floor seconds, device seconds, its top kernels)
 
 

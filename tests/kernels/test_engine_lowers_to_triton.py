@@ -206,6 +206,17 @@ def test_the_mixed_shared_part_runs_three_pipeline_stages(compiled_kernels, monk
     assert stages(make_engine()) == {4}
 
 
+def test_the_mixed_shared_chunk_launch_lowers(compiled_kernels, monkeypatch):
+    """``INFERSCALE_MIXED_SHARED=cb=128,cw=8``: a mixed step's shared part as two launches, the one-token rows'
+    in 64-row blocks and the chunks' in 128-row blocks of 8 warps (both 3 stages)."""
+    monkeypatch.setenv("INFERSCALE_MIXED_SHARED", "cb=128,cw=8")
+    engine = make_engine()
+    key = next(k for k in engine.runner.buckets.all_keys() if k.ragged and k.shared and k.tokens == 512)
+    shared = {re.sub(r"_g\d+", "", name): params for name, params in launch_params(engine, key).items()
+              if name.startswith("cascade_shared")}
+    assert shared == {"cascade_shared_r64_bk64_sp8": (3, 4), "cascade_shared_r128_bk64_sp8": (3, 8)}, shared
+
+
 def test_the_mixed_shared_split_count_scales_with_the_devices_kv_heads():
     """8 kv heads on the device take the measured counts; fewer (tensor parallelism) proportionally more."""
     assert [kv_cache.mixed_shared_splits(t, 8) for t in (64, 128, 512, 1024, 4096)] == [None, 2, 2, 1, 1]

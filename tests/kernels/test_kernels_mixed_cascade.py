@@ -262,7 +262,35 @@ def test_the_mixed_shared_switch_keeps_the_result(monkeypatch, spec, kernel):
     assert_close(out[:n], want[:n], jnp.float32)
 
 
-@pytest.mark.parametrize("spec", ["br=0", "sp=two", "rows=4", "br", "br=48", "bk=8", "sp=\u00b2"])
+def test_the_mixed_shared_chunk_launch_routes_each_token_and_keeps_the_result(monkeypatch):
+    """``INFERSCALE_MIXED_SHARED``'s ``cb=N`` (``cw=W``): the prefill chunks' tokens go through a shared-part
+    launch of their own with N-row blocks (W warps), the one-token rows' through the other; each launch sees
+    exactly its tokens' groups, and the step computes what it computed before."""
+    q, kp, vp, casc, plain, n = mixed_case(9, chunk_groups=(0, 1))
+    want = kv_cache._attend(q[None], kp, vp, None, plain, "ref")[0]
+    seen = []
+    real = kv_cache.grouped_shared_prefix_attention
+
+    def spy(*args, **kw):
+        seen.append((kw.get("block_rows"), kw.get("num_warps"), np.asarray(args[5])))
+        return real(*args, **kw)
+    monkeypatch.setattr(kv_cache, "grouped_shared_prefix_attention", spy)
+    monkeypatch.setenv("INFERSCALE_MIXED_SHARED", "cb=32,cw=8,sp=2,bk=16")
+    out = kv_cache._attend(q[None], kp, vp, None, casc, "pallas")[0]
+    assert_close(out[:n], want[:n], jnp.float32)
+    group = np.array([0, 1, -1, 0, 1, -1] + [0] * 5 + [1] * 12 + [-1] * 3)  # each token's group (3 padding)
+    one = np.arange(len(group)) < 6
+    (rows_a, warps_a, g_a), (rows_b, warps_b, g_b) = seen
+    assert (rows_a, rows_b, warps_b) == (kv_cache.MIXED_BLOCK_ROWS, 32, 8) and warps_a is None
+    np.testing.assert_array_equal(g_a, np.where(one, group, -1))
+    np.testing.assert_array_equal(g_b, np.where(one, -1, group))
+    seen.clear()
+    monkeypatch.setenv("INFERSCALE_MIXED_SHARED", "sp=2,bk=16")  # (without cb: one launch of every token)
+    kv_cache._attend(q[None], kp, vp, None, casc, "pallas")
+    assert len(seen) == 1 and (seen[0][2] == group).all()
+
+
+@pytest.mark.parametrize("spec", ["br=0", "sp=two", "rows=4", "br", "br=48", "bk=8", "sp=\u00b2", "cb=24"])
 def test_a_bad_mixed_shared_switch_is_refused_with_its_value(monkeypatch, spec):
     from pallas_kernels import common
     monkeypatch.setenv("INFERSCALE_MIXED_SHARED", spec)
