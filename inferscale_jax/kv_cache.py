@@ -285,8 +285,9 @@ MIXED_SPLIT_BUCKETS = ((1024, 1), (128, 2))  # (largest first)
 MIXED_SPLIT_KV_HEADS = 8
 assert list(MIXED_SPLIT_BUCKETS) == sorted(MIXED_SPLIT_BUCKETS, reverse=True)
 # The shared part's pipeline stages in a mixed step (the kernel's own default there is 2), where one K (or V) tile
-# is at most MIXED_STAGES_MAX_TILE_BYTES: the measured tile, 64 tokens x head dim 128 x bf16 (a 256-wide or fp32
-# tile, or a 128-token one, x 3 stages would near the shared-memory limit; those keep the kernel's default).
+# is at most MIXED_STAGES_MAX_TILE_BYTES: the measured tile, 64 tokens x head dim 128 x bf16 (on bf16 or fp32 pages a
+# 256-wide or 128-token tile, or fp32 at all, x 3 stages would near the shared-memory limit: those keep the kernel's
+# default; int8 / fp8 pages pass the gate at twice the tokens or width, by bytes, not measured).
 # Measured (bench/NOTES.md, run AW: H100, 8 segments of 4096, the engine's `fit` group table, by the GPU's kernel
 # time a layer): 3 stages against 2: 57.0 / 68.7 us at C = 64 (128 tokens), 107.5 / 123.1 at spread answers
 # (512), 391.9 / 419.4 on a wave of questions (2048); the same replayed mixed step -0.36 ms at C = 64, -0.44 at
@@ -324,9 +325,12 @@ def _ragged_knobs(pallas: bool) -> dict:
     return common.mixed_ragged_knobs() if pallas else {}
 
 
-def _mixed_shared(q, kp, vp, meta: AttnMeta, pallas: bool, sc: dict):
+def _mixed_shared(q, kp, vp, meta: AttnMeta, pallas: bool, sc: dict, one_token_rows: bool = True):
     """``_mixed`` with cascade groups: the ragged kernel over every row, each group row's tokens'
-    shared prefix through the grouped kernel's shared part, merged by log-sum-exps."""
+    shared prefix through the grouped kernel's shared part, merged by log-sum-exps.  The shared part is
+    one launch, or with ``INFERSCALE_MIXED_SHARED``'s ``cb`` two: the one-token rows' tokens in one, the
+    chunks' in the other with their own row blocks, warps and splits (``cb`` / ``cw`` / ``cs``);
+    ``one_token_rows=False`` (the caller has none) makes it one launch with the chunks' knobs."""
     ragged = ragged_paged_attention if pallas else ragged_paged_attention_ref
     out, lse = ragged(q, kp, vp, meta.page_table, meta.cu_q_lens, meta.kv_lens, return_lse=True,
                       **_ragged_knobs(pallas), **sc)
@@ -335,22 +339,29 @@ def _mixed_shared(q, kp, vp, meta: AttnMeta, pallas: bool, sc: dict):
     group = jnp.where(row < rows, meta.row_group[jnp.minimum(row, rows - 1)], -1)  # [N] each token's group
     shared = grouped_shared_prefix_attention if pallas else grouped_shared_prefix_attention_ref
     # the bucket pads the group table (up to 64 groups) and the tokens: the split count by the token bucket
-    # (MIXED_SPLIT_BUCKETS), below it from the rows (most are one-token decode rows) and the real groups
+    # (MIXED_SPLIT_BUCKETS), below it from the rows (most are one-token decode rows) and the real groups (with
+    # cb, both launches the same unless cs sets the chunks')
     splits = mixed_shared_splits(n, kp.shape[0])
     user = common.mixed_shared_knobs()  # (INFERSCALE_MIXED_SHARED: st=N sets the stages, bk=N the tile)
     chunk_rows, chunk_warps = user.pop("chunk_block_rows", None), user.pop("chunk_num_warps", None)
+    chunk_splits = user.pop("chunk_num_splits", None)
     tile = user.get("block_kv", SHARED_BLOCK_KV) * q.shape[-1] * kp.dtype.itemsize  # one K tile's bytes
     stages = MIXED_SHARED_STAGES if tile <= MIXED_STAGES_MAX_TILE_BYTES else None  # (None: the kernel's)
     knobs = {**dict(block_rows=MIXED_BLOCK_ROWS, real_groups=MIXED_REAL_GROUPS, real_rows=rows, num_splits=splits,
                     num_stages=stages), **user} if pallas else {}
     if pallas and chunk_rows:  # (cb=N: the chunks' tokens in N-row blocks, a launch of their own)
-        q_lens = meta.cu_q_lens[1:] - meta.cu_q_lens[:-1]  # [R]
-        one = q_lens[jnp.minimum(row, rows - 1)] == 1  # [N] a one-token row's token (padding: its group is -1)
-        o_a, lse_a = shared(q, kp, vp, meta.group_pages, meta.group_lens, jnp.where(one, group, -1), **knobs, **sc)
-        chunk_knobs = {**knobs, "block_rows": chunk_rows, "num_warps": chunk_warps or knobs.get("num_warps")}
-        o_b, lse_b = shared(q, kp, vp, meta.group_pages, meta.group_lens, jnp.where(one, -1, group), **chunk_knobs,
-                            **sc)
-        o_sh, lse_sh = jnp.where(one[:, None, None], o_a, o_b), jnp.where(one[:, None], lse_a, lse_b)
+        chunk_knobs = {**knobs, "block_rows": chunk_rows, "num_warps": chunk_warps or knobs.get("num_warps"),
+                       "num_splits": chunk_splits or knobs["num_splits"]}
+        if one_token_rows:
+            q_lens = meta.cu_q_lens[1:] - meta.cu_q_lens[:-1]  # [R]
+            one = q_lens[jnp.minimum(row, rows - 1)] == 1  # [N] a one-token row's token (padding: group -1)
+            o_a, lse_a = shared(q, kp, vp, meta.group_pages, meta.group_lens, jnp.where(one, group, -1), **knobs,
+                                **sc)
+            o_b, lse_b = shared(q, kp, vp, meta.group_pages, meta.group_lens, jnp.where(one, -1, group),
+                                **chunk_knobs, **sc)
+            o_sh, lse_sh = jnp.where(one[:, None, None], o_a, o_b), jnp.where(one[:, None], lse_a, lse_b)
+        else:  # (only chunks here: one launch, theirs)
+            o_sh, lse_sh = shared(q, kp, vp, meta.group_pages, meta.group_lens, group, **chunk_knobs, **sc)
     else:
         o_sh, lse_sh = shared(q, kp, vp, meta.group_pages, meta.group_lens, group, **knobs, **sc)  # [N, Hq(, D)]
     merged, _ = merge_lse(o_sh, lse_sh, out, lse)
@@ -381,7 +392,7 @@ def _mixed_split(q, kp, vp, meta: AttnMeta, pallas: bool, sc: dict):
     tok = jnp.arange(n, dtype=i32)
     row_c = jnp.minimum(jnp.searchsorted(cu_c[1:], tok, side="right"), rows - 1)  # [N] compacted -> row
     q_c = q[jnp.where(tok < cu_c[rows], cu[row_c] + tok - cu_c[row_c], 0)]
-    out_c = _mixed_shared(q_c, kp, vp, dataclasses.replace(meta, cu_q_lens=cu_c), pallas, sc)
+    out_c = _mixed_shared(q_c, kp, vp, dataclasses.replace(meta, cu_q_lens=cu_c), pallas, sc, one_token_rows=False)
     row = jnp.searchsorted(cu[1:], tok, side="right")  # [N] each token's row; R: padding
     rc = jnp.minimum(row, rows - 1)
     real = (row < rows)[:, None, None]

@@ -50,7 +50,7 @@ def stages_for(default: int, prefetch: bool) -> int:
 
 
 MIXED_SHARED_KNOBS = dict(br="block_rows", bk="block_kv", w="num_warps", st="num_stages", sp="num_splits",
-                          cb="chunk_block_rows", cw="chunk_num_warps")
+                          cb="chunk_block_rows", cw="chunk_num_warps", cs="chunk_num_splits")
 
 
 MIXED_RAGGED_KNOBS = dict(bq="block_q", bk="block_kv", w="num_warps", st="num_stages", sp="kv_splits",
@@ -60,11 +60,17 @@ MIXED_RAGGED_KNOBS = dict(bq="block_q", bk="block_kv", w="num_warps", st="num_st
 def mixed_shared_knobs() -> dict:
     """``INFERSCALE_MIXED_SHARED`` (e.g. ``br=128,w=8,sp=1``): knobs of the cascade shared part in
     the engine's mixed steps that override its defaults (``inferscale_jax/kv_cache.py``), by
-    ``MIXED_SHARED_KNOBS``' short names; unset: none.  ``cb=N`` (with ``cw=W``, its warps) runs the
-    prefill chunks' tokens in a launch of their own with ``N``-row blocks, the one-token rows' in the
-    other with ``br``'s.  An A/B switch for the benchmarks (bench/NOTES.md)."""
-    return _knobs("INFERSCALE_MIXED_SHARED", MIXED_SHARED_KNOBS,
-                  tiles=dict(br=MIN_DOT_DIM, bk=MIN_DOT_DIM, cb=MIN_DOT_DIM))
+    ``MIXED_SHARED_KNOBS``' short names; unset: none.  ``cb=N`` (with ``cw=W`` its warps, ``cs=S`` its
+    splits) runs the prefill chunks' tokens in a launch of their own with ``N``-row blocks, the one-token
+    rows' in the other with ``br``'s; ``cw`` / ``cs`` without ``cb`` are refused.  An A/B switch for the
+    benchmarks (bench/NOTES.md)."""
+    knobs = _knobs("INFERSCALE_MIXED_SHARED", MIXED_SHARED_KNOBS, tiles=dict(br=MIN_DOT_DIM, bk=MIN_DOT_DIM,
+                                                                             cb=MIN_DOT_DIM))
+    alone = sorted(k for k in ("cw", "cs") if MIXED_SHARED_KNOBS[k] in knobs and "chunk_block_rows" not in knobs)
+    if alone:
+        raise ValueError(f"INFERSCALE_MIXED_SHARED={os.environ.get('INFERSCALE_MIXED_SHARED')!r}: {alone} set the "
+                         f"chunks' own launch, which only cb=N makes; add cb=N or drop them")
+    return knobs
 
 
 def mixed_ragged_knobs() -> dict:

@@ -64,7 +64,8 @@ FULL = dict(hq=32, hkv=8, d=128, s=16, seg=4096, segments=8, rows=256, own=(64, 
 SMOKE = dict(hq=8, hkv=2, d=64, s=8, seg=64, segments=3, rows=16, own=(4, 12), question=8, sets=1, reps=1,
              steps=dict(cohort=(6, 4, 64), spread=(10, 1, 32), c64=(5, 1, 16, 8), c64q3=(5, 2, 32, 8)))
 VARIANTS = ("engine", "st=2", "sp=1", "sp=3", "br=128", "br=128,w=8", "br=128,w=8,st=2", "cb=128,cw=8",
-            "br=128,w=8,sp=1", "br=128,bk=128,w=8,sp=1")  # (bk=128: the kernel's 2 stages, kv_cache.py)
+            "cb=128,cw=8,cs=4", "cb=128,cw=8,cs=8", "br=128,w=8,sp=1",
+            "br=128,bk=128,w=8,sp=1")  # (bk=128: the kernel's 2 stages, kv_cache.py)
 RESULTS: list = []  # (step, variant, seconds, floor seconds, device seconds, its top kernels)
 
 
@@ -156,7 +157,7 @@ def run_step(args, cfg, name, decode, questions, tokens, rows=None):
             base = out
         elif base is not None:
             check(f"{name} {variant} vs engine", out, base)
-        top = ", ".join(f"`{k[1][:44]}` {k[2]:.1f}" for k in kt[:2])
+        top = ", ".join(f"`{k[1][:44]}` {k[2]:.1f}" for k in kt[:3])  # (with cb, two shared launches and ragged)
         RESULTS.append((name, variant, t, floor, t_dev, top))
         log(f"  {name} {variant}: {t * 1e6:.1f} us ({t / floor:.2f}x floor), device {t_dev * 1e6:.1f} us ({top})")
         del outs
@@ -203,7 +204,8 @@ def main():
     cfg["reps"] = args.reps or cfg["reps"]
     args.variants = ["engine"] + (list(VARIANTS[1:]) if args.variants is None else args.variants)
     if args.smoke and args.variants[1:] == list(VARIANTS[1:]):
-        args.variants = ["engine", "sp=1", "br=16,sp=2"]  # (the CPU's tiny tiles: interpret mode takes minutes)
+        args.variants = ["engine", "sp=1", "br=16,sp=2", "cb=32,cw=8"]  # (the CPU's tiny tiles: interpret mode
+        # takes minutes)
     t0 = time.time()
     os.makedirs(args.out, exist_ok=True)
     log(f"devices: {jax.devices()}  jax {jax.__version__}")

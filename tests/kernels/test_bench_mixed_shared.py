@@ -5,9 +5,10 @@ from tests.support import bench_smoke
 
 
 def test_smoke_run_writes_the_report(tmp_path):
-    stdout, report = bench_smoke("kernels/mixed_shared.py", tmp_path, "mixed_shared.md", "--steps", "cohort,spread,c64q3")
+    stdout, report = bench_smoke("kernels/mixed_shared.py", tmp_path, "mixed_shared.md", "--steps",
+                                 "cohort,spread,c64q3")
     assert "FAIL" not in report and "failed" not in stdout
     for step in ("cohort", "spread", "c64q3"):
-        for variant in ("engine", "ragged", "sp=1", "br=16,sp=2"):
+        for variant in ("engine", "ragged", "sp=1", "br=16,sp=2", "cb=32,cw=8"):
             assert f"| {step} | {variant} |" in report
-    assert stdout.count("vs engine: rel err") == 9  # ragged and two variants, each step
+    assert stdout.count("vs engine: rel err") == 12  # ragged and three variants, each step

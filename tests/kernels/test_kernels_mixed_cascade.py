@@ -262,32 +262,67 @@ def test_the_mixed_shared_switch_keeps_the_result(monkeypatch, spec, kernel):
     assert_close(out[:n], want[:n], jnp.float32)
 
 
-def test_the_mixed_shared_chunk_launch_routes_each_token_and_keeps_the_result(monkeypatch):
-    """``INFERSCALE_MIXED_SHARED``'s ``cb=N`` (``cw=W``): the prefill chunks' tokens go through a shared-part
-    launch of their own with N-row blocks (W warps), the one-token rows' through the other; each launch sees
-    exactly its tokens' groups, and the step computes what it computed before."""
+@pytest.mark.parametrize("q_lens", [(1, 1, 1, 1, 1, 1, 5, 12), (1, 3, 0, 1, 1, 1, 1, 12)])
+def test_the_mixed_shared_chunk_launch_routes_each_token_and_keeps_the_result(monkeypatch, q_lens):
+    """``INFERSCALE_MIXED_SHARED``'s ``cb=N`` (``cw=W``, ``cs=S``): the prefill chunks' tokens go through a
+    shared-part launch of their own with N-row blocks (W warps, S splits), the one-token rows' (a decode row, a
+    1-token chunk) through the other; each launch sees exactly its tokens' groups (an empty row has none), and
+    the step computes what it computed before; the executable store's key follows the switch."""
+    from pallas_kernels import common
+    q, kp, vp, casc, plain, n = mixed_case(9, chunk_groups=(0, 1), q_lens=q_lens)
+    want = kv_cache._attend(q[None], kp, vp, None, plain, "ref")[0]
+    seen = []
+    real = kv_cache.grouped_shared_prefix_attention
+
+    def spy(*args, **kw):
+        seen.append((kw.get("block_rows"), kw.get("num_warps"), kw.get("num_splits"), np.asarray(args[5])))
+        return real(*args, **kw)
+    monkeypatch.setattr(kv_cache, "grouped_shared_prefix_attention", spy)
+    base = common.switches()
+    monkeypatch.setenv("INFERSCALE_MIXED_SHARED", "cb=32,cw=8,cs=3,sp=2,bk=16")
+    assert common.switches() != base
+    out = kv_cache._attend(q[None], kp, vp, None, casc, "pallas")[0]
+    assert_close(out[:n], want[:n], jnp.float32)
+    lens = np.asarray(q_lens)
+    group = np.concatenate([np.repeat([0, 1, -1, 0, 1, -1, 0, 1], lens), [-1] * 3])  # each token's (3 padding)
+    one = np.concatenate([np.repeat(lens == 1, lens), [False] * 3])
+    (rows_a, warps_a, splits_a, g_a), (rows_b, warps_b, splits_b, g_b) = seen
+    assert (rows_a, warps_a, splits_a) == (kv_cache.MIXED_BLOCK_ROWS, None, 2) and (rows_b, warps_b, splits_b) == (
+        32, 8, 3)
+    np.testing.assert_array_equal(g_a, np.where(one, group, -1))
+    np.testing.assert_array_equal(g_b, np.where(one, -1, group))
+    seen.clear()
+    monkeypatch.setenv("INFERSCALE_MIXED_SHARED", "sp=2,bk=16")  # (without cb: one launch of every token)
+    kv_cache._attend(q[None], kp, vp, None, casc, "pallas")
+    assert len(seen) == 1 and (seen[0][3] == group).all()
+
+
+def test_the_chunk_launch_is_one_launch_beside_the_decode_cascade(monkeypatch):
+    """With ``INFERSCALE_MIXED_DECODE=cascade`` the one-token rows leave the mixed path (the decode step's
+    cascade kernel takes them), so with ``cb`` the chunks' shared part is one launch with the chunks' row
+    blocks: no empty second launch; the result is unchanged."""
     q, kp, vp, casc, plain, n = mixed_case(9, chunk_groups=(0, 1))
     want = kv_cache._attend(q[None], kp, vp, None, plain, "ref")[0]
     seen = []
     real = kv_cache.grouped_shared_prefix_attention
 
     def spy(*args, **kw):
-        seen.append((kw.get("block_rows"), kw.get("num_warps"), np.asarray(args[5])))
+        seen.append(kw.get("block_rows"))
         return real(*args, **kw)
     monkeypatch.setattr(kv_cache, "grouped_shared_prefix_attention", spy)
-    monkeypatch.setenv("INFERSCALE_MIXED_SHARED", "cb=32,cw=8,sp=2,bk=16")
+    monkeypatch.setenv("INFERSCALE_MIXED_DECODE", "cascade")
+    monkeypatch.setenv("INFERSCALE_MIXED_SHARED", "cb=32,sp=2,bk=16")
     out = kv_cache._attend(q[None], kp, vp, None, casc, "pallas")[0]
     assert_close(out[:n], want[:n], jnp.float32)
-    group = np.array([0, 1, -1, 0, 1, -1] + [0] * 5 + [1] * 12 + [-1] * 3)  # each token's group (3 padding)
-    one = np.arange(len(group)) < 6
-    (rows_a, warps_a, g_a), (rows_b, warps_b, g_b) = seen
-    assert (rows_a, rows_b, warps_b) == (kv_cache.MIXED_BLOCK_ROWS, 32, 8) and warps_a is None
-    np.testing.assert_array_equal(g_a, np.where(one, group, -1))
-    np.testing.assert_array_equal(g_b, np.where(one, -1, group))
-    seen.clear()
-    monkeypatch.setenv("INFERSCALE_MIXED_SHARED", "sp=2,bk=16")  # (without cb: one launch of every token)
-    kv_cache._attend(q[None], kp, vp, None, casc, "pallas")
-    assert len(seen) == 1 and (seen[0][2] == group).all()
+    assert seen == [32]
+
+
+@pytest.mark.parametrize("spec", ["cw=8", "cs=2,sp=2", "br=32,cw=4,cs=1"])
+def test_the_chunk_knobs_without_cb_are_refused(monkeypatch, spec):
+    from pallas_kernels import common
+    monkeypatch.setenv("INFERSCALE_MIXED_SHARED", spec)
+    with pytest.raises(ValueError, match="INFERSCALE_MIXED_SHARED=.*add cb=N"):
+        common.mixed_shared_knobs()
 
 
 @pytest.mark.parametrize("spec", ["br=0", "sp=two", "rows=4", "br", "br=48", "bk=8", "sp=\u00b2", "cb=24"])
