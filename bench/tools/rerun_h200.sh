@@ -79,6 +79,9 @@
 #      FlashAttention-3 kernel, plain XLA; bench/kernels/shared_ceiling.py): whether a Hopper kernel is worth writing
 #  28  XLA's fusion flags (heroless priority fusion, the block-level rewriter; FUSION_FLAGS) against its defaults: the
 #      graph-mode profile at C = 1 under each (bench/tools/profile_graph.py): kernels per step and the replayed step
+#  29  the shared part's row blocks: the mixed steps' shared-part knobs (br=128 forms; cb / cw / cs, the chunks' own
+#      launch) on the c64, spread, cohort and three-question c64q3 steps (bench/kernels/mixed_shared.py), then the
+#      decode steps' cascade with 3 stages (bench/kernels/cascade_groups.py), by the GPU's kernel time
 #  16  the checkpoint read (models/loader.py: os.preadv into each tensor's array, threads in parallel): the 8B
 #      checkpoint loaded one tensor at a time and eight (bench/tools/weights_load.py; run AL: 14.2 / 12.1 s)
 # Parts 6-14, 16, 18-20, 23-26 and 28 write the 8B checkpoint to /tmp/llama8b first when it is missing (~35 s); it stays out of
@@ -87,7 +90,7 @@
 # Each step writes its tables under RESULTS_DIR/<step>/ and its console log to RESULTS_DIR/<step>.log;
 # after each step RESULTS_DIR is packed into TARBALL when given (what a cut call still returns).
 set -uo pipefail
-part=${1:?part 1-28}
+part=${1:?part 1-29}
 res=${2:?results folder}
 tarball=${3:-}
 mkdir -p "$res"
@@ -344,6 +347,14 @@ case "$part" in
             --max-tokens-spread 32 --warm-steps 20 --mixed-captures 1 --decode-reps 4 --mixed-reps 4 --loop-steps 8 \
             --raw "/tmp/pg_fusion_$tag" --out "$res/fusion_c${conc}_$tag.md"
     done
+    ;;
+29)
+    # the shared part's row blocks by kind of row (bench/NOTES.md, run AW 5 and the plan after session 38): the mixed
+    # steps' shared-part knobs on four steps, then the decode steps' cascade with 3 stages, both by the device column
+    step mixed_blocks 300 bench/kernels/mixed_shared.py --steps c64,spread,cohort,c64q3 --variants br=128 br=128,w=8 \
+        br=128,w=8,st=2 cb=128,cw=8 cb=128,cw=8,cs=4 cb=128,cw=8,cs=8 sp=3 st=2
+    step cascade_stages 150 bench/kernels/cascade_groups.py --rows 64,256 --segments 8 --no-mixed --knobs st=3 \
+        st=3,sp=2
     ;;
 21)
     step call_args 150 bench/tools/call_args.py
