@@ -349,21 +349,16 @@ def _mixed_shared(q, kp, vp, meta: AttnMeta, pallas: bool, sc: dict, one_token_r
     stages = MIXED_SHARED_STAGES if tile <= MIXED_STAGES_MAX_TILE_BYTES else None  # (None: the kernel's)
     knobs = {**dict(block_rows=MIXED_BLOCK_ROWS, real_groups=MIXED_REAL_GROUPS, real_rows=rows, num_splits=splits,
                     num_stages=stages), **user} if pallas else {}
-    if pallas and chunk_rows:  # (cb=N: the chunks' tokens in N-row blocks, a launch of their own)
-        chunk_knobs = {**knobs, "block_rows": chunk_rows, "num_warps": chunk_warps or knobs.get("num_warps"),
-                       "num_splits": chunk_splits or knobs["num_splits"]}
-        if one_token_rows:
-            q_lens = meta.cu_q_lens[1:] - meta.cu_q_lens[:-1]  # [R]
-            one = q_lens[jnp.minimum(row, rows - 1)] == 1  # [N] a one-token row's token (padding: group -1)
-            o_a, lse_a = shared(q, kp, vp, meta.group_pages, meta.group_lens, jnp.where(one, group, -1), **knobs,
-                                **sc)
-            o_b, lse_b = shared(q, kp, vp, meta.group_pages, meta.group_lens, jnp.where(one, -1, group),
-                                **chunk_knobs, **sc)
-            o_sh, lse_sh = jnp.where(one[:, None, None], o_a, o_b), jnp.where(one[:, None], lse_a, lse_b)
-        else:  # (only chunks here: one launch, theirs)
-            o_sh, lse_sh = shared(q, kp, vp, meta.group_pages, meta.group_lens, group, **chunk_knobs, **sc)
-    else:
-        o_sh, lse_sh = shared(q, kp, vp, meta.group_pages, meta.group_lens, group, **knobs, **sc)  # [N, Hq(, D)]
+    chunk = {**knobs, "block_rows": chunk_rows, "num_warps": chunk_warps or knobs.get("num_warps"),
+             "num_splits": chunk_splits or knobs["num_splits"]} if pallas and chunk_rows else None  # (cb=N)
+    if chunk and one_token_rows:  # the chunks' tokens in a launch of their own, the one-token rows' in the other
+        q_lens = meta.cu_q_lens[1:] - meta.cu_q_lens[:-1]  # [R]
+        one = q_lens[jnp.minimum(row, rows - 1)] == 1  # [N] a one-token row's token (padding: group -1)
+        o_a, lse_a = shared(q, kp, vp, meta.group_pages, meta.group_lens, jnp.where(one, group, -1), **knobs, **sc)
+        o_b, lse_b = shared(q, kp, vp, meta.group_pages, meta.group_lens, jnp.where(one, -1, group), **chunk, **sc)
+        o_sh, lse_sh = jnp.where(one[:, None, None], o_a, o_b), jnp.where(one[:, None], lse_a, lse_b)
+    else:  # one launch (only chunks here with cb: theirs)
+        o_sh, lse_sh = shared(q, kp, vp, meta.group_pages, meta.group_lens, group, **(chunk or knobs), **sc)
     merged, _ = merge_lse(o_sh, lse_sh, out, lse)
     return jnp.where((group >= 0)[:, None, None], merged.astype(out.dtype), out)
 

@@ -156,18 +156,19 @@ def time_calls(call, shared, variants, reps):
 
     The R = len(variants) calls are compiled into one executable: R distinct input sets keep
     XLA from merging them and amortise the dispatch overhead over R kernels."""
-    multi = _multi(call)
-    outs = jax.block_until_ready(multi(shared, variants))  # compile + warm up
-    return _median(lambda: multi(shared, variants), reps) / len(variants), outs
+    return _host_time(_multi(call), shared, variants, reps)
 
 
 def time_calls_and_device(call, shared, variants, reps):
     """``time_calls``' (seconds per call, outputs), then ``device_time_calls``' (GPU seconds per call, kernel rows)
     of the same executable, compiled once."""
     multi = _multi(call)
+    return _host_time(multi, shared, variants, reps) + _device_time(multi, shared, variants, reps)
+
+
+def _host_time(multi, shared, variants, reps):
     outs = jax.block_until_ready(multi(shared, variants))  # compile + warm up
-    t = _median(lambda: multi(shared, variants), reps) / len(variants)
-    return (t, outs) + _device_time(multi, shared, variants, reps)
+    return _median(lambda: multi(shared, variants), reps) / len(variants), outs
 
 
 def device_time_calls(call, shared, variants, reps):

@@ -262,6 +262,18 @@ def test_the_mixed_shared_switch_keeps_the_result(monkeypatch, spec, kernel):
     assert_close(out[:n], want[:n], jnp.float32)
 
 
+def shared_launches(monkeypatch) -> list:
+    """The mixed step's shared-part launches from now on, each as (block_rows, num_warps, num_splits, row_group)."""
+    seen = []
+    real = kv_cache.grouped_shared_prefix_attention
+
+    def spy(*args, **kw):
+        seen.append((kw.get("block_rows"), kw.get("num_warps"), kw.get("num_splits"), np.asarray(args[5])))
+        return real(*args, **kw)
+    monkeypatch.setattr(kv_cache, "grouped_shared_prefix_attention", spy)
+    return seen
+
+
 @pytest.mark.parametrize("q_lens", [(1, 1, 1, 1, 1, 1, 5, 12), (1, 3, 0, 1, 1, 1, 1, 12)])
 def test_the_mixed_shared_chunk_launch_routes_each_token_and_keeps_the_result(monkeypatch, q_lens):
     """``INFERSCALE_MIXED_SHARED``'s ``cb=N`` (``cw=W``, ``cs=S``): the prefill chunks' tokens go through a
@@ -271,13 +283,7 @@ def test_the_mixed_shared_chunk_launch_routes_each_token_and_keeps_the_result(mo
     from pallas_kernels import common
     q, kp, vp, casc, plain, n = mixed_case(9, chunk_groups=(0, 1), q_lens=q_lens)
     want = kv_cache._attend(q[None], kp, vp, None, plain, "ref")[0]
-    seen = []
-    real = kv_cache.grouped_shared_prefix_attention
-
-    def spy(*args, **kw):
-        seen.append((kw.get("block_rows"), kw.get("num_warps"), kw.get("num_splits"), np.asarray(args[5])))
-        return real(*args, **kw)
-    monkeypatch.setattr(kv_cache, "grouped_shared_prefix_attention", spy)
+    seen = shared_launches(monkeypatch)
     base = common.switches()
     monkeypatch.setenv("INFERSCALE_MIXED_SHARED", "cb=32,cw=8,cs=3,sp=2,bk=16")
     assert common.switches() != base
@@ -303,18 +309,12 @@ def test_the_chunk_launch_is_one_launch_beside_the_decode_cascade(monkeypatch):
     blocks: no empty second launch; the result is unchanged."""
     q, kp, vp, casc, plain, n = mixed_case(9, chunk_groups=(0, 1))
     want = kv_cache._attend(q[None], kp, vp, None, plain, "ref")[0]
-    seen = []
-    real = kv_cache.grouped_shared_prefix_attention
-
-    def spy(*args, **kw):
-        seen.append(kw.get("block_rows"))
-        return real(*args, **kw)
-    monkeypatch.setattr(kv_cache, "grouped_shared_prefix_attention", spy)
+    seen = shared_launches(monkeypatch)
     monkeypatch.setenv("INFERSCALE_MIXED_DECODE", "cascade")
     monkeypatch.setenv("INFERSCALE_MIXED_SHARED", "cb=32,sp=2,bk=16")
     out = kv_cache._attend(q[None], kp, vp, None, casc, "pallas")[0]
     assert_close(out[:n], want[:n], jnp.float32)
-    assert seen == [32]
+    assert [launch[0] for launch in seen] == [32]
 
 
 @pytest.mark.parametrize("spec", ["cw=8", "cs=2,sp=2", "br=32,cw=4,cs=1"])
