@@ -26,7 +26,9 @@ their log-sum-exps (``"ref"``: the kernel's jnp reference, same semantics).  Dec
 mixed steps both carry groups: in a mixed step the group rows are its one-token decode rows, the
 ragged kernel runs over every row as usual (a group row seeing only its suffix, its log-sum-exp
 kept) and the grouped kernel's shared part, in the same jitted step, adds each group row's shared
-prefix, merged by the two log-sum-exps (``_mixed``): each suffix is read once.
+prefix (``_mixed``): each suffix is read once.  The ragged kernel starts each group token's online
+softmax from the shared part's split partials, so its output is final (``INFERSCALE_MIXED_MERGE=jnp``,
+the earlier form kept as an A/B switch: the two merged by their log-sum-exps in jnp after it).
 (``INFERSCALE_MIXED_DECODE=cascade``, an A/B switch that measured slower: the one-token rows of a
 mixed step through the decode step's cascade kernel instead, ``_mixed_split``.)  The kernels read
 their environment switches (``pallas_kernels.common.switches``) while tracing; the cache carries
@@ -65,7 +67,8 @@ from pallas_kernels import common
 from pallas_kernels.cascade_attention import (SHARED_BLOCK_KV, grouped_cascade_decode_attention,
                                               grouped_cascade_decode_attention_ref,
                                               grouped_shared_prefix_attention,
-                                              grouped_shared_prefix_attention_ref, merge_lse)
+                                              grouped_shared_prefix_attention_ref, grouped_shared_prefix_partials,
+                                              merge_lse)
 from pallas_kernels.decode_attention import paged_decode_attention, paged_decode_attention_ref
 from pallas_kernels.kv_write import write_kv, write_kv_pallas, write_kv_quantized, write_kv_quantized_pallas
 from pallas_kernels.quant import SCALE_BYTES, dequantize_pages, is_quantized, pack_block, unpack_block
@@ -327,13 +330,14 @@ def _ragged_knobs(pallas: bool) -> dict:
 
 def _mixed_shared(q, kp, vp, meta: AttnMeta, pallas: bool, sc: dict, one_token_rows: bool = True):
     """``_mixed`` with cascade groups: the ragged kernel over every row, each group row's tokens'
-    shared prefix through the grouped kernel's shared part, merged by log-sum-exps.  The shared part is
-    one launch, or with ``INFERSCALE_MIXED_SHARED``'s ``cb`` two: the one-token rows' tokens in one, the
-    chunks' in the other with their own row blocks, warps and splits (``cb`` / ``cw`` / ``cs``);
-    ``one_token_rows=False`` (the caller has none) makes it one launch with the chunks' knobs."""
+    shared prefix through the grouped kernel's shared part.  With one shared launch on the GPU (the
+    default) the ragged kernel starts each group token from the shared part's split partials
+    (``init``): its output is final.  Otherwise (``INFERSCALE_MIXED_MERGE=jnp``, the references, or
+    ``INFERSCALE_MIXED_SHARED``'s ``cb``) the two merge by log-sum-exps in jnp.  The shared part is
+    one launch, or with ``cb`` two: the one-token rows' tokens in one, the chunks' in the other with
+    their own row blocks, warps and splits (``cb`` / ``cw`` / ``cs``); ``one_token_rows=False`` (the
+    caller has none) makes it one launch with the chunks' knobs."""
     ragged = ragged_paged_attention if pallas else ragged_paged_attention_ref
-    out, lse = ragged(q, kp, vp, meta.page_table, meta.cu_q_lens, meta.kv_lens, return_lse=True,
-                      **_ragged_knobs(pallas), **sc)
     n, rows = q.shape[0], meta.row_group.shape[0]
     row = jnp.searchsorted(meta.cu_q_lens[1:], jnp.arange(n, dtype=jnp.int32), side="right")  # [N]; R: padding
     group = jnp.where(row < rows, meta.row_group[jnp.minimum(row, rows - 1)], -1)  # [N] each token's group
@@ -351,6 +355,13 @@ def _mixed_shared(q, kp, vp, meta: AttnMeta, pallas: bool, sc: dict, one_token_r
                     num_stages=stages), **user} if pallas else {}
     chunk = {**knobs, "block_rows": chunk_rows, "num_warps": chunk_warps or knobs.get("num_warps"),
              "num_splits": chunk_splits or knobs["num_splits"]} if pallas and chunk_rows else None  # (cb=N)
+    if pallas and not (chunk and one_token_rows) and common.mixed_merge() == "kernel":  # one shared launch
+        init = grouped_shared_prefix_partials(q, kp, vp, meta.group_pages, meta.group_lens, group,
+                                              **(chunk or knobs), **sc)
+        return ragged(q, kp, vp, meta.page_table, meta.cu_q_lens, meta.kv_lens, init=init,
+                      **_ragged_knobs(pallas), **sc)
+    out, lse = ragged(q, kp, vp, meta.page_table, meta.cu_q_lens, meta.kv_lens, return_lse=True,
+                      **_ragged_knobs(pallas), **sc)
     if chunk and one_token_rows:  # the chunks' tokens in a launch of their own, the one-token rows' in the other
         q_lens = meta.cu_q_lens[1:] - meta.cu_q_lens[:-1]  # [R]
         one = q_lens[jnp.minimum(row, rows - 1)] == 1  # [N] a one-token row's token (padding: group -1)

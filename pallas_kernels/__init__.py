@@ -10,6 +10,7 @@ from pallas_kernels.cascade_attention import (
     grouped_cascade_decode_attention_ref,
     grouped_shared_prefix_attention,
     grouped_shared_prefix_attention_ref,
+    grouped_shared_prefix_partials,
     shared_prefix_decode_attention,
     shared_prefix_decode_attention_ref,
 )
@@ -25,6 +26,7 @@ __all__ = [
     "grouped_cascade_decode_attention_ref",
     "grouped_shared_prefix_attention",
     "grouped_shared_prefix_attention_ref",
+    "grouped_shared_prefix_partials",
     "paged_decode_attention",
     "paged_decode_attention_ref",
     "paged_prefill_attention",

@@ -438,13 +438,24 @@ def grouped_shared_prefix_attention(
     ``real_groups`` (a bound on the groups that hold rows, when the table is padded to a bucket)
     sizes the automatic split count from the groups that exist, not the padding; ``real_rows`` (a
     bound on the rows in groups, when ``B`` counts padding, e.g. a mixed step's flat tokens) likewise."""
+    if 0 in group_pages.shape:
+        _shared_knobs(q, k_pages, v_pages, group_pages, group_lens, row_group, k_scale, v_scale)  # (the checks)
+        return jnp.zeros(q.shape, jnp.float32), jnp.full(q.shape[:2], -jnp.inf, jnp.float32)
+    knobs = _shared_knobs(q, k_pages, v_pages, group_pages, group_lens, row_group, k_scale, v_scale,
+                          sm_scale=sm_scale, block_rows=block_rows, block_kv=block_kv, num_warps=num_warps,
+                          num_stages=num_stages, interpret=interpret)
+    return _shared_only(q, k_pages, v_pages, group_pages, group_lens, row_group, k_scale, v_scale,
+                        num_splits=num_splits, real_groups=real_groups, real_rows=real_rows, **knobs)
+
+
+def _shared_knobs(q, k_pages, v_pages, group_pages, group_lens, row_group, k_scale, v_scale, *, sm_scale=None,
+                  block_rows=None, block_kv=None, num_warps=None, num_stages=None, interpret=None) -> dict:
+    """Check the shared part's inputs and fill its knobs' defaults (module docstring)."""
     b, hq, hkv, gq, p, s, d, g, ps, mp = check_grouped_inputs(
         q, k_pages, v_pages, group_pages, group_lens, row_group, jnp.zeros((q.shape[0], 1), jnp.int32),
         jnp.zeros((q.shape[0],), jnp.int32), k_scale, v_scale)
     common.check_power_of_two("page_size", s)
     common.check_power_of_two("head_dim", d, common.MIN_DOT_DIM)
-    if 0 in group_pages.shape:
-        return jnp.zeros(q.shape, jnp.float32), jnp.full(q.shape[:2], -jnp.inf, jnp.float32)
     block_rows = default_block_rows(b, gq, g, q.dtype) if block_rows is None else block_rows
     common.check_power_of_two("block_rows", block_rows, common.MIN_DOT_DIM)
     block_kv = SHARED_BLOCK_KV if block_kv is None else block_kv
@@ -454,10 +465,56 @@ def grouped_shared_prefix_attention(
     num_stages = common.stages_for(3 if one_block else 2, common.slot_prefetch()) if num_stages is None else num_stages
     sm_scale = 1.0 / math.sqrt(d) if sm_scale is None else float(sm_scale)
     interpret = common.default_interpret() if interpret is None else interpret
-    return _shared_only(q, k_pages, v_pages, group_pages, group_lens, row_group, k_scale, v_scale,
-                        sm_scale=sm_scale, block_rows=block_rows, block_kv=block_kv, num_splits=num_splits,
-                        num_warps=num_warps, num_stages=num_stages, interpret=interpret, real_groups=real_groups,
-                        real_rows=real_rows)
+    return dict(sm_scale=sm_scale, block_rows=block_rows, block_kv=block_kv, num_warps=num_warps,
+                num_stages=num_stages, interpret=interpret)
+
+
+@functools.partial(jax.jit, static_argnames=(
+    "sm_scale", "block_rows", "block_kv", "num_splits", "num_warps", "num_stages", "interpret", "real_groups",
+    "real_rows"))
+def _partials_only(q, k_pages, v_pages, group_pages, group_lens, row_group, k_scale, v_scale, **kw):
+    b, hq, _ = q.shape
+    gq = hq // k_pages.shape[0]
+    o, m, l, idx, stored = _shared_partials(q, k_pages, v_pages, group_pages, group_lens, row_group,
+                                            k_scale, v_scale, **kw)
+    first = idx.reshape(b, gq)[:, 0]  # [B] each row's first packed row (its heads follow)
+    return jnp.where(stored.reshape(b, gq)[:, 0], first, -1), o, m, l
+
+
+def grouped_shared_prefix_partials(
+    q: jax.Array,  # [B, Hq, D]
+    k_pages: jax.Array,  # [Hkv, P, S, D]
+    v_pages: jax.Array,  # [Hkv, P, S, D]
+    group_pages: jax.Array,  # [G >= 1, Ps >= 1] int32
+    group_lens: jax.Array,  # [G] int32
+    row_group: jax.Array,  # [B] int32, -1: no group
+    *,
+    sm_scale: float | None = None,
+    block_rows: int | None = None,
+    block_kv: int | None = None,
+    num_splits: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+    interpret: bool | None = None,
+    real_groups: int | None = None,
+    real_rows: int | None = None,
+    k_scale: jax.Array | None = None,
+    v_scale: jax.Array | None = None,
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """The shared part's raw split partials (algorithm steps 1-2), for a kernel that continues each row's
+    attention from them (``ragged_paged_attention``'s ``init``; the decode steps' suffix kernel takes the
+    same form): ``(row [B] int32, o [Hkv, NS, R, D], m [Hkv, NS, R], l [Hkv, NS, R] fp32)``, row ``b``'s
+    query head ``h * Gq + j`` at packed row ``row[b] + j`` of kv head ``h``; ``o`` unnormalised, ``m``
+    the base-2 running max of the scaled scores; ``row[b] = -1`` outside every group or for an empty
+    prefix.  Knobs as :func:`grouped_shared_prefix_attention`; the group table must not be empty."""
+    if 0 in group_pages.shape:
+        common._fail("group_pages.shape", tuple(group_pages.shape), "[G >= 1, Ps >= 1] (no group: call the "
+                     "suffix kernel without init)")
+    knobs = _shared_knobs(q, k_pages, v_pages, group_pages, group_lens, row_group, k_scale, v_scale,
+                          sm_scale=sm_scale, block_rows=block_rows, block_kv=block_kv, num_warps=num_warps,
+                          num_stages=num_stages, interpret=interpret)
+    return _partials_only(q, k_pages, v_pages, group_pages, group_lens, row_group, k_scale, v_scale,
+                          num_splits=num_splits, real_groups=real_groups, real_rows=real_rows, **knobs)
 
 
 def grouped_shared_prefix_attention_ref(

@@ -127,11 +127,24 @@ def mixed_decode() -> str:
     return env_choice("INFERSCALE_MIXED_DECODE", MIXED_DECODE_CHOICES)
 
 
+MIXED_MERGE_CHOICES = ("kernel", "jnp")
+
+
+def mixed_merge() -> str:
+    """``INFERSCALE_MIXED_MERGE``: where a mixed step's shared part (cascade groups) meets its ragged part
+    (``inferscale_jax/kv_cache.py``, ``_mixed_shared``).  ``kernel`` (the default): the ragged kernel starts
+    each group token's online softmax from the shared part's split partials, so its output is final;
+    ``jnp``: the shared part's splits merged and normalised in jnp, the ragged kernel's lse returned, the
+    two merged per token after it (the form before session 39).  An A/B switch for the benchmarks."""
+    return env_choice("INFERSCALE_MIXED_MERGE", MIXED_MERGE_CHOICES)
+
+
 def switches() -> dict:
     """The environment's switches that change the kernels' programs (for caches keyed without
     tracing, such as the engine's executable store: a switch must name another entry)."""
     return {"slot_prefetch": slot_prefetch(), "mixed_shared": sorted(mixed_shared_knobs().items()),
-            "mixed_decode": mixed_decode(), "mixed_ragged": sorted(mixed_ragged_knobs().items())}
+            "mixed_decode": mixed_decode(), "mixed_ragged": sorted(mixed_ragged_knobs().items()),
+            "mixed_merge": mixed_merge()}
 
 
 def switches_key() -> tuple:

@@ -97,6 +97,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels import common
+from pallas_kernels.cascade_attention import merge_lse
 from pallas_kernels.prefill_attention import _LOG2E, _MASK, _PREC, _choose_blocks, _next_pow2
 from pallas_kernels.quant import dequantize_rows, fold_probs, fold_scores, gather_pages, pv_dtype, scales_on_rows
 
@@ -217,13 +218,14 @@ def _tile_rows(rows, last, tok0, cnt, head, group, num_q_heads):
     return r, t, (tok0 + t) * num_q_heads + head * group + lax.rem(r, group)
 
 
-def _attend(meta, page_table_ref, q_ref, k_ref, v_ref, store, scale_refs, tile, *, group,
-            num_q_heads, page_size, max_pages, num_splits, sm_scale, v_rows):
+def _attend(meta, page_table_ref, q_ref, k_ref, v_ref, store, scale_refs, init_refs, tile, *, group,
+            num_q_heads, page_size, max_pages, num_splits, sm_scale, v_rows, init_splits):
     """One program's attention with one static tile: (rows, block_q, block_kv, prefetch).  ``meta``:
     the block's five words, then this program's split, kv head and the block's split count (``<=
     num_splits``: ``num_splits`` itself, or in ``split_longest``'s kernel a traced 1 for a block run
     whole); ``store(r, row_ids, out, lse2)`` writes the normalised output rows and their
-    log2-sum-exps (tile row ``r`` is query row ``row_ids``)."""
+    log2-sum-exps (tile row ``r`` is query row ``row_ids``).  ``init_refs`` (``init_splits`` > 0): split
+    0 starts each row's online softmax from its partials over other keys (``_initial_state``)."""
     rows, block_q, block_kv, prefetch = tile
     tok0, cnt, pos0, kv_len, pt_off, split, head, splits = meta
     r, t, row_ids = _tile_rows(rows, block_q * group - 1, tok0, cnt, head, group, num_q_heads)
@@ -285,8 +287,12 @@ def _attend(meta, page_table_ref, q_ref, k_ref, v_ref, store, scale_refs, tile, 
 
     head_dim = q.shape[-1]
     mid = jnp.clip(n_full, lo, hi)
-    carry = (jnp.zeros((rows, head_dim), jnp.float32), jnp.full((rows,), -jnp.inf, jnp.float32),
-             jnp.zeros((rows,), jnp.float32)) + ((slots_of(lo, clamp=True),) if prefetch else ())
+    if init_splits:  # split 0 continues the rows' attention over other keys (the cascade's shared part)
+        start = _initial_state(init_refs, init_splits, tok0 + t, lax.rem(r, group), split)
+    else:
+        start = (jnp.zeros((rows, head_dim), jnp.float32), jnp.full((rows,), -jnp.inf, jnp.float32),
+                 jnp.zeros((rows,), jnp.float32))
+    carry = start + ((slots_of(lo, clamp=True),) if prefetch else ())
     carry = lax.fori_loop(lo, mid, functools.partial(body, masked=False), carry)
     acc, m, l = lax.fori_loop(mid, hi, functools.partial(body, masked=True), carry)[:3]
 
@@ -295,12 +301,42 @@ def _attend(meta, page_table_ref, q_ref, k_ref, v_ref, store, scale_refs, tile, 
     store(r, row_ids, out, jnp.where(valid, m + jnp.log2(jnp.where(valid, l, 1.0)), -jnp.inf))
 
 
+def _initial_state(init_refs, splits: int, tok, j, split):
+    """Split 0's starting (acc, m, l) for the tile's rows: each row's ``splits`` partials over other keys
+    (the cascade's shared part: unnormalised ``o``, base-2 ``m``, ``l``), merged as split partials are.
+    ``init_row[tok]`` is the first packed row of the row's token (its heads follow: ``+ j``), ``< 0``
+    for none; such rows, and every row of a later split, take the usual empty start."""
+    row_ref, o_ref, m_ref, l_ref = init_refs  # partials flat: split u's rows at u * R
+    per_split = m_ref.shape[0] // splits  # R
+    base = row_ref[tok]  # [M]
+    ok = (base >= 0) & (split == 0)
+    at = jnp.minimum(jnp.maximum(base, 0) + j, per_split - 1)  # (clamped: rows without partials read row 0..)
+    ms = [m_ref[at + u * per_split] for u in range(splits)]
+    m = functools.reduce(jnp.maximum, ms)
+    acc = jnp.zeros((at.shape[0], o_ref.shape[-1]), jnp.float32)
+    l = jnp.zeros(at.shape, jnp.float32)
+    for u in range(splits):
+        w = jnp.exp2(ms[u] - m)  # 0 for a split with no key (its m is the shared part's finite floor, l 0)
+        acc += w[:, None] * o_ref[at + u * per_split, :]
+        l += w * l_ref[at + u * per_split]
+    # (a row without partials may have read unwritten rows: selected away, never multiplied in)
+    return (jnp.where(ok[:, None], acc, 0.0), jnp.where(ok, m, -jnp.inf), jnp.where(ok, l, 0.0))
+
+
+def _kernel_refs(refs, quantized: bool, init_splits: int):
+    """Split a kernel's trailing refs: (scale refs, init refs, the rest: its outputs)."""
+    scale_refs, refs = (refs[:2], refs[2:]) if quantized else ((), refs)
+    init_refs, refs = (refs[:4], refs[4:]) if init_splits else ((), refs)
+    return scale_refs, init_refs, refs
+
+
 def _ragged_kernel(meta_ref, page_table_ref, q_ref, k_ref, v_ref, *refs, quantized, num_blocks, tiles, **kw):
     """meta_ref [NB * 5] int32; page_table_ref [R * max_pages]; q_ref / o_ref [N * Hq, D];
     k_ref / v_ref [P * S, D] (this kv head); refs: (ks_ref, vs_ref [P * S] fp32 when quantized),
+    (init_row [N] int32, init_o [NI * R, D], init_m, init_l [NI * R] fp32 with ``init_splits``),
     o_ref, then () or (lse [N * Hq] fp32, log2-sum-exp) when split or asked for (``return_lse``).
     Grid (split, block, kv head): every block's KV range cut in ``num_splits`` runs."""
-    scale_refs, (o_ref, *lse_refs) = (refs[:2], refs[2:]) if quantized else ((), refs)
+    scale_refs, init_refs, (o_ref, *lse_refs) = _kernel_refs(refs, quantized, kw["init_splits"])
     blk = num_blocks - 1 - pl.program_id(1)  # last blocks (longest loops) first
     # program ids are read here, outside the cond (interpret mode cannot read them inside)
     meta = tuple(meta_ref[blk * _META + i] for i in range(_META))
@@ -312,7 +348,7 @@ def _ragged_kernel(meta_ref, page_table_ref, q_ref, k_ref, v_ref, *refs, quantiz
             lse_refs[0][row_ids] = lse2
 
     _run_tiles(meta, tiles, functools.partial(_attend, meta, page_table_ref, q_ref, k_ref, v_ref, store,
-                                              scale_refs, **kw))
+                                              scale_refs, init_refs, **kw))
 
 
 def _run_tiles(meta, tiles, attend):
@@ -334,7 +370,7 @@ def _longest_kernel(meta_ref, route_ref, page_table_ref, q_ref, k_ref, v_ref, *r
     ``route_ref [programs * 2]``: (split, slot).  Slot -1: the block runs whole and writes its rows of
     o_ref (and lse); else its split's normalised partial and log2-sum-exp go to the compact buffers
     at row ``((split * slots + slot) * Hkv + head) * part_rows + tile row`` for ``_merge_kernel``."""
-    scale_refs, refs = (refs[:2], refs[2:]) if quantized else ((), refs)
+    scale_refs, init_refs, refs = _kernel_refs(refs, quantized, kw["init_splits"])
     o_ref, *lse_refs = refs[:2] if return_lse else refs[:1]
     op_ref, lp_ref = refs[-2:]
     head = pl.program_id(0)  # (dim 0 varies fastest: a work item's heads side by side)
@@ -358,7 +394,7 @@ def _longest_kernel(meta_ref, route_ref, page_table_ref, q_ref, k_ref, v_ref, *r
             lp_ref[at] = lse2
 
     _run_tiles(meta, tiles, functools.partial(_attend, meta, page_table_ref, q_ref, k_ref, v_ref, store,
-                                              scale_refs, **kw))
+                                              scale_refs, init_refs, **kw))
 
 
 def _merge_kernel(meta_ref, op_ref, lp_ref, *refs, slots, num_splits, part_rows, group, num_q_heads, small_q,
@@ -415,8 +451,8 @@ def _split_plan(meta, *, num_blocks, slots, num_splits, long_keys):
 @functools.partial(jax.jit, static_argnames=(
     "sm_scale", "block_q", "tiles", "num_warps", "num_stages", "kv_splits", "interpret", "v_rows", "return_lse",
     "split_longest", "long_keys"))
-def _ragged(q, k_pages, v_pages, page_table, cu_q_lens, kv_lens, k_scale, v_scale, *, sm_scale, block_q, tiles,
-            num_warps, num_stages, kv_splits, interpret, v_rows, return_lse=False, split_longest=True,
+def _ragged(q, k_pages, v_pages, page_table, cu_q_lens, kv_lens, k_scale, v_scale, init=None, *, sm_scale, block_q,
+            tiles, num_warps, num_stages, kv_splits, interpret, v_rows, return_lse=False, split_longest=True,
             long_keys=_LONG_KEYS):
     num_tokens, num_q_heads, head_dim = q.shape  # [N, Hq, D]
     num_kv_heads, num_pages, page_size, _ = k_pages.shape  # [Hkv, P, S, D]
@@ -434,9 +470,19 @@ def _ragged(q, k_pages, v_pages, page_table, cu_q_lens, kv_lens, k_scale, v_scal
     scales = ()
     if quantized:  # each head's [P*S] scales, whole
         scales = (k_scale.reshape(num_kv_heads, -1), v_scale.reshape(num_kv_heads, -1))
+    init_splits = 0
+    if init is not None:  # the rows' partials over other keys: the row index whole, each head's partials flat
+        init_row, init_o, init_m, init_l = init
+        init_splits = init_o.shape[1]
+        flat = init_splits * init_o.shape[2]  # (free reshapes: split u's rows at u * R)
+        scales += (init_row.astype(jnp.int32), init_o.astype(jnp.float32).reshape(num_kv_heads, flat, head_dim),
+                   init_m.astype(jnp.float32).reshape(num_kv_heads, flat),
+                   init_l.astype(jnp.float32).reshape(num_kv_heads, flat))
     kw = dict(quantized=quantized, tiles=tiles, group=group, num_q_heads=num_q_heads, page_size=page_size,
-              max_pages=max_pages, num_splits=kv_splits, sm_scale=sm_scale, v_rows=v_rows and quantized)
-    name = f"ragged_paged_attention_bq{block_q}_bkv{tiles[-1][2]}_g{group}_s{kv_splits}"
+              max_pages=max_pages, num_splits=kv_splits, sm_scale=sm_scale, v_rows=v_rows and quantized,
+              init_splits=init_splits)
+    name = f"ragged_paged_attention_bq{block_q}_bkv{tiles[-1][2]}_g{group}_s{kv_splits}" + (
+        f"_i{init_splits}" if init_splits else "")  # (_iN: started from N splits' partials)
     params = common.compiler_params(num_warps, num_stages)
     if split_longest and kv_splits > 1:
         out, lse = _ragged_longest(meta, page_table, q_rows, k_slots, v_slots, scales, kw, num_blocks=num_blocks,
@@ -454,6 +500,14 @@ def _ragged(q, k_pages, v_pages, page_table, cu_q_lens, kv_lens, k_scale, v_scal
 
 def _whole(*shape):
     return pl.BlockSpec(shape, lambda *_: (0,) * len(shape))
+
+
+def _extra_specs(extras, head_of):
+    """Block specs of the launch's trailing inputs (the scales, the init partials): a 1-D array whole
+    (the init rows), any other one kv head's slice (its first dim), ``head_of(*grid ids)``."""
+    return [_whole(x.shape[0]) if x.ndim == 1 else
+            pl.BlockSpec((None, *x.shape[1:]), lambda *ids, n=x.ndim: (head_of(*ids),) + (0,) * (n - 1))
+            for x in extras]
 
 
 def _ragged_all(meta, page_table, q_rows, k_slots, v_slots, scales, kw, *, num_blocks, out_dtype, return_lse, name,
@@ -476,7 +530,7 @@ def _ragged_all(meta, page_table, q_rows, k_slots, v_slots, scales, kw, *, num_b
         if return_lse:  # each token row's log2-sum-exp beside its output
             out_shape.append(jax.ShapeDtypeStruct((n_rows,), jnp.float32))
             out_specs.append(_whole(n_rows))
-    scale_specs = [pl.BlockSpec((None, num_slots), lambda s, i, h: (h, 0))] * len(scales)
+    scale_specs = _extra_specs(scales, lambda s, i, h: h)
     outs = pl.pallas_call(
         functools.partial(_ragged_kernel, num_blocks=num_blocks, **kw),
         grid=(kv_splits, num_blocks, num_kv_heads),  # dim 0 varies fastest on launch
@@ -520,7 +574,7 @@ def _ragged_longest(meta, page_table, q_rows, k_slots, v_slots, scales, kw, *, n
         out_specs.append(_whole(n_rows))
     out_shape += [jax.ShapeDtypeStruct((part, head_dim), jnp.float32), jax.ShapeDtypeStruct((part,), jnp.float32)]
     out_specs += [_whole(part, head_dim), _whole(part)]
-    scale_specs = [pl.BlockSpec((None, num_slots), lambda h, p: (h, 0))] * len(scales)
+    scale_specs = _extra_specs(scales, lambda h, p: h)
     *outs, o_part, lse_part = pl.pallas_call(
         functools.partial(_longest_kernel, programs=programs, slots=slots, part_rows=part_rows,
                           return_lse=return_lse, **kw),
@@ -570,6 +624,7 @@ def ragged_paged_attention(
     return_lse: bool = False,
     split_longest: bool = True,
     long_keys: int | None = None,
+    init: tuple[jax.Array, ...] | None = None,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:  # [N, Hq, D], q.dtype; padding tokens: zeros
     """Causal attention of a flat batch of decode rows and prefill chunks (see module doc).
     ``return_lse=True`` returns ``(out, lse)``, ``lse [N, Hq] float32`` each query's natural-log
@@ -597,9 +652,17 @@ def ragged_paged_attention(
     chunk of all ``N`` tokens makes, each past ``long_keys``, None: ``_LONG_KEYS`` = 512) and runs the others
     whole, with no partial buffers for them (module docstring).  Eager calls also check the length
     values (one host sync).
+
+    ``init = (row [N] int32, o [Hkv, NI, R, D], m [Hkv, NI, R], l [Hkv, NI, R] fp32)``: each token's
+    attention over *other* keys, as ``NI`` split partials (unnormalised ``o``, base-2 running max ``m``
+    of the scaled scores, sum ``l``: the cascade shared part's, ``grouped_shared_prefix_partials``); token
+    ``n``'s query head ``h * G + j`` has its partials at row ``row[n] + j`` of kv head ``h`` (``row[n] <
+    0``: none).  The kernel starts those rows' online softmax from them (split 0 of a split block), so
+    the output (and lse) is the attention over both key sets, with no merge after it.
     """
     num_tokens, num_rows, num_q_heads, num_kv_heads, _, page_size, head_dim = (
         check_ragged_inputs(q, k_pages, v_pages, page_table, cu_q_lens, kv_lens, k_scale, v_scale))
+    check_init(init, num_tokens, num_kv_heads, head_dim)
     interpret = common.default_interpret() if interpret is None else interpret
     if v_rows is None:
         v_rows = scales_on_rows(k_pages.dtype)
@@ -629,10 +692,50 @@ def ragged_paged_attention(
     if num_tokens == 0 or num_rows == 0:
         return _empty(q, return_lse)
     sm_scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else float(sm_scale)
-    return _ragged(q, k_pages, v_pages, page_table, cu_q_lens, kv_lens, k_scale, v_scale, sm_scale=sm_scale,
+    return _ragged(q, k_pages, v_pages, page_table, cu_q_lens, kv_lens, k_scale, v_scale, init, sm_scale=sm_scale,
                    block_q=block_q, tiles=tiles, num_warps=num_warps, num_stages=num_stages,
                    kv_splits=int(kv_splits), interpret=interpret, v_rows=v_rows, return_lse=return_lse,
                    split_longest=bool(split_longest), long_keys=long_keys)
+
+
+def check_init(init, num_tokens: int, num_kv_heads: int, head_dim: int) -> None:
+    """Validate ``init``'s shapes (None passes): (row [N], o [Hkv, NI, R, D], m [Hkv, NI, R], l [Hkv, NI, R])."""
+    if init is None:
+        return
+    want = (f"(row [N={num_tokens}], o [Hkv={num_kv_heads}, NI, R, D={head_dim}], m [Hkv, NI, R], l [Hkv, NI, R]) "
+            "with NI, R >= 1")
+    if not isinstance(init, (tuple, list)) or len(init) != 4:
+        common._fail("init", f"{type(init).__name__} of {len(init) if isinstance(init, (tuple, list)) else 1}",
+                     f"a tuple of 4 arrays {want}")
+    row, o, m, l = init
+    if (row.shape != (num_tokens,) or o.ndim != 4 or o.shape[0] != num_kv_heads or o.shape[3] != head_dim
+            or 0 in o.shape or m.shape != o.shape[:3] or l.shape != o.shape[:3]):
+        common._fail("init", [tuple(x.shape) for x in init], want)
+
+
+def init_merged(init, num_q_heads: int):
+    """``init``'s partials merged per token (jnp): (o [N, Hq, D] fp32 normalised, lse [N, Hq] natural log;
+    zeros and ``-inf`` for a token without partials or with no key in them)."""
+    row, o, m, l = init
+    hkv, splits, rows, d = o.shape
+    group = num_q_heads // hkv
+    at = row.astype(jnp.int32)[:, None] + jnp.arange(group, dtype=jnp.int32)[None, :]  # [N, G]
+    ok = (row >= 0)[:, None]  # [N, 1]
+    at = jnp.clip(at, 0, rows - 1).reshape(-1)
+    o, m, l = o[:, :, at], m[:, :, at], l[:, :, at]  # [Hkv, NI, N*G(, D)]
+    top = jnp.max(m, axis=1)
+    w = jnp.exp2(m - top[:, None])
+    l_tot, o_tot = jnp.sum(l * w, axis=1), jnp.sum(o * w[..., None], axis=1)  # [Hkv, N*G(, D)]
+    n = row.shape[0]
+
+    def per_token(x):  # [Hkv, N * G, ...] -> [N, Hq, ...]
+        x = x.reshape(hkv, n, group, *x.shape[2:])
+        return jnp.swapaxes(x, 0, 1).reshape(n, num_q_heads, *x.shape[3:])
+    l_tot, top, o_tot = per_token(l_tot), per_token(top), per_token(o_tot)
+    has = ok & (l_tot > 0)  # [N, Hq]
+    safe = jnp.where(has, l_tot, 1.0)
+    return (jnp.where(has[..., None], o_tot / safe[..., None], 0.0),
+            jnp.where(has, (top + jnp.log2(safe)) * _LN2, -jnp.inf))
 
 
 def _empty(q, return_lse: bool):
@@ -653,20 +756,26 @@ def ragged_paged_attention_ref(
     k_scale: jax.Array | None = None,
     v_scale: jax.Array | None = None,
     return_lse: bool = False,
+    init: tuple[jax.Array, ...] | None = None,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:  # [N, Hq, D] (, lse [N, Hq])
     """Pure-jnp reference, token by token: each token finds its row and position, gathers
     its row's pages densely and runs a masked fp32 softmax (padding tokens: zeros).  Tokens
     go through ``lax.map`` in batches, so the gathered K/V stay within ``_REF_CHUNK_BYTES``.
     Compressed pages are dequantized to float32 as gathered: the exact values the quantized pages hold
     (the kernel folds the scales into scores and probabilities instead: equal up to rounding).
-    ``return_lse``: also each query's natural-log log-sum-exp (``-inf`` without keys).
+    ``return_lse``: also each query's natural-log log-sum-exp (``-inf`` without keys).  ``init``: as the
+    kernel's, merged after the softmax by log-sum-exps (``init_merged``).
     """
-    num_tokens, num_rows, _, _, _, _, head_dim = check_ragged_inputs(
+    num_tokens, num_rows, num_q_heads, num_kv_heads, _, _, head_dim = check_ragged_inputs(
         q, k_pages, v_pages, page_table, cu_q_lens, kv_lens, k_scale, v_scale)
+    check_init(init, num_tokens, num_kv_heads, head_dim)
     if num_tokens == 0 or num_rows == 0:
         return _empty(q, return_lse)
     sm_scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else float(sm_scale)
     out, lse = _ref(q, k_pages, v_pages, page_table, cu_q_lens, kv_lens, k_scale, v_scale, sm_scale=sm_scale)
+    if init is not None:
+        out, lse = merge_lse(*init_merged(init, num_q_heads), out, lse)
+    out = out.astype(q.dtype)
     return (out, lse) if return_lse else out
 
 
@@ -703,9 +812,8 @@ def _ref(q, k_pages, v_pages, page_table, cu_q_lens, kv_lens, k_scale, v_scale, 
         p_ = e / jnp.maximum(tot, 1e-30)  # no keys: all zero
         lse = jnp.where(tot > 0, mx + jnp.log(jnp.where(tot > 0, tot, 1.0)), -jnp.inf)  # [Hkv, G, 1]
         return (jnp.einsum("hgl,hld->hgd", p_, v, precision=hi).reshape(num_q_heads, head_dim),
-                lse.reshape(num_q_heads))
+                lse.reshape(num_q_heads))  # (fp32: the wrapper casts)
 
     per_token = 2 * num_kv_heads * capacity * head_dim * 4  # gathered K and V, fp32
     batch = max(1, min(num_tokens, _REF_CHUNK_BYTES // per_token))
-    out, lse = lax.map(one_token, (q, row, pos, kv, real), batch_size=batch)  # [N, Hq, D], [N, Hq]
-    return out.astype(q.dtype), lse
+    return lax.map(one_token, (q, row, pos, kv, real), batch_size=batch)  # [N, Hq, D] fp32, [N, Hq]

@@ -82,15 +82,17 @@
 #  29  the shared part's row blocks: the mixed steps' shared-part knobs (br=128 forms; cb / cw / cs, the chunks' own
 #      launch) on the c64, spread, cohort and three-question c64q3 steps (bench/kernels/mixed_shared.py), then the
 #      decode steps' cascade with 3 stages (bench/kernels/cascade_groups.py), by the GPU's kernel time
+#  30  the mixed steps' merge of the shared part into the ragged kernel (INFERSCALE_MIXED_MERGE=kernel, the default,
+#      against =jnp): the kernels' checks on the GPU (pytest), then the bare loop at C = 64 and 256 both ways
 #  16  the checkpoint read (models/loader.py: os.preadv into each tensor's array, threads in parallel): the 8B
 #      checkpoint loaded one tensor at a time and eight (bench/tools/weights_load.py; run AL: 14.2 / 12.1 s)
-# Parts 6-14, 16, 18-20, 23-26 and 28 write the 8B checkpoint to /tmp/llama8b first when it is missing (~35 s); it stays out of
+# Parts 6-14, 16, 18-20, 23-26, 28 and 30 write the 8B checkpoint to /tmp/llama8b first when it is missing (~35 s); it stays out of
 # the repository, whose copy on the machine loses files that .gitignore does not cover (bench/NOTES.md, run AH).
 #
 # Each step writes its tables under RESULTS_DIR/<step>/ and its console log to RESULTS_DIR/<step>.log;
 # after each step RESULTS_DIR is packed into TARBALL when given (what a cut call still returns).
 set -uo pipefail
-part=${1:?part 1-29}
+part=${1:?part 1-30}
 res=${2:?results folder}
 tarball=${3:-}
 mkdir -p "$res"
@@ -355,6 +357,15 @@ case "$part" in
         br=128,w=8,st=2 cb=128,cw=8 cb=128,cw=8,cs=4 cb=128,cw=8,cs=8 sp=3 st=2
     step cascade_stages 150 bench/kernels/cascade_groups.py --rows 64,256 --segments 8 --no-mixed --knobs st=3 \
         st=3,sp=2
+    ;;
+30)
+    # the mixed steps' shared/ragged merge inside the ragged kernel (its init partials, the default) against the jnp
+    # merge after it (INFERSCALE_MIXED_MERGE=jnp): the kernels' checks on the GPU first, then the bare loop at C = 64
+    # and 256 with spread answers (most steps mixed)
+    step_as mixed_merge_tests 200 -m pytest -q -x -p no:cacheprovider tests/kernels/test_kernels_ragged_init.py \
+        tests/kernels/test_kernels_mixed_cascade.py
+    ckpt
+    loops_ab INFERSCALE_MIXED_MERGE merge_ kernel jnp
     ;;
 21)
     step call_args 150 bench/tools/call_args.py

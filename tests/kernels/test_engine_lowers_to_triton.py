@@ -124,6 +124,22 @@ def test_the_mixed_ragged_forms_lower(compiled_kernels, monkeypatch, spec, form)
             "unsplit": not split and not merged}[form], (spec, ragged)
 
 
+def test_the_mixed_merge_lowers_inside_the_ragged_kernel(compiled_kernels, monkeypatch):
+    """A mixed cascade step's ragged kernel starts from the shared part's split partials (its name ends in
+    ``_i<splits>``, the splits the shared part ran), so no jnp merge follows it; ``INFERSCALE_MIXED_MERGE=jnp``
+    lowers the earlier form (the ragged kernel without partials)."""
+    engine = make_engine()
+    key = kinds(engine)["mixed, cascade"]
+    names = lowered_kernels(engine, key)
+    shared = {re.search(r"_sp(\d+)$", n).group(1) for n in names if n.startswith("cascade_shared")}
+    started = {re.search(r"_i(\d+)(?:_sl)?$", n).group(1) for n in names if n.startswith("ragged_paged_attention")}
+    assert len(shared) == 1 and started == shared, names
+    jax.clear_caches()
+    monkeypatch.setenv("INFERSCALE_MIXED_MERGE", "jnp")
+    names = lowered_kernels(make_engine(), key)
+    assert not any(re.search(r"_i\d+(?:_sl)?$", n) for n in names) and any(n.startswith("cascade_shared") for n in names)
+
+
 def test_the_cascade_mixed_decode_lowers(compiled_kernels, monkeypatch):
     """``INFERSCALE_MIXED_DECODE=cascade``: a mixed step's one-token rows in the decode step's cascade kernel
     (its private part, ``paged_decode``, which the default mixed step does not launch), the chunks ragged."""

@@ -262,15 +262,18 @@ def test_the_mixed_shared_switch_keeps_the_result(monkeypatch, spec, kernel):
     assert_close(out[:n], want[:n], jnp.float32)
 
 
-def shared_launches(monkeypatch) -> list:
-    """The mixed step's shared-part launches from now on, each as (block_rows, num_warps, num_splits, row_group)."""
+def shared_launches(monkeypatch, forms: list | None = None) -> list:
+    """The mixed step's shared-part launches from now on, each as (block_rows, num_warps, num_splits, row_group);
+    ``forms`` (when given) gets each launch's form: ``"partials"`` (the ragged kernel continues from them) or
+    ``"merged"`` (normalised, merged after the ragged kernel)."""
     seen = []
-    real = kv_cache.grouped_shared_prefix_attention
-
-    def spy(*args, **kw):
-        seen.append((kw.get("block_rows"), kw.get("num_warps"), kw.get("num_splits"), np.asarray(args[5])))
-        return real(*args, **kw)
-    monkeypatch.setattr(kv_cache, "grouped_shared_prefix_attention", spy)
+    for name, form in (("grouped_shared_prefix_attention", "merged"), ("grouped_shared_prefix_partials", "partials")):
+        def spy(*args, real=getattr(kv_cache, name), form=form, **kw):
+            seen.append((kw.get("block_rows"), kw.get("num_warps"), kw.get("num_splits"), np.asarray(args[5])))
+            if forms is not None:
+                forms.append(form)
+            return real(*args, **kw)
+        monkeypatch.setattr(kv_cache, name, spy)
     return seen
 
 
