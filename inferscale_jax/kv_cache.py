@@ -266,8 +266,9 @@ def _attend(q, kp, vp, positions, meta: AttnMeta, impl: str, scales=(None, None)
         out = _mixed(q[0], kp, vp, meta, pallas, sc)[None]  # [1, N, Hq, D]
     elif meta.group_pages is not None:  # q [1, R]: one token per row, cascade groups
         fn = grouped_cascade_decode_attention if pallas else grouped_cascade_decode_attention_ref
+        knobs = dict(num_stages=shared_stages(DECODE_SHARED_STAGES, SHARED_BLOCK_KV, q.shape[-1], kp)) if pallas else {}
         out = fn(q[0], kp, vp, meta.group_pages, meta.group_lens, meta.row_group, meta.page_table,
-                 meta.kv_lens, **sc)[None]
+                 meta.kv_lens, **knobs, **sc)[None]
     else:  # q [1, R]: one token per row
         fn = paged_decode_attention if pallas else paged_decode_attention_ref
         out = fn(q[0], kp, vp, meta.page_table, meta.kv_lens, **sc)[None]
@@ -283,8 +284,11 @@ MIXED_REAL_GROUPS = 16  # the shared part's split count in a mixed step assumes 
 # layer on an H100, Llama-3-8B's 8 kv heads, 8 segments of 4096, the group table padded to 64): 128 tokens (C = 64)
 # 91.2 us with the automatic 3 splits, 76.8 with 2, 86-95 with 5-8; 512 (spread answers at C = 256) 134.6 / 130.8
 # with 2, worse with 5-8; 2048 (a wave of questions) 454.4 / 447.6 with 2 / 422.1 with 1 (1024: not measured).
-# The C = 64 bare loop with 2: +2.2% tok/s (one run each way).
-MIXED_SPLIT_BUCKETS = ((1024, 1), (128, 2))  # (largest first)
+# The C = 64 bare loop with 2: +2.2% tok/s (one run each way).  Run AX (H100, the engine's `fit` group table, 3
+# stages): C = 64's 256-token step (three questions: each question's group is 4 row blocks of 64 over 4096 keys,
+# so the step's longest programs) 102.0 us with 2, 75.8 with 3; the 128-token step 58.6 / 73.5 and spread answers'
+# 512 106.3 / 109.9 keep 2.
+MIXED_SPLIT_BUCKETS = ((1024, 1), (512, 2), (256, 3), (128, 2))  # (largest first)
 MIXED_SPLIT_KV_HEADS = 8
 assert list(MIXED_SPLIT_BUCKETS) == sorted(MIXED_SPLIT_BUCKETS, reverse=True)
 # The shared part's pipeline stages in a mixed step (the kernel's own default there is 2), where one K (or V) tile
@@ -298,6 +302,16 @@ assert list(MIXED_SPLIT_BUCKETS) == sorted(MIXED_SPLIT_BUCKETS, reverse=True)
 MIXED_SHARED_STAGES = 3
 MIXED_STAGES_MAX_TILE_BYTES = 64 * 128 * 2
 # (INFERSCALE_MIXED_SHARED overrides these and the kernel's other knobs: pallas_kernels/common.py)
+# The decode steps' cascade shared part likewise (the kernel's default there is 2 beside many groups), under the
+# same tile gate.  Measured (bench/NOTES.md, run AX: H100, 8 segments of 4096, the kernels' GPU time a layer):
+# 64 rows 121.6 -> 110.5 us, 256 rows 192.4 -> 180.4.
+DECODE_SHARED_STAGES = 3
+
+
+def shared_stages(stages: int | None, block_kv: int, head_dim: int, k_pages) -> int | None:
+    """``stages`` for a cascade shared part whose K tile (``block_kv`` tokens x ``head_dim`` of ``k_pages``'
+    dtype) is at most ``MIXED_STAGES_MAX_TILE_BYTES``; else None (the kernel's own default)."""
+    return stages if block_kv * head_dim * k_pages.dtype.itemsize <= MIXED_STAGES_MAX_TILE_BYTES else None
 
 
 def mixed_shared_splits(tokens: int, kv_heads: int) -> int | None:
@@ -349,8 +363,7 @@ def _mixed_shared(q, kp, vp, meta: AttnMeta, pallas: bool, sc: dict, one_token_r
     user = common.mixed_shared_knobs()  # (INFERSCALE_MIXED_SHARED: st=N sets the stages, bk=N the tile)
     chunk_rows, chunk_warps = user.pop("chunk_block_rows", None), user.pop("chunk_num_warps", None)
     chunk_splits = user.pop("chunk_num_splits", None)
-    tile = user.get("block_kv", SHARED_BLOCK_KV) * q.shape[-1] * kp.dtype.itemsize  # one K tile's bytes
-    stages = MIXED_SHARED_STAGES if tile <= MIXED_STAGES_MAX_TILE_BYTES else None  # (None: the kernel's)
+    stages = shared_stages(MIXED_SHARED_STAGES, user.get("block_kv", SHARED_BLOCK_KV), q.shape[-1], kp)
     knobs = {**dict(block_rows=MIXED_BLOCK_ROWS, real_groups=MIXED_REAL_GROUPS, real_rows=rows, num_splits=splits,
                     num_stages=stages), **user} if pallas else {}
     chunk = {**knobs, "block_rows": chunk_rows, "num_warps": chunk_warps or knobs.get("num_warps"),

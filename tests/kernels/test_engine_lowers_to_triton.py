@@ -175,7 +175,7 @@ def test_the_decode_loop_lowers(compiled_kernels):
 
 def test_the_mixed_shared_split_count_follows_the_token_bucket(compiled_kernels, monkeypatch):
     """A mixed step's shared part splits by its token bucket (``kv_cache.MIXED_SPLIT_BUCKETS``: 2 from 128
-    tokens, 1 from 1024, for 8 kv heads on the device, proportionally more for fewer; below 128, the automatic
+    tokens, 3 from 256, 2 from 512, 1 from 1024, for 8 kv heads on the device, proportionally more for fewer; below 128, the automatic
     count); ``INFERSCALE_MIXED_SHARED``'s ``sp`` overrides it."""
     def splits(engine, tokens):
         key = next(k for k in engine.runner.buckets.all_keys() if k.ragged and k.shared and k.tokens == tokens)
@@ -183,7 +183,7 @@ def test_the_mixed_shared_split_count_follows_the_token_bucket(compiled_kernels,
         assert len(found) == 1, (tokens, found)
         return found.pop()
     engine = make_engine()  # (CFG: 2 kv heads, so 4x the 8-head counts)
-    assert [splits(engine, t) for t in (128, 512, 1024, 2048)] == [8, 8, 4, 4]
+    assert [splits(engine, t) for t in (128, 256, 512, 1024, 2048)] == [8, 12, 8, 4, 4]
     below = splits(engine, 64)
     jax.clear_caches()
     monkeypatch.setattr(kv_cache, "MIXED_SPLIT_BUCKETS", ())  # the kernel's automatic count everywhere
@@ -197,7 +197,8 @@ def test_the_mixed_shared_part_runs_three_pipeline_stages(compiled_kernels, monk
     """A mixed step's shared part runs ``kv_cache.MIXED_SHARED_STAGES`` (3) stages, where the kernel's own
     default is 2 (measured faster, bench/NOTES.md run AW), on K/V tiles up to the measured one's bytes (64
     tokens x 128 x bf16); fp32 pages or a 128-token tile keep the kernel's default; the decode step's cascade
-    kernel keeps its own; ``INFERSCALE_MIXED_SHARED``'s ``st`` overrides it."""
+    kernel runs ``kv_cache.DECODE_SHARED_STAGES`` (3, run AX) under the same gate; ``INFERSCALE_MIXED_SHARED``'s
+    ``st`` overrides the mixed steps' count."""
     def stages(engine, mixed=True):
         key = next(k for k in engine.runner.buckets.all_keys()
                    if k.ragged == mixed and k.shared and k.groups > 1 and k.tokens >= 128 * mixed)
@@ -205,15 +206,18 @@ def test_the_mixed_shared_part_runs_three_pipeline_stages(compiled_kernels, monk
         assert found, key
         return found
     engine = make_engine()
-    assert stages(engine) == {3}
-    decode = stages(engine, mixed=False)
+    assert stages(engine) == {3} and stages(engine, mixed=False) == {3}
     jax.clear_caches()
     monkeypatch.setattr(kv_cache, "MIXED_SHARED_STAGES", None)  # the kernel's own default
-    assert stages(make_engine()) == {2} and stages(make_engine(), mixed=False) == decode
+    assert stages(make_engine()) == {2} and stages(make_engine(), mixed=False) == {3}
+    jax.clear_caches()
+    monkeypatch.setattr(kv_cache, "DECODE_SHARED_STAGES", None)
+    assert stages(make_engine(), mixed=False) == {2}
     monkeypatch.undo()
     monkeypatch.setattr(common, "default_interpret", lambda: False)
     jax.clear_caches()
-    assert stages(make_engine(dtype="float32")) == {2}  # (a 64 x 128 fp32 tile: twice the measured bytes)
+    fp32 = make_engine(dtype="float32")  # (a 64 x 128 fp32 tile: twice the measured bytes)
+    assert stages(fp32) == {2} and stages(fp32, mixed=False) == {2}
     jax.clear_caches()
     monkeypatch.setenv("INFERSCALE_MIXED_SHARED", "bk=128")
     assert stages(make_engine()) == {2}
@@ -235,5 +239,6 @@ def test_the_mixed_shared_chunk_launch_lowers(compiled_kernels, monkeypatch):
 
 def test_the_mixed_shared_split_count_scales_with_the_devices_kv_heads():
     """8 kv heads on the device take the measured counts; fewer (tensor parallelism) proportionally more."""
-    assert [kv_cache.mixed_shared_splits(t, 8) for t in (64, 128, 512, 1024, 4096)] == [None, 2, 2, 1, 1]
+    assert [kv_cache.mixed_shared_splits(t, 8) for t in (64, 128, 256, 511, 512, 1024, 4096)] == [
+        None, 2, 3, 3, 2, 1, 1]
     assert [kv_cache.mixed_shared_splits(t, h) for t, h in ((128, 4), (128, 1), (2048, 2), (2048, 16))] == [4, 16, 4, 1]

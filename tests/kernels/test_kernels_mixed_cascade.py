@@ -336,10 +336,10 @@ def test_a_bad_mixed_shared_switch_is_refused_with_its_value(monkeypatch, spec):
         common.mixed_shared_knobs()
 
 
-@pytest.mark.parametrize("spec,want", [("sp=3,sl=0", {"ragged_paged_attention_bq16_bkv16_g4_s3"}),
-                                       ("sp=2,lk=4", {"ragged_paged_attention_bq16_bkv16_g4_s2_sl",
+@pytest.mark.parametrize("spec,want", [("sp=3,sl=0", {"ragged_paged_attention_bq16_bkv16_g4_s3_i1"}),
+                                       ("sp=2,lk=4", {"ragged_paged_attention_bq16_bkv16_g4_s2_i1_sl",
                                                       "ragged_merge_s2"}),
-                                       ("sp=2,sl=1,lk=4", {"ragged_paged_attention_bq16_bkv16_g4_s2_sl",
+                                       ("sp=2,sl=1,lk=4", {"ragged_paged_attention_bq16_bkv16_g4_s2_i1_sl",
                                                            "ragged_merge_s2"})])
 def test_the_mixed_ragged_switch_keeps_the_result(monkeypatch, spec, want):
     """``INFERSCALE_MIXED_RAGGED`` (the benchmarks' A/B switch of the ragged kernel's knobs in mixed steps):
@@ -351,7 +351,8 @@ def test_the_mixed_ragged_switch_keeps_the_result(monkeypatch, spec, want):
     want_out = kv_cache._attend(q[None], kp, vp, None, plain, "ref")[0]
     base = common.switches()
     kernels = functools.partial(mixed_step_kernels, q, kp, vp, casc, r"(ragged_\w+)")
-    assert kernels() == {"ragged_paged_attention_bq16_bkv16_g4_s1"}  # (fp32: 16-key tiles; interpret mode: one split)
+    # (fp32: 16-key tiles; interpret mode: one split, started from the shared part's one split: _i1)
+    assert kernels() == {"ragged_paged_attention_bq16_bkv16_g4_s1_i1"}
     monkeypatch.setenv("INFERSCALE_MIXED_RAGGED", spec)
     assert common.switches() != base and kernels() == want
     out = kv_cache._attend(q[None], kp, vp, None, casc, "pallas")[0]
