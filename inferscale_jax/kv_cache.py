@@ -266,7 +266,8 @@ def _attend(q, kp, vp, positions, meta: AttnMeta, impl: str, scales=(None, None)
         out = _mixed(q[0], kp, vp, meta, pallas, sc)[None]  # [1, N, Hq, D]
     elif meta.group_pages is not None:  # q [1, R]: one token per row, cascade groups
         fn = grouped_cascade_decode_attention if pallas else grouped_cascade_decode_attention_ref
-        knobs = dict(num_stages=shared_stages(DECODE_SHARED_STAGES, SHARED_BLOCK_KV, q.shape[-1], kp)) if pallas else {}
+        knobs = dict(num_stages=shared_stages(DECODE_SHARED_STAGES, SHARED_BLOCK_KV, q.shape[-1], kp),
+                     num_splits=decode_shared_splits(q.shape[1], kp.shape[0])) if pallas else {}
         out = fn(q[0], kp, vp, meta.group_pages, meta.group_lens, meta.row_group, meta.page_table,
                  meta.kv_lens, **knobs, **sc)[None]
     else:  # q [1, R]: one token per row
@@ -306,6 +307,11 @@ MIXED_STAGES_MAX_TILE_BYTES = 64 * 128 * 2
 # same tile gate.  Measured (bench/NOTES.md, run AX: H100, 8 segments of 4096, the kernels' GPU time a layer):
 # 64 rows 121.6 -> 110.5 us, 256 rows 192.4 -> 180.4.
 DECODE_SHARED_STAGES = 3
+# The decode steps' cascade shared part's split count by the step's row bucket (for MIXED_SPLIT_KV_HEADS kv heads,
+# as MIXED_SPLIT_BUCKETS); below the smallest, the kernel's automatic count (3 at 64 and at 256 rows here).
+# Measured (run AX, 3 stages): 256 rows 180.4 us with the automatic 3, 166.0 with 2; 64 rows 110.5 / 115.1 (keeps 3).
+DECODE_SPLIT_BUCKETS = ((256, 2),)
+assert list(DECODE_SPLIT_BUCKETS) == sorted(DECODE_SPLIT_BUCKETS, reverse=True)
 
 
 def shared_stages(stages: int | None, block_kv: int, head_dim: int, k_pages) -> int | None:
@@ -317,7 +323,17 @@ def shared_stages(stages: int | None, block_kv: int, head_dim: int, k_pages) -> 
 def mixed_shared_splits(tokens: int, kv_heads: int) -> int | None:
     """The shared part's split count in a mixed step of ``tokens`` (bucketed) tokens over ``kv_heads`` kv heads
     on this device (``MIXED_SPLIT_BUCKETS``); None: the kernel's automatic count."""
-    base = next((sp for at_least, sp in MIXED_SPLIT_BUCKETS if tokens >= at_least), None)
+    return _splits_by(MIXED_SPLIT_BUCKETS, tokens, kv_heads)
+
+
+def decode_shared_splits(rows: int, kv_heads: int) -> int | None:
+    """The shared part's split count in a decode step of ``rows`` (bucketed) rows (``DECODE_SPLIT_BUCKETS``, as
+    ``mixed_shared_splits``); None: the kernel's automatic count."""
+    return _splits_by(DECODE_SPLIT_BUCKETS, rows, kv_heads)
+
+
+def _splits_by(buckets, size: int, kv_heads: int) -> int | None:
+    base = next((sp for at_least, sp in buckets if size >= at_least), None)
     return None if base is None else base * max(1, MIXED_SPLIT_KV_HEADS // max(1, kv_heads))
 
 

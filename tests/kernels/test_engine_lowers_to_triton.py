@@ -237,6 +237,24 @@ def test_the_mixed_shared_chunk_launch_lowers(compiled_kernels, monkeypatch):
     assert shared == {"cascade_shared_r64_bk64_sp8": (3, 4), "cascade_shared_r128_bk64_sp8": (3, 8)}, shared
 
 
+def test_the_decode_shared_split_count_follows_the_row_bucket(compiled_kernels, monkeypatch):
+    """A decode step's cascade shared part splits 2 ways from 256 rows (``kv_cache.DECODE_SPLIT_BUCKETS``, for 8 kv
+    heads: 8 for the test model's 2), below that by the kernel's automatic count."""
+    def splits(engine, rows):
+        key = next(k for k in engine.runner.buckets.all_keys() if not k.ragged and k.shared and k.rows == rows
+                   and not k.num_logprobs)
+        found = {int(m) for n in lowered_kernels(engine, key) for m in re.findall(r"^cascade_shared\w*_sp(\d+)$", n)}
+        assert len(found) == 1, (rows, found)
+        return found.pop()
+    assert [kv_cache.decode_shared_splits(r, 8) for r in (64, 255, 256, 512)] == [None, None, 2, 2]
+    monkeypatch.setattr(kv_cache, "DECODE_SPLIT_BUCKETS", ((16, 2),))  # (the test engine's rows: at most 16)
+    engine = make_engine()
+    assert splits(engine, 16) == 8
+    jax.clear_caches()
+    monkeypatch.setattr(kv_cache, "DECODE_SPLIT_BUCKETS", ())
+    assert splits(make_engine(), 16) != 8
+
+
 def test_the_mixed_shared_split_count_scales_with_the_devices_kv_heads():
     """8 kv heads on the device take the measured counts; fewer (tensor parallelism) proportionally more."""
     assert [kv_cache.mixed_shared_splits(t, 8) for t in (64, 128, 256, 511, 512, 1024, 4096)] == [
