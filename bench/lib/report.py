@@ -88,6 +88,14 @@ def table(title, headers, rows, md=True):
         MD.append("")
 
 
+def switch_lines() -> list[str]:
+    """A header line naming the ``INFERSCALE_*`` switches set in the environment (A/B runs set them outside the
+    command line), none when unset; the commit and the cache folder are named elsewhere or nowhere."""
+    skip = ("INFERSCALE_COMMIT", "INFERSCALE_CACHE")
+    found = sorted(f"{k}={v}" for k, v in os.environ.items() if k.startswith("INFERSCALE_") and k not in skip)
+    return [f"- switches: {', '.join(f'`{x}`' for x in found)}"] if found else []
+
+
 def finish(out_dir: str, name: str, title: str, t0: float, root: str, extra: list[str] = ()) -> None:
     """Write the report ``name``: a header (title, date, device, the command as typed, total time,
     ``extra`` lines, failures) then ``MD``; exit non-zero when a check failed."""
@@ -102,7 +110,7 @@ def finish(out_dir: str, name: str, title: str, t0: float, root: str, extra: lis
     head = [f"# {title}", "", f"- date: {datetime.datetime.now().isoformat(timespec='seconds')}",
             f"- devices: {jax.device_count()} x {dev.device_kind} ({dev.platform}), jax {jax.__version__}",
             f"- command: `python {cmd}`", f"- code: {code_version()}",
-            f"- total time: {time.time() - t0:.0f} s", *extra, ""]
+            f"- total time: {time.time() - t0:.0f} s", *switch_lines(), *extra, ""]
     if FAILURES:
         head += ["**FAILURES:**", ""] + [f"- {f}" for f in FAILURES] + [""]
     write_md(out_dir, name, head + MD)

@@ -29,3 +29,16 @@ def test_code_version_reads_the_checkout(monkeypatch):
         return
     head = git.stdout.strip()
     assert version in (head, head + " +changes")
+
+
+def test_reports_name_the_switches_set_in_the_environment(monkeypatch):
+    """An A/B run sets its switch outside the command line: the report's header names it (not the commit or
+    the cache folder, named elsewhere), and says nothing when none is set."""
+    for key in [k for k in os.environ if k.startswith("INFERSCALE_")]:
+        monkeypatch.delenv(key)
+    assert report.switch_lines() == []
+    monkeypatch.setenv("INFERSCALE_MIXED_MERGE", "jnp")
+    monkeypatch.setenv("INFERSCALE_MIXED_SHARED", "sp=3")
+    monkeypatch.setenv("INFERSCALE_COMMIT", "abc1234")
+    monkeypatch.setenv("INFERSCALE_CACHE", "/tmp/cache")
+    assert report.switch_lines() == ["- switches: `INFERSCALE_MIXED_MERGE=jnp`, `INFERSCALE_MIXED_SHARED=sp=3`"]
