@@ -234,6 +234,7 @@ def _shared_kernel(
     num_splits: int,
     scale_log2: float,
     prefetch: bool,
+    normalise: bool = False,
 ):
     scale_refs, (o_ref, m_ref, l_ref) = (refs[:2], refs[2:]) if quantized else ((), refs)
     split = pl.program_id(2)
@@ -289,9 +290,15 @@ def _shared_kernel(
     carry = lax.fori_loop(0, n_full, functools.partial(body, masked=False), carry)
     o, m, l = lax.fori_loop(n_full, n_total, functools.partial(body, masked=True), carry)[:3]
 
+    if normalise:  # (o / l in o_ref's dtype, m + log2 l, 1): the same merge weights, half the bytes of o
+        has = l > 0
+        o = jnp.where(has[:, None], o / jnp.where(has, l, 1.0)[:, None], 0.0)
+        m = jnp.where(has, m + jnp.log2(jnp.where(has, l, 1.0)), m)
+        l = has.astype(jnp.float32)
+
     @pl.when(shared_len_ref[0] > 0)  # an unused block (or an empty prefix) stores nothing: no reader
     def _():
-        o_ref[...] = o
+        o_ref[...] = o.astype(o_ref.dtype)
         m_ref[...] = m
         l_ref[...] = l
 
@@ -302,7 +309,9 @@ def _shared_partials(q, k_pages, v_pages, group_pages, group_lens, row_group, k_
     """The shared kernel's launch (algorithm steps 1-2): (o [Hkv, NS, Rp + pad, D], m, l [Hkv, NS,
     Rp + pad] fp32 partials of the packed rows, m in base 2; idx [B * Gq] each query row's packed
     row, Rp outside every group; stored [B * Gq] bool: its block wrote partials).  ``pad_rows``
-    more rows at the end (never written) let a reader take a whole tile from any member's row."""
+    more rows at the end (never written) let a reader take a whole tile from any member's row.
+    ``INFERSCALE_SHARED_PARTIALS=q_dtype`` with 16-bit ``q``: ``o`` normalised in ``q``'s dtype, ``m`` the
+    base-2 lse, ``l`` 1 (0 without keys): the same merge, half of ``o``'s bytes (``common.shared_partials``)."""
     b, hq, d = q.shape
     hkv, p, s, _ = k_pages.shape
     gq = hq // hkv
@@ -329,8 +338,9 @@ def _shared_partials(q, k_pages, v_pages, group_pages, group_lens, row_group, k_
 
     quantized = k_scale is not None
     prefetch = common.slot_prefetch() if prefetch is None else prefetch
+    normalise = common.shared_partials() == "q_dtype" and q.dtype.itemsize == 2
     kernel = functools.partial(_shared_kernel, quantized=quantized, page_size=s, block_kv=block_kv, prefetch=prefetch,
-                               num_splits=num_splits, scale_log2=float(sm_scale) * _LOG2E)
+                               num_splits=num_splits, scale_log2=float(sm_scale) * _LOG2E, normalise=normalise)
     per_head = pl.BlockSpec((None, p * s, d), lambda r, h, t: (h, 0, 0))
     scales, scale_specs = (), []
     if quantized:  # each head's [P*S] scales, whole
@@ -351,13 +361,13 @@ def _shared_partials(q, k_pages, v_pages, group_pages, group_lens, row_group, k_
             pl.BlockSpec((None, None, block_rows), lambda r, h, t: (h, t, r)),
         ],
         out_shape=[
-            jax.ShapeDtypeStruct((hkv, num_splits, rows_p + pad_rows, d), jnp.float32),  # o
+            jax.ShapeDtypeStruct((hkv, num_splits, rows_p + pad_rows, d), q.dtype if normalise else jnp.float32),
             jax.ShapeDtypeStruct((hkv, num_splits, rows_p + pad_rows), jnp.float32),  # m (log2)
             jax.ShapeDtypeStruct((hkv, num_splits, rows_p + pad_rows), jnp.float32),  # l
         ],
         compiler_params=common.compiler_params(num_warps, num_stages),
         interpret=interpret,
-        name=f"cascade_shared_g{g}_r{block_rows}_bk{block_kv}_sp{num_splits}",
+        name=f"cascade_shared_g{g}_r{block_rows}_bk{block_kv}_sp{num_splits}" + ("_nq" if normalise else ""),
     )(block_lens, block_pages, qp, k_pages.reshape(hkv, p * s, d), v_pages.reshape(hkv, p * s, d), *scales)
     at = jnp.minimum(idx, rows_p - 1)  # [B*Gq] (rows outside every group: masked by `stored`)
     # rows whose block stored its partials (a block of length 0 stores nothing: its rows hold garbage)
@@ -374,7 +384,7 @@ def _shared_part(q, k_pages, v_pages, group_pages, group_lens, row_group, k_scal
     o, m, l, idx, stored = _shared_partials(q, k_pages, v_pages, group_pages, group_lens, row_group,
                                             k_scale, v_scale, **kw)
     at = jnp.minimum(idx, o.shape[2] - 1)
-    o, m, l = o[:, :, at], m[:, :, at], l[:, :, at]  # [Hkv, NS, B*Gq(, D)]: the requests' rows only
+    o, m, l = o[:, :, at].astype(jnp.float32), m[:, :, at], l[:, :, at]  # [Hkv, NS, B*Gq(, D)]: the requests' rows
     m_max = jnp.max(m, axis=1)  # [Hkv, B*Gq]
     w = jnp.exp2(m - m_max[:, None])  # [Hkv, NS, B*Gq]
     l_tot = jnp.sum(l * w, axis=1)  # [Hkv, B*Gq]

@@ -139,12 +139,24 @@ def mixed_merge() -> str:
     return env_choice("INFERSCALE_MIXED_MERGE", MIXED_MERGE_CHOICES)
 
 
+SHARED_PARTIALS_CHOICES = ("fp32", "q_dtype")
+
+
+def shared_partials() -> str:
+    """``INFERSCALE_SHARED_PARTIALS``: how the cascade shared part stores its split partials for the kernel that
+    continues from them (``pallas_kernels/cascade_attention.py``).  ``fp32`` (the default): unnormalised ``o``,
+    base-2 ``m``, ``l``, all fp32; ``q_dtype``: with 16-bit queries, ``o`` normalised in the queries' dtype,
+    ``m`` the base-2 log-sum-exp and ``l`` 1 (0 for no key), so a reader's merge is unchanged and reads half the
+    bytes (fp32 queries keep fp32).  An A/B switch for the benchmarks (bench/NOTES.md)."""
+    return env_choice("INFERSCALE_SHARED_PARTIALS", SHARED_PARTIALS_CHOICES)
+
+
 def switches() -> dict:
     """The environment's switches that change the kernels' programs (for caches keyed without
     tracing, such as the engine's executable store: a switch must name another entry)."""
     return {"slot_prefetch": slot_prefetch(), "mixed_shared": sorted(mixed_shared_knobs().items()),
             "mixed_decode": mixed_decode(), "mixed_ragged": sorted(mixed_ragged_knobs().items()),
-            "mixed_merge": mixed_merge()}
+            "mixed_merge": mixed_merge(), "shared_partials": shared_partials()}
 
 
 def switches_key() -> tuple:

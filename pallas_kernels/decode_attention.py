@@ -227,7 +227,7 @@ def _initial_state(init_refs, b, s, row_ok, splits: int):
     for t in range(splits):
         w = jnp.exp2(ms[t] - m)  # 0 for a split with no key (its m is _M_INIT, l 0)
         rows = pl.ds(first + t * per_split, gp)
-        o += w[:, None] * plt.load(o_ref.at[rows, :], mask=ok[:, None], other=0.0)
+        o += w[:, None] * plt.load(o_ref.at[rows, :], mask=ok[:, None], other=0.0).astype(jnp.float32)
         l += w * plt.load(l_ref.at[rows], mask=ok, other=0.0)
     return o, m, l
 
@@ -279,7 +279,9 @@ def paged_decode_attention(
     continues from partial results over *other* keys (the cascade's shared part, already computed):
     request ``b``'s query heads ``h * G .. h * G + G - 1`` are rows ``row[b] .. row[b] + G - 1`` of head
     ``h``'s ``NI`` partials (unnormalised ``o``, base-2 running max ``m``, sum ``l``, as this kernel's own
-    split partials); ``row[b] < 0``: none.  ``R >= max(row) + Gp`` (padded: a whole query tile is read).
+    split partials; or, equivalently, ``o`` normalised in a 16-bit dtype with ``m`` its base-2 log-sum-exp
+    and ``l`` 1, 0 without keys: ``INFERSCALE_SHARED_PARTIALS=q_dtype``); ``row[b] < 0``: none.  ``R >=
+    max(row) + Gp`` (padded: a whole query tile is read).
     The result is the attention over both key sets, as if the partials were one more split.
 
     ``prefetch``: the loop carries the next block's page slots (True) or computes each block's in
@@ -353,7 +355,7 @@ def paged_decode_attention(
                      pl.BlockSpec((None, flat, d), lambda i, j, k: (j, 0, 0)),
                      pl.BlockSpec((None, flat), lambda i, j, k: (j, 0)),
                      pl.BlockSpec((None, flat), lambda i, j, k: (j, 0))]
-        scales += (init_row.astype(jnp.int32), init_o.astype(jnp.float32).reshape(hkv, flat, d),
+        scales += (init_row.astype(jnp.int32), init_o.reshape(hkv, flat, d),  # (fp32, or normalised 16-bit)
                    init_m.astype(jnp.float32).reshape(hkv, flat), init_l.astype(jnp.float32).reshape(hkv, flat))
     kernel = functools.partial(
         _decode_kernel, quantized=quantized, init_splits=init_splits, fold_scales=fold_scales, k_major=k_major,

@@ -317,7 +317,7 @@ def _initial_state(init_refs, splits: int, tok, j, split):
     l = jnp.zeros(at.shape, jnp.float32)
     for u in range(splits):
         w = jnp.exp2(ms[u] - m)  # 0 for a split with no key (its m is the shared part's finite floor, l 0)
-        acc += w[:, None] * o_ref[at + u * per_split, :]
+        acc += w[:, None] * o_ref[at + u * per_split, :].astype(jnp.float32)
         l += w * l_ref[at + u * per_split]
     # (a row without partials may have read unwritten rows: selected away, never multiplied in)
     return (jnp.where(ok[:, None], acc, 0.0), jnp.where(ok, m, -jnp.inf), jnp.where(ok, l, 0.0))
@@ -475,7 +475,7 @@ def _ragged(q, k_pages, v_pages, page_table, cu_q_lens, kv_lens, k_scale, v_scal
         init_row, init_o, init_m, init_l = init
         init_splits = init_o.shape[1]
         flat = init_splits * init_o.shape[2]  # (free reshapes: split u's rows at u * R)
-        scales += (init_row.astype(jnp.int32), init_o.astype(jnp.float32).reshape(num_kv_heads, flat, head_dim),
+        scales += (init_row.astype(jnp.int32), init_o.reshape(num_kv_heads, flat, head_dim),  # (fp32 or 16-bit)
                    init_m.astype(jnp.float32).reshape(num_kv_heads, flat),
                    init_l.astype(jnp.float32).reshape(num_kv_heads, flat))
     kw = dict(quantized=quantized, tiles=tiles, group=group, num_q_heads=num_q_heads, page_size=page_size,
@@ -657,7 +657,9 @@ def ragged_paged_attention(
     attention over *other* keys, as ``NI`` split partials (unnormalised ``o``, base-2 running max ``m``
     of the scaled scores, sum ``l``: the cascade shared part's, ``grouped_shared_prefix_partials``); token
     ``n``'s query head ``h * G + j`` has its partials at row ``row[n] + j`` of kv head ``h`` (``row[n] <
-    0``: none).  The kernel starts those rows' online softmax from them (split 0 of a split block), so
+    0``: none).  ``o`` may instead be normalised in a 16-bit dtype, with ``m`` its base-2 log-sum-exp and
+    ``l`` 1 (0 without keys): the same merge (the shared part's ``INFERSCALE_SHARED_PARTIALS=q_dtype``).
+    The kernel starts those rows' online softmax from them (split 0 of a split block), so
     the output (and lse) is the attention over both key sets, with no merge after it.
     """
     num_tokens, num_rows, num_q_heads, num_kv_heads, _, page_size, head_dim = (
@@ -711,6 +713,8 @@ def check_init(init, num_tokens: int, num_kv_heads: int, head_dim: int) -> None:
     if (row.shape != (num_tokens,) or o.ndim != 4 or o.shape[0] != num_kv_heads or o.shape[3] != head_dim
             or 0 in o.shape or m.shape != o.shape[:3] or l.shape != o.shape[:3]):
         common._fail("init", [tuple(x.shape) for x in init], want)
+    if not jnp.issubdtype(o.dtype, jnp.floating) or jnp.dtype(o.dtype).itemsize < 2:
+        common._fail("init's o dtype", o.dtype, "float32, or a 16-bit float with o normalised")
 
 
 def init_merged(init, num_q_heads: int):
@@ -722,7 +726,7 @@ def init_merged(init, num_q_heads: int):
     at = row.astype(jnp.int32)[:, None] + jnp.arange(group, dtype=jnp.int32)[None, :]  # [N, G]
     ok = (row >= 0)[:, None]  # [N, 1]
     at = jnp.clip(at, 0, rows - 1).reshape(-1)
-    o, m, l = o[:, :, at], m[:, :, at], l[:, :, at]  # [Hkv, NI, N*G(, D)]
+    o, m, l = o[:, :, at].astype(jnp.float32), m[:, :, at], l[:, :, at]  # [Hkv, NI, N*G(, D)]
     top = jnp.max(m, axis=1)
     w = jnp.exp2(m - top[:, None])
     l_tot, o_tot = jnp.sum(l * w, axis=1), jnp.sum(o * w[..., None], axis=1)  # [Hkv, N*G(, D)]

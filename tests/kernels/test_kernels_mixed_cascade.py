@@ -376,3 +376,33 @@ def test_the_mixed_ragged_switch_parses_to_the_kernels_arguments(monkeypatch):
     assert common.mixed_ragged_knobs() == dict(split_longest=False)
     monkeypatch.setenv("INFERSCALE_MIXED_RAGGED", "")
     assert common.mixed_ragged_knobs() == {}
+
+
+@pytest.mark.parametrize("chunk_groups", [(-1, -1), (0, 1)])
+def test_normalised_shared_partials_keep_the_mixed_and_decode_steps(monkeypatch, chunk_groups):
+    """``INFERSCALE_SHARED_PARTIALS=q_dtype``: the shared part stores bf16 normalised partials (its kernel's name
+    ends in ``_nq``) and both readers - the mixed step's ragged kernel and the decode step's suffix kernel -
+    still give the reference's result; fp32 pages keep fp32 partials; the executable key follows the switch."""
+    from pallas_kernels import common, grouped_cascade_decode_attention
+    q, kp, vp, casc, plain, n = mixed_case(11, dtype=jnp.bfloat16, chunk_groups=chunk_groups)
+    want = kv_cache._attend(q[None], kp, vp, None, plain, "ref")[0]
+    base = common.switches()
+    monkeypatch.setenv("INFERSCALE_SHARED_PARTIALS", "q_dtype")
+    assert common.switches() != base
+    assert any(k.endswith("_nq") for k in mixed_step_kernels(q, kp, vp, casc, r"(cascade_shared_\w+)"))
+    out = kv_cache._attend(q[None], kp, vp, None, casc, "pallas")[0]
+    assert_close(out[:n], want[:n], jnp.bfloat16)
+    rows = np.flatnonzero(np.diff(np.asarray(casc.cu_q_lens)) == 1)  # the one-token rows as a decode step
+    tok = np.asarray(casc.cu_q_lens)[rows]
+    args = (q[tok], kp, vp, casc.group_pages, casc.group_lens, casc.row_group[rows], casc.page_table[rows],
+            casc.kv_lens[rows])
+    assert_close(grouped_cascade_decode_attention(*args), grouped_cascade_decode_attention_ref(*args), jnp.bfloat16)
+    q32, kp32, vp32, casc32, _, _ = mixed_case(11, chunk_groups=chunk_groups)  # fp32 pages: fp32 partials
+    assert not any(k.endswith("_nq") for k in mixed_step_kernels(q32, kp32, vp32, casc32, r"(cascade_shared_\w+)"))
+
+
+def test_a_bad_shared_partials_switch_is_refused_with_its_value(monkeypatch):
+    from pallas_kernels import common
+    monkeypatch.setenv("INFERSCALE_SHARED_PARTIALS", "bf16")
+    with pytest.raises(ValueError, match="INFERSCALE_SHARED_PARTIALS='bf16'.*'fp32', 'q_dtype'"):
+        common.shared_partials()

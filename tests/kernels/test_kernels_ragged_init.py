@@ -119,3 +119,31 @@ def test_bad_init_is_refused_with_its_shapes(fn, change):
            "tuple": (row, o, m)}[change]
     with pytest.raises(ValueError, match=r"init.*\(row \[N="):
         fn(*args, init=bad)
+
+
+def normalised(init, dtype):
+    """``init``'s partials in the shared part's ``q_dtype`` form: (o / l in ``dtype``, m + log2 l, 1; a split
+    without keys keeps its m, l 0, o 0)."""
+    row, o, m, l = init
+    has = np.asarray(l) > 0
+    safe = np.where(has, np.asarray(l), 1.0)
+    o_n = np.where(has[..., None], np.asarray(o) / safe[..., None], 0.0)
+    return (row, jnp.asarray(o_n, dtype), jnp.asarray(np.where(has, np.asarray(m) + np.log2(safe), np.asarray(m))),
+            jnp.asarray(has.astype(np.float32)))
+
+
+@pytest.mark.parametrize("table,case,longest", [("cases", 0, True), ("cases", 1, False), ("long", 0, True)])
+def test_normalised_16_bit_partials_are_the_same_merge(table, case, longest):
+    """The ``q_dtype`` form of the partials (normalised ``o`` in bf16, ``m`` the base-2 lse, ``l`` 1) gives the
+    kernel and the reference the result of the fp32 form, within bf16's rounding of ``o``."""
+    dtype, hq, hkv, d, s, q_lens, cached, pad, kw = {"cases": CASES, "long": LONG_CASES}[table][case]
+    args, _ = make_case(q_lens=q_lens, cached=cached, pad=pad, Hq=hq, Hkv=hkv, D=d, S=s, dtype=dtype)
+    init = random_init(200 + case, args[0].shape[0], hq, hkv, d, 2)
+    half = normalised(init, jnp.bfloat16)
+    assert half[1].dtype == jnp.bfloat16
+    want = np.asarray(ragged_paged_attention_ref(*args, init=init).astype(jnp.float32))
+    ref = np.asarray(ragged_paged_attention_ref(*args, init=half).astype(jnp.float32))
+    out = np.asarray(ragged_paged_attention(*args, init=half, **{**kw, "split_longest": longest}).astype(jnp.float32))
+    np.testing.assert_allclose(ref, want, **TOL[jnp.bfloat16])
+    np.testing.assert_allclose(out, want, **TOL[jnp.bfloat16])
+    assert np.isfinite(out).all()
