@@ -21,8 +21,9 @@ segment chain's node, or prefix-cache hits several rows share - into a *group ta
 ``row_group [R]`` (each row's group, -1 for none).  A group row's ``page_table`` / ``kv_lens``
 then describe its own suffix only; any other row's, its whole context.  One launch of
 ``pallas_kernels/cascade_attention.py``'s grouped kernel reads every group's pages once per row
-block of that group's members, the suffixes go through the decode kernel, and the two merge by
-their log-sum-exps (``"ref"``: the kernel's jnp reference, same semantics).  Decode steps and
+block of that group's members, and the suffixes go through the decode kernel, which starts each
+row's online softmax from its group's shared partials (``"ref"``: the kernel's jnp reference, the two
+parts merged by their log-sum-exps: same semantics).  Decode steps and
 mixed steps both carry groups: in a mixed step the group rows are its one-token decode rows, the
 ragged kernel runs over every row as usual (a group row seeing only its suffix, its log-sum-exp
 kept) and the grouped kernel's shared part, in the same jitted step, adds each group row's shared
@@ -308,7 +309,8 @@ MIXED_STAGES_MAX_TILE_BYTES = 64 * 128 * 2
 # 64 rows 121.6 -> 110.5 us, 256 rows 192.4 -> 180.4.
 DECODE_SHARED_STAGES = 3
 # The decode steps' cascade shared part's split count by the step's row bucket (for MIXED_SPLIT_KV_HEADS kv heads,
-# as MIXED_SPLIT_BUCKETS); below the smallest, the kernel's automatic count (3 at 64 and at 256 rows here).
+# as MIXED_SPLIT_BUCKETS); below the smallest, the kernel's automatic count (it chose 3 at both 64 and 256 rows
+# on the measured workload).
 # Measured (run AX, 3 stages): 256 rows 180.4 us with the automatic 3, 166.0 with 2; 64 rows 110.5 / 115.1 (keeps 3).
 DECODE_SPLIT_BUCKETS = ((256, 2),)
 assert list(DECODE_SPLIT_BUCKETS) == sorted(DECODE_SPLIT_BUCKETS, reverse=True)
@@ -340,9 +342,10 @@ def _splits_by(buckets, size: int, kv_heads: int) -> int | None:
 def _mixed(q, kp, vp, meta: AttnMeta, pallas: bool, sc: dict):
     """A mixed step's attention ``[N, Hq, D]``: the ragged kernel over every row, and when the
     step has cascade groups, the shared prefix of each group row's tokens (a decode row's one token,
-    a chunk's every token: ``row_group >= 0``) through the grouped kernel's shared part alone,
-    merged with the ragged kernel's result for those tokens (which saw only the row's suffix pages)
-    by their log-sum-exps.  So a group row's suffix is read once, by the ragged kernel, and a chunk
+    a chunk's every token: ``row_group >= 0``) through the grouped kernel's shared part first, the
+    ragged kernel then continuing those tokens from its partials (their suffix pages only; with
+    ``INFERSCALE_MIXED_MERGE=jnp`` the two merged by log-sum-exps after it, ``_mixed_shared``).  So a
+    group row's suffix is read once, by the ragged kernel, and a chunk
     over a shared segment reads the segment in the shared kernel's split programs rather than in
     one long ragged program per query block."""
     ragged = ragged_paged_attention if pallas else ragged_paged_attention_ref
@@ -419,7 +422,8 @@ def _mixed_split(q, kp, vp, meta: AttnMeta, pallas: bool, sc: dict):
     q_len = cu[1:] - cu[:-1]  # [R]
     single = q_len == 1
     decode = grouped_cascade_decode_attention if pallas else grouped_cascade_decode_attention_ref
-    knobs = dict(real_groups=MIXED_REAL_GROUPS) if pallas else {}
+    knobs = dict(real_groups=MIXED_REAL_GROUPS, num_splits=decode_shared_splits(rows, kp.shape[0]),
+                 num_stages=shared_stages(DECODE_SHARED_STAGES, SHARED_BLOCK_KV, q.shape[-1], kp)) if pallas else {}
     o_dec = decode(q[jnp.clip(cu[1:] - 1, 0, n - 1)], kp, vp, meta.group_pages, meta.group_lens,
                    jnp.where(single, meta.row_group, -1).astype(i32), meta.page_table,
                    jnp.where(single, meta.kv_lens, 0).astype(i32), **knobs, **sc)  # [R, Hq, D]

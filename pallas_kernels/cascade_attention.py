@@ -305,13 +305,14 @@ def _shared_kernel(
 
 def _shared_partials(q, k_pages, v_pages, group_pages, group_lens, row_group, k_scale, v_scale, *, sm_scale,
                      block_rows, block_kv, num_splits, num_warps, num_stages, interpret, real_groups=None,
-                     real_rows=None, pad_rows=0, prefetch=None):
+                     real_rows=None, pad_rows=0, prefetch=None, partials="fp32"):
     """The shared kernel's launch (algorithm steps 1-2): (o [Hkv, NS, Rp + pad, D], m, l [Hkv, NS,
     Rp + pad] fp32 partials of the packed rows, m in base 2; idx [B * Gq] each query row's packed
     row, Rp outside every group; stored [B * Gq] bool: its block wrote partials).  ``pad_rows``
     more rows at the end (never written) let a reader take a whole tile from any member's row.
-    ``INFERSCALE_SHARED_PARTIALS=q_dtype`` with 16-bit ``q``: ``o`` normalised in ``q``'s dtype, ``m`` the
-    base-2 lse, ``l`` 1 (0 without keys): the same merge, half of ``o``'s bytes (``common.shared_partials``)."""
+    ``partials="q_dtype"`` (``INFERSCALE_SHARED_PARTIALS``, read by the public wrappers) with 16-bit ``q``: ``o``
+    normalised in ``q``'s dtype, ``m`` the base-2 lse, ``l`` 1 (0 without keys): the same merge, half of ``o``'s
+    bytes (``common.shared_partials``)."""
     b, hq, d = q.shape
     hkv, p, s, _ = k_pages.shape
     gq = hq // hkv
@@ -338,7 +339,7 @@ def _shared_partials(q, k_pages, v_pages, group_pages, group_lens, row_group, k_
 
     quantized = k_scale is not None
     prefetch = common.slot_prefetch() if prefetch is None else prefetch
-    normalise = common.shared_partials() == "q_dtype" and q.dtype.itemsize == 2
+    normalise = partials == "q_dtype" and q.dtype.itemsize == 2
     kernel = functools.partial(_shared_kernel, quantized=quantized, page_size=s, block_kv=block_kv, prefetch=prefetch,
                                num_splits=num_splits, scale_log2=float(sm_scale) * _LOG2E, normalise=normalise)
     per_head = pl.BlockSpec((None, p * s, d), lambda r, h, t: (h, 0, 0))
@@ -378,25 +379,40 @@ def _shared_partials(q, k_pages, v_pages, group_pages, group_lens, row_group, k_
 def _shared_part(q, k_pages, v_pages, group_pages, group_lens, row_group, k_scale, v_scale, **kw):
     """(o_shared [B, Hq, D] fp32 normalised, lse_shared [B, Hq] fp32 natural log, -inf outside
     every group) of every group's shared prefix, in one launch (algorithm steps 1-3)."""
-    b, hq, d = q.shape
-    hkv = k_pages.shape[0]
-    gq = hq // hkv
     o, m, l, idx, stored = _shared_partials(q, k_pages, v_pages, group_pages, group_lens, row_group,
                                             k_scale, v_scale, **kw)
-    at = jnp.minimum(idx, o.shape[2] - 1)
-    o, m, l = o[:, :, at].astype(jnp.float32), m[:, :, at], l[:, :, at]  # [Hkv, NS, B*Gq(, D)]: the requests' rows
-    m_max = jnp.max(m, axis=1)  # [Hkv, B*Gq]
-    w = jnp.exp2(m - m_max[:, None])  # [Hkv, NS, B*Gq]
-    l_tot = jnp.sum(l * w, axis=1)  # [Hkv, B*Gq]
-    o_tot = jnp.sum(o * w[..., None], axis=1)  # [Hkv, B*Gq, D]
-    has = stored[None, :] & (l_tot > 0)
-    o_sh = jnp.where(has[..., None], o_tot / jnp.where(has, l_tot, 1.0)[..., None], 0.0)
-    lse = jnp.where(has, (m_max + jnp.log2(jnp.where(has, l_tot, 1.0))) * _LN2, -jnp.inf)
+    return merge_partials((first_rows(idx, stored, q.shape[0]), o, m, l), q.shape[1])
 
-    def per_row(x):  # [Hkv, B*Gq, ...] -> [B, Hq, ...]
-        x = x.reshape(hkv, b, gq, *x.shape[2:])
-        return jnp.swapaxes(x, 0, 1).reshape(b, hq, *x.shape[3:])
-    return per_row(o_sh), per_row(lse)
+
+def first_rows(idx, stored, b: int):
+    """[B] each row's first packed row in the shared partials (its query heads follow), -1 where its block
+    stored none (outside every group, or an empty prefix)."""
+    return jnp.where(stored.reshape(b, -1)[:, 0], idx.reshape(b, -1)[:, 0], -1)
+
+
+def merge_partials(init, num_q_heads: int):
+    """Split partials ``(row [B], o [Hkv, NS, R, D], m, l [Hkv, NS, R])`` (row ``b``'s query head ``h * Gq + j``
+    at packed row ``row[b] + j`` of kv head ``h``, ``row[b] < 0``: none; ``o`` unnormalised fp32, or normalised
+    16-bit with ``m`` its base-2 lse and ``l`` 1) merged per row (jnp): (o [B, Hq, D] fp32 normalised, lse [B, Hq]
+    natural log; zeros and ``-inf`` for a row without partials or with no key in them)."""
+    row, o, m, l = init
+    hkv, _, rows, d = o.shape
+    b, group = row.shape[0], num_q_heads // hkv
+    at = jnp.clip(row.astype(jnp.int32)[:, None] + jnp.arange(group, dtype=jnp.int32)[None, :], 0, rows - 1)
+    at = at.reshape(-1)
+    o, m, l = o[:, :, at].astype(jnp.float32), m[:, :, at], l[:, :, at]  # [Hkv, NS, B*Gq(, D)]
+    top = jnp.max(m, axis=1)
+    w = jnp.exp2(m - top[:, None])
+    l_tot, o_tot = jnp.sum(l * w, axis=1), jnp.sum(o * w[..., None], axis=1)  # [Hkv, B*Gq(, D)]
+
+    def per_row(x):  # [Hkv, B * Gq, ...] -> [B, Hq, ...]
+        x = x.reshape(hkv, b, group, *x.shape[2:])
+        return jnp.swapaxes(x, 0, 1).reshape(b, num_q_heads, *x.shape[3:])
+    l_tot, top, o_tot = per_row(l_tot), per_row(top), per_row(o_tot)
+    has = (row >= 0)[:, None] & (l_tot > 0)  # [B, Hq]
+    safe = jnp.where(has, l_tot, 1.0)
+    return (jnp.where(has[..., None], o_tot / safe[..., None], 0.0),
+            jnp.where(has, (top + jnp.log2(safe)) * _LN2, -jnp.inf))
 
 
 def merge_lse(o_a, lse_a, o_b, lse_b):
@@ -415,7 +431,7 @@ def merge_lse(o_a, lse_a, o_b, lse_b):
 
 @functools.partial(jax.jit, static_argnames=(
     "sm_scale", "block_rows", "block_kv", "num_splits", "num_warps", "num_stages", "interpret", "real_groups",
-    "real_rows"))
+    "real_rows", "prefetch", "partials"))
 def _shared_only(q, k_pages, v_pages, group_pages, group_lens, row_group, k_scale, v_scale, **kw):
     return _shared_part(q, k_pages, v_pages, group_pages, group_lens, row_group, k_scale, v_scale, **kw)
 
@@ -443,8 +459,9 @@ def grouped_shared_prefix_attention(
     """The shared part alone (algorithm steps 1-3): each row's attention over its group's shared
     prefix only, normalised, with its natural-log log-sum-exp; zeros and ``-inf`` for a row outside
     every group or with an empty prefix.  A caller that has the suffix part's output and lse from
-    elsewhere merges the two with :func:`merge_lse` (the engine's mixed steps take the suffix from
-    the ragged kernel).  Knobs as :func:`grouped_cascade_decode_attention`'s shared part;
+    elsewhere merges the two with :func:`merge_lse` (the engine's mixed steps under
+    ``INFERSCALE_MIXED_MERGE=jnp``; by default they hand :func:`grouped_shared_prefix_partials` to the ragged
+    kernel instead).  Knobs as :func:`grouped_cascade_decode_attention`'s shared part;
     ``real_groups`` (a bound on the groups that hold rows, when the table is padded to a bucket)
     sizes the automatic split count from the groups that exist, not the padding; ``real_rows`` (a
     bound on the rows in groups, when ``B`` counts padding, e.g. a mixed step's flat tokens) likewise."""
@@ -476,19 +493,17 @@ def _shared_knobs(q, k_pages, v_pages, group_pages, group_lens, row_group, k_sca
     sm_scale = 1.0 / math.sqrt(d) if sm_scale is None else float(sm_scale)
     interpret = common.default_interpret() if interpret is None else interpret
     return dict(sm_scale=sm_scale, block_rows=block_rows, block_kv=block_kv, num_warps=num_warps,
-                num_stages=num_stages, interpret=interpret)
+                num_stages=num_stages, interpret=interpret, prefetch=common.slot_prefetch(),
+                partials=common.shared_partials())  # (the switches as static arguments: they key the jits)
 
 
 @functools.partial(jax.jit, static_argnames=(
     "sm_scale", "block_rows", "block_kv", "num_splits", "num_warps", "num_stages", "interpret", "real_groups",
-    "real_rows"))
+    "real_rows", "prefetch", "partials"))
 def _partials_only(q, k_pages, v_pages, group_pages, group_lens, row_group, k_scale, v_scale, **kw):
-    b, hq, _ = q.shape
-    gq = hq // k_pages.shape[0]
     o, m, l, idx, stored = _shared_partials(q, k_pages, v_pages, group_pages, group_lens, row_group,
                                             k_scale, v_scale, **kw)
-    first = idx.reshape(b, gq)[:, 0]  # [B] each row's first packed row (its heads follow)
-    return jnp.where(stored.reshape(b, gq)[:, 0], first, -1), o, m, l
+    return first_rows(idx, stored, q.shape[0]), o, m, l
 
 
 def grouped_shared_prefix_partials(
@@ -512,11 +527,14 @@ def grouped_shared_prefix_partials(
     v_scale: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """The shared part's raw split partials (algorithm steps 1-2), for a kernel that continues each row's
-    attention from them (``ragged_paged_attention``'s ``init``; the decode steps' suffix kernel takes the
-    same form): ``(row [B] int32, o [Hkv, NS, R, D], m [Hkv, NS, R], l [Hkv, NS, R] fp32)``, row ``b``'s
-    query head ``h * Gq + j`` at packed row ``row[b] + j`` of kv head ``h``; ``o`` unnormalised, ``m``
-    the base-2 running max of the scaled scores; ``row[b] = -1`` outside every group or for an empty
-    prefix.  Knobs as :func:`grouped_shared_prefix_attention`; the group table must not be empty."""
+    attention from them (``ragged_paged_attention``'s ``init``; the decode kernel's ``init`` takes the same
+    form, but reads a whole query tile from each row and so needs the buffers padded past the last row, which
+    :func:`grouped_cascade_decode_attention` does itself): ``(row [B] int32, o [Hkv, NS, R, D], m [Hkv, NS, R],
+    l [Hkv, NS, R] fp32)``, row ``b``'s query head ``h * Gq + j`` at packed row ``row[b] + j`` of kv head
+    ``h``; ``o`` unnormalised, ``m`` the base-2 running max of the scaled scores (or, under
+    ``INFERSCALE_SHARED_PARTIALS=q_dtype`` with 16-bit ``q``, ``o`` normalised in ``q``'s dtype, ``m`` its base-2
+    lse, ``l`` 1); ``row[b] = -1`` outside every group or for an empty prefix.  Knobs as
+    :func:`grouped_shared_prefix_attention`; the group table must not be empty."""
     if 0 in group_pages.shape:
         common._fail("group_pages.shape", tuple(group_pages.shape), "[G >= 1, Ps >= 1] (no group: call the "
                      "suffix kernel without init)")
@@ -573,24 +591,22 @@ def grouped_shared_prefix_attention_ref(
 
 @functools.partial(jax.jit, static_argnames=(
     "sm_scale", "block_rows", "block_kv", "num_splits", "suffix_num_splits", "num_warps",
-    "num_stages", "interpret", "fused_merge", "prefetch", "real_groups"))
+    "num_stages", "interpret", "fused_merge", "prefetch", "real_groups", "partials"))
 def _cascade(q, k_pages, v_pages, group_pages, group_lens, row_group, suffix_table, suffix_lens,
              k_scale, v_scale, *, sm_scale, block_rows, block_kv, num_splits, suffix_num_splits,
-             num_warps, num_stages, interpret, fused_merge, prefetch, real_groups=None):
+             num_warps, num_stages, interpret, fused_merge, prefetch, real_groups=None, partials="fp32"):
     if 0 in group_pages.shape:  # no group or no shared page at all: plain decode
         return paged_decode_attention(q, k_pages, v_pages, suffix_table, suffix_lens, sm_scale=sm_scale,
                                       num_splits=suffix_num_splits, interpret=interpret, k_scale=k_scale,
                                       v_scale=v_scale, prefetch=prefetch)
     knobs = dict(sm_scale=sm_scale, block_rows=block_rows, block_kv=block_kv, num_splits=num_splits,
                  num_warps=num_warps, num_stages=num_stages, interpret=interpret, prefetch=prefetch,
-                 real_groups=real_groups)
+                 real_groups=real_groups, partials=partials)
     if fused_merge:  # steps 3-5 in the suffix kernel: it starts from each row's shared partials
-        b, hq, _ = q.shape
-        gq = hq // k_pages.shape[0]
+        gq = q.shape[1] // k_pages.shape[0]
         o, m, l, idx, stored = _shared_partials(q, k_pages, v_pages, group_pages, group_lens, row_group,
                                                 k_scale, v_scale, pad_rows=query_tile_rows(gq), **knobs)
-        first = idx.reshape(b, gq)[:, 0]  # [B] each request's first packed row (its heads follow)
-        row = jnp.where(stored.reshape(b, gq)[:, 0], first, -1)
+        row = first_rows(idx, stored, q.shape[0])
         return paged_decode_attention(q, k_pages, v_pages, suffix_table, suffix_lens, sm_scale=sm_scale,
                                       num_splits=suffix_num_splits, interpret=interpret, k_scale=k_scale,
                                       v_scale=v_scale, init=(row, o, m, l), prefetch=prefetch)
@@ -666,7 +682,7 @@ def grouped_cascade_decode_attention(
                     k_scale, v_scale, sm_scale=sm_scale, block_rows=block_rows, block_kv=block_kv,
                     num_splits=num_splits, suffix_num_splits=suffix_num_splits, num_warps=num_warps,
                     num_stages=num_stages, interpret=interpret, fused_merge=fused_merge, prefetch=prefetch,
-                    real_groups=real_groups)
+                    real_groups=real_groups, partials=common.shared_partials())
 
 
 def grouped_cascade_decode_attention_ref(

@@ -13,7 +13,8 @@ Inputs (one layer; page layout as in :mod:`pallas_kernels.common`):
 Semantics.  Query ``i`` of row ``r`` sits at absolute position ``kv_lens[r] - q_len[r] + i``
 and attends exactly the keys at positions ``<= `` its own: the cached tokens plus, causally,
 its own chunk.  The softmax runs in fp32; the output has ``q``'s dtype.  Output rows of
-padding tokens are exact zeros.  Key slots at positions ``>= kv_lens[r]`` (the tail of the
+padding tokens are exact zeros (unless ``init`` gives them partials, below).  Key slots at
+positions ``>= kv_lens[r]`` (the tail of the
 last page, padded table entries, the null page) may hold anything, NaN included: their scores
 are masked *and* their V rows zeroed, as in :mod:`pallas_kernels.prefill_attention`.
 
@@ -81,6 +82,13 @@ launch's output in place.  A step with no long block then costs the unsplit kern
 ``slots x kv_splits x Hkv`` programs more that do nothing, a merge launch whose programs do nothing,
 and the plan's few jnp ops (``lax.top_k`` over the blocks, a scatter, gathers).
 
+Partials over other keys (``init``: the engine's mixed steps hand it the cascade shared part's split
+partials, ``grouped_shared_prefix_partials``).  Split 0 of each block starts its rows' online softmax
+from their partials instead of the empty state: its prologue gathers each tile row's ``NI`` partial rows
+(token ``tok0 + t``'s first packed row, ``+ r % G``), merges them by their running maxima, and the loop
+continues from there, so the stored output (and lse) already covers both key sets; a later split starts
+empty and loads nothing, and the splits' merge (jnp, or ``_merge_kernel``) counts the partials once.
+
 ``ragged_paged_attention_ref`` is the pure-jnp reference (each token gathers its row's pages
 densely, fp32 softmax); both call :func:`check_ragged_inputs`.
 """
@@ -97,7 +105,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels import common
-from pallas_kernels.cascade_attention import merge_lse
+from pallas_kernels.cascade_attention import merge_lse, merge_partials
 from pallas_kernels.prefill_attention import _LOG2E, _MASK, _PREC, _choose_blocks, _next_pow2
 from pallas_kernels.quant import dequantize_rows, fold_probs, fold_scores, gather_pages, pv_dtype, scales_on_rows
 
@@ -305,22 +313,28 @@ def _initial_state(init_refs, splits: int, tok, j, split):
     """Split 0's starting (acc, m, l) for the tile's rows: each row's ``splits`` partials over other keys
     (the cascade's shared part: unnormalised ``o``, base-2 ``m``, ``l``), merged as split partials are.
     ``init_row[tok]`` is the first packed row of the row's token (its heads follow: ``+ j``), ``< 0``
-    for none; such rows, and every row of a later split, take the usual empty start."""
+    for none; such rows, and every row of a later split (which loads nothing), take the usual empty start."""
+    rows, head_dim = tok.shape[0], init_refs[1].shape[-1]
+    empty = (jnp.zeros((rows, head_dim), jnp.float32), jnp.full((rows,), -jnp.inf, jnp.float32),
+             jnp.zeros((rows,), jnp.float32))
+    return lax.cond(split == 0, lambda: _merged_partials(init_refs, splits, tok, j, empty), lambda: empty)
+
+
+def _merged_partials(init_refs, splits: int, tok, j, empty):
     row_ref, o_ref, m_ref, l_ref = init_refs  # partials flat: split u's rows at u * R
     per_split = m_ref.shape[0] // splits  # R
     base = row_ref[tok]  # [M]
-    ok = (base >= 0) & (split == 0)
+    ok = base >= 0
     at = jnp.minimum(jnp.maximum(base, 0) + j, per_split - 1)  # (clamped: rows without partials read row 0..)
     ms = [m_ref[at + u * per_split] for u in range(splits)]
     m = functools.reduce(jnp.maximum, ms)
-    acc = jnp.zeros((at.shape[0], o_ref.shape[-1]), jnp.float32)
-    l = jnp.zeros(at.shape, jnp.float32)
+    acc, l = jnp.zeros_like(empty[0]), jnp.zeros_like(empty[2])
     for u in range(splits):
         w = jnp.exp2(ms[u] - m)  # 0 for a split with no key (its m is the shared part's finite floor, l 0)
         acc += w[:, None] * o_ref[at + u * per_split, :].astype(jnp.float32)
         l += w * l_ref[at + u * per_split]
     # (a row without partials may have read unwritten rows: selected away, never multiplied in)
-    return (jnp.where(ok[:, None], acc, 0.0), jnp.where(ok, m, -jnp.inf), jnp.where(ok, l, 0.0))
+    return (jnp.where(ok[:, None], acc, empty[0]), jnp.where(ok, m, empty[1]), jnp.where(ok, l, empty[2]))
 
 
 def _kernel_refs(refs, quantized: bool, init_splits: int):
@@ -625,11 +639,11 @@ def ragged_paged_attention(
     split_longest: bool = True,
     long_keys: int | None = None,
     init: tuple[jax.Array, ...] | None = None,
-) -> jax.Array | tuple[jax.Array, jax.Array]:  # [N, Hq, D], q.dtype; padding tokens: zeros
+) -> jax.Array | tuple[jax.Array, jax.Array]:  # [N, Hq, D], q.dtype; padding tokens: zeros (without init)
     """Causal attention of a flat batch of decode rows and prefill chunks (see module doc).
     ``return_lse=True`` returns ``(out, lse)``, ``lse [N, Hq] float32`` each query's natural-log
     log-sum-exp of its scaled scores (``-inf`` for padding tokens): what a caller needs to merge this
-    output with attention over more keys (the engine's mixed steps: a decode row's shared prefix).
+    output with attention over more keys (``init`` below does that merge inside the kernel).
     Compressed pages (int8 / float8_e4m3fn): ``k_scale`` / ``v_scale [Hkv, P, S]`` float32, each
     gathered tile converted to q's dtype, the scales folded into scores and probabilities
     (``pallas_kernels/quant.py``).  ``v_rows=True`` dequantizes the V tile in registers instead (its
@@ -660,7 +674,8 @@ def ragged_paged_attention(
     0``: none).  ``o`` may instead be normalised in a 16-bit dtype, with ``m`` its base-2 log-sum-exp and
     ``l`` 1 (0 without keys): the same merge (the shared part's ``INFERSCALE_SHARED_PARTIALS=q_dtype``).
     The kernel starts those rows' online softmax from them (split 0 of a split block), so
-    the output (and lse) is the attention over both key sets, with no merge after it.
+    the output (and lse) is the attention over both key sets, with no merge after it.  A padding token
+    given partials (``row >= 0``) comes out as their attention, not zeros (the engine gives them none).
     """
     num_tokens, num_rows, num_q_heads, num_kv_heads, _, page_size, head_dim = (
         check_ragged_inputs(q, k_pages, v_pages, page_table, cu_q_lens, kv_lens, k_scale, v_scale))
@@ -717,31 +732,6 @@ def check_init(init, num_tokens: int, num_kv_heads: int, head_dim: int) -> None:
         common._fail("init's o dtype", o.dtype, "float32, or a 16-bit float with o normalised")
 
 
-def init_merged(init, num_q_heads: int):
-    """``init``'s partials merged per token (jnp): (o [N, Hq, D] fp32 normalised, lse [N, Hq] natural log;
-    zeros and ``-inf`` for a token without partials or with no key in them)."""
-    row, o, m, l = init
-    hkv, splits, rows, d = o.shape
-    group = num_q_heads // hkv
-    at = row.astype(jnp.int32)[:, None] + jnp.arange(group, dtype=jnp.int32)[None, :]  # [N, G]
-    ok = (row >= 0)[:, None]  # [N, 1]
-    at = jnp.clip(at, 0, rows - 1).reshape(-1)
-    o, m, l = o[:, :, at].astype(jnp.float32), m[:, :, at], l[:, :, at]  # [Hkv, NI, N*G(, D)]
-    top = jnp.max(m, axis=1)
-    w = jnp.exp2(m - top[:, None])
-    l_tot, o_tot = jnp.sum(l * w, axis=1), jnp.sum(o * w[..., None], axis=1)  # [Hkv, N*G(, D)]
-    n = row.shape[0]
-
-    def per_token(x):  # [Hkv, N * G, ...] -> [N, Hq, ...]
-        x = x.reshape(hkv, n, group, *x.shape[2:])
-        return jnp.swapaxes(x, 0, 1).reshape(n, num_q_heads, *x.shape[3:])
-    l_tot, top, o_tot = per_token(l_tot), per_token(top), per_token(o_tot)
-    has = ok & (l_tot > 0)  # [N, Hq]
-    safe = jnp.where(has, l_tot, 1.0)
-    return (jnp.where(has[..., None], o_tot / safe[..., None], 0.0),
-            jnp.where(has, (top + jnp.log2(safe)) * _LN2, -jnp.inf))
-
-
 def _empty(q, return_lse: bool):
     """The result for no tokens or no rows: zeros (and ``-inf`` log-sum-exps)."""
     out = jnp.zeros_like(q)
@@ -768,7 +758,7 @@ def ragged_paged_attention_ref(
     Compressed pages are dequantized to float32 as gathered: the exact values the quantized pages hold
     (the kernel folds the scales into scores and probabilities instead: equal up to rounding).
     ``return_lse``: also each query's natural-log log-sum-exp (``-inf`` without keys).  ``init``: as the
-    kernel's, merged after the softmax by log-sum-exps (``init_merged``).
+    kernel's, merged after the softmax by log-sum-exps (``cascade_attention.merge_partials``).
     """
     num_tokens, num_rows, num_q_heads, num_kv_heads, _, _, head_dim = check_ragged_inputs(
         q, k_pages, v_pages, page_table, cu_q_lens, kv_lens, k_scale, v_scale)
@@ -778,7 +768,7 @@ def ragged_paged_attention_ref(
     sm_scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else float(sm_scale)
     out, lse = _ref(q, k_pages, v_pages, page_table, cu_q_lens, kv_lens, k_scale, v_scale, sm_scale=sm_scale)
     if init is not None:
-        out, lse = merge_lse(*init_merged(init, num_q_heads), out, lse)
+        out, lse = merge_lse(*merge_partials(init, num_q_heads), out, lse)
     out = out.astype(q.dtype)
     return (out, lse) if return_lse else out
 

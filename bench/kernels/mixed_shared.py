@@ -9,7 +9,8 @@ Usage (from the repository root)::
 One layer's attention of the two mixed steps the served loop runs (bench/NOTES.md, run AN), Llama-3-8B shape
 (32 q heads, 8 kv heads, head_dim 128, page 16, bf16), N = 8 shared segments of 4096 tokens, every row in
 its segment's cascade group, as ``inferscale_jax/kv_cache.py``'s ``_mixed`` runs it (the ragged kernel over
-each row's own tokens, the grouped kernel's shared part over the segments, merged by log-sum-exps):
+each row's own tokens, the grouped kernel's shared part over the segments, the ragged kernel continuing each
+group token from the shared part's partials since session 39, ``INFERSCALE_MIXED_MERGE``):
 
 * ``cohort``: the 2048-token bucket of a closed loop's wave: 200 decode rows (own tokens 64-127) and
   28 questions of 64 tokens (1992 tokens, 228 rows of 256);
@@ -24,7 +25,8 @@ each row's own tokens, the grouped kernel's shared part over the segments, merge
 Each variant sets ``INFERSCALE_MIXED_SHARED`` (``pallas_kernels/common.py``: ``br`` block_rows, ``bk``
 block_kv, ``w`` num_warps, ``st`` num_stages, ``sp`` num_splits; ``cb`` / ``cw``: the chunks' tokens in a
 launch of their own with ``cb``-row blocks and ``cw`` warps) before tracing; ``engine`` is the engine's default
-(since run AV, 2 splits at 128-1023 tokens and 1 from 1024: ``kv_cache.MIXED_SPLIT_BUCKETS``; since run AW, 3
+(``kv_cache.MIXED_SPLIT_BUCKETS``: since run AV 2 splits from 128 tokens and 1 from 1024, since run AX 3 at
+256-511; since run AW, 3
 pipeline stages on 64-token bf16 tiles: ``kv_cache.MIXED_SHARED_STAGES``; a variant inherits whatever it does not
 set, so ``st=2`` is the old stage count), over the group table the engine's step takes
 (``INFERSCALE_MIXED_GROUPS``: the smallest warmed bucket that holds the step's groups by default, 16 for 8

@@ -90,9 +90,10 @@ def table(title, headers, rows, md=True):
 
 def switch_lines() -> list[str]:
     """A header line naming the ``INFERSCALE_*`` switches set in the environment (A/B runs set them outside the
-    command line), none when unset; the commit and the cache folder are named elsewhere or nowhere."""
-    skip = ("INFERSCALE_COMMIT", "INFERSCALE_CACHE")
-    found = sorted(f"{k}={v}" for k, v in os.environ.items() if k.startswith("INFERSCALE_") and k not in skip)
+    command line), none when unset or empty (empty: the default); the commit, the cache folder and the
+    clients' venv are named elsewhere or nowhere."""
+    skip = ("INFERSCALE_COMMIT", "INFERSCALE_CACHE", "INFERSCALE_CLIENTS_VENV")  # (not switches)
+    found = sorted(f"{k}={v}" for k, v in os.environ.items() if k.startswith("INFERSCALE_") and k not in skip and v)
     return [f"- switches: {', '.join(f'`{x}`' for x in found)}"] if found else []
 
 

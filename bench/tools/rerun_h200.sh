@@ -130,7 +130,7 @@ loops_ab() {  # loops_ab VAR PREFIX MODE...: the bare loop at C = $CONCS (64 256
             local tag=${mode//[=,]/_} value=$mode
             [ "$mode" = default ] && value=
             local name="loop_c${conc}_s32_$prefix${tag:-default}"
-            (export "$var=$value"; step_as "$name" 150 bench/tools/profile_host.py --model /tmp/llama8b \
+            (export "$var=$value"; step_as "$name" 240 bench/tools/profile_host.py --model /tmp/llama8b \
                 --concurrency "$conc" --max-tokens-spread 32 --warm-steps 300 --steps 200 --no-profile --per-call \
                 --out "$res/$name.md")
         done

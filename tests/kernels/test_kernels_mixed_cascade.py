@@ -1,6 +1,6 @@
-"""A mixed step's cascade rows: the grouped kernel's shared part alone, merged with the ragged
-kernel's own result by log-sum-exps (``inferscale_jax/kv_cache.py``'s ``_mixed``), CPU,
-interpret mode.
+"""A mixed step's cascade rows: the grouped kernel's shared part alone, then the ragged kernel
+continuing each group token from its partials (``inferscale_jax/kv_cache.py``'s ``_mixed``; with
+``INFERSCALE_MIXED_MERGE=jnp`` the two merged by log-sum-exps after it), CPU, interpret mode.
 
 The shared part alone (``grouped_shared_prefix_attention``) is checked against its reference and
 float64 numpy (output and log-sum-exp, rows outside every group and empty prefixes included), and
@@ -138,10 +138,18 @@ def mixed_case(seed, *, s=8, dtype=jnp.float32, hq=8, hkv=2, d=64, chunk_groups=
     return q, kp, vp, casc, plain, int(cu[-1])
 
 
-@pytest.mark.parametrize("impl,dtype", [("pallas", jnp.float32), ("pallas", jnp.bfloat16), ("ref", jnp.float32)])
-def test_mixed_step_with_groups_equals_ragged_over_whole_page_lists(impl, dtype):
+@pytest.mark.parametrize("impl,dtype,merge", [("pallas", jnp.float32, "kernel"), ("pallas", jnp.bfloat16, "kernel"),
+                                             ("pallas", jnp.float32, "jnp"), ("pallas", jnp.bfloat16, "jnp"),
+                                             ("ref", jnp.float32, "kernel")])
+def test_mixed_step_with_groups_equals_ragged_over_whole_page_lists(monkeypatch, impl, dtype, merge):
+    """Both forms of the merge (``INFERSCALE_MIXED_MERGE``): the ragged kernel continuing from the shared part's
+    partials (the default), and the two merged by log-sum-exps after it; each launches its own form."""
     q, kp, vp, casc, plain, n = mixed_case(7, dtype=dtype)
+    monkeypatch.setenv("INFERSCALE_MIXED_MERGE", merge)
+    forms: list = []
+    shared_launches(monkeypatch, forms)
     out = kv_cache._attend(q[None], kp, vp, None, casc, impl)[0]
+    assert forms == ({"kernel": ["partials"], "jnp": ["merged"]}[merge] if impl == "pallas" else [])
     want = kv_cache._attend(q[None], kp, vp, None, plain, "ref")[0]
     assert out.shape == q.shape and out.dtype == q.dtype
     assert_close(out[:n], want[:n], dtype)

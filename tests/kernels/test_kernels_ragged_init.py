@@ -6,7 +6,7 @@ over page boundaries, empty rows, padding tokens, GQA 1-16, forced split-KV in b
 long blocks ``split_longest`` splits), with random partials of 1-3 splits: tokens without partials,
 splits without keys (the shared kernel's finite floor and ``l = 0``), and every packed row no token
 points at poisoned with NaN, so a kernel that multiplies a row it should not read fails.  The
-reference's merge (``init_merged``) is checked against the shared part's own normalised reference.
+reference's merge (``merge_partials``) is checked against the shared part's own normalised reference.
 """
 
 from __future__ import annotations
@@ -17,7 +17,8 @@ import pytest
 
 from pallas_kernels import (grouped_shared_prefix_attention_ref, grouped_shared_prefix_partials,
                             ragged_paged_attention, ragged_paged_attention_ref)
-from pallas_kernels.ragged_attention import init_merged
+from pallas_kernels.cascade_attention import merge_partials
+from pallas_kernels.quant import quantize_kv
 from tests.kernels.test_kernels_mixed_cascade import shared_case
 from tests.kernels.test_kernels_ragged import CASES, LONG_CASES, TOL, make_case
 
@@ -31,8 +32,8 @@ def random_init(seed, n, hq, hkv, d, splits, *, absent=0.3):
     rng = np.random.default_rng(seed)
     g = hq // hkv
     slots = n + 3
-    rows = slots * g
-    row = np.where(rng.random(n) < absent, -1, rng.permutation(slots)[:n] * g).astype(np.int32)
+    rows = slots * g  # (slot 0 is never given: a token without partials reads its NaN rows, clamped there)
+    row = np.where(rng.random(n) < absent, -1, (1 + rng.permutation(slots - 1)[:n]) * g).astype(np.int32)
     o = np.full((hkv, splits, rows, d), np.nan, np.float32)
     m = np.full((hkv, splits, rows), np.nan, np.float32)
     l = np.full((hkv, splits, rows), np.nan, np.float32)
@@ -86,15 +87,34 @@ def test_split_blocks_start_from_init_once(case, longest):
     check_init_case(args, dtype, init, {**kw, "split_longest": longest, "long_keys": 16})
 
 
+@pytest.mark.parametrize("kv", [jnp.int8, jnp.float8_e4m3fn])
+@pytest.mark.parametrize("longest", [True, False])
+def test_init_on_compressed_pages(kv, longest):
+    """Compressed pages (the scale refs come before the init refs): the kernel with init against the reference,
+    split blocks both ways."""
+    dtype, hq, hkv, d, s, q_lens, cached, pad, kw = LONG_CASES[0]
+    args, _ = make_case(q_lens=q_lens, cached=cached, pad=pad, Hq=hq, Hkv=hkv, D=d, S=s, dtype=jnp.bfloat16)
+    q, kp, vp, *rest = args
+    (kq, ks), (vq, vs) = quantize_kv(jnp.nan_to_num(kp), kv), quantize_kv(jnp.nan_to_num(vp), kv)
+    init = random_init(300, q.shape[0], hq, hkv, d, 2)
+    args = (q, kq, vq, *rest)
+    out = ragged_paged_attention(*args, k_scale=ks, v_scale=vs, init=init, **{**kw, "split_longest": longest,
+                                                                              "long_keys": 16})
+    want = ragged_paged_attention_ref(*args, k_scale=ks, v_scale=vs, init=init)
+    out = np.asarray(out.astype(jnp.float32))
+    assert np.isfinite(out).all()
+    np.testing.assert_allclose(out, np.asarray(want.astype(jnp.float32)), **TOL[jnp.bfloat16])
+
+
 def test_reference_merge_of_shared_partials_is_the_shared_reference():
-    """``init_merged`` of the shared kernel's partials (several splits, rows outside every group, an empty
+    """``merge_partials`` of the shared kernel's partials (several splits, rows outside every group, an empty
     prefix) is the shared part's normalised output and natural-log lse."""
     glens, rg = [40, 21, 0, 16, 8], [0, 1, 2, -1, 3, 0, 1, -1, 0, 3, 2]
     args = shared_case(5, glens, 5, rg, dtype=jnp.float32)
     init = grouped_shared_prefix_partials(*args, sm_scale=0.3, block_rows=16, num_splits=3, block_kv=16)
     assert init[1].shape[1] == 3 and (np.asarray(init[0])[np.asarray(rg) < 0] == -1).all()
     assert (np.asarray(init[0])[np.asarray(rg) == 2] == -1).all()  # (group 2: an empty prefix)
-    o, lse = init_merged(init, args[0].shape[1])
+    o, lse = merge_partials(init, args[0].shape[1])
     o_ref, lse_ref = grouped_shared_prefix_attention_ref(*args, sm_scale=0.3)
     np.testing.assert_allclose(np.asarray(o), np.asarray(o_ref), atol=1e-5, rtol=1e-5)
     np.testing.assert_array_equal(np.isfinite(np.asarray(lse)), np.isfinite(np.asarray(lse_ref)))

@@ -41,4 +41,5 @@ def test_reports_name_the_switches_set_in_the_environment(monkeypatch):
     monkeypatch.setenv("INFERSCALE_MIXED_SHARED", "sp=3")
     monkeypatch.setenv("INFERSCALE_COMMIT", "abc1234")
     monkeypatch.setenv("INFERSCALE_CACHE", "/tmp/cache")
+    monkeypatch.setenv("INFERSCALE_MIXED_DECODE", "")  # (set empty: the default)
     assert report.switch_lines() == ["- switches: `INFERSCALE_MIXED_MERGE=jnp`, `INFERSCALE_MIXED_SHARED=sp=3`"]
