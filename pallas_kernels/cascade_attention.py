@@ -468,11 +468,10 @@ def grouped_shared_prefix_attention(
     if 0 in group_pages.shape:
         _shared_knobs(q, k_pages, v_pages, group_pages, group_lens, row_group, k_scale, v_scale)  # (the checks)
         return jnp.zeros(q.shape, jnp.float32), jnp.full(q.shape[:2], -jnp.inf, jnp.float32)
-    knobs = _shared_knobs(q, k_pages, v_pages, group_pages, group_lens, row_group, k_scale, v_scale,
-                          sm_scale=sm_scale, block_rows=block_rows, block_kv=block_kv, num_warps=num_warps,
-                          num_stages=num_stages, interpret=interpret)
-    return _shared_only(q, k_pages, v_pages, group_pages, group_lens, row_group, k_scale, v_scale,
-                        num_splits=num_splits, real_groups=real_groups, real_rows=real_rows, **knobs)
+    return _shared_call(_shared_only, q, k_pages, v_pages, group_pages, group_lens, row_group, sm_scale=sm_scale,
+                        block_rows=block_rows, block_kv=block_kv, num_splits=num_splits, num_warps=num_warps,
+                        num_stages=num_stages, interpret=interpret, real_groups=real_groups, real_rows=real_rows,
+                        k_scale=k_scale, v_scale=v_scale)
 
 
 def _shared_knobs(q, k_pages, v_pages, group_pages, group_lens, row_group, k_scale, v_scale, *, sm_scale=None,
@@ -506,26 +505,7 @@ def _partials_only(q, k_pages, v_pages, group_pages, group_lens, row_group, k_sc
     return first_rows(idx, stored, q.shape[0]), o, m, l
 
 
-def grouped_shared_prefix_partials(
-    q: jax.Array,  # [B, Hq, D]
-    k_pages: jax.Array,  # [Hkv, P, S, D]
-    v_pages: jax.Array,  # [Hkv, P, S, D]
-    group_pages: jax.Array,  # [G >= 1, Ps >= 1] int32
-    group_lens: jax.Array,  # [G] int32
-    row_group: jax.Array,  # [B] int32, -1: no group
-    *,
-    sm_scale: float | None = None,
-    block_rows: int | None = None,
-    block_kv: int | None = None,
-    num_splits: int | None = None,
-    num_warps: int | None = None,
-    num_stages: int | None = None,
-    interpret: bool | None = None,
-    real_groups: int | None = None,
-    real_rows: int | None = None,
-    k_scale: jax.Array | None = None,
-    v_scale: jax.Array | None = None,
-) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+def grouped_shared_prefix_partials(q, k_pages, v_pages, group_pages, group_lens, row_group, **knobs):
     """The shared part's raw split partials (algorithm steps 1-2), for a kernel that continues each row's
     attention from them (``ragged_paged_attention``'s ``init``; the decode kernel's ``init`` takes the same
     form, but reads a whole query tile from each row and so needs the buffers padded past the last row, which
@@ -533,16 +513,20 @@ def grouped_shared_prefix_partials(
     l [Hkv, NS, R] fp32)``, row ``b``'s query head ``h * Gq + j`` at packed row ``row[b] + j`` of kv head
     ``h``; ``o`` unnormalised, ``m`` the base-2 running max of the scaled scores (or, under
     ``INFERSCALE_SHARED_PARTIALS=q_dtype`` with 16-bit ``q``, ``o`` normalised in ``q``'s dtype, ``m`` its base-2
-    lse, ``l`` 1); ``row[b] = -1`` outside every group or for an empty prefix.  Knobs as
+    lse, ``l`` 1); ``row[b] = -1`` outside every group or for an empty prefix.  Inputs and keyword knobs as
     :func:`grouped_shared_prefix_attention`; the group table must not be empty."""
     if 0 in group_pages.shape:
         common._fail("group_pages.shape", tuple(group_pages.shape), "[G >= 1, Ps >= 1] (no group: call the "
                      "suffix kernel without init)")
-    knobs = _shared_knobs(q, k_pages, v_pages, group_pages, group_lens, row_group, k_scale, v_scale,
-                          sm_scale=sm_scale, block_rows=block_rows, block_kv=block_kv, num_warps=num_warps,
-                          num_stages=num_stages, interpret=interpret)
-    return _partials_only(q, k_pages, v_pages, group_pages, group_lens, row_group, k_scale, v_scale,
-                          num_splits=num_splits, real_groups=real_groups, real_rows=real_rows, **knobs)
+    return _shared_call(_partials_only, q, k_pages, v_pages, group_pages, group_lens, row_group, **knobs)
+
+
+def _shared_call(fn, q, k_pages, v_pages, group_pages, group_lens, row_group, *, num_splits=None, real_groups=None,
+                 real_rows=None, k_scale=None, v_scale=None, **knobs):
+    """``fn`` (a jitted launch of the shared part) with the inputs checked and the knobs' defaults filled."""
+    knobs = _shared_knobs(q, k_pages, v_pages, group_pages, group_lens, row_group, k_scale, v_scale, **knobs)
+    return fn(q, k_pages, v_pages, group_pages, group_lens, row_group, k_scale, v_scale, num_splits=num_splits,
+              real_groups=real_groups, real_rows=real_rows, **knobs)
 
 
 def grouped_shared_prefix_attention_ref(
