@@ -267,8 +267,7 @@ def _attend(q, kp, vp, positions, meta: AttnMeta, impl: str, scales=(None, None)
         out = _mixed(q[0], kp, vp, meta, pallas, sc)[None]  # [1, N, Hq, D]
     elif meta.group_pages is not None:  # q [1, R]: one token per row, cascade groups
         fn = grouped_cascade_decode_attention if pallas else grouped_cascade_decode_attention_ref
-        knobs = dict(num_stages=shared_stages(DECODE_SHARED_STAGES, SHARED_BLOCK_KV, q.shape[-1], kp),
-                     num_splits=decode_shared_splits(q.shape[1], kp.shape[0])) if pallas else {}
+        knobs = _decode_shared_knobs(q.shape[1], q.shape[-1], kp) if pallas else {}
         out = fn(q[0], kp, vp, meta.group_pages, meta.group_lens, meta.row_group, meta.page_table,
                  meta.kv_lens, **knobs, **sc)[None]
     else:  # q [1, R]: one token per row
@@ -332,6 +331,13 @@ def decode_shared_splits(rows: int, kv_heads: int) -> int | None:
     """The shared part's split count in a decode step of ``rows`` (bucketed) rows (``DECODE_SPLIT_BUCKETS``, as
     ``mixed_shared_splits``); None: the kernel's automatic count."""
     return _splits_by(DECODE_SPLIT_BUCKETS, rows, kv_heads)
+
+
+def _decode_shared_knobs(rows: int, head_dim: int, k_pages) -> dict:
+    """The decode steps' cascade shared-part knobs for ``rows`` (bucketed) rows: ``DECODE_SHARED_STAGES`` under
+    the tile gate, ``DECODE_SPLIT_BUCKETS``' split count."""
+    return dict(num_stages=shared_stages(DECODE_SHARED_STAGES, SHARED_BLOCK_KV, head_dim, k_pages),
+                num_splits=decode_shared_splits(rows, k_pages.shape[0]))
 
 
 def _splits_by(buckets, size: int, kv_heads: int) -> int | None:
@@ -422,8 +428,7 @@ def _mixed_split(q, kp, vp, meta: AttnMeta, pallas: bool, sc: dict):
     q_len = cu[1:] - cu[:-1]  # [R]
     single = q_len == 1
     decode = grouped_cascade_decode_attention if pallas else grouped_cascade_decode_attention_ref
-    knobs = dict(real_groups=MIXED_REAL_GROUPS, num_splits=decode_shared_splits(rows, kp.shape[0]),
-                 num_stages=shared_stages(DECODE_SHARED_STAGES, SHARED_BLOCK_KV, q.shape[-1], kp)) if pallas else {}
+    knobs = dict(real_groups=MIXED_REAL_GROUPS, **_decode_shared_knobs(rows, q.shape[-1], kp)) if pallas else {}
     o_dec = decode(q[jnp.clip(cu[1:] - 1, 0, n - 1)], kp, vp, meta.group_pages, meta.group_lens,
                    jnp.where(single, meta.row_group, -1).astype(i32), meta.page_table,
                    jnp.where(single, meta.kv_lens, 0).astype(i32), **knobs, **sc)  # [R, Hq, D]

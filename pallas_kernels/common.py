@@ -104,6 +104,29 @@ def _knobs(var: str, table: dict, tiles, flags=()) -> dict:
     return out
 
 
+def init_inputs(init, rows: int, num_kv_heads: int, head_dim: int, rows_name: str):
+    """Check a kernel's ``init`` partials (``(row [rows], o [Hkv, NI, R, D], m [Hkv, NI, R], l [Hkv, NI, R])``:
+    ``o`` fp32, or a 16-bit float when normalised; the decode and ragged kernels' ``init``) and flatten them for
+    the launch: (NI, (row int32, o [Hkv, NI * R, D], m [Hkv, NI * R] fp32, l likewise)); split ``u``'s rows at
+    ``u * R`` (free reshapes).  None: (0, ())."""
+    if init is None:
+        return 0, ()
+    want = (f"(row [{rows_name}={rows}], o [Hkv={num_kv_heads}, NI, R, D={head_dim}], m [Hkv, NI, R], "
+            "l [Hkv, NI, R]) with NI, R >= 1")
+    if not isinstance(init, (tuple, list)) or len(init) != 4:
+        _fail("init", f"{type(init).__name__} of {len(init) if isinstance(init, (tuple, list)) else 1}",
+              f"a tuple of 4 arrays {want}")
+    row, o, m, l = init
+    if (row.shape != (rows,) or o.ndim != 4 or o.shape[0] != num_kv_heads or o.shape[3] != head_dim
+            or 0 in o.shape or m.shape != o.shape[:3] or l.shape != o.shape[:3]):
+        _fail("init", [tuple(x.shape) for x in init], want)
+    if not jnp.issubdtype(o.dtype, jnp.floating) or jnp.dtype(o.dtype).itemsize < 2:
+        _fail("init's o dtype", o.dtype, "float32, or a 16-bit float with o normalised")
+    splits, flat = o.shape[1], o.shape[1] * o.shape[2]
+    return splits, (row.astype(jnp.int32), o.reshape(num_kv_heads, flat, head_dim),
+                    m.astype(jnp.float32).reshape(num_kv_heads, flat), l.astype(jnp.float32).reshape(num_kv_heads, flat))
+
+
 MIXED_DECODE_CHOICES = ("ragged", "cascade")
 
 

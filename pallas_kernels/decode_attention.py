@@ -342,21 +342,14 @@ def paged_decode_attention(
     if quantized:  # each head's [P*S] scales, whole
         in_specs += [pl.BlockSpec((None, p * s), lambda i, j, k: (j, 0))] * 2
         scales = (k_scale.reshape(hkv, p * s), v_scale.reshape(hkv, p * s))
-    init_splits = 0
-    if init is not None:  # the row index whole, each head's partials whole
-        init_row, init_o, init_m, init_l = init
-        init_splits, rows_i = init_o.shape[1], init_o.shape[2]
-        if init_o.shape != (hkv, init_splits, rows_i, d) or init_m.shape != init_o.shape[:3] \
-                or init_l.shape != init_o.shape[:3] or init_row.shape != (b,):
-            common._fail("init", [x.shape for x in init], f"(row [B], o [Hkv, NI, R, D], m, l [Hkv, NI, R]) with "
-                         f"B = {b}, Hkv = {hkv}, D = {d}")
-        flat = init_splits * rows_i  # (free reshapes: split t's rows at t * R)
+    init_splits, flat_init = common.init_inputs(init, b, hkv, d, "B")
+    if init_splits:  # the row index whole, each head's partials whole
+        flat = flat_init[1].shape[1]
         in_specs += [pl.BlockSpec((b,), lambda i, j, k: (0,)),
                      pl.BlockSpec((None, flat, d), lambda i, j, k: (j, 0, 0)),
                      pl.BlockSpec((None, flat), lambda i, j, k: (j, 0)),
                      pl.BlockSpec((None, flat), lambda i, j, k: (j, 0))]
-        scales += (init_row.astype(jnp.int32), init_o.reshape(hkv, flat, d),  # (fp32, or normalised 16-bit)
-                   init_m.astype(jnp.float32).reshape(hkv, flat), init_l.astype(jnp.float32).reshape(hkv, flat))
+        scales += flat_init
     kernel = functools.partial(
         _decode_kernel, quantized=quantized, init_splits=init_splits, fold_scales=fold_scales, k_major=k_major,
         v_transposed=v_transposed, group=g, page_size=s,

@@ -484,14 +484,8 @@ def _ragged(q, k_pages, v_pages, page_table, cu_q_lens, kv_lens, k_scale, v_scal
     scales = ()
     if quantized:  # each head's [P*S] scales, whole
         scales = (k_scale.reshape(num_kv_heads, -1), v_scale.reshape(num_kv_heads, -1))
-    init_splits = 0
-    if init is not None:  # the rows' partials over other keys: the row index whole, each head's partials flat
-        init_row, init_o, init_m, init_l = init
-        init_splits = init_o.shape[1]
-        flat = init_splits * init_o.shape[2]  # (free reshapes: split u's rows at u * R)
-        scales += (init_row.astype(jnp.int32), init_o.reshape(num_kv_heads, flat, head_dim),  # (fp32 or 16-bit)
-                   init_m.astype(jnp.float32).reshape(num_kv_heads, flat),
-                   init_l.astype(jnp.float32).reshape(num_kv_heads, flat))
+    init_splits, flat_init = common.init_inputs(init, num_tokens, num_kv_heads, head_dim, "N")
+    scales += flat_init  # (the rows' partials over other keys: the row index whole, each head's partials flat)
     kw = dict(quantized=quantized, tiles=tiles, group=group, num_q_heads=num_q_heads, page_size=page_size,
               max_pages=max_pages, num_splits=kv_splits, sm_scale=sm_scale, v_rows=v_rows and quantized,
               init_splits=init_splits)
@@ -679,7 +673,7 @@ def ragged_paged_attention(
     """
     num_tokens, num_rows, num_q_heads, num_kv_heads, _, page_size, head_dim = (
         check_ragged_inputs(q, k_pages, v_pages, page_table, cu_q_lens, kv_lens, k_scale, v_scale))
-    check_init(init, num_tokens, num_kv_heads, head_dim)
+    common.init_inputs(init, num_tokens, num_kv_heads, head_dim, "N")  # (the checks, eagerly)
     interpret = common.default_interpret() if interpret is None else interpret
     if v_rows is None:
         v_rows = scales_on_rows(k_pages.dtype)
@@ -715,23 +709,6 @@ def ragged_paged_attention(
                    split_longest=bool(split_longest), long_keys=long_keys)
 
 
-def check_init(init, num_tokens: int, num_kv_heads: int, head_dim: int) -> None:
-    """Validate ``init``'s shapes (None passes): (row [N], o [Hkv, NI, R, D], m [Hkv, NI, R], l [Hkv, NI, R])."""
-    if init is None:
-        return
-    want = (f"(row [N={num_tokens}], o [Hkv={num_kv_heads}, NI, R, D={head_dim}], m [Hkv, NI, R], l [Hkv, NI, R]) "
-            "with NI, R >= 1")
-    if not isinstance(init, (tuple, list)) or len(init) != 4:
-        common._fail("init", f"{type(init).__name__} of {len(init) if isinstance(init, (tuple, list)) else 1}",
-                     f"a tuple of 4 arrays {want}")
-    row, o, m, l = init
-    if (row.shape != (num_tokens,) or o.ndim != 4 or o.shape[0] != num_kv_heads or o.shape[3] != head_dim
-            or 0 in o.shape or m.shape != o.shape[:3] or l.shape != o.shape[:3]):
-        common._fail("init", [tuple(x.shape) for x in init], want)
-    if not jnp.issubdtype(o.dtype, jnp.floating) or jnp.dtype(o.dtype).itemsize < 2:
-        common._fail("init's o dtype", o.dtype, "float32, or a 16-bit float with o normalised")
-
-
 def _empty(q, return_lse: bool):
     """The result for no tokens or no rows: zeros (and ``-inf`` log-sum-exps)."""
     out = jnp.zeros_like(q)
@@ -762,7 +739,7 @@ def ragged_paged_attention_ref(
     """
     num_tokens, num_rows, num_q_heads, num_kv_heads, _, _, head_dim = check_ragged_inputs(
         q, k_pages, v_pages, page_table, cu_q_lens, kv_lens, k_scale, v_scale)
-    check_init(init, num_tokens, num_kv_heads, head_dim)
+    common.init_inputs(init, num_tokens, num_kv_heads, head_dim, "N")  # (the checks)
     if num_tokens == 0 or num_rows == 0:
         return _empty(q, return_lse)
     sm_scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else float(sm_scale)

@@ -380,7 +380,9 @@ case "$part" in
     # carried); the device's copy has no .git.  The scripts put their own root first on sys.path, so the before
     # run is a copy of this tree with those two folders replaced.
     before=${BEFORE:-.before}
-    [ -d "$before/inferscale_jax" ] && [ -d "$before/pallas_kernels" ] || { echo "no $before tree (part 31's comment)"; exit 2; }
+    if [ ! -d "$before/inferscale_jax" ] || [ ! -d "$before/pallas_kernels" ]; then
+        echo "no $before tree (part 31's comment)"; exit 2
+    fi
     ckpt
     old=/tmp/before_tree
     rm -rf "$old" && mkdir -p "$old/bench"

@@ -135,7 +135,9 @@ def test_the_mixed_merge_lowers_inside_the_ragged_kernel(compiled_kernels, monke
     started = {re.search(r"_i(\d+)(?:_sl)?$", n).group(1) for n in names if n.startswith("ragged_paged_attention")}
     assert len(shared) == 1 and started == shared, names
     jax.clear_caches()
+    base = common.switches()
     monkeypatch.setenv("INFERSCALE_MIXED_MERGE", "jnp")
+    assert common.switches() != base  # (the executable store's key follows the switch)
     names = lowered_kernels(make_engine(), key)
     assert not any(re.search(r"_i\d+(?:_sl)?$", n) for n in names)
     assert any(n.startswith("cascade_shared") for n in names)
@@ -174,15 +176,20 @@ def test_the_decode_loop_lowers(compiled_kernels):
         assert any(n.startswith("cascade_shared") for n in names) == (name == "decode, cascade"), (name, names)
 
 
+def shared_splits(engine, want) -> int:
+    """The split count of the cascade shared part in the first bucket ``want(key)`` picks, as lowered for CUDA."""
+    key = next(k for k in engine.runner.buckets.all_keys() if want(k))
+    found = {int(m) for n in lowered_kernels(engine, key) for m in re.findall(r"^cascade_shared\w*_sp(\d+)$", n)}
+    assert len(found) == 1, (key, found)
+    return found.pop()
+
+
 def test_the_mixed_shared_split_count_follows_the_token_bucket(compiled_kernels, monkeypatch):
     """A mixed step's shared part splits by its token bucket (``kv_cache.MIXED_SPLIT_BUCKETS``: 2 from 128
     tokens, 3 from 256, 2 from 512, 1 from 1024, for 8 kv heads on the device, proportionally more for fewer;
     below 128, the automatic count); ``INFERSCALE_MIXED_SHARED``'s ``sp`` overrides it."""
     def splits(engine, tokens):
-        key = next(k for k in engine.runner.buckets.all_keys() if k.ragged and k.shared and k.tokens == tokens)
-        found = {int(m) for n in lowered_kernels(engine, key) for m in re.findall(r"^cascade_shared\w*_sp(\d+)$", n)}
-        assert len(found) == 1, (tokens, found)
-        return found.pop()
+        return shared_splits(engine, lambda k: k.ragged and k.shared and k.tokens == tokens)
     engine = make_engine()  # (CFG: 2 kv heads, so 4x the 8-head counts)
     assert [splits(engine, t) for t in (128, 256, 512, 1024, 2048)] == [8, 12, 8, 4, 4]
     below = splits(engine, 64)
@@ -242,11 +249,7 @@ def test_the_decode_shared_split_count_follows_the_row_bucket(compiled_kernels, 
     """A decode step's cascade shared part splits 2 ways from 256 rows (``kv_cache.DECODE_SPLIT_BUCKETS``, for 8 kv
     heads: 8 for the test model's 2), below that by the kernel's automatic count."""
     def splits(engine, rows):
-        key = next(k for k in engine.runner.buckets.all_keys() if not k.ragged and k.shared and k.rows == rows
-                   and not k.num_logprobs)
-        found = {int(m) for n in lowered_kernels(engine, key) for m in re.findall(r"^cascade_shared\w*_sp(\d+)$", n)}
-        assert len(found) == 1, (rows, found)
-        return found.pop()
+        return shared_splits(engine, lambda k: not k.ragged and k.shared and k.rows == rows and not k.num_logprobs)
     assert [kv_cache.decode_shared_splits(r, 8) for r in (64, 255, 256, 512)] == [None, None, 2, 2]
     monkeypatch.setattr(kv_cache, "DECODE_SPLIT_BUCKETS", ((16, 2),))  # (the test engine's rows: at most 16)
     engine = make_engine()
