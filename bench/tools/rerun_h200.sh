@@ -86,7 +86,9 @@
 #      against =jnp): the kernels' checks on the GPU (pytest), then the bare loop at C = 64 and 256 both ways
 #  31  the session-39 defaults against the tree before them (.before/: 7f27466's inferscale_jax/ and pallas_kernels/,
 #      carried): the bare loop at C = 64 and steps.py's decode steps both ways; then the normalised 16-bit shared
-#      partials (INFERSCALE_SHARED_PARTIALS=q_dtype against fp32) by kernel (mixed_shared.py) and in the loop
+#      partials (INFERSCALE_SHARED_PARTIALS=q_dtype against fp32) by kernel (mixed_shared.py) and in the loop;
+#      in one call each on a fresh machine: 31a (steps.py both ways, the partials by kernel), 31b (the loops both
+#      ways), 31c (the partials in the loop)
 #  16  the checkpoint read (models/loader.py: os.preadv into each tensor's array, threads in parallel): the 8B
 #      checkpoint loaded one tensor at a time and eight (bench/tools/weights_load.py; run AL: 14.2 / 12.1 s)
 # Parts 6-14, 16, 18-20, 23-26, 28, 30 and 31 write the 8B checkpoint to /tmp/llama8b first when it is missing (~35 s); it stays out of
@@ -372,35 +374,45 @@ case "$part" in
     ckpt
     loops_ab INFERSCALE_MIXED_MERGE merge_ kernel jnp
     ;;
-31)
+31|31a|31b|31c)
     # the session-39 defaults (3 splits for 256-511-token mixed steps, the decode cascade's 3 stages and 2 splits
     # from 256 rows) against the tree before them, then the normalised 16-bit shared partials (bench/NOTES.md, the
     # plan after session 39).  The "before" tree: inferscale_jax/ and pallas_kernels/ of 7f27466 in .before/, made
     # here by `mkdir .before && git archive 7f27466 inferscale_jax pallas_kernels | tar -x -C .before` (ignored,
     # carried); the device's copy has no .git.  The scripts put their own root first on sys.path, so the before
-    # run is a copy of this tree with those two folders replaced.
+    # run is a copy of this tree with those two folders replaced.  The whole part outlasts one call on a fresh
+    # machine: 31a is the decode steps both ways and the partials by kernel, 31b the loops both ways, 31c the
+    # partials in the loop.
     before=${BEFORE:-.before}
-    if [ ! -d "$before/inferscale_jax" ] || [ ! -d "$before/pallas_kernels" ]; then
+    if [ "$part" != 31c ] && { [ ! -d "$before/inferscale_jax" ] || [ ! -d "$before/pallas_kernels" ]; }; then
         echo "no $before tree (part 31's comment)"; exit 2
     fi
     ckpt
     old=/tmp/before_tree
-    rm -rf "$old" && mkdir -p "$old/bench"
-    for x in *; do [ "$x" = bench ] || cp -r "$x" "$old/"; done
-    for x in bench/*; do [ "$x" = bench/results ] || cp -r "$x" "$old/bench/"; done
-    rm -rf "$old/inferscale_jax" "$old/pallas_kernels" && cp -r "$before/inferscale_jax" "$before/pallas_kernels" "$old/"
-    loop=(--model /tmp/llama8b --concurrency 64 --max-tokens-spread 32 --warm-steps 300 --steps 200 --no-profile
-          --per-call)
-    step_as loop_c64_s32_after 240 bench/tools/profile_host.py "${loop[@]}" --out "$res/loop_c64_s32_after.md"
-    (cd "$old" && step_as loop_c64_s32_before 240 bench/tools/profile_host.py "${loop[@]}" \
-        --out "$res/loop_c64_s32_before.md")
-    step steps_after 200 bench/engine/steps.py --sections decode
-    (cd "$old" && step_as steps_before 200 bench/engine/steps.py --sections decode --out "$res/steps_before")
-    for mode in fp32 q_dtype; do
-        INFERSCALE_SHARED_PARTIALS=$mode step mixed_partials_$mode 120 bench/kernels/mixed_shared.py \
-            --steps c64,spread,c64q3 --variants
-    done
-    loops_ab INFERSCALE_SHARED_PARTIALS partials_ fp32 q_dtype
+    if [ "$part" != 31c ]; then
+        rm -rf "$old" && mkdir -p "$old/bench"
+        for x in *; do [ "$x" = bench ] || cp -r "$x" "$old/"; done
+        for x in bench/*; do [ "$x" = bench/results ] || cp -r "$x" "$old/bench/"; done
+        rm -rf "$old/inferscale_jax" "$old/pallas_kernels" && cp -r "$before/inferscale_jax" "$before/pallas_kernels" "$old/"
+    fi
+    if [ "$part" = 31 ] || [ "$part" = 31a ]; then
+        step steps_after 200 bench/engine/steps.py --sections decode
+        (cd "$old" && step_as steps_before 200 bench/engine/steps.py --sections decode --out "$res/steps_before")
+        for mode in fp32 q_dtype; do
+            INFERSCALE_SHARED_PARTIALS=$mode step mixed_partials_$mode 120 bench/kernels/mixed_shared.py \
+                --steps c64,spread,c64q3 --variants
+        done
+    fi
+    if [ "$part" = 31 ] || [ "$part" = 31b ]; then
+        loop=(--model /tmp/llama8b --concurrency 64 --max-tokens-spread 32 --warm-steps 300 --steps 200 --no-profile
+              --per-call)
+        step_as loop_c64_s32_after 240 bench/tools/profile_host.py "${loop[@]}" --out "$res/loop_c64_s32_after.md"
+        (cd "$old" && step_as loop_c64_s32_before 240 bench/tools/profile_host.py "${loop[@]}" \
+            --out "$res/loop_c64_s32_before.md")
+    fi
+    if [ "$part" = 31 ] || [ "$part" = 31c ]; then
+        loops_ab INFERSCALE_SHARED_PARTIALS partials_ fp32 q_dtype
+    fi
     ;;
 21)
     step call_args 150 bench/tools/call_args.py
