@@ -89,6 +89,8 @@
 #      partials (INFERSCALE_SHARED_PARTIALS=q_dtype against fp32) by kernel (mixed_shared.py) and in the loop;
 #      in one call each on a fresh machine: 31a (steps.py both ways, the partials by kernel), 31b (the loops both
 #      ways), 31c (the partials in the loop)
+#  32  a layer's glue (bench/kernels/glue.py): the residual add + RMSNorm after the o and down projections as XLA
+#      runs them against one Pallas kernel (pallas_kernels/norm.py) by knob, and RoPE, at 64-2048 token rows
 #  16  the checkpoint read (models/loader.py: os.preadv into each tensor's array, threads in parallel): the 8B
 #      checkpoint loaded one tensor at a time and eight (bench/tools/weights_load.py; run AL: 14.2 / 12.1 s)
 # Parts 6-14, 16, 18-20, 23-26, 28, 30 and 31 write the 8B checkpoint to /tmp/llama8b first when it is missing (~35 s); it stays out of
@@ -97,7 +99,7 @@
 # Each step writes its tables under RESULTS_DIR/<step>/ and its console log to RESULTS_DIR/<step>.log;
 # after each step RESULTS_DIR is packed into TARBALL when given (what a cut call still returns).
 set -uo pipefail
-part=${1:?part 1-31}
+part=${1:?part 1-32}
 res=${2:?results folder}
 tarball=${3:-}
 mkdir -p "$res"
@@ -413,6 +415,9 @@ case "$part" in
     if [ "$part" = 31 ] || [ "$part" = 31c ]; then
         loops_ab INFERSCALE_SHARED_PARTIALS partials_ fp32 q_dtype
     fi
+    ;;
+32)
+    step glue 150 bench/kernels/glue.py
     ;;
 21)
     step call_args 150 bench/tools/call_args.py

@@ -1,0 +1,168 @@
+"""GPU benchmark of a layer's glue: the residual add + RMSNorm after each output projection, and RoPE.
+
+Usage (from the repository root)::
+
+    python bench/kernels/glue.py                       # H200 / H100: ~1-2 minutes
+    python bench/kernels/glue.py --rows 256,512 --variants r1,w4 r2,w8
+    python bench/kernels/glue.py --smoke --out /tmp/g   # tiny shapes on the CPU (interpret mode)
+
+Llama-3-8B shape (hidden 4096, intermediate 14336, 32 q heads, 8 kv heads, head_dim 128, bf16), a step's
+N token rows (64 / 128 / 256 / 512 / 2048: the engine's decode and mixed buckets).  Each case is what one layer
+runs between two matmuls, timed together with the matmul that feeds it (XLA may fold the residual add into
+that matmul's epilogue, so the glue alone would not be the engine's work):
+
+* ``o``: ``x + attn @ wo`` then ``rms_norm`` (the attention half's end and the MLP's norm);
+* ``down``: ``x + act @ w_down`` then ``rms_norm`` (the MLP's end and the next layer's norm);
+* ``rope``: q / k / v out of the fused qkv projection's ``[N, 6144]`` output, RoPE on q and k
+  (``models/transformer.py``'s ``project_qkv`` less the matmul).
+
+Forms: ``xla`` is the model's jnp (``models/transformer.py``), ``pallas`` the add + norm in one kernel
+(``pallas_kernels/norm.py``: the matmul writes ``delta``, the kernel reads ``x`` and ``delta`` once and writes
+the sum and the normalised rows) with ``--variants`` of its knobs (``rN`` rows a program, ``wN`` warps).  Every
+output is checked against ``xla`` (bf16 tolerance).  Floor: the matmul's FLOPs at the run's matmul ceiling plus
+the bytes the glue must move (x, delta in; sum, normalised out) at the read ceiling.  Timing as
+``bench/kernels/kernels.py`` (R input sets in one executable, median) and the GPU's kernel time of the same
+executable.  Writes ``glue.md`` and ``glue.png`` to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository
+sys.path[:0] = [ROOT, os.path.join(ROOT, "bench", "lib"), os.path.join(ROOT, "bench", "kernels")]
+from common import matmul_ceiling, read_bandwidth  # noqa: E402
+from kernels import check, time_calls_and_device  # noqa: E402
+from report import FAILURES, finish, log, save_plot, step_axes, table  # noqa: E402
+
+from models.rope import apply_rope, rope_cos_sin  # noqa: E402
+from pallas_kernels.norm import add_rms_norm_pallas, add_rms_norm_ref  # noqa: E402
+
+SHAPES = {"full": dict(h=4096, inter=14336, hq=32, hkv=8, d=128, reps=8),
+          "smoke": dict(h=64, inter=128, hq=4, hkv=2, d=16, reps=2)}
+EPS = 1e-5
+RESULTS = []  # (case, rows, form, us, device us, floor us)
+
+
+def _knobs(variant: str) -> dict:
+    out = {}
+    for part in filter(None, variant.split(",")):
+        key, val = part[0], int(part[1:])
+        out[{"r": "block_rows", "w": "num_warps"}[key]] = val
+    return out
+
+
+def _norm_case(name, n, k, cfg, forms, args, key):
+    """x + a @ w then rms_norm, by form; a [N, k], w [k, H]."""
+    h = cfg["h"]
+    ks = jax.random.split(key, 4)
+    w = (jax.random.normal(ks[0], (k, h), jnp.float32) / k ** 0.5).astype(jnp.bfloat16)
+    g = (1 + 0.1 * jax.random.normal(ks[1], (h,))).astype(jnp.bfloat16)
+    inputs = [(jax.random.normal(jax.random.fold_in(ks[2], r), (n, h), jnp.bfloat16),
+               jax.random.normal(jax.random.fold_in(ks[3], r), (n, k), jnp.bfloat16)) for r in range(cfg["reps"])]
+
+    def xla(w, g, x, a):
+        return add_rms_norm_ref(x, a @ w, g, EPS)
+
+    def pallas(knobs):
+        def call(w, g, x, a):
+            return add_rms_norm_pallas(x, a @ w, g, EPS, **knobs)
+        return call
+
+    floor = 2 * n * k * h / args.tflops + 4 * n * h * 2 / args.ceiling
+    ref_box = [None]  # the xla form's outputs, once run
+    for form in forms:
+        _run(name, n, form, xla if form == "xla" else pallas(_knobs(form)), (w, g), inputs, floor, cfg, ref_box)
+
+
+def _rope_case(n, cfg, args, key):
+    """q, k, v out of qkv [N, (Hq + 2 Hkv) D], RoPE on q and k (the model's jnp)."""
+    hq, hkv, d = cfg["hq"], cfg["hkv"], cfg["d"]
+    freq = 1.0 / (500000.0 ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))
+    inputs = [(jax.random.normal(jax.random.fold_in(key, r), (n, (hq + 2 * hkv) * d), jnp.bfloat16),
+               jnp.arange(n, dtype=jnp.int32) * 7 + 4096 + r) for r in range(cfg["reps"])]
+
+    def xla(freq, qkv, pos):
+        cos, sin = rope_cos_sin(pos[None], freq)
+        q = qkv[:, :hq * d].reshape(1, n, hq, d)
+        k = qkv[:, hq * d:(hq + hkv) * d].reshape(1, n, hkv, d)
+        v = qkv[:, (hq + hkv) * d:].reshape(1, n, hkv, d)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+    floor = 2 * n * (hq + 2 * hkv) * d * 2 / args.ceiling
+    _run("rope", n, "xla", xla, (freq,), inputs, floor, cfg, [None])
+
+
+def _run(name, n, form, call, shared, inputs, floor, cfg, ref_box):
+    try:
+        t, outs, t_dev, kt = time_calls_and_device(call, shared, inputs, cfg["reps"])
+    except Exception as err:  # noqa: BLE001 - a failing variant is reported, the others still run
+        log(f"  {name} N={n} {form}: failed ({type(err).__name__}: {str(err)[:200]})")
+        FAILURES.append(f"{name} N={n} {form}: {type(err).__name__}")
+        return
+    if ref_box[0] is None:
+        ref_box[0] = outs
+    else:
+        for a, b in zip(jax.tree.leaves(outs), jax.tree.leaves(ref_box[0])):
+            check(f"{name} N={n} {form}", a.astype(jnp.float32), b.astype(jnp.float32), 2e-2)
+    top = ", ".join(f"{r[1][:40]} {r[2]:.1f}" for r in kt[:4])
+    log(f"  {name} N={n} {form}: {t * 1e6:.1f} us, device {t_dev * 1e6:.1f} us, floor {floor * 1e6:.1f} ({top})")
+    RESULTS.append((name, n, form, t * 1e6, t_dev * 1e6, floor * 1e6))
+
+
+def _plot(out_dir):
+    fig, panels = step_axes(RESULTS, 5, 4)
+    if fig is None:
+        return
+    for ax, case in panels:
+        rows = [r for r in RESULTS if r[0] == case]
+        for form in dict.fromkeys(r[2] for r in rows):
+            pts = [(r[1], r[4] / r[5]) for r in rows if r[2] == form]
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=form)
+        ax.set_xscale("log", base=2)
+        ax.set_title(case)
+        ax.set_xlabel("token rows")
+        ax.set_ylabel("device time / floor")
+        ax.legend(fontsize=7)
+    save_plot(fig, out_dir, "glue.png")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results"))
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes, interpret mode (the CPU): the harness only")
+    ap.add_argument("--rows", default="64,128,256,512,2048")
+    ap.add_argument("--variants", nargs="*", default=["r1,w4", "r2,w8", "r4,w8", "r4,w16"],
+                    help="pallas knobs: rN rows a program, wN warps")
+    args = ap.parse_args()
+    args.out = os.path.abspath(args.out)
+    os.makedirs(args.out, exist_ok=True)
+    cfg = SHAPES["smoke" if args.smoke else "full"]
+    t0 = time.time()
+    log(f"devices: {jax.devices()}  jax {jax.__version__}")
+    args.ceiling = read_bandwidth() if not args.smoke else 1e12
+    args.tflops = matmul_ceiling() if not args.smoke else 1e14
+    log(f"read ceiling {args.ceiling / 1e12:.2f} TB/s, matmul ceiling {args.tflops / 1e12:.0f} TFLOP/s")
+    forms = ["xla"] + list(args.variants)
+    key = jax.random.PRNGKey(0)
+    rows = [int(r) for r in args.rows.split(",")] if not args.smoke else [5, 16]
+    for n in rows:
+        _norm_case("o", n, cfg["h"], cfg, forms, args, jax.random.fold_in(key, n))
+        _norm_case("down", n, cfg["inter"], cfg, forms, args, jax.random.fold_in(key, n + 1))
+        _rope_case(n, cfg, args, jax.random.fold_in(key, n + 2))
+    table("A layer's glue with the matmul that feeds it (us; device: the GPU's kernel time)",
+          ["case", "rows", "form", "call us", "device us", "floor us", "device x floor"],
+          [(c, n, f, f"{t:.1f}", f"{td:.1f}", f"{fl:.1f}", f"{td / fl:.2f}") for c, n, f, t, td, fl in RESULTS])
+    _plot(args.out)
+    finish(args.out, "glue.md", "A layer's glue: residual add + RMSNorm, RoPE", t0, ROOT,
+           [f"read ceiling {args.ceiling / 1e12:.2f} TB/s, matmul ceiling {args.tflops / 1e12:.0f} TFLOP/s"])
+
+
+if __name__ == "__main__":
+    main()
