@@ -34,7 +34,7 @@ import numpy as np
 from inferscale_jax.kv_cache import AttnMeta, PagedKVCache, paged_attention_by_position
 from models import ModelConfig, forward
 from models.rope import inv_freq, rope_cos_sin
-from models.transformer import _layer, project_qkv
+from models.transformer import _layer, add_rms_norm, project_qkv
 
 
 class _ReadOnlyByPosition:
@@ -54,8 +54,10 @@ def layer1_deviation(params, cfg: ModelConfig, cache: PagedKVCache, tokens, posi
     -> deviation [T] float32 (see module docstring)."""
     x = params["embed"][tokens]  # [1, T, H]
     cos, sin = rope_cos_sin(positions, jnp.asarray(inv_freq(cfg.rope, cfg.head_dim)))
-    x, _ = _layer(cfg, params["layers"][0], 0, x, cos, sin, positions, _ReadOnlyByPosition(cache, page_table), None)
-    _, k, v = project_qkv(cfg, params["layers"][1], x, cos, sin)  # [1, T, Hkv, D]
+    x, delta, _ = _layer(cfg, params["layers"][0], 0, x, None, cos, sin, positions,
+                         _ReadOnlyByPosition(cache, page_table), None)
+    _, h = add_rms_norm(x, delta, params["layers"][1]["attn_norm"], cfg.rms_norm_eps)
+    _, k, v = project_qkv(cfg, params["layers"][1], h, cos, sin)  # [1, T, Hkv, D]
     hkv, p, s, d = cache.k[1].shape
     k_c = cache.k[1].reshape(hkv, p * s, d)[:, slots].transpose(1, 0, 2)  # [T, Hkv, D]
     v_c = cache.v[1].reshape(hkv, p * s, d)[:, slots].transpose(1, 0, 2)

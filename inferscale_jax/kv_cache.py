@@ -71,6 +71,7 @@ from pallas_kernels.cascade_attention import (SHARED_BLOCK_KV, grouped_cascade_d
                                               grouped_shared_prefix_attention_ref, grouped_shared_prefix_partials,
                                               merge_lse)
 from pallas_kernels.decode_attention import paged_decode_attention, paged_decode_attention_ref
+from pallas_kernels.norm import add_rms_norm_pallas, add_rms_norm_ref
 from pallas_kernels.kv_write import write_kv, write_kv_pallas, write_kv_quantized, write_kv_quantized_pallas
 from pallas_kernels.quant import SCALE_BYTES, dequantize_pages, is_quantized, pack_block, unpack_block
 from pallas_kernels.ragged_attention import ragged_paged_attention, ragged_paged_attention_ref
@@ -214,6 +215,16 @@ class PagedKVCache:
         for arrays, value in zip(new, (k, v, *scales)):
             arrays[layer] = value
         return self.with_pages(*new)
+
+    def add_rms_norm(self, x: jax.Array, delta: jax.Array | None, weight: jax.Array,
+                     eps: float) -> tuple[jax.Array, jax.Array]:
+        """The model's residual add and the RMSNorm after it (``models/transformer.py``): one Pallas kernel
+        with ``INFERSCALE_NORM=pallas`` on the GPU kernels, one device and a power-of-two hidden size
+        (``pallas_kernels/norm.py``); else the model's jnp, which XLA fuses."""
+        h = x.shape[-1]
+        if self.impl == "pallas" and self.mesh is None and not h & (h - 1) and common.norm() == "pallas":
+            return add_rms_norm_pallas(x, delta, weight, eps)
+        return add_rms_norm_ref(x, delta, weight, eps)
 
     def attend(self, layer: int, q: jax.Array, k: jax.Array, v: jax.Array,
                positions: jax.Array, meta: AttnMeta) -> tuple[jax.Array, "PagedKVCache"]:

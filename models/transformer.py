@@ -3,7 +3,9 @@
 ``forward(params, cfg, tokens, positions, cache, meta)`` is a pure function: embeddings, then
 per layer RMSNorm -> q/k/v projections (+bias for Qwen2, +q/k RMSNorm for Qwen3) -> RoPE ->
 attention -> output projection -> residual -> RMSNorm -> SwiGLU MLP -> residual; final norm and
-the LM head (tied to the embeddings when the config says so).
+the LM head (tied to the embeddings when the config says so).  Each residual add runs together with the
+RMSNorm after it (``add_rms_norm``; a layer hands its MLP output to the next one unadded), so a cache can
+supply both as one kernel (``PagedKVCache.add_rms_norm``).
 
 Attention is the one replaceable part: the model hands each layer's new ``q``/``k``/``v`` to
 ``cache.attend(layer, q, k, v, positions, meta)``, which stores ``k``/``v`` in the cache and
@@ -46,16 +48,29 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     return weight * x32.astype(dtype)
 
 
+def add_rms_norm(x: jax.Array, delta: jax.Array | None, weight: jax.Array,
+                 eps: float) -> tuple[jax.Array, jax.Array]:
+    """A residual add and the RMSNorm after it: (x + delta, rms_norm(x + delta)); ``delta`` None: (x, rms_norm(x))."""
+    s = x if delta is None else x + delta
+    return s, rms_norm(s, weight, eps)
+
+
+def _add_norm_of(cache) -> Any:
+    """The cache's own residual add + RMSNorm when it has one (``PagedKVCache.add_rms_norm``: a Pallas kernel
+    on the GPU), else :func:`add_rms_norm`; both compute the same numbers."""
+    return getattr(cache, "add_rms_norm", add_rms_norm)
+
+
 def _linear(x: jax.Array, w: jax.Array, b: jax.Array | None = None) -> jax.Array:
     y = jnp.einsum("...i,io->...o", x, w)
     return y if b is None else y + b
 
 
-def project_qkv(cfg: ModelConfig, p: dict, x: jax.Array, cos: jax.Array, sin: jax.Array):
-    """A layer's attention inputs: x [B, T, H] -> q [B, T, Hq, D], k/v [B, T, Hkv, D] (RoPE on q, k)."""
-    b, t, _ = x.shape
+def project_qkv(cfg: ModelConfig, p: dict, h: jax.Array, cos: jax.Array, sin: jax.Array):
+    """A layer's attention inputs: h [B, T, H] (the layer's input after its attention norm) -> q [B, T, Hq, D],
+    k/v [B, T, Hkv, D] (RoPE on q, k)."""
+    b, t, _ = h.shape
     d = cfg.head_dim
-    h = rms_norm(x, p["attn_norm"], cfg.rms_norm_eps)
     qkv = _linear(h, p["wqkv"], p.get("bqkv"))  # [B, T, (Hq + 2 Hkv) * D]
     n = cfg.fused_shards  # shard-major groups [q_i | k_i | v_i] (ModelConfig.fused_shards); 1: [q | k | v]
     qkv = qkv.reshape(b, t, n, -1)
@@ -69,27 +84,33 @@ def project_qkv(cfg: ModelConfig, p: dict, x: jax.Array, cos: jax.Array, sin: ja
     return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
 
-def _layer(cfg: ModelConfig, p: dict, layer: int, x: jax.Array, cos: jax.Array, sin: jax.Array,
-           positions: jax.Array, cache: KVCache, meta: Any) -> tuple[jax.Array, KVCache]:
+def _layer(cfg: ModelConfig, p: dict, layer: int, x: jax.Array, delta: jax.Array | None, cos: jax.Array,
+           sin: jax.Array, positions: jax.Array, cache: KVCache,
+           meta: Any) -> tuple[jax.Array, jax.Array, KVCache]:
+    """One layer: its input is ``x + delta`` (the residual stream and the layer before's MLP output, not yet
+    added; ``delta`` None for the first layer), its output ``(x, delta, cache)`` the same way, so that each
+    residual add runs with the RMSNorm after it (``_add_norm_of``); ``_forward`` adds the last one."""
     b, t, _ = x.shape  # x [B, T, H]
-    q, k, v = project_qkv(cfg, p, x, cos, sin)
+    add_norm = _add_norm_of(cache)
+    x, h = add_norm(x, delta, p["attn_norm"], cfg.rms_norm_eps)
+    q, k, v = project_qkv(cfg, p, h, cos, sin)
     attn, cache = cache.attend(layer, q, k, v, positions, meta)  # [B, T, Hq, D]
-    x = x + _linear(attn.reshape(b, t, cfg.num_heads * cfg.head_dim), p["wo"], p.get("bo"))
-    h = rms_norm(x, p["mlp_norm"], cfg.rms_norm_eps)
+    o = _linear(attn.reshape(b, t, cfg.num_heads * cfg.head_dim), p["wo"], p.get("bo"))
+    x, h = add_norm(x, o, p["mlp_norm"], cfg.rms_norm_eps)
     gate_up = _linear(h, p["w_gate_up"], p.get("b_gate_up"))  # [B, T, 2I], [gate_i | up_i] per group
     gate, up = jnp.split(gate_up.reshape(b, t, cfg.fused_shards, -1), 2, axis=-1)
     act = (jax.nn.silu(gate) * up).reshape(b, t, -1)  # [B, T, I]
-    x = x + _linear(act, p["w_down"], p.get("b_down"))
-    return x, cache
+    return x, _linear(act, p["w_down"], p.get("b_down")), cache
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",))
-def _layer_nested(cfg: ModelConfig, p: dict, x: jax.Array, cos: jax.Array, sin: jax.Array,
-                  positions: jax.Array, view: KVCache, meta: Any) -> tuple[jax.Array, KVCache]:
+def _layer_nested(cfg: ModelConfig, p: dict, x: jax.Array, delta: jax.Array | None, cos: jax.Array,
+                  sin: jax.Array, positions: jax.Array, view: KVCache,
+                  meta: Any) -> tuple[jax.Array, jax.Array, KVCache]:
     """One layer over a one-layer view of the cache, as a nested jit: inside ``forward``'s trace
     it is traced and lowered once for all layers of the same shapes (XLA inlines the calls, so the
     compiled step is the same), which cuts a step's trace + lowering time several-fold."""
-    return _layer(cfg, p, 0, x, cos, sin, positions, view, meta)
+    return _layer(cfg, p, 0, x, delta, cos, sin, positions, view, meta)
 
 
 def forward(params: dict, cfg: ModelConfig, tokens: jax.Array, positions: jax.Array,
@@ -113,17 +134,22 @@ def _forward(params: dict, cfg: ModelConfig, tokens: jax.Array, positions: jax.A
     x = params["embed"][tokens]  # [B, T, H]
     cos, sin = rope_cos_sin(positions, jnp.asarray(inv_freq(cfg.rope, cfg.head_dim)))
     nested = hasattr(cache, "layer_view")
+    # the layer before's MLP output, added to x with the next norm (_layer); zeros for the first layer, so every
+    # layer is one trace of the nested jit (XLA folds the add of zeros away in the jnp form)
+    delta = jnp.zeros_like(x)
     for layer, p in enumerate(params["layers"]):
         if nested:
-            x, view = _layer_nested(cfg, p, x, cos, sin, positions, cache.layer_view(layer), meta)
+            x, delta, view = _layer_nested(cfg, p, x, delta, cos, sin, positions, cache.layer_view(layer), meta)
             cache = cache.with_layer(layer, view)
         else:
-            x, cache = _layer(cfg, p, layer, x, cos, sin, positions, cache, meta)
+            x, delta, cache = _layer(cfg, p, layer, x, delta, cos, sin, positions, cache, meta)
     if logits_index is not None and logits_index.ndim == 2:  # [B, R] tokens per sequence
-        x = jnp.take_along_axis(x, logits_index[:, :, None].astype(jnp.int32), axis=1)  # [B, R, H]
+        take = lambda a: jnp.take_along_axis(a, logits_index[:, :, None].astype(jnp.int32), axis=1)  # [B, R, H]
+        x, delta = take(x), take(delta)
     elif logits_index is not None:
-        x = jnp.take_along_axis(x, logits_index[:, None, None].astype(jnp.int32), axis=1)[:, 0]  # [B, H]
-    x = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
+        take = lambda a: jnp.take_along_axis(a, logits_index[:, None, None].astype(jnp.int32), axis=1)[:, 0]  # [B, H]
+        x, delta = take(x), take(delta)
+    _, x = add_rms_norm(x, delta, params["final_norm"], cfg.rms_norm_eps)
     head = params["embed"].T if cfg.tie_word_embeddings else params["lm_head"]  # [H, V]
     logits = jnp.einsum("...h,hv->...v", x, head, preferred_element_type=jnp.float32)
     return logits.astype(jnp.float32), cache

@@ -174,12 +174,23 @@ def shared_partials() -> str:
     return env_choice("INFERSCALE_SHARED_PARTIALS", SHARED_PARTIALS_CHOICES)
 
 
+NORM_CHOICES = ("jnp", "pallas")
+
+
+def norm() -> str:
+    """``INFERSCALE_NORM``: how the model's residual adds and RMSNorms run on a cache with the Pallas kernels
+    (``inferscale_jax/kv_cache.py``, ``PagedKVCache.add_rms_norm``).  ``jnp`` (the default): the model's own
+    form, fused by XLA; ``pallas``: each add and the norm after it in one kernel
+    (``pallas_kernels/norm.py``).  An A/B switch for the benchmarks (bench/NOTES.md, the glue)."""
+    return env_choice("INFERSCALE_NORM", NORM_CHOICES)
+
+
 def switches() -> dict:
     """The environment's switches that change the kernels' programs (for caches keyed without
     tracing, such as the engine's executable store: a switch must name another entry)."""
     return {"slot_prefetch": slot_prefetch(), "mixed_shared": sorted(mixed_shared_knobs().items()),
             "mixed_decode": mixed_decode(), "mixed_ragged": sorted(mixed_ragged_knobs().items()),
-            "mixed_merge": mixed_merge(), "shared_partials": shared_partials()}
+            "mixed_merge": mixed_merge(), "shared_partials": shared_partials(), "norm": norm()}
 
 
 def switches_key() -> tuple:

@@ -13,7 +13,7 @@ Numerics are the model's (``models/transformer.py``, as transformers): the sum r
 Rows past ``N`` in the last block re-read and re-write row ``N - 1`` (the same values) instead
 of masking, as ``pallas_kernels/kv_write.py`` does: exact on the GPU and in interpret mode.
 
-:func:`add_rms_norm_ref` is the jnp reference (the model's own form); ``bench/kernels/glue.py``
+:func:`add_rms_norm_ref` is the jnp reference: the model's own ``add_rms_norm``; ``bench/kernels/glue.py``
 times both beside the matmuls they sit between (bench/NOTES.md).
 """
 
@@ -25,22 +25,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from models.transformer import add_rms_norm as add_rms_norm_ref  # (x + delta, rms_norm(x + delta))
 from pallas_kernels import common
-
-
-def rms_norm_ref(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
-    """RMSNorm over the last axis in float32, cast back to x's dtype, times the weight (transformers' form)."""
-    dtype = x.dtype
-    x32 = x.astype(jnp.float32)
-    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-    return weight * x32.astype(dtype)
-
-
-def add_rms_norm_ref(x: jax.Array, delta: jax.Array | None, weight: jax.Array,
-                     eps: float) -> tuple[jax.Array, jax.Array]:
-    """(x + delta, rms_norm(x + delta)); ``delta`` None: (x, rms_norm(x))."""
-    s = x if delta is None else x + delta
-    return s, rms_norm_ref(s, weight, eps)
 
 
 def check_norm_inputs(x, delta, weight) -> tuple[int, int]:
