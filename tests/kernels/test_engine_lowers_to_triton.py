@@ -143,6 +143,20 @@ def test_the_mixed_merge_lowers_inside_the_ragged_kernel(compiled_kernels, monke
     assert any(n.startswith("cascade_shared") for n in names)
 
 
+def test_the_norm_kernel_lowers_in_every_kind_of_step(compiled_kernels, monkeypatch):
+    """``INFERSCALE_NORM=pallas``: each layer's two residual adds + norms in the kernel (the first layer's
+    attention norm too, over zeros), and none by default."""
+    engine = make_engine()
+    default = lowered_kernels(engine, kinds(engine)["mixed, cascade"])
+    assert not any("rms_norm" in n for n in default), default
+    jax.clear_caches()
+    monkeypatch.setenv("INFERSCALE_NORM", "pallas")
+    engine = make_engine()
+    for name, key in kinds(engine).items():
+        names = lowered_kernels(engine, key)
+        assert any(n.startswith("add_rms_norm") for n in names), (name, names)
+
+
 def test_the_cascade_mixed_decode_lowers(compiled_kernels, monkeypatch):
     """``INFERSCALE_MIXED_DECODE=cascade``: a mixed step's one-token rows in the decode step's cascade kernel
     (its private part, ``paged_decode``, which the default mixed step does not launch), the chunks ragged."""
