@@ -11,4 +11,4 @@ def test_smoke_run_writes_the_report(tmp_path):
         for form in ("xla", "r1,w4", "r4,w8"):
             assert f"| {case} | 16 | {form} |" in report, (case, form)
     assert "| rope | 16 | xla |" in report
-    assert stdout.count("check ") == 16  # (sum, normed) x two pallas forms x (o, down) x two row counts
+    assert stdout.count("check ") == 32  # (sum, normed) x 2 input sets x 2 pallas forms x (o, down) x 2 row counts
