@@ -14,7 +14,8 @@ that matmul's epilogue, so the glue alone would not be the engine's work):
 * ``o``: ``x + attn @ wo`` then ``rms_norm`` (the attention half's end and the MLP's norm);
 * ``down``: ``x + act @ w_down`` then ``rms_norm`` (the MLP's end and the next layer's norm);
 * ``rope``: q / k / v out of the fused qkv projection's ``[N, 6144]`` output, RoPE on q and k
-  (``models/transformer.py``'s ``project_qkv`` less the matmul).
+  (``models/transformer.py``'s ``project_qkv`` less the matmul), as jnp and as one kernel
+  (``pallas_kernels/rope.py``, ``--rope-variants``: ``tN`` tokens a program, ``wN`` warps).
 
 Forms: ``xla`` is the model's jnp (``models/transformer.py``), ``pallas`` the add + norm in one kernel
 (``pallas_kernels/norm.py``: the matmul writes ``delta``, the kernel reads ``x`` and ``delta`` once and writes
@@ -41,8 +42,8 @@ from common import matmul_ceiling, read_bandwidth  # noqa: E402
 from kernels import check, time_calls_and_device  # noqa: E402
 from report import FAILURES, finish, log, save_plot, step_axes, table  # noqa: E402
 
-from models.rope import apply_rope, rope_cos_sin  # noqa: E402
 from pallas_kernels.norm import add_rms_norm_pallas, add_rms_norm_ref  # noqa: E402
+from pallas_kernels.rope import qkv_rope_pallas, qkv_rope_ref  # noqa: E402
 
 SHAPES = {"full": dict(h=4096, inter=14336, hq=32, hkv=8, d=128, reps=8),
           "smoke": dict(h=64, inter=128, hq=4, hkv=2, d=16, reps=2)}
@@ -54,7 +55,7 @@ def _knobs(variant: str) -> dict:
     out = {}
     for part in filter(None, variant.split(",")):
         key, val = part[0], int(part[1:])
-        out[{"r": "block_rows", "w": "num_warps"}[key]] = val
+        out[{"r": "block_rows", "w": "num_warps", "t": "block_tokens"}[key]] = val
     return out
 
 
@@ -81,22 +82,25 @@ def _norm_case(name, n, k, cfg, forms, args, key):
         _run(name, n, form, xla if form == "xla" else pallas(_knobs(form)), (w, g), inputs, floor, cfg, ref_box)
 
 
-def _rope_case(n, cfg, args, key):
-    """q, k, v out of qkv [N, (Hq + 2 Hkv) D], RoPE on q and k (the model's jnp)."""
+def _rope_case(n, cfg, forms, args, key):
+    """q, k, v out of qkv [N, (Hq + 2 Hkv) D], RoPE on q and k: the model's jnp, then the kernel by knob."""
     hq, hkv, d = cfg["hq"], cfg["hkv"], cfg["d"]
     freq = 1.0 / (500000.0 ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))
     inputs = [(jax.random.normal(jax.random.fold_in(key, r), (n, (hq + 2 * hkv) * d), jnp.bfloat16),
                jnp.arange(n, dtype=jnp.int32) * 7 + 4096 + r) for r in range(cfg["reps"])]
 
     def xla(freq, qkv, pos):
-        cos, sin = rope_cos_sin(pos[None], freq)
-        q = qkv[:, :hq * d].reshape(1, n, hq, d)
-        k = qkv[:, hq * d:(hq + hkv) * d].reshape(1, n, hkv, d)
-        v = qkv[:, (hq + hkv) * d:].reshape(1, n, hkv, d)
-        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+        return qkv_rope_ref(qkv, pos, freq, hq, hkv)
+
+    def pallas(knobs):
+        def call(freq, qkv, pos):
+            return qkv_rope_pallas(qkv, pos, freq, hq, hkv, **knobs)
+        return call
 
     floor = 2 * n * (hq + 2 * hkv) * d * 2 / args.ceiling
-    _run("rope", n, "xla", xla, (freq,), inputs, floor, cfg, [None])
+    ref_box = [None]
+    for form in forms:
+        _run("rope", n, form, xla if form == "xla" else pallas(_knobs(form)), (freq,), inputs, floor, cfg, ref_box)
 
 
 def _run(name, n, form, call, shared, inputs, floor, cfg, ref_box):
@@ -139,7 +143,9 @@ def main():
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, interpret mode (the CPU): the harness only")
     ap.add_argument("--rows", default="64,128,256,512,2048")
     ap.add_argument("--variants", nargs="*", default=["r1,w4", "r2,w8", "r4,w8", "r4,w16"],
-                    help="pallas knobs: rN rows a program, wN warps")
+                    help="the add + norm kernel's knobs: rN rows a program, wN warps")
+    ap.add_argument("--rope-variants", nargs="*", default=["t8,w4", "t16,w4", "t32,w4", "t32,w8"],
+                    help="the qkv + RoPE kernel's knobs: tN tokens a program, wN warps")
     args = ap.parse_args()
     args.out = os.path.abspath(args.out)
     os.makedirs(args.out, exist_ok=True)
@@ -155,7 +161,7 @@ def main():
     for n in rows:
         _norm_case("o", n, cfg["h"], cfg, forms, args, jax.random.fold_in(key, n))
         _norm_case("down", n, cfg["inter"], cfg, forms, args, jax.random.fold_in(key, n + 1))
-        _rope_case(n, cfg, args, jax.random.fold_in(key, n + 2))
+        _rope_case(n, cfg, ["xla"] + list(args.rope_variants), args, jax.random.fold_in(key, n + 2))
     table("A layer's glue with the matmul that feeds it (us; device: the GPU's kernel time)",
           ["case", "rows", "form", "call us", "device us", "floor us", "device x floor"],
           [(c, n, f, f"{t:.1f}", f"{td:.1f}", f"{fl:.1f}", f"{td / fl:.2f}") for c, n, f, t, td, fl in RESULTS])
