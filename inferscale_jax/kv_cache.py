@@ -72,6 +72,7 @@ from pallas_kernels.cascade_attention import (SHARED_BLOCK_KV, grouped_cascade_d
                                               merge_lse)
 from pallas_kernels.decode_attention import paged_decode_attention, paged_decode_attention_ref
 from pallas_kernels.norm import add_rms_norm_pallas, add_rms_norm_ref
+from pallas_kernels.rope import qkv_rope_pallas
 from pallas_kernels.kv_write import write_kv, write_kv_pallas, write_kv_quantized, write_kv_quantized_pallas
 from pallas_kernels.quant import SCALE_BYTES, dequantize_pages, is_quantized, pack_block, unpack_block
 from pallas_kernels.ragged_attention import ragged_paged_attention, ragged_paged_attention_ref
@@ -225,6 +226,18 @@ class PagedKVCache:
         if self.impl == "pallas" and self.mesh is None and not h & (h - 1) and common.norm() == "pallas":
             return add_rms_norm_pallas(x, delta, weight, eps)
         return add_rms_norm_ref(x, delta, weight, eps)
+
+    def qkv_rope(self, qkv: jax.Array, positions: jax.Array, freq, num_heads: int, num_kv_heads: int):
+        """The model's q / k / v out of its fused ``[q | k | v]`` projection ``qkv [B, T, (Hq + 2 Hkv) D]``, RoPE on
+        q and k by ``positions [B, T]`` and the ``[D/2]`` frequencies (``models/transformer.py``'s
+        ``project_qkv``): one Pallas kernel (``pallas_kernels/rope.py``) on the GPU kernels and one device unless
+        ``INFERSCALE_ROPE=jnp``; None where the model's own form runs."""
+        if self.impl != "pallas" or self.mesh is not None or common.rope() != "pallas":
+            return None
+        b, t, f = qkv.shape
+        q, k, v = qkv_rope_pallas(qkv.reshape(b * t, f), positions.reshape(b * t), jnp.asarray(freq),
+                                  num_heads, num_kv_heads)
+        return q.reshape(b, t, *q.shape[1:]), k.reshape(b, t, *k.shape[1:]), v.reshape(b, t, *v.shape[1:])
 
     def attend(self, layer: int, q: jax.Array, k: jax.Array, v: jax.Array,
                positions: jax.Array, meta: AttnMeta) -> tuple[jax.Array, "PagedKVCache"]:

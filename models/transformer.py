@@ -5,7 +5,8 @@ per layer RMSNorm -> q/k/v projections (+bias for Qwen2, +q/k RMSNorm for Qwen3)
 attention -> output projection -> residual -> RMSNorm -> SwiGLU MLP -> residual; final norm and
 the LM head (tied to the embeddings when the config says so).  Each residual add runs together with the
 RMSNorm after it (``add_rms_norm``; a layer hands its MLP output to the next one unadded), so a cache can
-supply both as one kernel (``PagedKVCache.add_rms_norm``).
+supply both as one kernel (``PagedKVCache.add_rms_norm``); it may also split the qkv projection into heads and
+apply RoPE in one kernel (``PagedKVCache.qkv_rope``).
 
 Attention is the one replaceable part: the model hands each layer's new ``q``/``k``/``v`` to
 ``cache.attend(layer, q, k, v, positions, meta)``, which stores ``k``/``v`` in the cache and
@@ -66,12 +67,19 @@ def _linear(x: jax.Array, w: jax.Array, b: jax.Array | None = None) -> jax.Array
     return y if b is None else y + b
 
 
-def project_qkv(cfg: ModelConfig, p: dict, h: jax.Array, cos: jax.Array, sin: jax.Array):
+def project_qkv(cfg: ModelConfig, p: dict, h: jax.Array, cos: jax.Array, sin: jax.Array,
+                positions: jax.Array | None = None, cache: Any = None):
     """A layer's attention inputs: h [B, T, H] (the layer's input after its attention norm) -> q [B, T, Hq, D],
-    k/v [B, T, Hkv, D] (RoPE on q, k)."""
+    k/v [B, T, Hkv, D] (RoPE on q, k).  A cache with its own split + RoPE (``PagedKVCache.qkv_rope``: one
+    kernel on the GPU) takes the plain ``[q | k | v]`` layout without q/k norms from ``positions``."""
     b, t, _ = h.shape
     d = cfg.head_dim
     qkv = _linear(h, p["wqkv"], p.get("bqkv"))  # [B, T, (Hq + 2 Hkv) * D]
+    rope = getattr(cache, "qkv_rope", None)
+    if rope is not None and positions is not None and cfg.fused_shards == 1 and not cfg.qk_norm:
+        out = rope(qkv, positions, inv_freq(cfg.rope, d), cfg.num_heads, cfg.num_kv_heads)
+        if out is not None:
+            return out
     n = cfg.fused_shards  # shard-major groups [q_i | k_i | v_i] (ModelConfig.fused_shards); 1: [q | k | v]
     qkv = qkv.reshape(b, t, n, -1)
     qd, kvd = cfg.num_heads * d // n, cfg.num_kv_heads * d // n
@@ -93,7 +101,7 @@ def _layer(cfg: ModelConfig, p: dict, layer: int, x: jax.Array, delta: jax.Array
     b, t, _ = x.shape  # x [B, T, H]
     add_norm = _add_norm_of(cache)
     x, h = add_norm(x, delta, p["attn_norm"], cfg.rms_norm_eps)
-    q, k, v = project_qkv(cfg, p, h, cos, sin)
+    q, k, v = project_qkv(cfg, p, h, cos, sin, positions, cache)
     attn, cache = cache.attend(layer, q, k, v, positions, meta)  # [B, T, Hq, D]
     o = _linear(attn.reshape(b, t, cfg.num_heads * cfg.head_dim), p["wo"], p.get("bo"))
     x, h = add_norm(x, o, p["mlp_norm"], cfg.rms_norm_eps)

@@ -162,15 +162,16 @@ def mixed_merge() -> str:
     return env_choice("INFERSCALE_MIXED_MERGE", MIXED_MERGE_CHOICES)
 
 
-SHARED_PARTIALS_CHOICES = ("fp32", "q_dtype")
+SHARED_PARTIALS_CHOICES = ("q_dtype", "fp32")
 
 
 def shared_partials() -> str:
     """``INFERSCALE_SHARED_PARTIALS``: how the cascade shared part stores its split partials for the kernel that
-    continues from them (``pallas_kernels/cascade_attention.py``).  ``fp32`` (the default): unnormalised ``o``,
-    base-2 ``m``, ``l``, all fp32; ``q_dtype``: with 16-bit queries, ``o`` normalised in the queries' dtype,
-    ``m`` the base-2 log-sum-exp and ``l`` 1 (0 for no key), so a reader's merge is unchanged and reads half the
-    bytes (fp32 queries keep fp32).  An A/B switch for the benchmarks (bench/NOTES.md)."""
+    continues from them (``pallas_kernels/cascade_attention.py``).  ``q_dtype`` (the default since run AY): with
+    16-bit queries, ``o`` normalised in the queries' dtype, ``m`` the base-2 log-sum-exp and ``l`` 1 (0 for no
+    key), so a reader's merge is unchanged and reads half the bytes (fp32 queries keep fp32); ``fp32``: unnormalised
+    ``o``, base-2 ``m``, ``l``, all fp32 (the form before).  Measured on an H100: the spread step's attention
+    -3%, the bare loop at C = 256 +1.6% (bench/NOTES.md, run AY).  An A/B switch for the benchmarks."""
     return env_choice("INFERSCALE_SHARED_PARTIALS", SHARED_PARTIALS_CHOICES)
 
 
@@ -185,12 +186,24 @@ def norm() -> str:
     return env_choice("INFERSCALE_NORM", NORM_CHOICES)
 
 
+ROPE_CHOICES = ("pallas", "jnp")
+
+
+def rope() -> str:
+    """``INFERSCALE_ROPE``: how the model splits its fused qkv projection into heads and rotates q and k on a cache
+    with the Pallas kernels (``inferscale_jax/kv_cache.py``, ``PagedKVCache.qkv_rope``).  ``pallas`` (the
+    default): one kernel (``pallas_kernels/rope.py``; measured 2x faster than XLA's fusion by itself, run AY);
+    ``jnp``: the model's own form, fused by XLA.  An A/B switch for the benchmarks."""
+    return env_choice("INFERSCALE_ROPE", ROPE_CHOICES)
+
+
 def switches() -> dict:
     """The environment's switches that change the kernels' programs (for caches keyed without
     tracing, such as the engine's executable store: a switch must name another entry)."""
     return {"slot_prefetch": slot_prefetch(), "mixed_shared": sorted(mixed_shared_knobs().items()),
             "mixed_decode": mixed_decode(), "mixed_ragged": sorted(mixed_ragged_knobs().items()),
-            "mixed_merge": mixed_merge(), "shared_partials": shared_partials(), "norm": norm()}
+            "mixed_merge": mixed_merge(), "shared_partials": shared_partials(), "norm": norm(),
+            "rope": rope()}
 
 
 def switches_key() -> tuple:

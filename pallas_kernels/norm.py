@@ -25,8 +25,10 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from models.transformer import add_rms_norm as add_rms_norm_ref  # noqa: F401 (x + delta, rms_norm(x + delta))
+from models.transformer import add_rms_norm as add_rms_norm_ref  # (x + delta, rms_norm(x + delta))
 from pallas_kernels import common
+
+__all__ = ["add_rms_norm_pallas", "add_rms_norm_ref", "check_norm_inputs"]
 
 
 def check_norm_inputs(x, delta, weight) -> tuple[int, int]:

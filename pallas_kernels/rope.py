@@ -94,9 +94,11 @@ def _rope_kernel(pos_ref, freq_ref, qkv_ref, q_ref, k_ref, v_ref, *, n: int, blo
 @functools.partial(jax.jit, static_argnames=("num_heads", "num_kv_heads", "block_tokens", "num_warps",
                                              "interpret"))
 def qkv_rope_pallas(qkv: jax.Array, positions: jax.Array, freq: jax.Array, num_heads: int, num_kv_heads: int, *,
-                    block_tokens: int = 16, num_warps: int = 4,
+                    block_tokens: int = 8, num_warps: int = 4,
                     interpret: bool | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """``qkv_rope_ref``'s result from one Triton kernel."""
+    """``qkv_rope_ref``'s result from one Triton kernel.  The default block (8 tokens, 4 warps) was the fastest at
+    every row count of run AY (bench/NOTES.md): 2.6 / 6.9 us at 64 / 512 rows against XLA's 6.5 / 12.9 on an
+    H100."""
     n, d = check_rope_inputs(qkv, positions, freq, num_heads, num_kv_heads)
     if interpret is None:
         interpret = common.default_interpret()

@@ -91,8 +91,8 @@
 #      ways), 31c (the partials in the loop)
 #  32  a layer's glue (bench/kernels/glue.py): the residual add + RMSNorm after the o and down projections as XLA
 #      runs them against one Pallas kernel (pallas_kernels/norm.py) by knob, and RoPE, at 64-2048 token rows
-#  33  the residual add + RMSNorm kernel in the engine (INFERSCALE_NORM=pallas) against XLA's fusions (jnp, the
-#      default): the kernel's checks on the GPU (pytest), then the bare loop at C = $CONCS (256) both ways
+#  33  the qkv split + RoPE kernel in the engine (INFERSCALE_ROPE=pallas, the default since run AY) against XLA's
+#      fusion (jnp): the glue kernels' checks on the GPU (pytest), then the bare loop at C = $CONCS (256) both ways
 #  16  the checkpoint read (models/loader.py: os.preadv into each tensor's array, threads in parallel): the 8B
 #      checkpoint loaded one tensor at a time and eight (bench/tools/weights_load.py; run AL: 14.2 / 12.1 s)
 # Parts 6-14, 16, 18-20, 23-26, 28, 30 and 31 write the 8B checkpoint to /tmp/llama8b first when it is missing (~35 s); it stays out of
@@ -422,9 +422,10 @@ case "$part" in
     step glue 150 bench/kernels/glue.py
     ;;
 33)
-    step_as norm_checks 150 -m pytest -q -p no:cacheprovider tests/kernels/test_kernels_norm.py
+    step_as glue_checks 150 -m pytest -q -p no:cacheprovider tests/kernels/test_kernels_rope.py \
+        tests/kernels/test_kernels_norm.py
     ckpt
-    CONCS=${CONCS:-256} loops_ab INFERSCALE_NORM norm_ jnp pallas
+    CONCS=${CONCS:-256} loops_ab INFERSCALE_ROPE rope_ pallas jnp
     ;;
 21)
     step call_args 150 bench/tools/call_args.py

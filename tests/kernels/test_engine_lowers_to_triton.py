@@ -131,7 +131,7 @@ def test_the_mixed_merge_lowers_inside_the_ragged_kernel(compiled_kernels, monke
     engine = make_engine()
     key = kinds(engine)["mixed, cascade"]
     names = lowered_kernels(engine, key)
-    shared = {re.search(r"_sp(\d+)$", n).group(1) for n in names if n.startswith("cascade_shared")}
+    shared = {re.search(r"_sp(\d+)(?:_nq)?$", n).group(1) for n in names if n.startswith("cascade_shared")}
     started = {re.search(r"_i(\d+)(?:_sl)?$", n).group(1) for n in names if n.startswith("ragged_paged_attention")}
     assert len(shared) == 1 and started == shared, names
     jax.clear_caches()
@@ -155,6 +155,18 @@ def test_the_norm_kernel_lowers_in_every_kind_of_step(compiled_kernels, monkeypa
     for name, key in kinds(engine).items():
         names = lowered_kernels(engine, key)
         assert any(n.startswith("add_rms_norm") for n in names), (name, names)
+
+
+def test_the_rope_kernel_lowers_in_every_kind_of_step(compiled_kernels, monkeypatch):
+    """Every kind of step splits q / k / v and applies RoPE in ``qkv_rope`` by default; ``INFERSCALE_ROPE=jnp``
+    leaves it to XLA."""
+    engine = make_engine()
+    for name, key in kinds(engine).items():
+        assert any(n.startswith("qkv_rope") for n in lowered_kernels(engine, key)), name
+    jax.clear_caches()
+    monkeypatch.setenv("INFERSCALE_ROPE", "jnp")
+    engine = make_engine()
+    assert not any(n.startswith("qkv_rope") for n in lowered_kernels(engine, kinds(engine)["mixed, cascade"]))
 
 
 def test_the_cascade_mixed_decode_lowers(compiled_kernels, monkeypatch):
@@ -193,7 +205,8 @@ def test_the_decode_loop_lowers(compiled_kernels):
 def shared_splits(engine, want) -> int:
     """The split count of the cascade shared part in the first bucket ``want(key)`` picks, as lowered for CUDA."""
     key = next(k for k in engine.runner.buckets.all_keys() if want(k))
-    found = {int(m) for n in lowered_kernels(engine, key) for m in re.findall(r"^cascade_shared\w*_sp(\d+)$", n)}
+    found = {int(m) for n in lowered_kernels(engine, key)
+             for m in re.findall(r"^cascade_shared\w*_sp(\d+)(?:_nq)?$", n)}  # (_nq: normalised 16-bit partials)
     assert len(found) == 1, (key, found)
     return found.pop()
 
@@ -256,7 +269,7 @@ def test_the_mixed_shared_chunk_launch_lowers(compiled_kernels, monkeypatch):
     key = next(k for k in engine.runner.buckets.all_keys() if k.ragged and k.shared and k.tokens == 512)
     shared = {re.sub(r"_g\d+", "", name): params for name, params in launch_params(engine, key).items()
               if name.startswith("cascade_shared")}
-    assert shared == {"cascade_shared_r64_bk64_sp8": (3, 4), "cascade_shared_r128_bk64_sp8": (3, 8)}, shared
+    assert shared == {"cascade_shared_r64_bk64_sp8_nq": (3, 4), "cascade_shared_r128_bk64_sp8_nq": (3, 8)}, shared
 
 
 def test_the_decode_shared_split_count_follows_the_row_bucket(compiled_kernels, monkeypatch):

@@ -388,15 +388,20 @@ def test_the_mixed_ragged_switch_parses_to_the_kernels_arguments(monkeypatch):
 
 @pytest.mark.parametrize("chunk_groups", [(-1, -1), (0, 1)])
 def test_normalised_shared_partials_keep_the_mixed_and_decode_steps(monkeypatch, chunk_groups):
-    """``INFERSCALE_SHARED_PARTIALS=q_dtype``: the shared part stores bf16 normalised partials (its kernel's name
-    ends in ``_nq``) and both readers - the mixed step's ragged kernel and the decode step's suffix kernel -
-    still give the reference's result; fp32 pages keep fp32 partials; the executable key follows the switch."""
+    """``INFERSCALE_SHARED_PARTIALS=q_dtype`` (the default): the shared part stores bf16 normalised partials (its
+    kernel's name ends in ``_nq``) and both readers - the mixed step's ragged kernel and the decode step's suffix
+    kernel - still give the reference's result; fp32 pages keep fp32 partials; ``fp32`` turns it off; the
+    executable key follows the switch."""
     from pallas_kernels import common, grouped_cascade_decode_attention
     q, kp, vp, casc, plain, n = mixed_case(11, dtype=jnp.bfloat16, chunk_groups=chunk_groups)
     want = kv_cache._attend(q[None], kp, vp, None, plain, "ref")[0]
+    monkeypatch.delenv("INFERSCALE_SHARED_PARTIALS", raising=False)
     base = common.switches()
-    monkeypatch.setenv("INFERSCALE_SHARED_PARTIALS", "q_dtype")
+    monkeypatch.setenv("INFERSCALE_SHARED_PARTIALS", "fp32")
     assert common.switches() != base
+    assert not any(k.endswith("_nq") for k in mixed_step_kernels(q, kp, vp, casc, r"(cascade_shared_\w+)"))
+    assert_close(kv_cache._attend(q[None], kp, vp, None, casc, "pallas")[0][:n], want[:n], jnp.bfloat16)
+    monkeypatch.delenv("INFERSCALE_SHARED_PARTIALS")
     assert any(k.endswith("_nq") for k in mixed_step_kernels(q, kp, vp, casc, r"(cascade_shared_\w+)"))
     out = kv_cache._attend(q[None], kp, vp, None, casc, "pallas")[0]
     assert_close(out[:n], want[:n], jnp.bfloat16)
@@ -412,5 +417,5 @@ def test_normalised_shared_partials_keep_the_mixed_and_decode_steps(monkeypatch,
 def test_a_bad_shared_partials_switch_is_refused_with_its_value(monkeypatch):
     from pallas_kernels import common
     monkeypatch.setenv("INFERSCALE_SHARED_PARTIALS", "bf16")
-    with pytest.raises(ValueError, match="INFERSCALE_SHARED_PARTIALS='bf16'.*'fp32', 'q_dtype'"):
+    with pytest.raises(ValueError, match="INFERSCALE_SHARED_PARTIALS='bf16'.*'q_dtype', 'fp32'"):
         common.shared_partials()

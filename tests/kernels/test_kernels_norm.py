@@ -76,35 +76,21 @@ def test_bad_inputs_are_refused_with_their_values(bad, match):
 def test_the_engine_with_the_norm_kernel_generates_as_the_default(monkeypatch):
     """``INFERSCALE_NORM=pallas``: every residual add and norm of the engine's steps (prefill, mixed, decode) in
     the kernel gives the default engine's greedy tokens and close log-probs; the switch keys the caches."""
-    from inferscale_jax import Engine, EngineConfig, SamplingParams
-    from models import ModelConfig, RopeConfig, init_params
-    cfg = ModelConfig(architecture="LlamaForCausalLM", vocab_size=101, hidden_size=64, intermediate_size=128,
-                      num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, rms_norm_eps=1e-5,
-                      rope=RopeConfig(), max_position_embeddings=512)
-    params = init_params(cfg, jax.random.PRNGKey(1), scale=0.5)
-    conf = EngineConfig(dtype="float32", page_size=8, hbm_pages=64, max_batch=4, attention_impl="pallas")
-    prompts = [[3, 5, 7, 11, 13, 17, 19, 23, 29], [2, 4, 6], [9] * 20]
-    sp = SamplingParams(max_tokens=6, temperature=0.0, logprobs=1)
-
-    def run():
-        jax.clear_caches()
-        eng = Engine(params, cfg, None, conf)
-        return eng, eng.generate_batch([dict(prompt_token_ids=p, sampling=sp) for p in prompts])
-
-    eng0, base = run()
-    assert eng0.runner.cache.impl == "pallas"
+    from tests.support.tiny_engine import assert_same_generations, greedy_tokens_and_logprobs, make_engine
+    import pallas_kernels.norm as norm_mod
+    jax.clear_caches()
+    eng0 = make_engine(attention_impl="pallas", max_batch=4)
+    base = greedy_tokens_and_logprobs(eng0)
     monkeypatch.setenv("INFERSCALE_NORM", "pallas")
     calls = []
-    import pallas_kernels.norm as norm_mod
     real = norm_mod._add_norm_kernel
     monkeypatch.setattr(norm_mod, "_add_norm_kernel", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
-    eng1, got = run()
+    jax.clear_caches()
+    eng1 = make_engine(attention_impl="pallas", max_batch=4)
+    got = greedy_tokens_and_logprobs(eng1)
     assert calls, "INFERSCALE_NORM=pallas did not run the kernel"
     assert eng1.runner.cache.switches != eng0.runner.cache.switches
-    for a, b in zip(base, got):
-        assert a.token_ids == b.token_ids
-        np.testing.assert_allclose([lp[t] for lp, t in zip(a.logprobs, a.token_ids)],
-                                   [lp[t] for lp, t in zip(b.logprobs, b.token_ids)], atol=1e-4)
+    assert_same_generations(base, got)
     jax.clear_caches()
 
 

@@ -27,3 +27,23 @@ def assert_only_nodes_hold_pages(engine):
             held[p] = held.get(p, 0) + 1
     for p in range(1, engine.pool.num_pages):
         assert engine.pool.refcount(p) == held.get(p, 0), f"page {p} leaked"
+
+
+PROMPTS = [[3, 5, 7, 11, 13, 17, 19, 23, 29], [2, 4, 6], [9] * 20]  # a chunked prompt, a short one, a long one
+
+
+def greedy_tokens_and_logprobs(engine, prompts=PROMPTS, max_tokens=6):
+    """Each prompt's greedy tokens and their log-probs, run as one continuously batched burst (prefill, mixed
+    and decode steps)."""
+    from inferscale_jax import SamplingParams
+    sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=1)
+    outs = engine.generate_batch([dict(prompt_token_ids=p, sampling=sp) for p in prompts])
+    return [(o.token_ids, [lp[t] for lp, t in zip(o.logprobs, o.token_ids)]) for o in outs]
+
+
+def assert_same_generations(a, b, atol=1e-4):
+    """``greedy_tokens_and_logprobs`` results: the same tokens, log-probs within ``atol``."""
+    import numpy as np
+    assert [x[0] for x in a] == [x[0] for x in b]
+    for (_, la), (_, lb) in zip(a, b):
+        np.testing.assert_allclose(la, lb, atol=atol)
