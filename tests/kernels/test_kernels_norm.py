@@ -76,22 +76,13 @@ def test_bad_inputs_are_refused_with_their_values(bad, match):
 def test_the_engine_with_the_norm_kernel_generates_as_the_default(monkeypatch):
     """``INFERSCALE_NORM=pallas``: every residual add and norm of the engine's steps (prefill, mixed, decode) in
     the kernel gives the default engine's greedy tokens and close log-probs; the switch keys the caches."""
-    from tests.support.tiny_engine import assert_same_generations, greedy_tokens_and_logprobs, make_engine
     import pallas_kernels.norm as norm_mod
-    jax.clear_caches()
-    eng0 = make_engine(attention_impl="pallas", max_batch=4)
-    base = greedy_tokens_and_logprobs(eng0)
-    monkeypatch.setenv("INFERSCALE_NORM", "pallas")
-    calls = []
-    real = norm_mod._add_norm_kernel
-    monkeypatch.setattr(norm_mod, "_add_norm_kernel", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
-    jax.clear_caches()
-    eng1 = make_engine(attention_impl="pallas", max_batch=4)
-    got = greedy_tokens_and_logprobs(eng1)
-    assert calls, "INFERSCALE_NORM=pallas did not run the kernel"
-    assert eng1.runner.cache.switches != eng0.runner.cache.switches
+    from tests.support.tiny_engine import assert_same_generations, switch_ab
+    (base, n0, key0), (got, n1, key1) = switch_ab(monkeypatch, "INFERSCALE_NORM", ("jnp", "pallas"), norm_mod,
+                                                  "_add_norm_kernel")
+    assert n0 == 0 and n1 > 0, (n0, n1)
+    assert key0 != key1
     assert_same_generations(base, got)
-    jax.clear_caches()
 
 
 def test_a_bad_norm_switch_is_refused_with_its_value(monkeypatch):

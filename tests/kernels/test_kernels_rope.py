@@ -67,24 +67,13 @@ def test_the_engine_generates_the_same_with_and_without_the_kernel(monkeypatch):
     """The engine's steps (prefill, mixed, decode) run the kernel by default on the Pallas kernels, and give
     ``INFERSCALE_ROPE=jnp``'s (the model's own form) greedy tokens and log-probs; the switch keys the caches."""
     import pallas_kernels.rope as rope_mod
-    from tests.support.tiny_engine import assert_same_generations, greedy_tokens_and_logprobs, make_engine
-    calls = []
-    real = rope_mod._rope_kernel
-    monkeypatch.setattr(rope_mod, "_rope_kernel", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
-    monkeypatch.delenv("INFERSCALE_ROPE", raising=False)
-    jax.clear_caches()
-    eng0 = make_engine(attention_impl="pallas", max_batch=4)
-    base = greedy_tokens_and_logprobs(eng0)
-    assert calls, "the default engine did not run the kernel"
-    monkeypatch.setenv("INFERSCALE_ROPE", "jnp")
-    calls.clear()
-    jax.clear_caches()
-    eng1 = make_engine(attention_impl="pallas", max_batch=4)
-    got = greedy_tokens_and_logprobs(eng1)
-    assert not calls
-    assert eng1.runner.cache.switches != eng0.runner.cache.switches
+    from tests.support.tiny_engine import assert_same_generations, switch_ab
+    assert common.ROPE_CHOICES[0] == "pallas"  # (the default: what "" means)
+    (base, n0, key0), (got, n1, key1) = switch_ab(monkeypatch, "INFERSCALE_ROPE", ("", "jnp"), rope_mod,
+                                                  "_rope_kernel")
+    assert n0 > 0 and n1 == 0, (n0, n1)
+    assert key0 != key1
     assert_same_generations(base, got)
-    jax.clear_caches()
 
 
 def test_a_bad_rope_switch_is_refused_with_its_value(monkeypatch):

@@ -47,3 +47,22 @@ def assert_same_generations(a, b, atol=1e-4):
     assert [x[0] for x in a] == [x[0] for x in b]
     for (_, la), (_, lb) in zip(a, b):
         np.testing.assert_allclose(la, lb, atol=atol)
+
+
+def switch_ab(monkeypatch, var: str, values: tuple, module, kernel: str) -> list:
+    """A tiny engine on the Pallas kernels (interpret mode) under each of ``values`` of environment switch ``var``
+    in turn, each with fresh jit caches: per value, (its ``greedy_tokens_and_logprobs``, how many times
+    ``module.<kernel>`` was traced, the cache's ``switches`` key)."""
+    import jax
+    calls = []
+    real = getattr(module, kernel)
+    monkeypatch.setattr(module, kernel, lambda *a, **k: (calls.append(1), real(*a, **k))[1])
+    runs = []
+    for value in values:
+        monkeypatch.setenv(var, value)
+        calls.clear()
+        jax.clear_caches()
+        engine = make_engine(attention_impl="pallas", max_batch=4)
+        runs.append((greedy_tokens_and_logprobs(engine), len(calls), engine.runner.cache.switches))
+    jax.clear_caches()
+    return runs
