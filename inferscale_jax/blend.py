@@ -34,7 +34,7 @@ import numpy as np
 from inferscale_jax.kv_cache import AttnMeta, PagedKVCache, paged_attention_by_position
 from models import ModelConfig, forward
 from models.rope import inv_freq, rope_cos_sin
-from models.transformer import _layer, add_rms_norm, project_qkv
+from models.transformer import _layer, project_qkv
 
 
 class _ReadOnlyByPosition:
@@ -42,6 +42,12 @@ class _ReadOnlyByPosition:
 
     def __init__(self, cache: PagedKVCache, page_table: jax.Array):
         self.cache, self.page_table = cache, page_table
+
+    def qkv_rope(self, *args):  # the wrapped cache's glue kernels: layer 1's K as the cache's was computed
+        return self.cache.qkv_rope(*args)
+
+    def add_rms_norm(self, *args):
+        return self.cache.add_rms_norm(*args)
 
     def attend(self, layer, q, k, v, positions, meta):
         return paged_attention_by_position(q, self.cache.k[layer], self.cache.v[layer], self.page_table,
@@ -54,10 +60,10 @@ def layer1_deviation(params, cfg: ModelConfig, cache: PagedKVCache, tokens, posi
     -> deviation [T] float32 (see module docstring)."""
     x = params["embed"][tokens]  # [1, T, H]
     cos, sin = rope_cos_sin(positions, jnp.asarray(inv_freq(cfg.rope, cfg.head_dim)))
-    x, delta, _ = _layer(cfg, params["layers"][0], 0, x, None, cos, sin, positions,
-                         _ReadOnlyByPosition(cache, page_table), None)
-    _, h = add_rms_norm(x, delta, params["layers"][1]["attn_norm"], cfg.rms_norm_eps)
-    _, k, v = project_qkv(cfg, params["layers"][1], h, cos, sin)  # [1, T, Hkv, D]
+    view = _ReadOnlyByPosition(cache, page_table)
+    x, delta, _ = _layer(cfg, params["layers"][0], 0, x, None, cos, sin, positions, view, None)
+    _, h = view.add_rms_norm(x, delta, params["layers"][1]["attn_norm"], cfg.rms_norm_eps)
+    _, k, v = project_qkv(cfg, params["layers"][1], h, cos, sin, positions, view)  # [1, T, Hkv, D]
     hkv, p, s, d = cache.k[1].shape
     k_c = cache.k[1].reshape(hkv, p * s, d)[:, slots].transpose(1, 0, 2)  # [T, Hkv, D]
     v_c = cache.v[1].reshape(hkv, p * s, d)[:, slots].transpose(1, 0, 2)

@@ -5,7 +5,9 @@
 kernels read a layer's pages in place and the jitted step (which donates the cache) updates
 them in place.  Page 0 is the null page that padding points at.
 
-``attend`` is the model's one replaceable attention function (``models/transformer.py``):
+``attend`` is the model's replaceable attention function (``models/transformer.py``; the cache
+also supplies the glue beside it as kernels: ``qkv_rope``, the qkv split and RoPE, and
+``add_rms_norm``, each residual add with its norm, under their switches):
 it scatters the step's new K/V into their slots (``AttnMeta.slots``), then runs paged
 attention over everything each sequence has in pages.  Engine steps hand it a flat token batch
 ``q [1, N]``: a *mixed* step (``AttnMeta.ragged``: prefill chunks and decode rows together,

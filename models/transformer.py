@@ -8,9 +8,10 @@ RMSNorm after it (``add_rms_norm``; a layer hands its MLP output to the next one
 supply both as one kernel (``PagedKVCache.add_rms_norm``); it may also split the qkv projection into heads and
 apply RoPE in one kernel (``PagedKVCache.qkv_rope``).
 
-Attention is the one replaceable part: the model hands each layer's new ``q``/``k``/``v`` to
+Attention is the replaceable part: the model hands each layer's new ``q``/``k``/``v`` to
 ``cache.attend(layer, q, k, v, positions, meta)``, which stores ``k``/``v`` in the cache and
-returns the attention output together with the updated cache.  ``models/dense_cache.py`` is a
+returns the attention output together with the updated cache.  A cache may also supply the glue
+next to it as kernels (the optional ``add_rms_norm`` and ``qkv_rope`` above, same numbers).  ``models/dense_cache.py`` is a
 dense cache for simple generation and tests; the engine's paged cache (page pool + Pallas
 kernels) implements the same method, so the model never knows how KV is stored.
 
@@ -58,7 +59,8 @@ def add_rms_norm(x: jax.Array, delta: jax.Array | None, weight: jax.Array,
 
 def _add_norm_of(cache) -> Any:
     """The cache's own residual add + RMSNorm when it has one (``PagedKVCache.add_rms_norm``: a Pallas kernel
-    on the GPU), else :func:`add_rms_norm`; both compute the same numbers."""
+    on the GPU), else :func:`add_rms_norm`; the same numbers within one rounding step (the kernel sums the
+    squares in another order)."""
     return getattr(cache, "add_rms_norm", add_rms_norm)
 
 
@@ -96,7 +98,8 @@ def _layer(cfg: ModelConfig, p: dict, layer: int, x: jax.Array, delta: jax.Array
            sin: jax.Array, positions: jax.Array, cache: KVCache,
            meta: Any) -> tuple[jax.Array, jax.Array, KVCache]:
     """One layer: its input is ``x + delta`` (the residual stream and the layer before's MLP output, not yet
-    added; ``delta`` None for the first layer), its output ``(x, delta, cache)`` the same way, so that each
+    added; ``_forward`` gives the first layer zeros, a caller may give None), its output ``(x, delta, cache)`` the
+    same way, so that each
     residual add runs with the RMSNorm after it (``_add_norm_of``); ``_forward`` adds the last one."""
     b, t, _ = x.shape  # x [B, T, H]
     add_norm = _add_norm_of(cache)

@@ -466,7 +466,7 @@ def _tags_of_stack(stack: list[tuple[str, str, int]], op_name: str) -> set[str]:
         tags.add("sampler")
     if any(f in ("apply_rope", "rope_cos_sin") for f in funcs) or "rope.py" in files:
         tags.add("rope")
-    if "rms_norm" in funcs:
+    if "rms_norm" in funcs or "add_rms_norm" in funcs:  # (the residual adds run inside add_rms_norm)
         tags.add("norm")
     if any(f.startswith("write_kv") for f in funcs) or "write_kv" in op_name:
         tags.add("kv_write")
@@ -479,7 +479,7 @@ def _tags_of_stack(stack: list[tuple[str, str, int]], op_name: str) -> set[str]:
         text = _line_text(base, line)
         if func == "_layer" and "silu" in text:
             tags.add("mlp_act")
-        if func == "_layer" and "x + _linear" in text and "_linear" not in funcs:
+        if func == "add_rms_norm" and "x + delta" in text:
             tags.add("residual")
         if func == "_forward" and "embed" in text and "[tokens]" in text:
             tags.add("embed")
@@ -715,6 +715,10 @@ class Classifier:
             return "attn prefill", ""
         if "write_kv" in n:
             return "kv write", ""
+        if "qkv_rope" in n:
+            return "rope", ""
+        if "rms_norm" in n:
+            return "norms (+residual)", ""
         if "splice" in n:
             return "splice (copy-on-write)", ""
         if "memcpy" in n or "memset" in n:

@@ -49,10 +49,11 @@ def assert_same_generations(a, b, atol=1e-4):
         np.testing.assert_allclose(la, lb, atol=atol)
 
 
-def switch_ab(monkeypatch, var: str, values: tuple, module, kernel: str) -> list:
-    """A tiny engine on the Pallas kernels (interpret mode) under each of ``values`` of environment switch ``var``
-    in turn, each with fresh jit caches: per value, (its ``greedy_tokens_and_logprobs``, how many times
-    ``module.<kernel>`` was traced, the cache's ``switches`` key)."""
+def switch_ab(monkeypatch, var: str, values: tuple, module, kernel: str, prompts=PROMPTS, **engine_kw) -> list:
+    """A tiny engine on the Pallas kernels (interpret mode; ``engine_kw`` to ``make_engine``) under each of
+    ``values`` of environment switch ``var`` in turn, each with fresh jit caches: per value, (its
+    ``greedy_tokens_and_logprobs`` of ``prompts``, how many times ``module.<kernel>`` was traced, the cache's
+    ``switches`` key)."""
     import jax
     calls = []
     real = getattr(module, kernel)
@@ -62,7 +63,7 @@ def switch_ab(monkeypatch, var: str, values: tuple, module, kernel: str) -> list
         monkeypatch.setenv(var, value)
         calls.clear()
         jax.clear_caches()
-        engine = make_engine(attention_impl="pallas", max_batch=4)
-        runs.append((greedy_tokens_and_logprobs(engine), len(calls), engine.runner.cache.switches))
+        engine = make_engine(**{"attention_impl": "pallas", "max_batch": 4, **engine_kw})
+        runs.append((greedy_tokens_and_logprobs(engine, prompts), len(calls), engine.runner.cache.switches))
     jax.clear_caches()
     return runs
