@@ -237,8 +237,10 @@ class PagedKVCache:
         if self.impl != "pallas" or self.mesh is not None or common.rope() != "pallas":
             return None
         b, t, f = qkv.shape
+        # (interpret mode, the CPU: 64-token blocks, a few sequential programs instead of many; same numbers)
+        block = {"block_tokens": 64} if common.default_interpret() else {}
         q, k, v = qkv_rope_pallas(qkv.reshape(b * t, f), positions.reshape(b * t), jnp.asarray(freq),
-                                  num_heads, num_kv_heads)
+                                  num_heads, num_kv_heads, **block)
         return q.reshape(b, t, *q.shape[1:]), k.reshape(b, t, *k.shape[1:]), v.reshape(b, t, *v.shape[1:])
 
     def attend(self, layer: int, q: jax.Array, k: jax.Array, v: jax.Array,
