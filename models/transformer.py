@@ -11,8 +11,8 @@ apply RoPE in one kernel (``PagedKVCache.qkv_rope``).
 Attention is the replaceable part: the model hands each layer's new ``q``/``k``/``v`` to
 ``cache.attend(layer, q, k, v, positions, meta)``, which stores ``k``/``v`` in the cache and
 returns the attention output together with the updated cache.  A cache may also supply the glue
-next to it as kernels (the optional ``add_rms_norm`` and ``qkv_rope`` above, same numbers).  ``models/dense_cache.py`` is a
-dense cache for simple generation and tests; the engine's paged cache (page pool + Pallas
+next to it as kernels (the optional ``add_rms_norm`` and ``qkv_rope`` above, same numbers).
+``models/dense_cache.py`` is a dense cache for simple generation and tests; the engine's paged cache (page pool + Pallas
 kernels) implements the same method, so the model never knows how KV is stored.
 
 Numerics follow transformers: RMSNorm in float32 then cast back, RoPE cos/sin in float32 cast
@@ -99,8 +99,8 @@ def _layer(cfg: ModelConfig, p: dict, layer: int, x: jax.Array, delta: jax.Array
            meta: Any) -> tuple[jax.Array, jax.Array, KVCache]:
     """One layer: its input is ``x + delta`` (the residual stream and the layer before's MLP output, not yet
     added; ``_forward`` gives the first layer zeros, a caller may give None), its output ``(x, delta, cache)`` the
-    same way, so that each
-    residual add runs with the RMSNorm after it (``_add_norm_of``); ``_forward`` adds the last one."""
+    same way, so that each residual add runs with the RMSNorm after it (``_add_norm_of``); ``_forward`` adds the
+    last one."""
     b, t, _ = x.shape  # x [B, T, H]
     add_norm = _add_norm_of(cache)
     x, h = add_norm(x, delta, p["attn_norm"], cfg.rms_norm_eps)
