@@ -49,6 +49,9 @@ class _ReadOnlyByPosition:
     def add_rms_norm(self, *args):
         return self.cache.add_rms_norm(*args)
 
+    def linear(self, *args):
+        return self.cache.linear(*args)
+
     def attend(self, layer, q, k, v, positions, meta):
         return paged_attention_by_position(q, self.cache.k[layer], self.cache.v[layer], self.page_table,
                                            positions), self

@@ -7,7 +7,8 @@ them in place.  Page 0 is the null page that padding points at.
 
 ``attend`` is the model's replaceable attention function (``models/transformer.py``; the cache
 also supplies the glue beside it as kernels: ``qkv_rope``, the qkv split and RoPE, and
-``add_rms_norm``, each residual add with its norm, under their switches):
+``add_rms_norm``, each residual add with its norm, and ``linear``, the projections at decode-sized row counts,
+under their switches):
 it scatters the step's new K/V into their slots (``AttnMeta.slots``), then runs paged
 attention over everything each sequence has in pages.  Engine steps hand it a flat token batch
 ``q [1, N]``: a *mixed* step (``AttnMeta.ragged``: prefill chunks and decode rows together,
@@ -59,6 +60,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import math
 
 import jax
 import jax.numpy as jnp
@@ -73,6 +75,7 @@ from pallas_kernels.cascade_attention import (SHARED_BLOCK_KV, grouped_cascade_d
                                               grouped_shared_prefix_attention_ref, grouped_shared_prefix_partials,
                                               merge_lse)
 from pallas_kernels.decode_attention import paged_decode_attention, paged_decode_attention_ref
+from pallas_kernels.gemm import check_matmul_inputs, default_blocks, matmul_pallas
 from pallas_kernels.norm import add_rms_norm_pallas, add_rms_norm_ref
 from pallas_kernels.rope import qkv_rope_pallas
 from pallas_kernels.kv_write import write_kv, write_kv_pallas, write_kv_quantized, write_kv_quantized_pallas
@@ -84,6 +87,7 @@ from pallas_kernels.tpu import ragged_paged_attention_tpu, splice_kv_tpu, tiling
 
 log = logging.getLogger("inferscale.kv_cache")
 IMPLS = ("pallas", "pallas_tpu", "ref")  # what ``impl`` holds once resolved ("auto" never)
+MATMUL_MAX_ROWS = 128  # ``linear``'s kernel up to this many rows (past it XLA's cuBLAS GEMMs are near the FLOP ceiling)
 
 
 def resolve_impl(requested: str, head_dim: int, page_size: int, dtype, kv_dtype=None) -> str:
@@ -228,6 +232,25 @@ class PagedKVCache:
         if self.impl == "pallas" and self.mesh is None and not h & (h - 1) and common.norm() == "pallas":
             return add_rms_norm_pallas(x, delta, weight, eps)
         return add_rms_norm_ref(x, delta, weight, eps)
+
+    def linear(self, x: jax.Array, w: jax.Array) -> jax.Array | None:
+        """``x [..., K] @ w [K, N]`` for the model's projections (``models/transformer.py``'s ``_linear``): the
+        skinny-matmul kernel (``pallas_kernels/gemm.py``) with ``INFERSCALE_MATMUL=pallas`` on the GPU kernels, one
+        device, at most ``MATMUL_MAX_ROWS`` rows and the kernel's shapes; None where XLA's dot runs."""
+        if self.impl != "pallas" or self.mesh is not None or common.matmul() != "pallas" or x.dtype != w.dtype:
+            return None
+        if w.ndim != 2:
+            return None
+        lead, (k, n) = x.shape[:-1], w.shape
+        m = math.prod(lead)
+        if m > MATMUL_MAX_ROWS:
+            return None
+        knobs = default_blocks(m, k, n)
+        try:
+            check_matmul_inputs(x.reshape(m, k), w, knobs["block_n"], knobs["block_k"], knobs["split_k"])
+        except ValueError:  # (a shape the kernel does not tile: XLA's dot)
+            return None
+        return matmul_pallas(x.reshape(m, k), w, **knobs).reshape(*lead, n)
 
     def qkv_rope(self, qkv: jax.Array, positions: jax.Array, freq, num_heads: int, num_kv_heads: int):
         """The model's q / k / v out of its fused ``[q | k | v]`` projection ``qkv [B, T, (Hq + 2 Hkv) D]``, RoPE on

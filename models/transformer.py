@@ -6,12 +6,13 @@ attention -> output projection -> residual -> RMSNorm -> SwiGLU MLP -> residual;
 the LM head (tied to the embeddings when the config says so).  Each residual add runs together with the
 RMSNorm after it (``add_rms_norm``; a layer hands its MLP output to the next one unadded), so a cache can
 supply both as one kernel (``PagedKVCache.add_rms_norm``); it may also split the qkv projection into heads and
-apply RoPE in one kernel (``PagedKVCache.qkv_rope``).
+apply RoPE in one kernel (``PagedKVCache.qkv_rope``), and run the projections (``PagedKVCache.linear``).
 
 Attention is the replaceable part: the model hands each layer's new ``q``/``k``/``v`` to
 ``cache.attend(layer, q, k, v, positions, meta)``, which stores ``k``/``v`` in the cache and
 returns the attention output together with the updated cache.  A cache may also supply the glue
-next to it as kernels (the optional ``add_rms_norm`` and ``qkv_rope`` above, same numbers).
+next to it as kernels (the optional ``add_rms_norm``, ``qkv_rope`` and ``linear`` above, the same numbers within
+a rounding step).
 ``models/dense_cache.py`` is a dense cache for simple generation and tests; the engine's paged cache (page pool + Pallas
 kernels) implements the same method, so the model never knows how KV is stored.
 
@@ -64,8 +65,13 @@ def _add_norm_of(cache) -> Any:
     return getattr(cache, "add_rms_norm", add_rms_norm)
 
 
-def _linear(x: jax.Array, w: jax.Array, b: jax.Array | None = None) -> jax.Array:
-    y = jnp.einsum("...i,io->...o", x, w)
+def _linear(x: jax.Array, w: jax.Array, b: jax.Array | None = None, cache: Any = None) -> jax.Array:
+    """``x @ w (+ b)``: the cache's own matmul where it has one and takes the shape (``PagedKVCache.linear``: a
+    Pallas kernel at decode-sized row counts under its switch), else XLA's dot."""
+    mm = getattr(cache, "linear", None)
+    y = mm(x, w) if mm is not None else None
+    if y is None:
+        y = jnp.einsum("...i,io->...o", x, w)
     return y if b is None else y + b
 
 
@@ -76,7 +82,7 @@ def project_qkv(cfg: ModelConfig, p: dict, h: jax.Array, cos: jax.Array, sin: ja
     kernel on the GPU) takes the plain ``[q | k | v]`` layout without q/k norms from ``positions``."""
     b, t, _ = h.shape
     d = cfg.head_dim
-    qkv = _linear(h, p["wqkv"], p.get("bqkv"))  # [B, T, (Hq + 2 Hkv) * D]
+    qkv = _linear(h, p["wqkv"], p.get("bqkv"), cache)  # [B, T, (Hq + 2 Hkv) * D]
     rope = getattr(cache, "qkv_rope", None)
     if rope is not None and positions is not None and cfg.fused_shards == 1 and not cfg.qk_norm:
         out = rope(qkv, positions, inv_freq(cfg.rope, d), cfg.num_heads, cfg.num_kv_heads)
@@ -106,12 +112,12 @@ def _layer(cfg: ModelConfig, p: dict, layer: int, x: jax.Array, delta: jax.Array
     x, h = add_norm(x, delta, p["attn_norm"], cfg.rms_norm_eps)
     q, k, v = project_qkv(cfg, p, h, cos, sin, positions, cache)
     attn, cache = cache.attend(layer, q, k, v, positions, meta)  # [B, T, Hq, D]
-    o = _linear(attn.reshape(b, t, cfg.num_heads * cfg.head_dim), p["wo"], p.get("bo"))
+    o = _linear(attn.reshape(b, t, cfg.num_heads * cfg.head_dim), p["wo"], p.get("bo"), cache)
     x, h = add_norm(x, o, p["mlp_norm"], cfg.rms_norm_eps)
-    gate_up = _linear(h, p["w_gate_up"], p.get("b_gate_up"))  # [B, T, 2I], [gate_i | up_i] per group
+    gate_up = _linear(h, p["w_gate_up"], p.get("b_gate_up"), cache)  # [B, T, 2I], [gate_i | up_i] per group
     gate, up = jnp.split(gate_up.reshape(b, t, cfg.fused_shards, -1), 2, axis=-1)
     act = (jax.nn.silu(gate) * up).reshape(b, t, -1)  # [B, T, I]
-    return x, _linear(act, p["w_down"], p.get("b_down")), cache
+    return x, _linear(act, p["w_down"], p.get("b_down"), cache), cache
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",))

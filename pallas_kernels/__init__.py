@@ -16,6 +16,7 @@ from pallas_kernels.cascade_attention import (
     shared_prefix_decode_attention_ref,
 )
 from pallas_kernels.decode_attention import paged_decode_attention, paged_decode_attention_ref
+from pallas_kernels.gemm import matmul_pallas, matmul_ref
 from pallas_kernels.kv_write import write_kv, write_kv_pallas, write_kv_ref
 from pallas_kernels.norm import add_rms_norm_pallas, add_rms_norm_ref
 from pallas_kernels.prefill_attention import paged_prefill_attention, paged_prefill_attention_ref
@@ -32,6 +33,8 @@ __all__ = [
     "grouped_shared_prefix_attention",
     "grouped_shared_prefix_attention_ref",
     "grouped_shared_prefix_partials",
+    "matmul_pallas",
+    "matmul_ref",
     "paged_decode_attention",
     "paged_decode_attention_ref",
     "paged_prefill_attention",

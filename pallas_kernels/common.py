@@ -197,13 +197,24 @@ def rope() -> str:
     return env_choice("INFERSCALE_ROPE", ROPE_CHOICES)
 
 
+MATMUL_CHOICES = ("xla", "pallas")
+
+
+def matmul() -> str:
+    """``INFERSCALE_MATMUL``: how the model's projections run at decode-sized row counts on a cache with the
+    Pallas kernels (``inferscale_jax/kv_cache.py``, ``PagedKVCache.linear``).  ``xla`` (the default): XLA's dot;
+    ``pallas``: the skinny-matmul kernel (``pallas_kernels/gemm.py``) up to ``kv_cache.MATMUL_MAX_ROWS`` rows.
+    An A/B switch for the benchmarks (bench/NOTES.md, run AZ)."""
+    return env_choice("INFERSCALE_MATMUL", MATMUL_CHOICES)
+
+
 def switches() -> dict:
     """The environment's switches that change the kernels' programs (for caches keyed without
     tracing, such as the engine's executable store: a switch must name another entry)."""
     return {"slot_prefetch": slot_prefetch(), "mixed_shared": sorted(mixed_shared_knobs().items()),
             "mixed_decode": mixed_decode(), "mixed_ragged": sorted(mixed_ragged_knobs().items()),
             "mixed_merge": mixed_merge(), "shared_partials": shared_partials(), "norm": norm(),
-            "rope": rope()}
+            "rope": rope(), "matmul": matmul()}
 
 
 def switches_key() -> tuple:

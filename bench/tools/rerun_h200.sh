@@ -93,6 +93,11 @@
 #      runs them against one Pallas kernel (pallas_kernels/norm.py) by knob, and RoPE, at 64-2048 token rows
 #  33  the qkv split + RoPE kernel in the engine (INFERSCALE_ROPE=pallas, the default since run AY) against XLA's
 #      fusion (jnp): the glue kernels' checks on the GPU (pytest), then the bare loop at C = $CONCS (256) both ways
+#  34  the skinny-matmul kernel (pallas_kernels/gemm.py) against XLA's dot: its checks on the GPU (pytest, with the
+#      engine's tokens both ways), then the 8B's four projections at 1 / 64 / 128 rows by knob
+#      (bench/kernels/skinny_gemm.py, each input set with its own weight copy: read from HBM as in a step)
+#  35  the skinny-matmul kernel in the engine (INFERSCALE_MATMUL=pallas against xla, the default): the bare loop at
+#      C = $CONCS (64) both ways, then steps.py's decode steps with the kernel
 #  16  the checkpoint read (models/loader.py: os.preadv into each tensor's array, threads in parallel): the 8B
 #      checkpoint loaded one tensor at a time and eight (bench/tools/weights_load.py; run AL: 14.2 / 12.1 s)
 # Parts 6-14, 16, 18-20, 23-26, 28, 30 and 31 write the 8B checkpoint to /tmp/llama8b first when it is missing (~35 s); it stays out of
@@ -101,7 +106,7 @@
 # Each step writes its tables under RESULTS_DIR/<step>/ and its console log to RESULTS_DIR/<step>.log;
 # after each step RESULTS_DIR is packed into TARBALL when given (what a cut call still returns).
 set -uo pipefail
-part=${1:?part 1-33}
+part=${1:?part 1-35}
 res=${2:?results folder}
 tarball=${3:-}
 mkdir -p "$res"
@@ -426,6 +431,16 @@ case "$part" in
         tests/kernels/test_kernels_norm.py
     ckpt
     CONCS=${CONCS:-256} loops_ab INFERSCALE_ROPE rope_ pallas jnp
+    ;;
+34)
+    step_as gemm_checks 150 -m pytest -q -p no:cacheprovider tests/kernels/test_kernels_gemm.py
+    step skinny_gemm 330 bench/kernels/skinny_gemm.py --rows 1,64,128 --variants default n64,k128,s4 n64,k64,s5 \
+        n32,k256,s3 n64,k128,s4,p2 n128,k64,s4
+    ;;
+35)
+    ckpt
+    CONCS=${CONCS:-64} loops_ab INFERSCALE_MATMUL matmul_ pallas xla
+    INFERSCALE_MATMUL=pallas step steps_matmul_pallas 200 bench/engine/steps.py --sections decode
     ;;
 21)
     step call_args 150 bench/tools/call_args.py

@@ -172,6 +172,23 @@ def test_the_rope_kernel_lowers_in_every_kind_of_step(compiled_kernels, monkeypa
     assert not any(n.startswith("qkv_rope") for n in lowered_kernels(engine, kinds(engine)["mixed, cascade"]))
 
 
+def test_the_matmul_kernel_lowers_in_decode_sized_steps(compiled_kernels, monkeypatch):
+    """``INFERSCALE_MATMUL=pallas``: a layer's four projections in the skinny-matmul kernel in every kind of step
+    of at most ``MATMUL_MAX_ROWS`` tokens (the layer's nested jit holds the four calls); none by default."""
+    from inferscale_jax.kv_cache import MATMUL_MAX_ROWS
+    monkeypatch.delenv("INFERSCALE_MATMUL", raising=False)
+    engine = make_engine()
+    assert not any(n.startswith("matmul_") for n in lowered_kernels(engine, kinds(engine)["decode"]))
+    jax.clear_caches()
+    monkeypatch.setenv("INFERSCALE_MATMUL", "pallas")
+    engine = make_engine()  # (bf16 weights, as a checkpoint's: make_engine's random ones are float32, and the
+    engine.runner.params = jax.tree.map(lambda a: a.astype("bfloat16"), engine.runner.params)  # o projection's
+    for name, key in kinds(engine).items():  # bf16 input would meet a float32 weight and go to XLA's dot)
+        assert key.tokens <= MATMUL_MAX_ROWS, (name, key)  # (this engine's buckets: all decode-sized)
+        text = lowered_text(engine, key)
+        assert re.search(r'name = "matmul_n\d+_k\d+"', text) and len(re.findall(r"call @matmul_pallas(?:_\d+)?\(", text)) == 4, name
+
+
 def test_the_cascade_mixed_decode_lowers(compiled_kernels, monkeypatch):
     """``INFERSCALE_MIXED_DECODE=cascade``: a mixed step's one-token rows in the decode step's cascade kernel
     (its private part, ``paged_decode``, which the default mixed step does not launch), the chunks ragged."""
