@@ -87,7 +87,12 @@ from pallas_kernels.tpu import ragged_paged_attention_tpu, splice_kv_tpu, tiling
 
 log = logging.getLogger("inferscale.kv_cache")
 IMPLS = ("pallas", "pallas_tpu", "ref")  # what ``impl`` holds once resolved ("auto" never)
-MATMUL_MAX_ROWS = 128  # ``linear``'s kernel up to this many rows (past it XLA's cuBLAS GEMMs are near the FLOP ceiling)
+# ``linear``'s kernel: steps of MATMUL_MIN_ROWS-MATMUL_MAX_ROWS tokens, weights of at most MATMUL_MAX_N columns (run
+# AZ's sweep, bench/NOTES.md: XLA's dot is as fast at 1 row and on the 8B's 28672-column gate_up; past 128 rows its
+# cuBLAS GEMMs near the FLOP ceiling)
+MATMUL_MIN_ROWS = 33
+MATMUL_MAX_ROWS = 128
+MATMUL_MAX_N = 8192
 
 
 def resolve_impl(requested: str, head_dim: int, page_size: int, dtype, kv_dtype=None) -> str:
@@ -236,14 +241,15 @@ class PagedKVCache:
     def linear(self, x: jax.Array, w: jax.Array) -> jax.Array | None:
         """``x [..., K] @ w [K, N]`` for the model's projections (``models/transformer.py``'s ``_linear``): the
         skinny-matmul kernel (``pallas_kernels/gemm.py``) with ``INFERSCALE_MATMUL=pallas`` on the GPU kernels, one
-        device, at most ``MATMUL_MAX_ROWS`` rows and the kernel's shapes; None where XLA's dot runs."""
+        device, ``MATMUL_MIN_ROWS``-``MATMUL_MAX_ROWS`` rows, at most ``MATMUL_MAX_N`` columns and the kernel's tiled
+        shapes; None where XLA's dot runs."""
         if self.impl != "pallas" or self.mesh is not None or common.matmul() != "pallas" or x.dtype != w.dtype:
             return None
         if w.ndim != 2:
             return None
         lead, (k, n) = x.shape[:-1], w.shape
         m = math.prod(lead)
-        if m > MATMUL_MAX_ROWS:
+        if not MATMUL_MIN_ROWS <= m <= MATMUL_MAX_ROWS or n > MATMUL_MAX_N:
             return None
         knobs = default_blocks(m, k, n)
         try:

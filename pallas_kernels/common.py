@@ -203,7 +203,8 @@ MATMUL_CHOICES = ("xla", "pallas")
 def matmul() -> str:
     """``INFERSCALE_MATMUL``: how the model's projections run at decode-sized row counts on a cache with the
     Pallas kernels (``inferscale_jax/kv_cache.py``, ``PagedKVCache.linear``).  ``xla`` (the default): XLA's dot;
-    ``pallas``: the skinny-matmul kernel (``pallas_kernels/gemm.py``) up to ``kv_cache.MATMUL_MAX_ROWS`` rows.
+    ``pallas``: the skinny-matmul kernel (``pallas_kernels/gemm.py``) at the row counts and shapes where it won
+    (``kv_cache.MATMUL_MIN_ROWS``-``MATMUL_MAX_ROWS`` rows, at most ``MATMUL_MAX_N`` columns).
     An A/B switch for the benchmarks (bench/NOTES.md, run AZ)."""
     return env_choice("INFERSCALE_MATMUL", MATMUL_CHOICES)
 

@@ -18,7 +18,8 @@ rounding step.  Rows past ``M`` in the last row block redo row ``M - 1`` (same v
 
 :func:`matmul_ref` is the jnp reference (XLA's dot); ``bench/kernels/gemm.py`` times both at the
 model's projection shapes.  ``default_blocks`` picks the knobs from the shape (bench/NOTES.md,
-run AZ).
+run AZ: at 64 rows the kernel took the 8B's qkv, o and down projections 24.3 / 21.0 / 50.3 -> 20.2 / 16.0 /
+43.6 us on an H100; its gate_up (already at 1.03x of its read floor) and single rows it does not speed up).
 """
 
 from __future__ import annotations
@@ -66,15 +67,16 @@ def check_matmul_inputs(x, w, block_n: int, block_k: int, split_k: int) -> tuple
 
 
 def default_blocks(m: int, k: int, n: int) -> dict:
-    """Knobs for ``matmul_pallas`` from the shape: enough programs to cover an H100's 132 SMs by
-    column blocks alone where ``N`` allows (``block_n`` 128 / 64 / 32), ``block_k`` so that a
-    pipeline stage's two tiles stay near 24 KB."""
-    block_n = next((b for b in (128, 64, 32) if n % b == 0 and n // b >= 128), 32 if n % 32 == 0 else 16)
-    block_m = min(MAX_BLOCK_M, max(16, 1 << max(0, m - 1).bit_length()))
-    block_k = 64 if block_n >= 128 or block_m >= 128 else 128
+    """Knobs for ``matmul_pallas`` from the shape, as run AZ's sweep on an H100 found them at 64 and 128 rows
+    (``bench/kernels/skinny_gemm.py``; bench/NOTES.md): 64-column blocks, 128-deep K steps, 4 stages, 4 warps, and
+    K split in two where the column blocks alone are fewer than 96 programs (the 8B's o and down projections:
+    64 column blocks; its qkv's 96 ran best unsplit).  Smaller blocks where the shape needs them."""
+    block_n = next((b for b in (64, 32, 16) if n % b == 0), 16)
+    block_k = 128
     while k % block_k and block_k > common.MIN_DOT_DIM:
         block_k //= 2
-    return dict(block_n=block_n, block_k=block_k, num_warps=4, num_stages=4, split_k=1)
+    split_k = 2 if n // block_n < 96 and k % (2 * block_k) == 0 else 1
+    return dict(block_n=block_n, block_k=block_k, num_warps=4, num_stages=4, split_k=split_k)
 
 
 def _matmul_kernel(x_ref, w_ref, o_ref, *, m: int, block_m: int, block_n: int, block_k: int, steps: int):
