@@ -43,7 +43,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 sys.path[:0] = [ROOT, os.path.join(ROOT, "bench", "lib"), os.path.join(ROOT, "bench", "kernels")]
 from common import matmul_ceiling, read_bandwidth  # noqa: E402
 from kernels import check, time_calls_and_device  # noqa: E402
-from report import FAILURES, finish, log, save_plot, step_axes, table  # noqa: E402
+from report import FAILURES, finish, log, plot_forms_by_rows, table  # noqa: E402
 
 from pallas_kernels.norm import add_rms_norm_pallas, add_rms_norm_ref  # noqa: E402
 from pallas_kernels.rope import qkv_rope_pallas, qkv_rope_ref  # noqa: E402
@@ -125,23 +125,6 @@ def _run(name, n, form, call, shared, inputs, floor, cfg, ref_box):
     RESULTS.append((name, n, form, t * 1e6, t_dev * 1e6, floor * 1e6))
 
 
-def _plot(out_dir):
-    fig, panels = step_axes(RESULTS, 5, 4)
-    if fig is None:
-        return
-    for ax, case in panels:
-        rows = [r for r in RESULTS if r[0] == case]
-        for form in dict.fromkeys(r[2] for r in rows):
-            pts = [(r[1], r[4] / r[5]) for r in rows if r[2] == form]
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=form)
-        ax.set_xscale("log", base=2)
-        ax.set_title(case)
-        ax.set_xlabel("token rows")
-        ax.set_ylabel("device time / floor")
-        ax.legend(fontsize=7)
-    save_plot(fig, out_dir, "glue.png")
-
-
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results"))
@@ -170,7 +153,7 @@ def main():
     table("A layer's glue with the matmul that feeds it (us; device: the GPU's kernel time)",
           ["case", "rows", "form", "call us", "device us", "floor us", "device x floor"],
           [(c, n, f, f"{t:.1f}", f"{td:.1f}", f"{fl:.1f}", f"{td / fl:.2f}") for c, n, f, t, td, fl in RESULTS])
-    _plot(args.out)
+    plot_forms_by_rows(RESULTS, args.out, "glue.png", "token rows", lambda r: r[4] / r[5])
     finish(args.out, "glue.md", "A layer's glue: residual add + RMSNorm, RoPE", t0, ROOT,
            [f"read ceiling {args.ceiling / 1e12:.2f} TB/s, matmul ceiling {args.tflops / 1e12:.0f} TFLOP/s"])
 

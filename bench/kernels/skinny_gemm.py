@@ -34,7 +34,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 sys.path[:0] = [ROOT, os.path.join(ROOT, "bench", "lib"), os.path.join(ROOT, "bench", "kernels")]
 from common import matmul_ceiling, read_bandwidth  # noqa: E402
 from kernels import check, time_calls_and_device  # noqa: E402
-from report import FAILURES, finish, log, save_plot, step_axes, table  # noqa: E402
+from report import FAILURES, finish, log, plot_forms_by_rows, table  # noqa: E402
 
 from pallas_kernels.gemm import matmul_pallas, matmul_ref  # noqa: E402
 
@@ -101,23 +101,6 @@ def _best_rows():
     return out
 
 
-def _plot(out_dir):
-    fig, panels = step_axes(RESULTS, 5, 4)
-    if fig is None:
-        return
-    for ax, case in panels:
-        rows = [r for r in RESULTS if r[0] == case]
-        for form in dict.fromkeys(r[2] for r in rows):
-            pts = [(r[1], (r[4] if r[4] == r[4] else r[3]) / r[5]) for r in rows if r[2] == form]
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=form)
-        ax.set_xscale("log", base=2)
-        ax.set_title(case)
-        ax.set_xlabel("activation rows M")
-        ax.set_ylabel("device time / floor")
-        ax.legend(fontsize=6)
-    save_plot(fig, out_dir, "skinny_gemm.png")
-
-
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results"))
@@ -151,7 +134,8 @@ def main():
            for c, m, f, t, td, fl in RESULTS])
     table("The kernel's best form against XLA's dot (device us)",
           ["case", "rows", "xla", "best form", "best", "best / xla", "xla x floor", "best x floor"], _best_rows())
-    _plot(args.out)
+    plot_forms_by_rows(RESULTS, args.out, "skinny_gemm.png", "activation rows M",
+                       lambda r: (r[4] if r[4] == r[4] else r[3]) / r[5])
     finish(args.out, "skinny_gemm.md", "Skinny matmuls: XLA's dot against pallas_kernels/gemm.py", t0, ROOT,
            [f"read ceiling {args.ceiling / 1e12:.2f} TB/s, matmul ceiling {args.tflops / 1e12:.0f} TFLOP/s"])
 

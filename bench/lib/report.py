@@ -73,6 +73,25 @@ def step_axes(results, width: float, height: float):
     return fig, list(zip(axes[0], steps))
 
 
+def plot_forms_by_rows(results, out_dir: str, name: str, xlabel: str, ratio) -> None:
+    """One panel per case of ``results`` rows ``(case, rows, form, ...)``: each form's ``ratio(row)`` (e.g. device
+    time over the floor) against the row count on a log2 axis; written to ``out_dir/name`` when matplotlib is there."""
+    fig, panels = step_axes(results, 5, 4)
+    if fig is None:
+        return
+    for ax, case in panels:
+        rows = [r for r in results if r[0] == case]
+        for form in dict.fromkeys(r[2] for r in rows):
+            pts = [(r[1], ratio(r)) for r in rows if r[2] == form]
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=form)
+        ax.set_xscale("log", base=2)
+        ax.set_title(case)
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel("device time / floor")
+        ax.legend(fontsize=6)
+    save_plot(fig, out_dir, name)
+
+
 def table(title, headers, rows, md=True):
     """Print a right-aligned table; add it to the markdown report unless ``md`` is False."""
     log(f"\n## {title}")
