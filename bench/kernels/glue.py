@@ -34,14 +34,13 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository
 sys.path[:0] = [ROOT, os.path.join(ROOT, "bench", "lib"), os.path.join(ROOT, "bench", "kernels")]
-from common import matmul_ceiling, read_bandwidth  # noqa: E402
+from common import start_kernel_bench  # noqa: E402
 from kernels import check, time_calls_and_device  # noqa: E402
 from report import FAILURES, finish, log, plot_forms_by_rows, table  # noqa: E402
 
@@ -135,14 +134,8 @@ def main():
     ap.add_argument("--rope-variants", nargs="*", default=["t8,w4", "t16,w4", "t32,w4", "t32,w8"],
                     help="the qkv + RoPE kernel's knobs: tN tokens a program, wN warps")
     args = ap.parse_args()
-    args.out = os.path.abspath(args.out)
-    os.makedirs(args.out, exist_ok=True)
     cfg = SHAPES["smoke" if args.smoke else "full"]
-    t0 = time.time()
-    log(f"devices: {jax.devices()}  jax {jax.__version__}")
-    args.ceiling = read_bandwidth() if not args.smoke else 1e12
-    args.tflops = matmul_ceiling() if not args.smoke else 1e14
-    log(f"read ceiling {args.ceiling / 1e12:.2f} TB/s, matmul ceiling {args.tflops / 1e12:.0f} TFLOP/s")
+    t0 = start_kernel_bench(args, log)
     forms = ["xla"] + list(args.variants)
     key = jax.random.PRNGKey(0)
     rows = [int(r) for r in args.rows.split(",")] if not args.smoke else [5, 16]

@@ -25,14 +25,13 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository
 sys.path[:0] = [ROOT, os.path.join(ROOT, "bench", "lib"), os.path.join(ROOT, "bench", "kernels")]
-from common import matmul_ceiling, read_bandwidth  # noqa: E402
+from common import start_kernel_bench  # noqa: E402
 from kernels import check, time_calls_and_device  # noqa: E402
 from report import FAILURES, finish, log, plot_forms_by_rows, table  # noqa: E402
 
@@ -113,14 +112,8 @@ def main():
                     help="the kernel's knobs: nN block_n, kN block_k, sN stages, wN warps, pN split_k; default: "
                          "default_blocks' choice")
     args = ap.parse_args()
-    args.out = os.path.abspath(args.out)
-    os.makedirs(args.out, exist_ok=True)
     cfg = SHAPES["smoke" if args.smoke else "full"]
-    t0 = time.time()
-    log(f"devices: {jax.devices()}  jax {jax.__version__}")
-    args.ceiling = read_bandwidth() if not args.smoke else 1e12
-    args.tflops = matmul_ceiling() if not args.smoke else 1e14
-    log(f"read ceiling {args.ceiling / 1e12:.2f} TB/s, matmul ceiling {args.tflops / 1e12:.0f} TFLOP/s")
+    t0 = start_kernel_bench(args, log)
     cases = cfg["cases"] if args.cases is None else {c: cfg["cases"][c] for c in args.cases.split(",")}
     rows = [int(r) for r in args.rows.split(",")] if not args.smoke else [1, 5]
     key = jax.random.PRNGKey(0)

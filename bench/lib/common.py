@@ -138,6 +138,23 @@ def matmul_ceiling(n: int = 8192, reps: int = 10) -> float:
     return 4 * 2 * n ** 3 / float(np.median(times))
 
 
+def start_kernel_bench(args, log) -> float:
+    """A kernel benchmark's start: ``args.out`` made absolute and created, the devices logged, the run's read and
+    matmul ceilings measured into ``args.ceiling`` / ``args.tflops`` (round stand-ins with ``args.smoke``: the
+    CPU); returns the start time."""
+    import os
+
+    import jax
+    args.out = os.path.abspath(args.out)
+    os.makedirs(args.out, exist_ok=True)
+    t0 = time.time()
+    log(f"devices: {jax.devices()}  jax {jax.__version__}")
+    args.ceiling = read_bandwidth() if not args.smoke else 1e12
+    args.tflops = matmul_ceiling() if not args.smoke else 1e14
+    log(f"read ceiling {args.ceiling / 1e12:.2f} TB/s, matmul ceiling {args.tflops / 1e12:.0f} TFLOP/s")
+    return t0
+
+
 def param_counts(sh: dict) -> tuple[int, int]:
     """(parameters every token's matmuls use - attention, MLP and the LM head -, embedding table)."""
     h, d = sh["hidden"], sh["head_dim"]
