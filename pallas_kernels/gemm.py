@@ -103,8 +103,9 @@ def matmul_pallas(x: jax.Array, w: jax.Array, *, block_n: int | None = None, blo
                   interpret: bool | None = None) -> jax.Array:
     """``matmul_ref(x, w)`` from one Triton kernel: x ``[M, K]``, w ``[K, N]`` -> ``[M, N]`` in x's dtype.
     Knobs left None come from :func:`default_blocks`."""
-    m, k = x.shape
-    picked = default_blocks(m, k, w.shape[1] if w.ndim == 2 else 0)
+    if x.ndim != 2 or w.ndim != 2:
+        common._fail("x.ndim, w.ndim", (x.ndim, w.ndim), "(2, 2): x [M, K], w [K, N]")
+    picked = default_blocks(*x.shape, w.shape[1])
     block_n = picked["block_n"] if block_n is None else block_n
     block_k = picked["block_k"] if block_k is None else block_k
     num_warps = picked["num_warps"] if num_warps is None else num_warps

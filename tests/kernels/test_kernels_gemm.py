@@ -73,6 +73,7 @@ def test_default_blocks_are_run_azs_winners_and_fit():
     (dict(w=jnp.zeros((64, 40), jnp.bfloat16), block_n=16), r"N: got 40, expected a multiple of block_n = 16"),
     (dict(block_k=32, split_k=4), r"K: got 64, expected a multiple of block_k x split_k = 128"),
     (dict(split_k=0), r"split_k: got 0"),
+    (dict(x=jnp.zeros((64,), jnp.bfloat16)), r"x.ndim, w.ndim: got \(1, 2\)"),
 ])
 def test_bad_inputs_are_refused_with_their_values(args, match):
     x, w = case(4, 64, 64, jnp.bfloat16)
