@@ -241,9 +241,10 @@ class PagedKVCache:
     def linear(self, x: jax.Array, w: jax.Array) -> jax.Array | None:
         """``x [..., K] @ w [K, N]`` for the model's projections (``models/transformer.py``'s ``_linear``): the
         skinny-matmul kernel (``pallas_kernels/gemm.py``) with ``INFERSCALE_MATMUL=pallas`` on the GPU kernels, one
-        device, ``MATMUL_MIN_ROWS``-``MATMUL_MAX_ROWS`` rows, at most ``MATMUL_MAX_N`` columns and the kernel's tiled
-        shapes; None where XLA's dot runs."""
-        if self.impl != "pallas" or self.mesh is not None or common.matmul() != "pallas" or x.dtype != w.dtype:
+        device, 16-bit activations and weights, ``MATMUL_MIN_ROWS``-``MATMUL_MAX_ROWS`` rows, at most ``MATMUL_MAX_N``
+        columns and the kernel's tiled shapes; None where XLA's dot runs."""
+        if (self.impl != "pallas" or self.mesh is not None or common.matmul() != "pallas" or x.dtype != w.dtype
+                or x.dtype.itemsize != 2):  # (16-bit activations: the measured case; float32 engines check numerics)
             return None
         if w.ndim != 2:
             return None
@@ -251,7 +252,7 @@ class PagedKVCache:
         m = math.prod(lead)
         if not MATMUL_MIN_ROWS <= m <= MATMUL_MAX_ROWS or n > MATMUL_MAX_N:
             return None
-        knobs = default_blocks(m, k, n)
+        knobs = default_blocks(m, k, n, x.dtype.itemsize)
         try:
             check_matmul_inputs(x.reshape(m, k), w, knobs["block_n"], knobs["block_k"], knobs["split_k"])
         except ValueError:  # (a shape the kernel does not tile: XLA's dot)

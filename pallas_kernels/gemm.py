@@ -16,7 +16,7 @@ XLA's dot; the order of the sums differs, so bf16 results may differ from XLA's 
 rounding step.  Rows past ``M`` in the last row block redo row ``M - 1`` (same values), as
 ``pallas_kernels/kv_write.py``.
 
-:func:`matmul_ref` is the jnp reference (XLA's dot); ``bench/kernels/gemm.py`` times both at the
+:func:`matmul_ref` is the jnp reference (XLA's dot); ``bench/kernels/skinny_gemm.py`` times both at the
 model's projection shapes.  ``default_blocks`` picks the knobs from the shape (bench/NOTES.md,
 run AZ: at 64 rows the kernel took the 8B's qkv, o and down projections 24.3 / 21.0 / 50.3 -> 20.2 / 16.0 /
 43.6 us on an H100; its gate_up (already at 1.03x of its read floor) and single rows it does not speed up).
@@ -66,13 +66,14 @@ def check_matmul_inputs(x, w, block_n: int, block_k: int, split_k: int) -> tuple
     return m, k, n
 
 
-def default_blocks(m: int, k: int, n: int) -> dict:
+def default_blocks(m: int, k: int, n: int, itemsize: int = 2) -> dict:
     """Knobs for ``matmul_pallas`` from the shape, as run AZ's sweep on an H100 found them at 64 and 128 rows
     (``bench/kernels/skinny_gemm.py``; bench/NOTES.md): 64-column blocks, 128-deep K steps, 4 stages, 4 warps, and
     K split in two where the column blocks alone are fewer than 96 programs (the 8B's o and down projections:
-    64 column blocks; its qkv's 96 ran best unsplit).  Smaller blocks where the shape needs them."""
+    64 column blocks; its qkv's 96 ran best unsplit).  Smaller blocks where the shape needs them; K steps half as
+    deep for 4-byte elements (``itemsize``: the same shared memory a stage)."""
     block_n = next((b for b in (64, 32, 16) if n % b == 0), 16)
-    block_k = 128
+    block_k = 128 * 2 // max(2, itemsize)
     while k % block_k and block_k > common.MIN_DOT_DIM:
         block_k //= 2
     split_k = 2 if n // block_n < 96 and k % (2 * block_k) == 0 else 1
@@ -105,7 +106,7 @@ def matmul_pallas(x: jax.Array, w: jax.Array, *, block_n: int | None = None, blo
     Knobs left None come from :func:`default_blocks`."""
     if x.ndim != 2 or w.ndim != 2:
         common._fail("x.ndim, w.ndim", (x.ndim, w.ndim), "(2, 2): x [M, K], w [K, N]")
-    picked = default_blocks(*x.shape, w.shape[1])
+    picked = default_blocks(*x.shape, w.shape[1], x.dtype.itemsize)
     block_n = picked["block_n"] if block_n is None else block_n
     block_k = picked["block_k"] if block_k is None else block_k
     num_warps = picked["num_warps"] if num_warps is None else num_warps

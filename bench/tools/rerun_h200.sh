@@ -100,7 +100,7 @@
 #      C = $CONCS (64) both ways, then steps.py's decode steps with the kernel
 #  16  the checkpoint read (models/loader.py: os.preadv into each tensor's array, threads in parallel): the 8B
 #      checkpoint loaded one tensor at a time and eight (bench/tools/weights_load.py; run AL: 14.2 / 12.1 s)
-# Parts 6-14, 16, 18-20, 23-26, 28, 30 and 31 write the 8B checkpoint to /tmp/llama8b first when it is missing (~35 s); it stays out of
+# Parts 6-14, 16, 18-20, 23-26, 28, 30, 31, 33 and 35 write the 8B checkpoint to /tmp/llama8b first when it is missing (~35 s); it stays out of
 # the repository, whose copy on the machine loses files that .gitignore does not cover (bench/NOTES.md, run AH).
 #
 # Each step writes its tables under RESULTS_DIR/<step>/ and its console log to RESULTS_DIR/<step>.log;

@@ -174,26 +174,36 @@ def test_the_rope_kernel_lowers_in_every_kind_of_step(compiled_kernels, monkeypa
 
 def test_the_matmul_kernel_lowers_in_decode_sized_steps(compiled_kernels, monkeypatch):
     """``INFERSCALE_MATMUL=pallas``: a layer's four projections in the skinny-matmul kernel in every kind of step
-    of ``MATMUL_MIN_ROWS``-``MATMUL_MAX_ROWS`` tokens (the layer's nested jit holds the four calls; this engine's
-    steps are smaller: the floor is lowered to 1 here); none by default, and none under the floor."""
+    of ``MATMUL_MIN_ROWS``-``MATMUL_MAX_ROWS`` tokens (the layer's nested jit holds the four calls); none by default,
+    and none under the floor.  (This engine's steps are under the floor: it is lowered to 1 but for that check.
+    bf16 weights, as a checkpoint's: make_engine's random ones are float32, which the kernel does not take.)"""
     import inferscale_jax.kv_cache as kv_cache_mod
     from inferscale_jax.kv_cache import MATMUL_MAX_ROWS
-    monkeypatch.delenv("INFERSCALE_MATMUL", raising=False)
-    engine = make_engine()
-    assert not any(n.startswith("matmul_") for n in lowered_kernels(engine, kinds(engine)["decode"]))
-    jax.clear_caches()
+
+    def bf16_engine():
+        engine = make_engine()
+        engine.runner.params = jax.tree.map(lambda a: a.astype("bfloat16"), engine.runner.params)
+        return engine
+
+    def calls(text):
+        return len(re.findall(r"call @matmul_pallas(?:_\d+)?\(", text))
+
     monkeypatch.setenv("INFERSCALE_MATMUL", "pallas")
-    engine = make_engine()
+    engine = bf16_engine()
     assert kinds(engine)["decode"].tokens < kv_cache_mod.MATMUL_MIN_ROWS
-    assert not any(n.startswith("matmul_") for n in lowered_kernels(engine, kinds(engine)["decode"]))
+    assert calls(lowered_text(engine, kinds(engine)["decode"])) == 0
     jax.clear_caches()
     monkeypatch.setattr(kv_cache_mod, "MATMUL_MIN_ROWS", 1)
-    engine = make_engine()  # (bf16 weights, as a checkpoint's: make_engine's random ones are float32, and the
-    engine.runner.params = jax.tree.map(lambda a: a.astype("bfloat16"), engine.runner.params)  # o projection's
-    for name, key in kinds(engine).items():  # bf16 input would meet a float32 weight and go to XLA's dot)
+    monkeypatch.delenv("INFERSCALE_MATMUL")
+    engine = bf16_engine()
+    assert calls(lowered_text(engine, kinds(engine)["decode"])) == 0
+    jax.clear_caches()
+    monkeypatch.setenv("INFERSCALE_MATMUL", "pallas")
+    engine = bf16_engine()
+    for name, key in kinds(engine).items():
         assert key.tokens <= MATMUL_MAX_ROWS, (name, key)  # (this engine's buckets: all decode-sized)
         text = lowered_text(engine, key)
-        assert re.search(r'name = "matmul_n\d+_k\d+(?:_s\d+)?"', text) and len(re.findall(r"call @matmul_pallas(?:_\d+)?\(", text)) == 4, name
+        assert re.search(r'name = "matmul_n\d+_k\d+(?:_s\d+)?"', text) and calls(text) == 4, name
 
 
 def test_the_cascade_mixed_decode_lowers(compiled_kernels, monkeypatch):

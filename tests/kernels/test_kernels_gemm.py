@@ -59,11 +59,12 @@ def test_default_blocks_are_run_azs_winners_and_fit():
         assert default_blocks(128, k, n) == dict(block_n=64, block_k=128, num_warps=4, num_stages=4, split_k=2)
     for k, n in ((4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096), (48, 96), (64, 32), (32, 48)):
         for m in (1, 64, 128):
-            kb = default_blocks(m, k, n)
-            assert n % kb["block_n"] == 0 and k % (kb["block_k"] * kb["split_k"]) == 0, (k, n, kb)
-            block_m = min(MAX_BLOCK_M, max(16, 1 << max(0, m - 1).bit_length()))
-            stage_bytes = (block_m * kb["block_k"] + kb["block_k"] * kb["block_n"]) * 2
-            assert stage_bytes * kb["num_stages"] <= 227 * 1024, (m, k, n, kb, stage_bytes)  # (a Hopper block's most)
+            for itemsize in (2, 4):
+                kb = default_blocks(m, k, n, itemsize)
+                assert n % kb["block_n"] == 0 and k % (kb["block_k"] * kb["split_k"]) == 0, (k, n, kb)
+                block_m = min(MAX_BLOCK_M, max(16, 1 << max(0, m - 1).bit_length()))
+                stage_bytes = (block_m * kb["block_k"] + kb["block_k"] * kb["block_n"]) * itemsize
+                assert stage_bytes * kb["num_stages"] <= 227 * 1024, (m, k, n, kb, stage_bytes)  # (Hopper's most)
 
 
 @pytest.mark.parametrize("args,match", [
@@ -87,30 +88,42 @@ def test_it_lowers_to_triton(monkeypatch, split_k):
     """The compiled path (as on a GPU) lowers for CUDA at the 8B's o projection, 64 rows."""
     monkeypatch.setattr(common, "default_interpret", lambda: False)
     jax.clear_caches()
-    x, w = jax.ShapeDtypeStruct((64, 4096), jnp.bfloat16), jax.ShapeDtypeStruct((4096, 4096), jnp.bfloat16)
-    text = jax.jit(lambda a, b: matmul_pallas(a, b, split_k=split_k)).trace(x, w).lower(
-        lowering_platforms=("cuda",)).as_text()
+    try:
+        x, w = jax.ShapeDtypeStruct((64, 4096), jnp.bfloat16), jax.ShapeDtypeStruct((4096, 4096), jnp.bfloat16)
+        text = jax.jit(lambda a, b: matmul_pallas(a, b, split_k=split_k)).trace(x, w).lower(
+            lowering_platforms=("cuda",)).as_text()
+    finally:
+        jax.clear_caches()
     name = "matmul_n64_k128" + ("_s2" if split_k == 2 else "")
     assert "xla.gpu.triton" in text and f'name = "{name}"' in text
-    jax.clear_caches()
 
 
 def test_the_engine_with_the_matmul_kernel_generates_as_the_default(monkeypatch):
-    """``INFERSCALE_MATMUL=pallas``: every projection of the engine's steps (prefill, mixed, decode) in the kernel
-    gives the default engine's greedy tokens and log-probs (float32); the switch keys the caches.  (The tiny
-    engine's steps are under ``MATMUL_MIN_ROWS`` tokens: the floor is lowered to 1 here.)"""
+    """``INFERSCALE_MATMUL=pallas``: the four projections of the engine's steps (prefill, mixed, decode) in the
+    kernel give the default engine's greedy tokens, and log-probs within bf16's rounding (a bf16 engine: the kernel
+    serves 16-bit activations only; its sums run in another order than XLA's); the switch keys the caches.  (The
+    tiny engine's steps are under ``MATMUL_MIN_ROWS`` tokens: the floor is lowered to 1 here.)"""
     import inferscale_jax.kv_cache as kv_cache_mod
     import pallas_kernels.gemm as gemm_mod
-    from inferscale_jax.kv_cache import MATMUL_MAX_ROWS
+    import tests.support.tiny_engine as tiny
     from tests.support.tiny_engine import CFG, assert_same_generations, switch_ab
     assert common.MATMUL_CHOICES[0] == "xla"  # (the default: what "" means)
     monkeypatch.setattr(kv_cache_mod, "MATMUL_MIN_ROWS", 1)
+    init = tiny.init_params  # (bf16 weights, as a bf16 checkpoint's: the tiny model's random ones are float32)
+    monkeypatch.setattr(tiny, "init_params", lambda *a, **k: jax.tree.map(lambda x: x.astype(jnp.bfloat16),
+                                                                          init(*a, **k)))
+    shapes = set()
+    real = kv_cache_mod.matmul_pallas
+    monkeypatch.setattr(kv_cache_mod, "matmul_pallas", lambda x, w, **kw: (shapes.add(w.shape), real(x, w, **kw))[1])
     (base, n0, key0), (got, n1, key1) = switch_ab(monkeypatch, "INFERSCALE_MATMUL", ("", "pallas"), gemm_mod,
-                                                  "_matmul_kernel")
-    assert n0 == 0 and n1 >= 4, (n0, n1)  # (qkv, o, gate_up, down: each traced at least once)
+                                                  "_matmul_kernel", dtype="bfloat16")
+    assert n0 == 0 and n1 > 0, (n0, n1)
+    h, d = CFG.hidden_size, CFG.head_dim
+    assert shapes == {(h, (CFG.num_heads + 2 * CFG.num_kv_heads) * d), (CFG.num_heads * d, h),
+                      (h, 2 * CFG.intermediate_size), (CFG.intermediate_size, h)}, shapes
     assert key0 != key1
-    assert 4 * 16 <= MATMUL_MAX_ROWS and CFG.hidden_size % 16 == 0 and CFG.intermediate_size * 2 <= 8192
-    assert_same_generations(base, got, atol=1e-5)
+    assert max(2 * CFG.intermediate_size, h) <= kv_cache_mod.MATMUL_MAX_N
+    assert_same_generations(base, got, atol=0.05)
 
 
 def test_a_bad_matmul_switch_is_refused_with_its_value(monkeypatch):
