@@ -14,26 +14,12 @@ import pytest  # noqa: E402
 jax.config.update("jax_default_matmul_precision", "highest")
 
 
-# The 4-device tensor-parallel child (one ~4-minute fixture) runs first, on one worker while the other takes the
-# short tests; the soak (a minute, ``alone``: the other worker idles) runs last.  (The TP child ran last until
-# session 41: the soak then waited out the child's fixture, which holds the shared lock below, before its minute.)
-_FIRST = ("test_tensor_parallel.py",)
-_LAST = ("test_soak.py",)
+# The long subprocess-driven files run last: the soak and the 4-device tensor-parallel child.
+_LAST = ("test_soak.py", "test_tensor_parallel.py")
 
 
-# A test file whose own fixtures are module- or session-scoped (a server, a model, the tensor-parallel child:
-# 20-225 s each) keeps all its tests on one xdist worker (``--dist loadgroup``, pyproject.toml): with plain
-# ``load`` both workers ran such a fixture, the TP child twice (225 + 113 s of a 47-minute run).  (tryfirst:
-# xdist's worker reads the groups in its own collection hook.)
-@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
-    items.sort(key=lambda item: (os.path.basename(str(item.path)) not in _FIRST) + (
-        os.path.basename(str(item.path)) in _LAST))
-    for item in items:
-        module = item.nodeid.split("::")[0]
-        defs = getattr(getattr(item, "_fixtureinfo", None), "name2fixturedefs", {})
-        if any(d.scope in ("module", "session") and d.baseid == module for ds in defs.values() for d in ds):
-            item.add_marker(pytest.mark.xdist_group(module))
+    items.sort(key=lambda item: os.path.basename(str(item.path)) in _LAST)
 
 
 # Every compiled CPU executable stays mapped while anything references it (jit caches, engines),

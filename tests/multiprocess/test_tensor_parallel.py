@@ -8,10 +8,12 @@ the host tier and promoted back, and a snapshot restored onto another TP degree.
 1/N of every sharded weight and of the KV pool's kv heads.
 """
 
+import fcntl
 import json
 import os
 import subprocess
 import sys
+import tempfile
 
 import numpy as np
 import pytest
@@ -21,15 +23,38 @@ from tests.support import SUPPORT
 TOL = 1e-4
 
 
-@pytest.fixture(scope="module")
-def res(tmp_path_factory):
-    work = str(tmp_path_factory.mktemp("tp"))
+def run_child(work: str) -> dict:
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
     p = subprocess.run([sys.executable, os.path.join(SUPPORT, "tp_child.py"), work], capture_output=True, text=True,
                        env=env, timeout=900)
     line = next((x for x in p.stdout.splitlines() if x.startswith("TP_RESULT ")), None)
     assert line is not None, f"child failed (rc {p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-6000:]}"
     return json.loads(line[len("TP_RESULT "):])
+
+
+@pytest.fixture(scope="module")
+def res(tmp_path_factory):
+    """The child's results.  Under pytest-xdist both workers may run this file's tests, each with its own module
+    fixture (b6d02d9's CI ran the ~4-minute child twice); the first worker runs the child and leaves its results
+    for the run's other worker, which waits on a file lock meanwhile."""
+    work = str(tmp_path_factory.mktemp("tp"))
+    run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+    if run is None:
+        return run_child(work)
+    shared = os.path.join(tempfile.gettempdir(), f"inferscale-tp-child-{run}.json")
+    with open(shared + ".lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            if os.path.exists(shared):
+                with open(shared) as f:
+                    return json.load(f)
+            out = run_child(work)
+            with open(shared + ".tmp", "w") as f:
+                json.dump(out, f)
+            os.replace(shared + ".tmp", shared)
+            return out
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 def close(a, b):
