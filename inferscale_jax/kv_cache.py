@@ -244,9 +244,7 @@ class PagedKVCache:
         device, 16-bit activations and weights, ``MATMUL_MIN_ROWS``-``MATMUL_MAX_ROWS`` rows, at most ``MATMUL_MAX_N``
         columns and the kernel's tiled shapes; None where XLA's dot runs."""
         if (self.impl != "pallas" or self.mesh is not None or common.matmul() != "pallas" or x.dtype != w.dtype
-                or x.dtype.itemsize != 2):  # (16-bit activations: the measured case; float32 engines check numerics)
-            return None
-        if w.ndim != 2:
+                or x.dtype.itemsize != 2 or w.ndim != 2):  # (16-bit: the measured case; float32 engines check numerics)
             return None
         lead, (k, n) = x.shape[:-1], w.shape
         m = math.prod(lead)

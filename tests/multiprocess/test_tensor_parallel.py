@@ -13,7 +13,6 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 
 import numpy as np
 import pytest
@@ -36,12 +35,12 @@ def run_child(work: str) -> dict:
 def res(tmp_path_factory):
     """The child's results.  Under pytest-xdist both workers may run this file's tests, each with its own module
     fixture (b6d02d9's CI ran the ~4-minute child twice); the first worker runs the child and leaves its results
-    for the run's other worker, which waits on a file lock meanwhile."""
+    in the workers' common temporary folder (pytest's, the parent of each worker's own) for the other worker, which
+    waits on a file lock meanwhile."""
     work = str(tmp_path_factory.mktemp("tp"))
-    run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
-    if run is None:
+    if os.environ.get("PYTEST_XDIST_WORKER") is None:
         return run_child(work)
-    shared = os.path.join(tempfile.gettempdir(), f"inferscale-tp-child-{run}.json")
+    shared = str(tmp_path_factory.getbasetemp().parent / "tp-child.json")
     with open(shared + ".lock", "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         try:
