@@ -98,6 +98,8 @@
 #      (bench/kernels/skinny_gemm.py, each input set with its own weight copy: read from HBM as in a step)
 #  35  the skinny-matmul kernel in the engine (INFERSCALE_MATMUL=pallas against xla, the default): the bare loop at
 #      C = $CONCS (64) both ways, then steps.py's decode steps with the kernel
+#  36  which matrix instructions the kernels run (bench/tools/sass_check.py: HGMMA or HMMA in the SASS of the
+#      512-token mixed step's attention, the skinny matmul, an XLA dot), then the skinny matmul at 16 / 32 rows
 #  16  the checkpoint read (models/loader.py: os.preadv into each tensor's array, threads in parallel): the 8B
 #      checkpoint loaded one tensor at a time and eight (bench/tools/weights_load.py; run AL: 14.2 / 12.1 s)
 # Parts 6-14, 16, 18-20, 23-26, 28, 30, 31, 33 and 35 write the 8B checkpoint to /tmp/llama8b first when it is missing (~35 s); it stays out of
@@ -106,7 +108,7 @@
 # Each step writes its tables under RESULTS_DIR/<step>/ and its console log to RESULTS_DIR/<step>.log;
 # after each step RESULTS_DIR is packed into TARBALL when given (what a cut call still returns).
 set -uo pipefail
-part=${1:?part 1-35}
+part=${1:?part 1-36}
 res=${2:?results folder}
 tarball=${3:-}
 mkdir -p "$res"
@@ -431,6 +433,11 @@ case "$part" in
         tests/kernels/test_kernels_norm.py
     ckpt
     CONCS=${CONCS:-256} loops_ab INFERSCALE_ROPE rope_ pallas jnp
+    ;;
+36)
+    step sass_check 150 bench/tools/sass_check.py
+    step skinny_gemm_16_32 200 bench/kernels/skinny_gemm.py --rows 16,32 --variants default n64,k128,s4 \
+        n64,k128,s4,p2 n32,k256,s3 n128,k64,s4
     ;;
 34)
     step_as gemm_checks 150 -m pytest -q -p no:cacheprovider tests/kernels/test_kernels_gemm.py

@@ -1,0 +1,55 @@
+"""bench/tools/sass_check.py's two parsers: GPU ELF images cut out of a serialized executable by their
+headers (other machines' images skipped), and a ``cuobjdump --dump-sass`` listing counted per function."""
+
+import os
+import struct
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(ROOT, "bench", "tools"))
+import sass_check  # noqa: E402
+
+
+def _elf(machine: int, body: bytes) -> bytes:
+    """A minimal 64-bit ELF: header, ``body``, then a section-header table of two 64-byte entries."""
+    shoff = 64 + len(body)
+    head = bytearray(64)
+    head[:6] = b"\x7fELF\x02\x01"
+    struct.pack_into("<H", head, 0x12, machine)
+    struct.pack_into("<QQ", head, 0x20, 0, shoff)  # no program headers
+    struct.pack_into("<HHHH", head, 0x36, 56, 0, 64, 2)
+    return bytes(head) + body + bytes(128)
+
+
+def test_elf_images_are_cut_at_their_header_ends():
+    cuda_a, host, cuda_b = _elf(190, b"A" * 40), _elf(62, b"x" * 17), _elf(190, b"B" * 3)
+    blob = b"junk" + cuda_a + b"\x00" * 9 + host + cuda_b + b"tail"
+    assert sass_check.elf_images(blob) == [cuda_a, cuda_b]
+    assert sass_check.elf_images(blob, None) == [cuda_a, host, cuda_b]
+    assert sass_check.elf_images(cuda_a[:-1]) == []  # (cut short: its table runs past the end)
+
+
+SASS = """
+	code for sm_90a
+		Function : shared_kernel
+	.headerflags	@"EF_CUDA_SM90 EF_CUDA_VIRTUAL_SM(EF_CUDA_SM90)"
+        /*0000*/                   LDC R1, c[0x0][0x28] ;
+        /*0010*/                   LDGSTS.E.BYPASS.LTC128B.128 [R3], desc[UR6][R4.64] ;
+        /*0020*/                   WARPGROUP.ARRIVE ;
+        /*0030*/                   HGMMA.64x64x16.F32.BF16 R24, gdesc[UR4], R24, gsb0 ;
+        /*0040*/              @!P0 HGMMA.64x64x16.F32.BF16 R24, gdesc[UR8], R24 ;
+        /*0050*/                   MUFU.EX2 R7, R7 ;
+		Function : ragged_kernel
+        /*0000*/                   HMMA.16816.F32.BF16 R8, R12, R16, R8 ;
+        /*0010*/              @P1 LDSM.16.MT88.4 R4, [R2] ;
+        /*0020*/                   LDS.128 R4, [R2+0x10] ;
+        /*0030*/                   FFMA R1, R2, R3, R1 ;
+"""
+
+
+def test_count_sass_counts_each_family_per_function():
+    counts = sass_check.count_sass(SASS)
+    assert set(counts) == {"shared_kernel", "ragged_kernel"}
+    shared, ragged = counts["shared_kernel"], counts["ragged_kernel"]
+    assert (shared["HGMMA"], shared["WARPGROUP"], shared["LDGSTS"], shared["MUFU"], shared["HMMA"]) == (2, 1, 1, 1, 0)
+    assert (ragged["HMMA"], ragged["LDSM"], ragged["LDS"], ragged["FFMA"], ragged["HGMMA"]) == (1, 1, 1, 1, 0)
