@@ -87,10 +87,10 @@ from pallas_kernels.tpu import ragged_paged_attention_tpu, splice_kv_tpu, tiling
 
 log = logging.getLogger("inferscale.kv_cache")
 IMPLS = ("pallas", "pallas_tpu", "ref")  # what ``impl`` holds once resolved ("auto" never)
-# ``linear``'s kernel: steps of MATMUL_MIN_ROWS-MATMUL_MAX_ROWS tokens, weights of at most MATMUL_MAX_N columns (run
-# AZ's sweep, bench/NOTES.md: XLA's dot is as fast at 1 row and on the 8B's 28672-column gate_up; past 128 rows its
-# cuBLAS GEMMs near the FLOP ceiling)
-MATMUL_MIN_ROWS = 33
+# ``linear``'s kernel: steps of MATMUL_MIN_ROWS-MATMUL_MAX_ROWS tokens, weights of at most MATMUL_MAX_N columns (runs
+# AZ and BA's sweeps, bench/NOTES.md: the kernel wins 2-10% at 16-128 rows on qkv, o and down; XLA's dot is as fast
+# at 1 row and on the 8B's 28672-column gate_up; past 128 rows its cuBLAS GEMMs near the FLOP ceiling)
+MATMUL_MIN_ROWS = 16
 MATMUL_MAX_ROWS = 128
 MATMUL_MAX_N = 8192
 
@@ -240,7 +240,7 @@ class PagedKVCache:
 
     def linear(self, x: jax.Array, w: jax.Array) -> jax.Array | None:
         """``x [..., K] @ w [K, N]`` for the model's projections (``models/transformer.py``'s ``_linear``): the
-        skinny-matmul kernel (``pallas_kernels/gemm.py``) with ``INFERSCALE_MATMUL=pallas`` on the GPU kernels, one
+        skinny-matmul kernel (``pallas_kernels/gemm.py``; ``INFERSCALE_MATMUL``, on by default) on the GPU kernels, one
         device, 16-bit activations and weights, ``MATMUL_MIN_ROWS``-``MATMUL_MAX_ROWS`` rows, at most ``MATMUL_MAX_N``
         columns and the kernel's tiled shapes; None where XLA's dot runs."""
         if (self.impl != "pallas" or self.mesh is not None or common.matmul() != "pallas" or x.dtype != w.dtype

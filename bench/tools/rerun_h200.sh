@@ -96,7 +96,7 @@
 #  34  the skinny-matmul kernel (pallas_kernels/gemm.py) against XLA's dot: its checks on the GPU (pytest, with the
 #      engine's tokens both ways), then the 8B's four projections at 1 / 64 / 128 rows by knob
 #      (bench/kernels/skinny_gemm.py, each input set with its own weight copy: read from HBM as in a step)
-#  35  the skinny-matmul kernel in the engine (INFERSCALE_MATMUL=pallas against xla, the default): the bare loop at
+#  35  the skinny-matmul kernel in the engine (INFERSCALE_MATMUL=pallas, the default since run BA, against xla): the bare loop at
 #      C = $CONCS (64) both ways, then steps.py's decode steps with the kernel
 #  36  which matrix instructions the kernels run (bench/tools/sass_check.py: HGMMA or HMMA in the SASS of the
 #      512-token mixed step's attention, the skinny matmul, an XLA dot), then the skinny matmul at 16 / 32 rows

@@ -53,3 +53,27 @@ def test_count_sass_counts_each_family_per_function():
     shared, ragged = counts["shared_kernel"], counts["ragged_kernel"]
     assert (shared["HGMMA"], shared["WARPGROUP"], shared["LDGSTS"], shared["MUFU"], shared["HMMA"]) == (2, 1, 1, 1, 0)
     assert (ragged["HMMA"], ragged["LDSM"], ragged["LDS"], ragged["FFMA"], ragged["HGMMA"]) == (1, 1, 1, 1, 0)
+
+
+def _snappy(data: bytes, repeat: int) -> bytes:
+    """``data`` then its last ``repeat`` bytes again, as one raw snappy block: a varint size, literals of at most 60
+    bytes, then one two-byte-offset copy."""
+    size, head = len(data) + repeat, bytearray()
+    while True:
+        head.append((size & 0x7F) | (0x80 if size >= 0x80 else 0))
+        size >>= 7
+        if not size:
+            break
+    for at in range(0, len(data), 60):
+        part = data[at:at + 60]
+        head += bytes([(len(part) - 1) << 2]) + part
+    return bytes(head) + bytes([(repeat - 1) << 2 | 2]) + struct.pack("<H", repeat)
+
+
+def test_gpu_images_are_found_inside_nested_snappy_blocks():
+    cuda = _elf(190, b"C" * 100)
+    inner = _snappy(b"head" + cuda, 16)  # (the ELF, then 16 bytes copied from its end)
+    assert sass_check.snappy_block(inner, 0) == (b"head" + cuda + cuda[-16:], len(inner))
+    blob = b"proto" + _snappy(b"x" * 7 + inner + b"y" * 5, 4) + b"rest"
+    assert sass_check.elf_images(blob) == []  # (compressed: no whole image in the plain bytes)
+    assert sass_check.gpu_images(blob) == [cuda]

@@ -173,10 +173,11 @@ def test_the_rope_kernel_lowers_in_every_kind_of_step(compiled_kernels, monkeypa
 
 
 def test_the_matmul_kernel_lowers_in_decode_sized_steps(compiled_kernels, monkeypatch):
-    """``INFERSCALE_MATMUL=pallas``: a layer's four projections in the skinny-matmul kernel in every kind of step
-    of ``MATMUL_MIN_ROWS``-``MATMUL_MAX_ROWS`` tokens (the layer's nested jit holds the four calls); none by default,
-    and none under the floor.  (This engine's steps are under the floor: it is lowered to 1 but for that check.
-    bf16 weights, as a checkpoint's: make_engine's random ones are float32, which the kernel does not take.)"""
+    """By default (``INFERSCALE_MATMUL=pallas``) a layer's four projections run in the skinny-matmul kernel in every
+    kind of step of ``MATMUL_MIN_ROWS``-``MATMUL_MAX_ROWS`` tokens (the layer's nested jit holds the four calls);
+    none under ``xla``, and none under the floor.  (This engine's decode steps are under the floor: it is lowered to
+    1 but for that check.  bf16 weights, as a checkpoint's: make_engine's random ones are float32, which the kernel
+    does not take.)"""
     import inferscale_jax.kv_cache as kv_cache_mod
     from inferscale_jax.kv_cache import MATMUL_MAX_ROWS
 
@@ -188,17 +189,17 @@ def test_the_matmul_kernel_lowers_in_decode_sized_steps(compiled_kernels, monkey
     def calls(text):
         return len(re.findall(r"call @matmul_pallas(?:_\d+)?\(", text))
 
-    monkeypatch.setenv("INFERSCALE_MATMUL", "pallas")
+    monkeypatch.delenv("INFERSCALE_MATMUL", raising=False)
     engine = bf16_engine()
     assert kinds(engine)["decode"].tokens < kv_cache_mod.MATMUL_MIN_ROWS
     assert calls(lowered_text(engine, kinds(engine)["decode"])) == 0
     jax.clear_caches()
     monkeypatch.setattr(kv_cache_mod, "MATMUL_MIN_ROWS", 1)
-    monkeypatch.delenv("INFERSCALE_MATMUL")
+    monkeypatch.setenv("INFERSCALE_MATMUL", "xla")
     engine = bf16_engine()
     assert calls(lowered_text(engine, kinds(engine)["decode"])) == 0
     jax.clear_caches()
-    monkeypatch.setenv("INFERSCALE_MATMUL", "pallas")
+    monkeypatch.delenv("INFERSCALE_MATMUL")
     engine = bf16_engine()
     for name, key in kinds(engine).items():
         assert key.tokens <= MATMUL_MAX_ROWS, (name, key)  # (this engine's buckets: all decode-sized)

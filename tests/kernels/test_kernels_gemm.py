@@ -99,15 +99,15 @@ def test_it_lowers_to_triton(monkeypatch, split_k):
 
 
 def test_the_engine_with_the_matmul_kernel_generates_as_the_default(monkeypatch):
-    """``INFERSCALE_MATMUL=pallas``: the four projections of the engine's steps (prefill, mixed, decode) in the
-    kernel give the default engine's greedy tokens, and log-probs within bf16's rounding (a bf16 engine: the kernel
+    """``INFERSCALE_MATMUL=pallas`` (the default): the four projections of the engine's steps (prefill, mixed,
+    decode) in the kernel give XLA's dot's greedy tokens (``xla``), and log-probs within bf16's rounding (a bf16 engine: the kernel
     serves 16-bit activations only; its sums run in another order than XLA's); the switch keys the caches.  (The
     tiny engine's steps are under ``MATMUL_MIN_ROWS`` tokens: the floor is lowered to 1 here.)"""
     import inferscale_jax.kv_cache as kv_cache_mod
     import pallas_kernels.gemm as gemm_mod
     import tests.support.tiny_engine as tiny
     from tests.support.tiny_engine import CFG, assert_same_generations, switch_ab
-    assert common.MATMUL_CHOICES[0] == "xla"  # (the default: what "" means)
+    assert common.MATMUL_CHOICES[0] == "pallas"  # (the default: what "" means)
     monkeypatch.setattr(kv_cache_mod, "MATMUL_MIN_ROWS", 1)
     init = tiny.init_params  # (bf16 weights, as a bf16 checkpoint's: the tiny model's random ones are float32)
     monkeypatch.setattr(tiny, "init_params", lambda *a, **k: jax.tree.map(lambda x: x.astype(jnp.bfloat16),
@@ -115,7 +115,7 @@ def test_the_engine_with_the_matmul_kernel_generates_as_the_default(monkeypatch)
     shapes = set()
     real = kv_cache_mod.matmul_pallas
     monkeypatch.setattr(kv_cache_mod, "matmul_pallas", lambda x, w, **kw: (shapes.add(w.shape), real(x, w, **kw))[1])
-    (base, n0, key0), (got, n1, key1) = switch_ab(monkeypatch, "INFERSCALE_MATMUL", ("", "pallas"), gemm_mod,
+    (base, n0, key0), (got, n1, key1) = switch_ab(monkeypatch, "INFERSCALE_MATMUL", ("xla", ""), gemm_mod,
                                                   "_matmul_kernel", dtype="bfloat16")
     assert n0 == 0 and n1 > 0, (n0, n1)
     h, d = CFG.hidden_size, CFG.head_dim
@@ -128,5 +128,5 @@ def test_the_engine_with_the_matmul_kernel_generates_as_the_default(monkeypatch)
 
 def test_a_bad_matmul_switch_is_refused_with_its_value(monkeypatch):
     monkeypatch.setenv("INFERSCALE_MATMUL", "cublas")
-    with pytest.raises(ValueError, match="INFERSCALE_MATMUL='cublas'.*'xla', 'pallas'"):
+    with pytest.raises(ValueError, match="INFERSCALE_MATMUL='cublas'.*'pallas', 'xla'"):
         common.matmul()
