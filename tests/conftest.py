@@ -14,6 +14,33 @@ import pytest  # noqa: E402
 jax.config.update("jax_default_matmul_precision", "highest")
 
 
+# On a CPU-only machine (no CUDA plugin: CI's, the developers') the test processes compile at LLVM's lowest
+# optimization level.  Most of the suite's time is compiling (the Pallas kernels in interpret mode, each engine's
+# step buckets; one kernel test: 40 of its 57 s), and the tiny shapes run about as fast either way:
+# tests/engine/test_decode_loop.py alone 185 -> 67 s.  XLA reads XLA_FLAGS once, at the process's first compile, so
+# the flag is set for that compile and taken back: the processes the tests start (servers, the tensor-parallel and
+# journal children) compile and run as users' do, at XLA's default level (a time-bounded server test ran ~2x
+# slower at the lowest level, and the 4-device tensor-parallel child 1.4x).  On a GPU host nothing changes.
+def _test_processes_compile_fast() -> None:
+    import importlib.util
+
+    flags = os.environ.get("XLA_FLAGS")
+    if any(importlib.util.find_spec(p) for p in ("jax_cuda13_plugin", "jax_cuda12_plugin", "jax_plugins")) or (
+            "xla_backend_optimization_level" in (flags or "")):
+        return
+    os.environ["XLA_FLAGS"] = ((flags or "") + " --xla_backend_optimization_level=0").strip()
+    try:
+        jax.jit(lambda x: x + 1)(1).block_until_ready()  # (the first compile: XLA parses its flags here)
+    finally:
+        if flags is None:
+            del os.environ["XLA_FLAGS"]
+        else:
+            os.environ["XLA_FLAGS"] = flags
+
+
+_test_processes_compile_fast()
+
+
 # The long subprocess-driven files run last: the soak and the 4-device tensor-parallel child.
 _LAST = ("test_soak.py", "test_tensor_parallel.py")
 

@@ -34,8 +34,9 @@ import jax
 import jax.numpy as jnp
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository
-sys.path[:0] = [ROOT, os.path.join(ROOT, "bench", "lib"), os.path.join(ROOT, "bench", "kernels")]
-from report import finish, log, table  # noqa: E402
+# (the engine's packages, bench/lib and bench/kernels go on sys.path in main(): importing this file for its
+# parsers, as its tests do, leaves the importer's path alone; bench/kernels/kernels.py would shadow the
+# `kernels` package transformers looks for)
 
 # the instruction families counted (SASS opcode prefixes: an opcode's first dotted part)
 COUNTED = ("HGMMA", "HMMA", "WARPGROUP", "LDGSTS", "UTMALDG", "LDSM", "LDS", "STS", "LDG", "STG", "FFMA", "MUFU")
@@ -178,6 +179,9 @@ def cases(smoke: bool):
 
 
 def main():
+    sys.path[:0] = [ROOT, os.path.join(ROOT, "bench", "lib"), os.path.join(ROOT, "bench", "kernels")]
+    from report import finish, log, table
+
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "sass_check"))
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (no GPU code to count)")

@@ -1,13 +1,15 @@
 """bench/tools/sass_check.py's two parsers: GPU ELF images cut out of a serialized executable by their
 headers (other machines' images skipped), and a ``cuobjdump --dump-sass`` listing counted per function."""
 
+import importlib.util
 import os
 import struct
-import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.join(ROOT, "bench", "tools"))
-import sass_check  # noqa: E402
+# (loaded from its file: neither bench/tools nor what the tool puts on sys.path when run joins this process's path)
+_spec = importlib.util.spec_from_file_location("sass_check", os.path.join(ROOT, "bench", "tools", "sass_check.py"))
+sass_check = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(sass_check)
 
 
 def _elf(machine: int, body: bytes) -> bytes:
