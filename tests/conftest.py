@@ -20,7 +20,8 @@ jax.config.update("jax_default_matmul_precision", "highest")
 # tests/engine/test_decode_loop.py alone 185 -> 67 s.  XLA reads XLA_FLAGS once, at the process's first compile, so
 # the flag is set for that compile and taken back: the processes the tests start (servers, the tensor-parallel and
 # journal children) compile and run as users' do, at XLA's default level (a time-bounded server test ran ~2x
-# slower at the lowest level, and the 4-device tensor-parallel child 1.4x).  On a GPU host nothing changes.
+# slower at the lowest level, and the 4-device tensor-parallel child 1.4x); a child whose log-probs are compared
+# with the test's own to 1e-6 takes the flag too (``tests.support.same_compiler``).  On a GPU host nothing changes.
 def _test_processes_compile_fast() -> None:
     import importlib.util
 
@@ -28,7 +29,8 @@ def _test_processes_compile_fast() -> None:
     if any(importlib.util.find_spec(p) for p in ("jax_cuda13_plugin", "jax_cuda12_plugin", "jax_plugins")) or (
             "xla_backend_optimization_level" in (flags or "")):
         return
-    os.environ["XLA_FLAGS"] = ((flags or "") + " --xla_backend_optimization_level=0").strip()
+    os.environ["INFERSCALE_TEST_XLA_FLAGS"] = "--xla_backend_optimization_level=0"  # (tests.support.same_compiler)
+    os.environ["XLA_FLAGS"] = ((flags or "") + " " + os.environ["INFERSCALE_TEST_XLA_FLAGS"]).strip()
     try:
         jax.jit(lambda x: x + 1)(1).block_until_ready()  # (the first compile: XLA parses its flags here)
     finally:

@@ -21,7 +21,7 @@ import pytest
 
 from inferscale_jax import Engine, EngineConfig, SnapshotMismatch
 from models import init_params
-from tests.support import REPO, SUPPORT
+from tests.support import REPO, SUPPORT, same_compiler
 from tests.support.tiers_common import CFG, gen, make_engine, seg_tokens
 
 CHILD = os.path.join(SUPPORT, "tiers_child.py")
@@ -33,7 +33,7 @@ class Child:
     def __init__(self, snapshot_dir, mode, log_path):
         self._err = open(log_path, "w")
         self.proc = subprocess.Popen([sys.executable, CHILD, str(snapshot_dir), mode], stdout=subprocess.PIPE,
-                                     stderr=self._err, text=True)
+                                     stderr=self._err, text=True, env=same_compiler())  # (log-probs to 1e-6)
         self.events, self._q = [], queue.Queue()
         threading.Thread(target=lambda: [self._q.put(line) for line in self.proc.stdout], daemon=True).start()
         self.log_path = log_path
@@ -209,7 +209,7 @@ def test_corrupted_snapshot_is_recomputed_never_served(tmp_path):
             with open(os.path.join(d, "snapshots", name), "wb") as f:
                 f.write(damage(files[name]))
         child = subprocess.run([sys.executable, "-c", RESTORE_CHILD.format(root=REPO, d=d)],
-                               capture_output=True, text=True, timeout=300)
+                               capture_output=True, text=True, timeout=300, env=same_compiler())
         assert child.returncode == 0, child.stdout + child.stderr[-3000:]
         got = json.loads(child.stdout.strip().splitlines()[-1])
         assert got["snapshot"]["recomputed"] >= 1 and got["integrity"]["snapshot"] >= 1, got
