@@ -111,7 +111,7 @@ def gpu_images(blob: bytes, depth: int = 2) -> list[bytes]:
     """The GPU ELF images in a serialized executable: plain, or inside snappy blocks (XLA's GPU executables keep
     their code snappy-compressed, a module's ELF compressed again inside; found by trying each offset)."""
     found = elf_images(blob)
-    if found or depth == 0 or b"\x7fELF" not in blob and depth < 2:
+    if found or depth == 0:
         return found
     at = 0
     while at < len(blob):
@@ -178,6 +178,11 @@ def cases(smoke: bool):
     yield f"XLA dot {m * 8}x{k_dim}x{n}", lambda a, b: a @ b, (jnp.tile(x, (8, 1)), w)
 
 
+def _file_stem(name: str) -> str:
+    """A case's name as a file name's start."""
+    return re.sub(r"[^A-Za-z0-9]+", "_", name)[:40]
+
+
 def main():
     sys.path[:0] = [ROOT, os.path.join(ROOT, "bench", "lib"), os.path.join(ROOT, "bench", "kernels")]
     from report import finish, log, table
@@ -197,12 +202,12 @@ def main():
         log(f"{name}: executable {len(blob) / 2**20:.1f} MiB, {len(images)} GPU ELF image(s) "
             f"({len(elf_images(blob, None))} ELF images of any machine)")
         if not images or tool is None:  # (kept for a look: where the code is, if not as ELF)
-            with open(os.path.join(args.out, f"{re.sub(r'[^A-Za-z0-9]+', '_', name)[:40]}.bin"), "wb") as f:
+            with open(os.path.join(args.out, f"{_file_stem(name)}.bin"), "wb") as f:
                 f.write(blob)
             rows.append([name, "(none)", len(blob), *[""] * len(COUNTED)])
             continue
         for i, image in enumerate(images):
-            path = os.path.join(args.out, f"{re.sub(r'[^A-Za-z0-9]+', '_', name)[:40]}_{i}.cubin")
+            path = os.path.join(args.out, f"{_file_stem(name)}_{i}.cubin")
             with open(path, "wb") as f:
                 f.write(image)
             res = subprocess.run([tool, "--dump-sass", path], capture_output=True, text=True, timeout=120)

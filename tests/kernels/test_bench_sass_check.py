@@ -1,5 +1,6 @@
-"""bench/tools/sass_check.py's two parsers: GPU ELF images cut out of a serialized executable by their
-headers (other machines' images skipped), and a ``cuobjdump --dump-sass`` listing counted per function."""
+"""bench/tools/sass_check.py's parsers: GPU ELF images cut out of a serialized executable by their headers (other
+machines' images skipped), found inside nested snappy blocks, and a ``cuobjdump --dump-sass`` listing counted per
+function."""
 
 import importlib.util
 import os
