@@ -54,7 +54,7 @@ MIXED_SHARED_KNOBS = dict(br="block_rows", bk="block_kv", w="num_warps", st="num
 
 
 MIXED_RAGGED_KNOBS = dict(bq="block_q", bk="block_kv", w="num_warps", st="num_stages", sp="kv_splits",
-                          sl="split_longest", lk="long_keys")
+                          sl="split_longest", lk="long_keys", sk="small_block_kv")
 
 
 def mixed_shared_knobs() -> dict:
@@ -77,9 +77,10 @@ def mixed_ragged_knobs() -> dict:
     """``INFERSCALE_MIXED_RAGGED`` (e.g. ``sp=1`` or ``sl=0``): knobs of the ragged kernel in the
     engine's mixed steps (``pallas_kernels/ragged_attention.py``), by ``MIXED_RAGGED_KNOBS``' short
     names (``sl=0``: every block split-KV, not only the longest (``split_longest``, the kernel's
-    default), ``lk``: ``split_longest``'s ``long_keys``); unset: none.  An A/B switch for the
+    default), ``lk``: ``split_longest``'s ``long_keys``, ``sk``: the small (decode-row) tile's keys per step);
+    unset: none.  An A/B switch for the
     benchmarks (bench/NOTES.md)."""
-    knobs = _knobs("INFERSCALE_MIXED_RAGGED", MIXED_RAGGED_KNOBS, tiles=dict(bq=1, bk=MIN_DOT_DIM),
+    knobs = _knobs("INFERSCALE_MIXED_RAGGED", MIXED_RAGGED_KNOBS, tiles=dict(bq=1, bk=MIN_DOT_DIM, sk=MIN_DOT_DIM),
                    flags=("sl",))
     return {k: bool(v) if k == "split_longest" else v for k, v in knobs.items()}
 

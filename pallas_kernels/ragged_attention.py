@@ -633,6 +633,7 @@ def ragged_paged_attention(
     split_longest: bool = True,
     long_keys: int | None = None,
     init: tuple[jax.Array, ...] | None = None,
+    small_block_kv: int | None = None,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:  # [N, Hq, D], q.dtype; padding tokens: zeros (without init)
     """Causal attention of a flat batch of decode rows and prefill chunks (see module doc).
     ``return_lse=True`` returns ``(out, lse)``, ``lse [N, Hq] float32`` each query's natural-log
@@ -653,7 +654,9 @@ def ragged_paged_attention(
     correctness path) 64 rows, ``block_kv`` 16.  A decode-shaped step (``N <= R * 16 // G``:
     rows average a small tile or less) uses the decode kernel's 4 warps and 2 stages instead.
     The small tile for blocks of at most ``max(1, 16 // G)`` tokens (decode rows) has
-    ``max(16, G)`` rows and ``2 * block_kv`` keys per step (``block_kv`` with 3+ stages).
+    ``max(16, G)`` rows and ``2 * block_kv`` keys per step (``block_kv`` with 3+ stages), or
+    ``small_block_kv`` keys when given (a power of two >= 16): its shared memory is ``num_stages`` K and V
+    tiles of that many keys, which bounds how many programs an SM holds.
     ``kv_splits``: None = automatic (1 when the grid fills the GPU and in interpret
     mode), 1 = no split-KV.  ``split_longest=True`` (the default; with ``kv_splits`` > 1 as given or
     chosen, else it changes nothing) splits only the blocks that see the most keys (as many as one
@@ -686,6 +689,11 @@ def ragged_paged_attention(
         num_tokens, group, head_dim, q.dtype.itemsize, block_q, block_kv, num_warps,
         num_stages, interpret)
     small_kv = 2 * block_kv if num_stages <= 2 else block_kv  # shared-memory budget
+    if small_block_kv is not None:
+        if small_block_kv < common.MIN_DOT_DIM or small_block_kv & (small_block_kv - 1):
+            common._fail("small_block_kv", small_block_kv, f"a power of two >= {common.MIN_DOT_DIM} (keys per step "
+                         "of the small tile), or None")
+        small_kv = int(small_block_kv)
     if small_q < block_q:  # (small, big) tiles, one picked per block
         tiles = ((small_rows, small_q, small_kv, True), (rows, block_q, block_kv, False))
     else:  # N so small that the big tile is decode-sized: one tile, the small tile's settings

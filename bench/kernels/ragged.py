@@ -29,6 +29,9 @@ Sections (each guarded: a failure prints its traceback and the run goes on):
    automatic split count for every block (``split_longest=False``), unsplit, and ``split_longest`` (the
    default: only the blocks that see the most keys split); speed = every-block-split's time / the form's; the
    GPU's kernel time of each form beside it (the profiler's: no launch gaps, ``kernels.time_calls_and_device``).
+5. The small (decode-row) tile's keys per step and stages (``small_block_kv``, ``num_stages``) on the served loop's
+   mixed steps at C = 256 / 64 and a 256-row decode-shaped step, then the decode kernel's block (128 / 64 / 32 keys)
+   on that one: the small tile's shared memory bounds the programs an SM holds.
 
 Timing as bench/kernels/kernels.py: every measurement jit-compiles R calls on R different input sets
 (separate pages, so XLA cannot merge them and K/V rotate through more memory than L2), then
@@ -357,6 +360,65 @@ def splits(args):
           + [f"{lab}: GPU kernel us" for lab, _ in SPLIT_FORMS], rows)
 
 
+# ---------------------------------------------------------------- 5. the small tile's keys
+
+def _small_shapes(quick):
+    """(name, rows, padding tokens): the served loop's mixed steps (decode rows of ~100 private keys, whose segment
+    the cascade reads, beside 64-token questions over their own keys only) and a decode-shaped step."""
+    if quick:
+        return [("rows + question", [(1, 40)] * 6 + [(8, 0)], 2), ("decode rows", [(1, 40)] * 8, 0)]
+    return [("C = 256 mixed: 250 rows + 3 questions", [(1, 96)] * 250 + [(64, 0)] * 3, 70),
+            ("C = 64 mixed: 61 rows + a question", [(1, 100)] * 61 + [(64, 0)], 3),
+            ("256 decode rows (decode-shaped)", [(1, 100)] * 256, 0)]
+
+
+SMALL_FORMS = [("default", {}), ("sk=64", dict(small_block_kv=64)), ("sk=32", dict(small_block_kv=32)),
+               ("sk=64, 3 stages", dict(small_block_kv=64, num_stages=3)), ("1 stage", dict(num_stages=1))]
+DECODE_FORMS = [("decode kernel, 128 keys a step (default)", {}), ("decode kernel, 64", dict(pages_per_block=4)),
+                ("decode kernel, 32", dict(pages_per_block=2))]
+
+
+@section
+def small_tile(args):
+    """The decode rows' (small) tile by keys per step (``small_block_kv``) and stages: its shared memory is
+    stages x 2 x keys x D x 2 bytes (128 KB at the default 128 keys and 2 stages), which bounds the programs an
+    SM holds while each decode row's program reads only one or two tiles; then the decode kernel by its block."""
+    hq, hkv = (4, 2) if args.quick else (HQ, HKV)
+    forms = SMALL_FORMS[:2] if args.quick else SMALL_FORMS
+    rows = []
+    for name, shape, pad in _small_shapes(args.quick):
+        kp, vp, sets = make_steps(shape, pad=pad, nv=2 if args.quick else 8, hq=hq, hkv=hkv, seed=len(shape) + pad)
+        q0, tb0, cu0, kv0 = sets[0]
+        ref = ragged_paged_attention_ref(q0, kp, vp, tb0, cu0, kv0)
+        n = int(cu0[-1])
+        kv_bytes = int(np.asarray(kv0).sum()) * 2 * hkv * D * 2
+        cases = [(label, ragged_call(args.interpret, **kw)) for label, kw in forms]
+        if all(r[0] == 1 for r in shape):
+            cases += [(label, _decode_call(args.interpret, kw)) for label, kw in DECODE_FORMS[:1 if args.quick else 3]]
+        base = None
+        for label, fn in cases:
+            try:
+                t, outs, t_dev, _ = time_calls_and_device(fn, (kp, vp), sets, args.reps)
+            except Exception as e:  # noqa: BLE001  (a form that does not compile: logged, the others go on)
+                log(f"  {name} {label}: {str(e).splitlines()[0][:160]}")
+                continue
+            check(f"{name} {label} vs ref", outs[0][:n], ref[:n])
+            base = t if base is None else base
+            rows.append([name, label, us(t), "" if t_dev != t_dev else us(t_dev),
+                         f"{kv_bytes / t / 1e9:.0f}", fx(speed(base, t))])
+            PLOT.append(("small", f"{name}: {label} vs default", speed(base, t)))
+            log(f"  {name} {label}: {us(t)} us (GPU {us(t_dev) if t_dev == t_dev else 'n/a'})")
+        del kp, vp, sets
+    table(f"5. The small tile's keys per step ({hq}/{hkv} heads, d=128, page 16, bf16; GB/s = the rows' K+V bytes / "
+          "time; speed = the default's time / the form's)", ["step", "form", "us", "GPU kernel us", "GB/s", "speed"],
+          rows)
+
+
+def _decode_call(interpret, kw):
+    fn = functools.partial(paged_decode_attention, interpret=interpret, **kw)
+    return lambda kp, vp, q, tb, cu, kv: fn(q, kp, vp, tb, kv)
+
+
 # ---------------------------------------------------------------- tune
 
 TUNE_SHAPES = {  # name -> step: (new tokens, kv length) per sequence
@@ -430,7 +492,8 @@ def write_report(args, argv):
     pts = [p for p in PLOT if p[2] is not None]
     if plt is None or not pts:
         return
-    colors = {"prefill": "tab:blue", "decode": "tab:orange", "mixed": "tab:green", "splits": "tab:purple"}
+    colors = {"prefill": "tab:blue", "decode": "tab:orange", "mixed": "tab:green", "splits": "tab:purple",
+              "small": "tab:red"}
     fig, ax = plt.subplots(figsize=(8, 0.35 * len(pts) + 1.5))
     y = np.arange(len(pts))[::-1]
     ax.barh(y, [p[2] for p in pts], color=[colors[p[0]] for p in pts])
@@ -449,14 +512,14 @@ def write_report(args, argv):
 def main():
     ap = parser(__doc__, "tiny shapes (works on CPU)")
     ap.add_argument("--tune", action="store_true", help="also sweep the knobs")
-    ap.add_argument("--sections", default="01234", help="subset of 0,1,2,3,4 to run")
+    ap.add_argument("--sections", default="01234", help="subset of 0,1,2,3,4,5 to run")
     ap.add_argument("--tune-shapes", default="prefill,decode,mixed",
                     help=f"--tune: the shapes swept, comma separated, of {','.join(TUNE_SHAPES)}")
     ap.add_argument("--reps", type=int, default=None)
     args = ap.parse_args()
     args.interpret = jax.default_backend() != "gpu"
     args.reps = args.reps or (2 if args.quick else 10)
-    plan = [("0", correctness), ("1", prefill), ("2", decode), ("3", mixed), ("4", splits),
+    plan = [("0", correctness), ("1", prefill), ("2", decode), ("3", mixed), ("4", splits), ("5", small_tile),
             (None if args.tune else "", tune)]
     return run_sections(args, plan, report, note=f"interpret={args.interpret}")
 

@@ -100,15 +100,22 @@
 #      C = $CONCS (64) both ways, then steps.py's decode steps with the kernel
 #  36  which matrix instructions the kernels run (bench/tools/sass_check.py: HGMMA or HMMA in the SASS of the
 #      512-token mixed step's attention, the skinny matmul, an XLA dot), then the skinny matmul at 16 / 32 rows
+#  37  the skinny matmul at 1 and 8 rows with K split 2-8 ways (bench/kernels/skinny_gemm.py): whether more programs
+#      than the column blocks bring a one-row step's projections nearer their read floor (run AZ: p2 took o and down
+#      from 18.2 / 53.9 to 15.2 / 43.2 us at 1 row); then the ragged kernel's small (decode-row) tile by its keys per
+#      step and stages (bench/kernels/ragged.py section 5: its shared memory bounds the programs an SM holds)
+#  38  the engine loop with the ragged kernel's small tile at part 37's winner (VARIANT, an INFERSCALE_MIXED_RAGGED
+#      value, e.g. VARIANT=sk=64) against the default: the bare loop at C = $CONCS (256) over 8 segments, answers
+#      64 +- 32 (bench/tools/profile_host.py)
 #  16  the checkpoint read (models/loader.py: os.preadv into each tensor's array, threads in parallel): the 8B
 #      checkpoint loaded one tensor at a time and eight (bench/tools/weights_load.py; run AL: 14.2 / 12.1 s)
-# Parts 6-14, 16, 18-20, 23-26, 28, 30, 31, 33 and 35 write the 8B checkpoint to /tmp/llama8b first when it is missing (~35 s); it stays out of
+# Parts 6-14, 16, 18-20, 23-26, 28, 30, 31, 33, 35 and 38 write the 8B checkpoint to /tmp/llama8b first when it is missing (~35 s); it stays out of
 # the repository, whose copy on the machine loses files that .gitignore does not cover (bench/NOTES.md, run AH).
 #
 # Each step writes its tables under RESULTS_DIR/<step>/ and its console log to RESULTS_DIR/<step>.log;
 # after each step RESULTS_DIR is packed into TARBALL when given (what a cut call still returns).
 set -uo pipefail
-part=${1:?part 1-36}
+part=${1:?part 1-38}
 res=${2:?results folder}
 tarball=${3:-}
 mkdir -p "$res"
@@ -438,6 +445,16 @@ case "$part" in
     step sass_check 150 bench/tools/sass_check.py
     step skinny_gemm_16_32 200 bench/kernels/skinny_gemm.py --rows 16,32 --variants default n64,k128,s4 \
         n64,k128,s4,p2 n32,k256,s3 n128,k64,s4
+    ;;
+37)
+    step skinny_gemm_1_8 300 bench/kernels/skinny_gemm.py --rows 1,8 --variants n64,k128,s4,p2 n64,k128,s4,p4 \
+        n64,k128,s4,p8 n64,k128,s4,p4,w8 n128,k128,s3,p4 n64,k256,s3,p4 n32,k128,s4,p4 n128,k64,s4,p2 n32,k128,s4,p8
+    step ragged_small 240 bench/kernels/ragged.py --sections 5
+    ;;
+38)
+    : "${VARIANT:?set VARIANT to an INFERSCALE_MIXED_RAGGED value, the winner of part 37 (e.g. sk=64)}"
+    ckpt
+    CONCS=${CONCS:-256} loops_ab INFERSCALE_MIXED_RAGGED ragged_ default "$VARIANT"
     ;;
 34)
     step_as gemm_checks 150 -m pytest -q -p no:cacheprovider tests/kernels/test_kernels_gemm.py

@@ -368,7 +368,7 @@ def test_the_mixed_ragged_switch_keeps_the_result(monkeypatch, spec, want):
 
 
 @pytest.mark.parametrize("spec,match", [("sl=2", "sl: 0 or 1"), ("sp=0", "NAME=N"), ("bq=3", "NAME=N"),
-                                        ("tl=2", "NAME=N"), ("lk=x", "NAME=N")])
+                                        ("tl=2", "NAME=N"), ("lk=x", "NAME=N"), ("sk=24", "sk: a power of two")])
 def test_a_bad_mixed_ragged_switch_is_refused_with_its_value(monkeypatch, spec, match):
     from pallas_kernels import common
     monkeypatch.setenv("INFERSCALE_MIXED_RAGGED", spec)
@@ -382,6 +382,8 @@ def test_the_mixed_ragged_switch_parses_to_the_kernels_arguments(monkeypatch):
     assert common.mixed_ragged_knobs() == dict(split_longest=True, long_keys=300, kv_splits=4, num_warps=8)
     monkeypatch.setenv("INFERSCALE_MIXED_RAGGED", "sl=0")
     assert common.mixed_ragged_knobs() == dict(split_longest=False)
+    monkeypatch.setenv("INFERSCALE_MIXED_RAGGED", "sk=64,st=2")
+    assert common.mixed_ragged_knobs() == dict(small_block_kv=64, num_stages=2)
     monkeypatch.setenv("INFERSCALE_MIXED_RAGGED", "")
     assert common.mixed_ragged_knobs() == {}
 

@@ -199,6 +199,10 @@ CASES = [
      dict(kv_splits=3, block_kv=16)),
     (jnp.float32, 8, 1, 64, 8, [8, 5, 1], [150, 9, 70], 2, dict(kv_splits=4, block_kv=32)),
     (jnp.float32, 4, 2, 32, 16, [1, 1, 30], [33, 0, 2], 0, dict(kv_splits=2)),
+    # the small tile's own keys per step (small_block_kv): several of its blocks per decode row, masked tails,
+    # beside a chunk on the big tile; and with split-KV
+    (jnp.bfloat16, 8, 2, 64, 16, [1, 1, 37, 1, 0, 1], [100, 7, 20, 64, 3, 31], 5, dict(small_block_kv=16)),
+    (jnp.float32, 8, 2, 64, 16, [1, 24, 1, 1], [150, 40, 0, 33], 2, dict(small_block_kv=32, kv_splits=2)),
     # tiny N: only the (decode-sized) single tile is compiled
     (jnp.float32, 8, 2, 64, 16, [1, 1], [33, 70], 0, {}),
     # every row empty: all tokens are padding
@@ -509,6 +513,8 @@ def test_validation_errors(fn, change, match):
     (dict(block_q=2), "block_q"),  # 2 * G=2 < 16 rows
     (dict(block_kv=48), "block_kv"),
     (dict(kv_splits=0), "kv_splits"),
+    (dict(small_block_kv=24), "small_block_kv"),
+    (dict(small_block_kv=8), "small_block_kv"),
 ])
 def test_block_size_errors(kw, match):
     with pytest.raises(ValueError, match=match):
@@ -529,7 +535,9 @@ def test_validator_returns_dims():
     dict(kv_splits=4, split_longest=True),
     dict(kv_splits=4, split_longest=True, return_lse=True, pages=jnp.int8),
     dict(kv_splits=4, split_longest=True, pages=jnp.float8_e4m3fn),
-], ids=["auto", "unsplit", "every_block_split", "split_longest", "split_longest_int8_lse", "split_longest_fp8"])
+    dict(small_block_kv=64),
+], ids=["auto", "unsplit", "every_block_split", "split_longest", "split_longest_int8_lse", "split_longest_fp8",
+        "small_block_kv"])
 def test_lowers_to_triton(kw):
     """The compiled (non-interpret) path lowers to Triton for CUDA, even on a CPU host: interpret mode
     does not run the Triton lowering, and that lowering refuses things interpret mode accepts (a
