@@ -369,13 +369,16 @@ def _small_shapes(quick):
         return [("rows + question", [(1, 40)] * 6 + [(8, 0)], 2), ("decode rows", [(1, 40)] * 8, 0)]
     return [("C = 256 mixed: 250 rows + 3 questions", [(1, 96)] * 250 + [(64, 0)] * 3, 70),
             ("C = 64 mixed: 61 rows + a question", [(1, 100)] * 61 + [(64, 0)], 3),
-            ("256 decode rows (decode-shaped)", [(1, 100)] * 256, 0)]
+            ("256 decode rows (decode-shaped)", [(1, 100)] * 256, 0),
+            ("C = 256 cohort: 28 questions + 200 rows", [(64, 0)] * 28 + [(1, 100)] * 200, 56)]
 
 
 SMALL_FORMS = [("default", {}), ("sk=64", dict(small_block_kv=64)), ("sk=32", dict(small_block_kv=32)),
-               ("sk=64, 3 stages", dict(small_block_kv=64, num_stages=3)), ("1 stage", dict(num_stages=1))]
+               ("sk=64, 3 stages", dict(small_block_kv=64, num_stages=3)), ("1 stage", dict(num_stages=1)),
+               ("1 stage, sk=64", dict(num_stages=1, small_block_kv=64)),
+               ("1 stage, sk=256", dict(num_stages=1, small_block_kv=256)), ("1 stage, 8 warps", dict(num_stages=1, num_warps=8))]
 DECODE_FORMS = [("decode kernel, 128 keys a step (default)", {}), ("decode kernel, 64", dict(pages_per_block=4)),
-                ("decode kernel, 32", dict(pages_per_block=2))]
+                ("decode kernel, 32", dict(pages_per_block=2)), ("decode kernel, 1 stage", dict(num_stages=1))]
 
 
 @section
@@ -394,7 +397,7 @@ def small_tile(args):
         kv_bytes = int(np.asarray(kv0).sum()) * 2 * hkv * D * 2
         cases = [(label, ragged_call(args.interpret, **kw)) for label, kw in forms]
         if all(r[0] == 1 for r in shape):
-            cases += [(label, _decode_call(args.interpret, kw)) for label, kw in DECODE_FORMS[:1 if args.quick else 3]]
+            cases += [(label, _decode_call(args.interpret, kw)) for label, kw in DECODE_FORMS[:1 if args.quick else None]]
         base = None
         for label, fn in cases:
             try:
