@@ -370,10 +370,13 @@ def _small_shapes(quick):
     return [("C = 256 mixed: 250 rows + 3 questions", [(1, 96)] * 250 + [(64, 0)] * 3, 70),
             ("C = 64 mixed: 61 rows + a question", [(1, 100)] * 61 + [(64, 0)], 3),
             ("256 decode rows (decode-shaped)", [(1, 100)] * 256, 0),
-            ("C = 256 cohort: 28 questions + 200 rows", [(64, 0)] * 28 + [(1, 100)] * 200, 56)]
+            ("C = 256 cohort: 28 questions + 200 rows", [(64, 0)] * 28 + [(1, 100)] * 200, 56),
+            ("lone question over 4k (C = 1)", [(64, 4096)], 0),
+            ("a 2048-token chunk over 2k cached", [(2048, 2048)], 0)]
 
 
-SMALL_FORMS = [("default", {}), ("sk=64", dict(small_block_kv=64)), ("sk=32", dict(small_block_kv=32)),
+SMALL_FORMS = [  # (the same knobs as the engine's INFERSCALE_MIXED_RAGGED: sk, st, w)
+("default", {}), ("sk=64", dict(small_block_kv=64)), ("sk=32", dict(small_block_kv=32)),
                ("sk=64, 3 stages", dict(small_block_kv=64, num_stages=3)), ("1 stage", dict(num_stages=1)),
                ("1 stage, sk=64", dict(num_stages=1, small_block_kv=64)),
                ("1 stage, sk=256", dict(num_stages=1, small_block_kv=256)), ("1 stage, 8 warps", dict(num_stages=1, num_warps=8))]
