@@ -375,11 +375,11 @@ def _small_shapes(quick):
             ("a 2048-token chunk over 2k cached", [(2048, 2048)], 0)]
 
 
-SMALL_FORMS = [  # (the same knobs as the engine's INFERSCALE_MIXED_RAGGED: sk, st, w)
-("default", {}), ("sk=64", dict(small_block_kv=64)), ("sk=32", dict(small_block_kv=32)),
+SMALL_FORMS = [("default", {}), ("sk=64", dict(small_block_kv=64)), ("sk=32", dict(small_block_kv=32)),
                ("sk=64, 3 stages", dict(small_block_kv=64, num_stages=3)), ("1 stage", dict(num_stages=1)),
                ("1 stage, sk=64", dict(num_stages=1, small_block_kv=64)),
-               ("1 stage, sk=256", dict(num_stages=1, small_block_kv=256)), ("1 stage, 8 warps", dict(num_stages=1, num_warps=8))]
+               ("1 stage, sk=256", dict(num_stages=1, small_block_kv=256)),
+               ("1 stage, 8 warps", dict(num_stages=1, num_warps=8))]
 DECODE_FORMS = [("decode kernel, 128 keys a step (default)", {}), ("decode kernel, 64", dict(pages_per_block=4)),
                 ("decode kernel, 32", dict(pages_per_block=2)), ("decode kernel, 1 stage", dict(num_stages=1))]
 
@@ -391,8 +391,11 @@ def small_tile(args):
     SM holds while each decode row's program reads only one or two tiles; then the decode kernel by its block."""
     hq, hkv = (4, 2) if args.quick else (HQ, HKV)
     forms = SMALL_FORMS[:2] if args.quick else SMALL_FORMS
+    forms = [forms[int(i)] for i in args.small_forms.split(",")] if args.small_forms else forms
+    shapes = _small_shapes(args.quick)
+    shapes = [shapes[int(i)] for i in args.small_steps.split(",")] if args.small_steps else shapes
     rows = []
-    for name, shape, pad in _small_shapes(args.quick):
+    for name, shape, pad in shapes:
         kp, vp, sets = make_steps(shape, pad=pad, nv=2 if args.quick else 8, hq=hq, hkv=hkv, seed=len(shape) + pad)
         q0, tb0, cu0, kv0 = sets[0]
         ref = ragged_paged_attention_ref(q0, kp, vp, tb0, cu0, kv0)
@@ -522,6 +525,8 @@ def main():
     ap.add_argument("--tune-shapes", default="prefill,decode,mixed",
                     help=f"--tune: the shapes swept, comma separated, of {','.join(TUNE_SHAPES)}")
     ap.add_argument("--reps", type=int, default=None)
+    ap.add_argument("--small-forms", default="", help="section 5: indices into SMALL_FORMS (default: all)")
+    ap.add_argument("--small-steps", default="", help="section 5: indices into its steps (default: all)")
     args = ap.parse_args()
     args.interpret = jax.default_backend() != "gpu"
     args.reps = args.reps or (2 if args.quick else 10)
