@@ -363,6 +363,13 @@ MIXED_STAGES_MAX_TILE_BYTES = 64 * 128 * 2
 # same tile gate.  Measured (bench/NOTES.md, run AX: H100, 8 segments of 4096, the kernels' GPU time a layer):
 # 64 rows 121.6 -> 110.5 us, 256 rows 192.4 -> 180.4.
 DECODE_SHARED_STAGES = 3
+# The ragged kernel's stages in a mixed step with cascade groups (16-bit pages). Its rows there read only their
+# private keys (~100 for a decode row): one or two tiles, so a pipeline buys little. Measured (bench/NOTES.md, run
+# BB: H100, the kernel's GPU time a layer): 1 stage against 2 took the C = 256 / C = 64 / cohort steps -14% / -14% /
+# -9%, the C = 256 loop +1.8% tok/s. Not shared memory alone: 64-key tiles at 2 stages (the same bytes) were slower.
+# A step without groups (a lone question over its context, a long prompt) keeps the kernel's 2 (1 stage cost 6% /
+# 17% there). INFERSCALE_MIXED_RAGGED=st=N overrides it.
+MIXED_RAGGED_CASCADE_STAGES = 1
 # The decode steps' cascade shared part's split count by the step's row bucket (for MIXED_SPLIT_KV_HEADS kv heads,
 # as MIXED_SPLIT_BUCKETS); below the smallest, the kernel's automatic count (it chose 3 at both 64 and 256 rows
 # on the measured workload).
@@ -418,9 +425,13 @@ def _mixed(q, kp, vp, meta: AttnMeta, pallas: bool, sc: dict):
     return _mixed_shared(q, kp, vp, meta, pallas, sc)
 
 
-def _ragged_knobs(pallas: bool) -> dict:
-    """The mixed steps' ragged-kernel knobs from ``INFERSCALE_MIXED_RAGGED`` (none: the kernel's defaults)."""
-    return common.mixed_ragged_knobs() if pallas else {}
+def _ragged_knobs(pallas: bool, kp=None) -> dict:
+    """The mixed steps' ragged-kernel knobs: ``INFERSCALE_MIXED_RAGGED``'s over the defaults.  A cascade step's
+    (``kp``: its 16-bit pages) runs ``MIXED_RAGGED_CASCADE_STAGES`` stages; other steps, the kernel's defaults."""
+    if not pallas:
+        return {}
+    cascade = kp is not None and kp.dtype.itemsize == 2
+    return {**(dict(num_stages=MIXED_RAGGED_CASCADE_STAGES) if cascade else {}), **common.mixed_ragged_knobs()}
 
 
 def _mixed_shared(q, kp, vp, meta: AttnMeta, pallas: bool, sc: dict, one_token_rows: bool = True):
@@ -453,9 +464,9 @@ def _mixed_shared(q, kp, vp, meta: AttnMeta, pallas: bool, sc: dict, one_token_r
         init = grouped_shared_prefix_partials(q, kp, vp, meta.group_pages, meta.group_lens, group,
                                               **(chunk or knobs), **sc)
         return ragged(q, kp, vp, meta.page_table, meta.cu_q_lens, meta.kv_lens, init=init,
-                      **_ragged_knobs(pallas), **sc)
+                      **_ragged_knobs(pallas, kp), **sc)
     out, lse = ragged(q, kp, vp, meta.page_table, meta.cu_q_lens, meta.kv_lens, return_lse=True,
-                      **_ragged_knobs(pallas), **sc)
+                      **_ragged_knobs(pallas, kp), **sc)
     if chunk and one_token_rows:  # the chunks' tokens in a launch of their own, the one-token rows' in the other
         q_lens = meta.cu_q_lens[1:] - meta.cu_q_lens[:-1]  # [R]
         one = q_lens[jnp.minimum(row, rows - 1)] == 1  # [N] a one-token row's token (padding: group -1)

@@ -266,6 +266,30 @@ def test_the_mixed_shared_split_count_follows_the_token_bucket(compiled_kernels,
     assert splits(make_engine(), 512) == 3
 
 
+def test_the_mixed_cascade_steps_ragged_kernel_runs_one_stage(compiled_kernels, monkeypatch):
+    """A mixed step with cascade groups runs its ragged kernel at ``kv_cache.MIXED_RAGGED_CASCADE_STAGES`` (1)
+    stages (its rows read only their private keys there: bench/NOTES.md, run BB); a mixed step without groups keeps
+    the kernel's own choice (2 or 3 by its tokens); fp32 pages keep it too; ``INFERSCALE_MIXED_RAGGED``'s ``st``
+    overrides the count."""
+    def stages(engine, cascade=True):
+        key = next(k for k in engine.runner.buckets.all_keys()
+                   if k.ragged and bool(k.shared) == cascade and k.tokens >= 128 and (k.groups > 1 or not cascade))
+        found = {st for name, (st, _) in launch_params(engine, key).items()
+                 if name.startswith("ragged_paged_attention")}
+        assert found, key
+        return found
+    engine = make_engine()
+    assert stages(engine) == {1}
+    assert 1 not in stages(engine, cascade=False)
+    jax.clear_caches()
+    monkeypatch.setenv("INFERSCALE_MIXED_RAGGED", "st=2")
+    assert stages(make_engine()) == {2}
+    monkeypatch.undo()
+    monkeypatch.setattr(common, "default_interpret", lambda: False)
+    jax.clear_caches()
+    assert 1 not in stages(make_engine(dtype="float32"))
+
+
 def test_the_mixed_shared_part_runs_three_pipeline_stages(compiled_kernels, monkeypatch):
     """A mixed step's shared part runs ``kv_cache.MIXED_SHARED_STAGES`` (3) stages, where the kernel's own
     default is 2 (measured faster, bench/NOTES.md run AW), on K/V tiles up to the measured one's bytes (64
