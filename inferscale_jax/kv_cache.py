@@ -367,8 +367,8 @@ DECODE_SHARED_STAGES = 3
 # private keys (~100 for a decode row): one or two tiles, so a pipeline buys little. Measured (bench/NOTES.md, run
 # BB: H100, the kernel's GPU time a layer): 1 stage against 2 took the C = 256 / C = 64 / cohort steps -14% / -14% /
 # -9%, the C = 256 loop +1.8% tok/s. Not shared memory alone: 64-key tiles at 2 stages (the same bytes) were slower.
-# A step without groups (a lone question over its context, a long prompt) keeps the kernel's 2 (1 stage cost 6% /
-# 17% there). INFERSCALE_MIXED_RAGGED=st=N overrides it.
+# A step without groups (a lone question over its context, a long prompt) keeps the kernel's 2 (1 stage took 8% /
+# 19% more time there). INFERSCALE_MIXED_RAGGED=st=N overrides it.
 MIXED_RAGGED_CASCADE_STAGES = 1
 # The decode steps' cascade shared part's split count by the step's row bucket (for MIXED_SPLIT_KV_HEADS kv heads,
 # as MIXED_SPLIT_BUCKETS); below the smallest, the kernel's automatic count (it chose 3 at both 64 and 256 rows
