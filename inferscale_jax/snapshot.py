@@ -100,6 +100,7 @@ if TYPE_CHECKING:
     from inferscale_jax.kv_manager import KVManager
 
 log = logging.getLogger("inferscale.snapshot")
+_clock = time.monotonic  # the periodic snapshots' clock (interval, backoff); tests set their own
 FORMAT = "inferscale-jax/snapshot/v1"
 TMP_SUFFIX = ".orbax-checkpoint-tmp"
 PAUSE_ENV = "INFERSCALE_TEST_SNAPSHOT_PAUSE_S"
@@ -193,7 +194,7 @@ class Persistence:
                                  repair=kv.config.repair_registry)
         self._writer: threading.Thread | None = None
         self._dirty = False
-        self._last_save = time.monotonic()
+        self._last_save = _clock()
         self._retry_at = 0.0  # periodic saves wait until then after a failure (backoff)
         self._closed = False
         self.counters = dict(snapshots=0, last_step=None, last_duration_s=0.0, last_capture_s=0.0, last_bytes=0,
@@ -240,7 +241,7 @@ class Persistence:
         interval = self.kv.config.snapshot_interval_s
         if interval is None or not self._dirty or (self._writer is not None and self._writer.is_alive()):
             return False
-        now = time.monotonic()
+        now = _clock()
         return now - self._last_save >= interval and now >= self._retry_at
 
     def maybe_snapshot(self) -> bool:
@@ -261,7 +262,7 @@ class Persistence:
         c["failures"] += 1
         base = self.kv.config.snapshot_interval_s or 1.0
         delay = min(MAX_BACKOFF_S, base * 2.0 ** c["failures"])
-        self._retry_at = time.monotonic() + delay
+        self._retry_at = _clock() + delay
         self._dirty = True
         text = str(err) if isinstance(err, StorageError) else (
             f"snapshot {path or '(capture)'} failed: {type(err).__name__}: {err}")
@@ -315,7 +316,7 @@ class Persistence:
                     processes=sp.count if sp is not None else 1,
                     registry_write_seq=self.registry.write_seq())  # the segment writes it reflects
         self._dirty = False
-        self._last_save = time.monotonic()
+        self._last_save = _clock()
         capture_s = time.perf_counter() - t0
         steps = self._steps(include_tmp=True)
         step = max(steps, default=0) + 1

@@ -20,6 +20,7 @@ import jax
 import pytest
 
 from inferscale_jax import Engine, EngineConfig, SnapshotMismatch
+from inferscale_jax import snapshot as snapshot_mod
 from models import init_params
 from tests.support import REPO, SUPPORT, same_compiler
 from tests.support.tiers_common import CFG, gen, make_engine, seg_tokens
@@ -117,8 +118,10 @@ def test_kill_in_the_middle_of_a_snapshot(tmp_path):
     e.close()
 
 
-def test_registry_is_durable_before_the_ack_and_periodic_snapshots(tmp_path):
+def test_registry_is_durable_before_the_ack_and_periodic_snapshots(tmp_path, monkeypatch):
     d = str(tmp_path / "snap")
+    now = [1000.0]  # the periodic snapshots' clock, moved by hand: however long a registration takes here
+    monkeypatch.setattr(snapshot_mod, "_clock", lambda: now[0])
     e = make_engine(snapshot_dir=d, snapshot_interval_s=0.05)
     reg = e.persistence.registry._db
     assert reg.execute("PRAGMA synchronous").fetchone()[0] == 2  # FULL: fsync on every commit
@@ -127,7 +130,9 @@ def test_registry_is_durable_before_the_ack_and_periodic_snapshots(tmp_path):
     other = sqlite3.connect(os.path.join(d, "registry.sqlite3"))  # what a restarted process reads
     rows = other.execute("SELECT namespace, id, tenant, public, pin, length(token_ids) FROM segments").fetchall()
     assert rows == [("__public__", "a", "t", 1, 0, 4 * 20)]
-    time.sleep(0.06)
+    e.persistence.wait()
+    assert e.stats()["snapshot"]["snapshots"] == 0  # "a" came before the interval passed
+    now[0] += 0.06
     e.register_segment("b", token_ids=seg_tokens(1), tenant="t")  # interval passed: background snapshot
     e.persistence.wait()
     assert e.stats()["snapshot"]["snapshots"] == 1 and e.stats()["snapshot"]["last_step"] == 1
