@@ -107,15 +107,18 @@
 #  38  the engine loop with the ragged kernel's small tile at part 37's winner (VARIANT, an INFERSCALE_MIXED_RAGGED
 #      value, e.g. VARIANT=sk=64) against the default: the bare loop at C = $CONCS (256) over 8 segments, answers
 #      64 +- 32 (bench/tools/profile_host.py)
+#  39  where the steps' time goes at the current code (bench/tools/profile_graph.py, graph mode): the bare loop at
+#      C = 256 with answers of 64 +- 32 (the 512-token mixed step, run AW's capture), then C = 1 (the one-row decode step
+#      against its 1.25x target: its kernels per step)
 #  16  the checkpoint read (models/loader.py: os.preadv into each tensor's array, threads in parallel): the 8B
 #      checkpoint loaded one tensor at a time and eight (bench/tools/weights_load.py; run AL: 14.2 / 12.1 s)
-# Parts 6-14, 16, 18-20, 23-26, 28, 30, 31, 33, 35 and 38 write the 8B checkpoint to /tmp/llama8b first when it is missing (~35 s); it stays out of
+# Parts 6-14, 16, 18-20, 23-26, 28, 30, 31, 33, 35, 38 and 39 write the 8B checkpoint to /tmp/llama8b first when it is missing (~35 s); it stays out of
 # the repository, whose copy on the machine loses files that .gitignore does not cover (bench/NOTES.md, run AH).
 #
 # Each step writes its tables under RESULTS_DIR/<step>/ and its console log to RESULTS_DIR/<step>.log;
 # after each step RESULTS_DIR is packed into TARBALL when given (what a cut call still returns).
 set -uo pipefail
-part=${1:?part 1-38}
+part=${1:?part 1-39}
 res=${2:?results folder}
 tarball=${3:-}
 mkdir -p "$res"
@@ -450,6 +453,16 @@ case "$part" in
     step skinny_gemm_1_8 300 bench/kernels/skinny_gemm.py --rows 1,8 --variants n64,k128,s4,p2 n64,k128,s4,p4 \
         n64,k128,s4,p8 n64,k128,s4,p4,w8 n128,k128,s3,p4 n64,k256,s3,p4 n32,k128,s4,p4 n128,k64,s4,p2 n32,k128,s4,p8
     step ragged_small 240 bench/kernels/ragged.py --sections 5
+    ;;
+39)
+    ckpt
+    XLA_FLAGS="${XLA_FLAGS:-} --xla_enable_command_buffers_during_profiling=true" step_as profile_graph_c256 330 \
+        bench/tools/profile_graph.py --model /tmp/llama8b --concurrency 256 --max-tokens-spread 32 --warm-steps 300 \
+        --mixed-captures 2 --decode-reps 4 --mixed-reps 4 --loop-steps 8 --raw /tmp/pg_c256 \
+        --out "$res/profile_graph_c256.md"
+    XLA_FLAGS="${XLA_FLAGS:-} --xla_enable_command_buffers_during_profiling=true" step_as profile_graph_c1 150 \
+        bench/tools/profile_graph.py --model /tmp/llama8b --concurrency 1 --warm-steps 20 --mixed-captures 1 \
+        --decode-reps 4 --mixed-reps 4 --loop-steps 8 --raw /tmp/pg_c1 --out "$res/profile_graph_c1.md"
     ;;
 38)
     : "${VARIANT:?set VARIANT to an INFERSCALE_MIXED_RAGGED value, the winner of part 37 (e.g. sk=64)}"
