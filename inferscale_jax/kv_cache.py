@@ -363,13 +363,16 @@ MIXED_STAGES_MAX_TILE_BYTES = 64 * 128 * 2
 # same tile gate.  Measured (bench/NOTES.md, run AX: H100, 8 segments of 4096, the kernels' GPU time a layer):
 # 64 rows 121.6 -> 110.5 us, 256 rows 192.4 -> 180.4.
 DECODE_SHARED_STAGES = 3
-# The ragged kernel's stages in a mixed step with cascade groups (16-bit pages). Its rows there read only their
-# private keys (~100 for a decode row): one or two tiles, so a pipeline buys little. Measured (bench/NOTES.md, run
-# BB: H100, the kernel's GPU time a layer): 1 stage against 2 took the C = 256 / C = 64 / cohort steps -14% / -14% /
-# -9%, the C = 256 loop +1.8% tok/s. Not shared memory alone: 64-key tiles at 2 stages (the same bytes) were slower.
-# A step without groups (a lone question over its context, a long prompt) keeps the kernel's 2 (1 stage took 8% /
-# 19% more time there). INFERSCALE_MIXED_RAGGED=st=N overrides it.
+# The ragged kernel's stages in a mixed step with cascade groups and one-token rows (16-bit pages) of at most
+# MIXED_RAGGED_CASCADE_MAX_TOKENS tokens. Its decode rows there read only their private keys (~100): one or two
+# tiles, so a pipeline buys little, and its chunks are short (a bucket of 512 tokens). Measured (bench/NOTES.md,
+# run BB: H100, the kernel's GPU time a layer): 1 stage against 2 took the C = 256 (512 tokens) and C = 64 (128)
+# steps -14% / -15%, the C = 256 loop +1.8% tok/s (one run each way). Where a block walks many tiles, 1 stage took
+# more time: +8% on a lone question over 4k, +19% on a 2048-token chunk. So bigger buckets (the 2048-token cohort
+# step measured -9%, but a long question may share its bucket), steps without groups and the chunks-only launch of
+# INFERSCALE_MIXED_DECODE=cascade keep the kernel's stages. INFERSCALE_MIXED_RAGGED=st=N overrides it.
 MIXED_RAGGED_CASCADE_STAGES = 1
+MIXED_RAGGED_CASCADE_MAX_TOKENS = 512
 # The decode steps' cascade shared part's split count by the step's row bucket (for MIXED_SPLIT_KV_HEADS kv heads,
 # as MIXED_SPLIT_BUCKETS); below the smallest, the kernel's automatic count (it chose 3 at both 64 and 256 rows
 # on the measured workload).
@@ -425,13 +428,14 @@ def _mixed(q, kp, vp, meta: AttnMeta, pallas: bool, sc: dict):
     return _mixed_shared(q, kp, vp, meta, pallas, sc)
 
 
-def _ragged_knobs(pallas: bool, kp=None) -> dict:
-    """The mixed steps' ragged-kernel knobs: ``INFERSCALE_MIXED_RAGGED``'s over the defaults.  A cascade step's
-    (``kp``: its 16-bit pages) runs ``MIXED_RAGGED_CASCADE_STAGES`` stages; other steps, the kernel's defaults."""
+def _ragged_knobs(pallas: bool, kp=None, tokens: int = 0) -> dict:
+    """The mixed steps' ragged-kernel knobs: ``INFERSCALE_MIXED_RAGGED``'s over the defaults.  A cascade step with
+    one-token rows (``kp``: its pages, 16-bit) of at most ``MIXED_RAGGED_CASCADE_MAX_TOKENS`` tokens runs
+    ``MIXED_RAGGED_CASCADE_STAGES`` stages; other steps, the kernel's defaults."""
     if not pallas:
         return {}
-    cascade = kp is not None and kp.dtype.itemsize == 2
-    return {**(dict(num_stages=MIXED_RAGGED_CASCADE_STAGES) if cascade else {}), **common.mixed_ragged_knobs()}
+    one = kp is not None and kp.dtype.itemsize == 2 and tokens <= MIXED_RAGGED_CASCADE_MAX_TOKENS
+    return {**(dict(num_stages=MIXED_RAGGED_CASCADE_STAGES) if one else {}), **common.mixed_ragged_knobs()}
 
 
 def _mixed_shared(q, kp, vp, meta: AttnMeta, pallas: bool, sc: dict, one_token_rows: bool = True):
@@ -458,15 +462,14 @@ def _mixed_shared(q, kp, vp, meta: AttnMeta, pallas: bool, sc: dict, one_token_r
     stages = shared_stages(MIXED_SHARED_STAGES, user.get("block_kv", SHARED_BLOCK_KV), q.shape[-1], kp)
     knobs = {**dict(block_rows=MIXED_BLOCK_ROWS, real_groups=MIXED_REAL_GROUPS, real_rows=rows, num_splits=splits,
                     num_stages=stages), **user} if pallas else {}
+    rk = _ragged_knobs(pallas, kp if one_token_rows else None, q.shape[0])  # (only chunks: the kernel's stages)
     chunk = {**knobs, "block_rows": chunk_rows, "num_warps": chunk_warps or knobs.get("num_warps"),
              "num_splits": chunk_splits or knobs["num_splits"]} if pallas and chunk_rows else None  # (cb=N)
     if pallas and not (chunk and one_token_rows) and common.mixed_merge() == "kernel":  # one shared launch
         init = grouped_shared_prefix_partials(q, kp, vp, meta.group_pages, meta.group_lens, group,
                                               **(chunk or knobs), **sc)
-        return ragged(q, kp, vp, meta.page_table, meta.cu_q_lens, meta.kv_lens, init=init,
-                      **_ragged_knobs(pallas, kp), **sc)
-    out, lse = ragged(q, kp, vp, meta.page_table, meta.cu_q_lens, meta.kv_lens, return_lse=True,
-                      **_ragged_knobs(pallas, kp), **sc)
+        return ragged(q, kp, vp, meta.page_table, meta.cu_q_lens, meta.kv_lens, init=init, **rk, **sc)
+    out, lse = ragged(q, kp, vp, meta.page_table, meta.cu_q_lens, meta.kv_lens, return_lse=True, **rk, **sc)
     if chunk and one_token_rows:  # the chunks' tokens in a launch of their own, the one-token rows' in the other
         q_lens = meta.cu_q_lens[1:] - meta.cu_q_lens[:-1]  # [R]
         one = q_lens[jnp.minimum(row, rows - 1)] == 1  # [N] a one-token row's token (padding: group -1)

@@ -489,8 +489,10 @@ def _ragged(q, k_pages, v_pages, page_table, cu_q_lens, kv_lens, k_scale, v_scal
     kw = dict(quantized=quantized, tiles=tiles, group=group, num_q_heads=num_q_heads, page_size=page_size,
               max_pages=max_pages, num_splits=kv_splits, sm_scale=sm_scale, v_rows=v_rows and quantized,
               init_splits=init_splits)
+    usual_small = 2 * tiles[-1][2] if num_stages <= 2 else tiles[-1][2]  # (the small tile's default keys)
     name = f"ragged_paged_attention_bq{block_q}_bkv{tiles[-1][2]}_g{group}_s{kv_splits}" + (
-        f"_i{init_splits}" if init_splits else "")  # (_iN: started from N splits' partials)
+        f"_i{init_splits}" if init_splits else "") + (  # (_iN: started from N splits' partials)
+        f"_sk{tiles[0][2]}" if len(tiles) == 2 and tiles[0][2] != usual_small else "")  # (_skN: small_block_kv)
     params = common.compiler_params(num_warps, num_stages)
     if split_longest and kv_splits > 1:
         out, lse = _ragged_longest(meta, page_table, q_rows, k_slots, v_slots, scales, kw, num_blocks=num_blocks,
@@ -690,9 +692,9 @@ def ragged_paged_attention(
         num_stages, interpret)
     small_kv = 2 * block_kv if num_stages <= 2 else block_kv  # shared-memory budget
     if small_block_kv is not None:
-        if small_block_kv < common.MIN_DOT_DIM or small_block_kv & (small_block_kv - 1):
-            common._fail("small_block_kv", small_block_kv, f"a power of two >= {common.MIN_DOT_DIM} (keys per step "
-                         "of the small tile), or None")
+        if not isinstance(small_block_kv, (int, np.integer)):
+            common._fail("small_block_kv", small_block_kv, "an int (keys per step of the small tile), or None")
+        common.check_power_of_two("small_block_kv", int(small_block_kv), common.MIN_DOT_DIM)
         small_kv = int(small_block_kv)
     if small_q < block_q:  # (small, big) tiles, one picked per block
         tiles = ((small_rows, small_q, small_kv, True), (rows, block_q, block_kv, False))

@@ -106,7 +106,8 @@
 #      step and stages (bench/kernels/ragged.py section 5: its shared memory bounds the programs an SM holds)
 #  38  the engine loop with the ragged kernel's small tile at part 37's winner (VARIANT, an INFERSCALE_MIXED_RAGGED
 #      value, e.g. VARIANT=sk=64) against the default: the bare loop at C = $CONCS (256) over 8 segments, answers
-#      64 +- 32 (bench/tools/profile_host.py)
+#      64 +- 32 (bench/tools/profile_host.py). Since b57a29b the default already runs 1 stage in these 512-token
+#      steps: VARIANT=st=1 compares two equal setups, and VARIANT=sk=64 measures sk=64 at 1 stage against 1 stage
 #  39  where the steps' time goes at the current code (bench/tools/profile_graph.py, graph mode): the bare loop at
 #      C = 256 with answers of 64 +- 32 (the 512-token mixed step, run AW's capture), then C = 1 (the one-row decode step
 #      against its 1.25x target: its kernels per step)

@@ -267,24 +267,28 @@ def test_the_mixed_shared_split_count_follows_the_token_bucket(compiled_kernels,
 
 
 def test_the_mixed_cascade_steps_ragged_kernel_runs_one_stage(compiled_kernels, monkeypatch):
-    """A mixed step with cascade groups runs its ragged kernel at ``kv_cache.MIXED_RAGGED_CASCADE_STAGES`` (1)
-    stages (its rows read only their private keys there: bench/NOTES.md, run BB); a mixed step without groups keeps
-    the kernel's own choice (2 or 3 by its tokens); fp32 pages keep it too; ``INFERSCALE_MIXED_RAGGED``'s ``st``
-    overrides the count."""
-    def stages(engine, cascade=True):
+    """A mixed step with cascade groups of at most ``kv_cache.MIXED_RAGGED_CASCADE_MAX_TOKENS`` tokens runs its ragged
+    kernel at ``kv_cache.MIXED_RAGGED_CASCADE_STAGES`` (1) stages (its decode rows read only their private keys there:
+    bench/NOTES.md, run BB); a bigger cascade bucket, a mixed step without groups and fp32 pages keep the kernel's
+    own choice (2 or 3 by its tokens); ``INFERSCALE_MIXED_RAGGED``'s ``st`` overrides the count."""
+    def stages(engine, cascade=True, big=False):
+        cap = kv_cache.MIXED_RAGGED_CASCADE_MAX_TOKENS
         key = next(k for k in engine.runner.buckets.all_keys()
-                   if k.ragged and bool(k.shared) == cascade and k.tokens >= 128 and (k.groups > 1 or not cascade))
+                   if k.ragged and bool(k.shared) == cascade and (k.groups > 1 or not cascade)
+                   and (k.tokens > cap if big else 128 <= k.tokens <= cap))
         found = {st for name, (st, _) in launch_params(engine, key).items()
                  if name.startswith("ragged_paged_attention")}
         assert found, key
         return found
+    monkeypatch.setattr(kv_cache, "MIXED_RAGGED_CASCADE_MAX_TOKENS", 128)  # (the test engine's buckets are small)
     engine = make_engine()
     assert stages(engine) == {1}
+    assert 1 not in stages(engine, big=True)
     assert 1 not in stages(engine, cascade=False)
     jax.clear_caches()
     monkeypatch.setenv("INFERSCALE_MIXED_RAGGED", "st=2")
     assert stages(make_engine()) == {2}
-    monkeypatch.undo()
+    monkeypatch.delenv("INFERSCALE_MIXED_RAGGED")
     monkeypatch.setattr(common, "default_interpret", lambda: False)
     jax.clear_caches()
     assert 1 not in stages(make_engine(dtype="float32"))

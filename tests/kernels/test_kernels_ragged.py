@@ -199,14 +199,15 @@ CASES = [
      dict(kv_splits=3, block_kv=16)),
     (jnp.float32, 8, 1, 64, 8, [8, 5, 1], [150, 9, 70], 2, dict(kv_splits=4, block_kv=32)),
     (jnp.float32, 4, 2, 32, 16, [1, 1, 30], [33, 0, 2], 0, dict(kv_splits=2)),
-    # the small tile's own keys per step (small_block_kv): several of its blocks per decode row, masked tails,
-    # beside a chunk on the big tile; and with split-KV
-    (jnp.bfloat16, 8, 2, 64, 16, [1, 1, 37, 1, 0, 1], [100, 7, 20, 64, 3, 31], 5, dict(small_block_kv=16)),
-    (jnp.float32, 8, 2, 64, 16, [1, 24, 1, 1], [150, 40, 0, 33], 2, dict(small_block_kv=32, kv_splits=2)),
     # tiny N: only the (decode-sized) single tile is compiled
     (jnp.float32, 8, 2, 64, 16, [1, 1], [33, 70], 0, {}),
     # every row empty: all tokens are padding
     (jnp.bfloat16, 8, 2, 64, 16, [0, 0, 0], [5, 0, 17], 7, {}),
+    # the small tile's own keys per step (small_block_kv, not its default: bf16 128, fp32 32): several of its
+    # blocks per decode row, masked tails, beside a chunk on the big tile; and with split-KV
+    # (appended last: tests elsewhere pick the cases above by index)
+    (jnp.bfloat16, 8, 2, 64, 16, [1, 1, 37, 1, 0, 1], [100, 7, 20, 64, 3, 31], 5, dict(small_block_kv=16)),
+    (jnp.float32, 8, 2, 64, 16, [1, 24, 1, 1], [150, 40, 0, 33], 2, dict(small_block_kv=64, kv_splits=2)),
 ]
 
 
@@ -515,6 +516,7 @@ def test_validation_errors(fn, change, match):
     (dict(kv_splits=0), "kv_splits"),
     (dict(small_block_kv=24), "small_block_kv"),
     (dict(small_block_kv=8), "small_block_kv"),
+    (dict(small_block_kv=64.0), "small_block_kv"),
 ])
 def test_block_size_errors(kw, match):
     with pytest.raises(ValueError, match=match):
@@ -563,3 +565,4 @@ def test_lowers_to_triton(kw):
     assert any(n.startswith("ragged_paged_attention") for n in names), names
     assert any(n.startswith("ragged_merge") for n in names) == bool(longest), names
     assert any(n.endswith("_sl") for n in names) == bool(longest), names
+    assert any("_sk64" in n for n in names) == ("small_block_kv" in kw), names  # (the small tile's keys, when set)
