@@ -148,7 +148,7 @@ for _p in (os.path.join(BENCH, "serving"), os.path.join(BENCH, "lib"), ROOT):
     if _p not in sys.path:
         sys.path.insert(0, _p)
 
-from report import MD, log, pyplot, table, write_md  # noqa: E402  (bench/lib/report.py)
+from report import MD, code_version, log, pyplot, switch_lines, table, write_md  # noqa: E402  (bench/lib/report.py)
 from servers import free_port, stop_process  # noqa: E402  (bench/serving/servers.py)
 
 KINDS = ("warm", "cold", "none")
@@ -1017,7 +1017,8 @@ def report(summary: dict, prefix: str) -> None:
     runs, both = summary["runs"], bool(summary["comparison"])
     ratio_of = {c_i: c for c_i, c in enumerate(summary["comparison"])}
     MD.extend([f"# Serving benchmark: {summary['device']}", "",
-               f"{summary['date']}; `{summary['command']}`", ""])
+               f"{summary['date']}; `{summary['command']}`; code {summary.get('code', 'unknown')}", "",
+               *(summary.get("switches") or []), *([""] if summary.get("switches") else [])])
     if summary["device"].startswith("cpu"):
         MD.extend(["**CPU figures with the tiny random default model: they show that the harness works, not "
                    "GPU performance.**", ""])
@@ -1318,6 +1319,7 @@ def main(argv=None) -> int:
     summary = {
         "device": device, "date": datetime.date.today().isoformat(),
         "command": shlex.join(["python", "bench/serving/serve.py", *(sys.argv[1:] if argv is None else argv)]),
+        "code": code_version(), "switches": switch_lines(),  # (the commit measured; INFERSCALE_* set outside)
         "vias": list(runs),
         "server_command": runs["http"]["server_command"] if "http" in runs else None,
         "url": runs["http"]["url"] if "http" in runs else None,

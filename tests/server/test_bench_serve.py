@@ -4,6 +4,7 @@ read cached tokens, and percentiles are ordered.  No timing thresholds (speed is
 benchmark, not asserted here).  About 30-60 s on a 2-core CPU (server start and compiles included)."""
 
 import contextlib
+import importlib.util
 import json
 import os
 import signal
@@ -11,6 +12,10 @@ import subprocess
 import sys
 
 from tests.support.server_util import REPO, cache_dir
+
+_spec = importlib.util.spec_from_file_location("bench_report", os.path.join(REPO, "bench", "lib", "report.py"))
+bench_report = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(bench_report)  # (loaded from its file: bench/lib stays off sys.path)
 
 DIST_KEYS = {"p50", "p90", "p99", "mean", "n"}
 POINT_KEYS = {"mode", "rate", "concurrency", "requests", "completed", "errors", "error_samples", "wall_s",
@@ -73,6 +78,9 @@ def test_bench_serve_tiny_load(tmp_path, tmp_path_factory):
     assert (tmp_path / "serve_test.md").read_text().count("| 4 req/s |") == 5, tail  # the point, its TTFT split, 3 kinds
     assert summary["device"] == "cpu" and summary["texts_inexact"] == 0, tail
     assert summary["warmup"]["errors"] == 0 and summary["warmup"]["compiles"] > 0, tail
+    # the commit measured and the INFERSCALE_* switches set outside the command line are on record
+    assert summary["code"] and f"; code {summary['code']}" in (tmp_path / "serve_test.md").read_text(), tail
+    assert summary["switches"] == bench_report.switch_lines(), summary["switches"]  # (the child has this env)
 
     [point] = summary["points"]
     assert set(point) == POINT_KEYS, tail
