@@ -489,10 +489,10 @@ def _ragged(q, k_pages, v_pages, page_table, cu_q_lens, kv_lens, k_scale, v_scal
     kw = dict(quantized=quantized, tiles=tiles, group=group, num_q_heads=num_q_heads, page_size=page_size,
               max_pages=max_pages, num_splits=kv_splits, sm_scale=sm_scale, v_rows=v_rows and quantized,
               init_splits=init_splits)
-    usual_small = 2 * tiles[-1][2] if num_stages <= 2 else tiles[-1][2]  # (the small tile's default keys)
     name = f"ragged_paged_attention_bq{block_q}_bkv{tiles[-1][2]}_g{group}_s{kv_splits}" + (
         f"_i{init_splits}" if init_splits else "") + (  # (_iN: started from N splits' partials)
-        f"_sk{tiles[0][2]}" if len(tiles) == 2 and tiles[0][2] != usual_small else "")  # (_skN: small_block_kv)
+        f"_sk{tiles[0][2]}" if len(tiles) == 2 and tiles[0][2] != _small_tile_keys(tiles[-1][2], num_stages)
+        else "")  # (_skN: a small_block_kv other than the default)
     params = common.compiler_params(num_warps, num_stages)
     if split_longest and kv_splits > 1:
         out, lse = _ragged_longest(meta, page_table, q_rows, k_slots, v_slots, scales, kw, num_blocks=num_blocks,
@@ -690,7 +690,7 @@ def ragged_paged_attention(
     block_q, rows, block_kv, num_warps, num_stages = _choose_blocks(
         num_tokens, group, head_dim, q.dtype.itemsize, block_q, block_kv, num_warps,
         num_stages, interpret)
-    small_kv = 2 * block_kv if num_stages <= 2 else block_kv  # shared-memory budget
+    small_kv = _small_tile_keys(block_kv, num_stages)
     if small_block_kv is not None:
         if not isinstance(small_block_kv, (int, np.integer)):
             common._fail("small_block_kv", small_block_kv, "an int (keys per step of the small tile), or None")
@@ -717,6 +717,12 @@ def ragged_paged_attention(
                    block_q=block_q, tiles=tiles, num_warps=num_warps, num_stages=num_stages,
                    kv_splits=int(kv_splits), interpret=interpret, v_rows=v_rows, return_lse=return_lse,
                    split_longest=bool(split_longest), long_keys=long_keys)
+
+
+def _small_tile_keys(block_kv: int, num_stages: int) -> int:
+    """The small tile's default keys per step: ``2 * block_kv`` with up to 2 stages, else ``block_kv`` (the
+    shared-memory budget)."""
+    return 2 * block_kv if num_stages <= 2 else block_kv
 
 
 def _empty(q, return_lse: bool):

@@ -242,9 +242,7 @@ def decode(args):
             nv = 2
         kp, vp, sets = make_steps([(1, ctx - 1)] * r, nv=nv, hq=hq, hkv=hkv, seed=r)
         t_rag, outs = time_calls(ragged_call(args.interpret), (kp, vp), sets, args.reps)
-        dec = functools.partial(paged_decode_attention, interpret=args.interpret)
-        t_dec, douts = time_calls(lambda kp, vp, q, tb, cu, kv: dec(q, kp, vp, tb, kv),
-                                  (kp, vp), sets, args.reps)
+        t_dec, douts = time_calls(_decode_call(args.interpret, {}), (kp, vp), sets, args.reps)
         q0, tb0, cu0, kv0 = sets[0]
         err = check(f"decode R={r}: ragged vs ref", outs[0],
                     ragged_paged_attention_ref(q0, kp, vp, tb0, cu0, kv0))
@@ -403,7 +401,8 @@ def small_tile(args):
         kv_bytes = int(np.asarray(kv0).sum()) * 2 * hkv * D * 2
         cases = [(label, ragged_call(args.interpret, **kw)) for label, kw in forms]
         if all(r[0] == 1 for r in shape):
-            cases += [(label, _decode_call(args.interpret, kw)) for label, kw in DECODE_FORMS[:1 if args.quick else None]]
+            decode_forms = DECODE_FORMS[:1] if args.quick else DECODE_FORMS
+            cases += [(label, _decode_call(args.interpret, kw)) for label, kw in decode_forms]
         base = None
         for label, fn in cases:
             try:
@@ -420,8 +419,8 @@ def small_tile(args):
             log(f"  {name} {label}: {us(t)} us (GPU {us(t_dev) if t_dev == t_dev else 'n/a'})")
         del kp, vp, sets
     table(f"5. The small tile's keys per step ({hq}/{hkv} heads, d=128, page 16, bf16; GB/s = the rows' K+V bytes / "
-          "GPU kernel time; speed = the default's GPU kernel time / the form's; the host clock's where there is none)", ["step", "form", "us", "GPU kernel us", "GB/s", "speed"],
-          rows)
+          "GPU kernel time; speed = the default's GPU kernel time / the form's; the host clock's where there is none)",
+          ["step", "form", "us", "GPU kernel us", "GB/s", "speed"], rows)
 
 
 def _decode_call(interpret, kw):
