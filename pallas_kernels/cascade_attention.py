@@ -223,11 +223,10 @@ def row_layout(row_group, group_pages, group_lens, *, gq: int, block_rows: int):
 def _shared_kernel(
     shared_len_ref,  # [1] int32
     pages_ref,  # [Ps] int32
-    q_ref,  # [R, D] query rows of one kv head
-    k_ref,  # [P*S, D] (head h, all pages)
-    v_ref,  # [P*S, D]
-    *refs,  # (ks_ref, vs_ref [P*S] fp32 when quantized), o_ref [R, D] fp32 unnormalised partial,
-    #         m_ref [R] fp32 running max (log2 units), l_ref [R] fp32 sum
+    *refs,  # q_ref [R, D] query rows of one kv head, or with q_source (src_ref [R] int32: each packed row's
+    #         query row b * Gq + j, B * Gq for none; q_ref [B * Hq, D] every query row); k_ref, v_ref [P*S, D]
+    #         (head h, all pages); (ks_ref, vs_ref [P*S] fp32 when quantized), o_ref [R, D] fp32 unnormalised
+    #         partial, m_ref [R] fp32 running max (log2 units), l_ref [R] fp32 sum
     quantized: bool,
     page_size: int,
     block_kv: int,
@@ -235,11 +234,23 @@ def _shared_kernel(
     scale_log2: float,
     prefetch: bool,
     normalise: bool = False,
+    q_source: tuple[int, int] | None = None,
 ):
+    if q_source:  # (Gq, Hq): the block's query rows gathered here from every query row
+        src_ref, q_ref, k_ref, v_ref, *refs = refs
+        gq, hq = q_source
+        src = src_ref[...]  # [R] query row b * Gq + j of each packed row; past the last: none (zeros)
+        n_rows = q_ref.shape[0] // hq * gq
+        has = src < n_rows
+        at = (src // gq) * hq + pl.program_id(1) * gq + src % gq  # [R] row of q [B * Hq, D]
+        q = q_ref[jnp.where(has, at, 0)]  # [R, D]
+        q = jnp.where(has[:, None], q, jnp.zeros_like(q))
+    else:
+        q_ref, k_ref, v_ref, *refs = refs
+        q = q_ref[...]  # [R, D]
     scale_refs, (o_ref, m_ref, l_ref) = (refs[:2], refs[2:]) if quantized else ((), refs)
     split = pl.program_id(2)
-    rows, d = q_ref.shape
-    q = q_ref[...]  # [R, D]
+    rows, d = q.shape
     num_shared = pages_ref.shape[0]
     num_pages = k_ref.shape[0] // page_size
     length = jnp.minimum(shared_len_ref[0], num_shared * page_size)
@@ -305,14 +316,17 @@ def _shared_kernel(
 
 def _shared_partials(q, k_pages, v_pages, group_pages, group_lens, row_group, k_scale, v_scale, *, sm_scale,
                      block_rows, block_kv, num_splits, num_warps, num_stages, interpret, real_groups=None,
-                     real_rows=None, pad_rows=0, prefetch=None, partials="fp32"):
+                     real_rows=None, pad_rows=0, prefetch=None, partials="fp32",
+                     q_rows="gather"):
     """The shared kernel's launch (algorithm steps 1-2): (o [Hkv, NS, Rp + pad, D], m, l [Hkv, NS,
     Rp + pad] fp32 partials of the packed rows, m in base 2; idx [B * Gq] each query row's packed
     row, Rp outside every group; stored [B * Gq] bool: its block wrote partials).  ``pad_rows``
     more rows at the end (never written) let a reader take a whole tile from any member's row.
     ``partials="q_dtype"`` (``INFERSCALE_SHARED_PARTIALS``, read by the public wrappers) with 16-bit ``q``: ``o``
     normalised in ``q``'s dtype, ``m`` the base-2 lse, ``l`` 1 (0 without keys): the same merge, half of ``o``'s
-    bytes (``common.shared_partials``)."""
+    bytes (``common.shared_partials``).  ``q_rows="kernel"`` (``INFERSCALE_SHARED_Q``): each program gathers its
+    packed rows' queries from ``q`` itself through the packed rows' sources, instead of reading a packed copy of
+    ``q`` that a jnp gather wrote first (``"gather"``)."""
     b, hq, d = q.shape
     hkv, p, s, _ = k_pages.shape
     gq = hq // hkv
@@ -323,11 +337,19 @@ def _shared_partials(q, k_pages, v_pages, group_pages, group_lens, row_group, k_
     dest, block_pages, block_lens = row_layout(row_group, group_pages, group_lens, gq=gq,
                                                block_rows=block_rows)
     idx = (dest[:, None] + jnp.arange(gq, dtype=jnp.int32)[None, :]).reshape(b * gq)  # [B*Gq] packed rows
-    qr = q.reshape(b, hkv, gq, d).transpose(1, 0, 2, 3).reshape(hkv, b * gq, d)  # [Hkv, B*Gq, D]
     # packed row -> its query row (b * gq: none, a zero row): a small int scatter, then one gather of q
     # (scattering q itself into the packed rows took ~0.35 ms per 32-layer step, bench/NOTES.md run AK)
     src = jnp.full((rows_p,), b * gq, jnp.int32).at[idx].set(jnp.arange(b * gq, dtype=jnp.int32), mode="drop")
-    qp = jnp.concatenate([qr, jnp.zeros((hkv, 1, d), q.dtype)], axis=1)[:, src]  # [Hkv, Rp, D]
+    if q_rows == "kernel":  # the kernel gathers each packed row's query from q [B * Hq, D] (a free view)
+        q_in, q_specs = (src, q.reshape(b * hq, d)), [
+            pl.BlockSpec((block_rows,), lambda r, h, t: (r,)),  # the block's rows' sources
+            pl.BlockSpec((b * hq, d), lambda r, h, t: (0, 0))]  # every query row, whole (gathered from)
+    elif q_rows == "gather":
+        qr = q.reshape(b, hkv, gq, d).transpose(1, 0, 2, 3).reshape(hkv, b * gq, d)  # [Hkv, B*Gq, D]
+        qp = jnp.concatenate([qr, jnp.zeros((hkv, 1, d), q.dtype)], axis=1)[:, src]  # [Hkv, Rp, D]
+        q_in, q_specs = (qp,), [pl.BlockSpec((None, block_rows, d), lambda r, h, t: (h, r, 0))]  # query rows
+    else:
+        common._fail("q_rows", q_rows, f"one of {list(common.SHARED_Q_CHOICES)}")
     max_blocks = pl.cdiv(ps * s, block_kv)
     if num_splits is None:  # programs that hold rows: ~ the rows' blocks, at least one per group
         busy = max(pl.cdiv((b if real_rows is None else min(real_rows, b)) * gq, block_rows),
@@ -341,7 +363,8 @@ def _shared_partials(q, k_pages, v_pages, group_pages, group_lens, row_group, k_
     prefetch = common.slot_prefetch() if prefetch is None else prefetch
     normalise = partials == "q_dtype" and q.dtype.itemsize == 2
     kernel = functools.partial(_shared_kernel, quantized=quantized, page_size=s, block_kv=block_kv, prefetch=prefetch,
-                               num_splits=num_splits, scale_log2=float(sm_scale) * _LOG2E, normalise=normalise)
+                               num_splits=num_splits, scale_log2=float(sm_scale) * _LOG2E, normalise=normalise,
+                               q_source=(gq, hq) if q_rows == "kernel" else None)
     per_head = pl.BlockSpec((None, p * s, d), lambda r, h, t: (h, 0, 0))
     scales, scale_specs = (), []
     if quantized:  # each head's [P*S] scales, whole
@@ -353,8 +376,7 @@ def _shared_partials(q, k_pages, v_pages, group_pages, group_lens, row_group, k_
         in_specs=[
             pl.BlockSpec((1,), lambda r, h, t: (r,)),  # the block's shared length
             pl.BlockSpec((None, ps), lambda r, h, t: (r, 0)),  # the block's shared page list
-            pl.BlockSpec((None, block_rows, d), lambda r, h, t: (h, r, 0)),  # query rows
-            per_head, per_head, *scale_specs,
+            *q_specs, per_head, per_head, *scale_specs,
         ],
         out_specs=[
             pl.BlockSpec((None, None, block_rows, d), lambda r, h, t: (h, t, r, 0)),
@@ -368,8 +390,9 @@ def _shared_partials(q, k_pages, v_pages, group_pages, group_lens, row_group, k_
         ],
         compiler_params=common.compiler_params(num_warps, num_stages),
         interpret=interpret,
-        name=f"cascade_shared_g{g}_r{block_rows}_bk{block_kv}_sp{num_splits}" + ("_nq" if normalise else ""),
-    )(block_lens, block_pages, qp, k_pages.reshape(hkv, p * s, d), v_pages.reshape(hkv, p * s, d), *scales)
+        name=f"cascade_shared_g{g}_r{block_rows}_bk{block_kv}_sp{num_splits}" + ("_nq" if normalise else "")
+        + ("_qk" if q_rows == "kernel" else ""),
+    )(block_lens, block_pages, *q_in, k_pages.reshape(hkv, p * s, d), v_pages.reshape(hkv, p * s, d), *scales)
     at = jnp.minimum(idx, rows_p - 1)  # [B*Gq] (rows outside every group: masked by `stored`)
     # rows whose block stored its partials (a block of length 0 stores nothing: its rows hold garbage)
     stored = (idx < rows_p) & (block_lens[at // block_rows] > 0)  # [B*Gq]
@@ -431,7 +454,7 @@ def merge_lse(o_a, lse_a, o_b, lse_b):
 
 @functools.partial(jax.jit, static_argnames=(
     "sm_scale", "block_rows", "block_kv", "num_splits", "num_warps", "num_stages", "interpret", "real_groups",
-    "real_rows", "prefetch", "partials"))
+    "real_rows", "prefetch", "partials", "q_rows"))
 def _shared_only(q, k_pages, v_pages, group_pages, group_lens, row_group, k_scale, v_scale, **kw):
     return _shared_part(q, k_pages, v_pages, group_pages, group_lens, row_group, k_scale, v_scale, **kw)
 
@@ -493,12 +516,13 @@ def _shared_knobs(q, k_pages, v_pages, group_pages, group_lens, row_group, k_sca
     interpret = common.default_interpret() if interpret is None else interpret
     return dict(sm_scale=sm_scale, block_rows=block_rows, block_kv=block_kv, num_warps=num_warps,
                 num_stages=num_stages, interpret=interpret, prefetch=common.slot_prefetch(),
-                partials=common.shared_partials())  # (the switches as static arguments: they key the jits)
+                partials=common.shared_partials(), q_rows=common.shared_q_rows())  # (the switches as static
+    # arguments: they key the jits)
 
 
 @functools.partial(jax.jit, static_argnames=(
     "sm_scale", "block_rows", "block_kv", "num_splits", "num_warps", "num_stages", "interpret", "real_groups",
-    "real_rows", "prefetch", "partials"))
+    "real_rows", "prefetch", "partials", "q_rows"))
 def _partials_only(q, k_pages, v_pages, group_pages, group_lens, row_group, k_scale, v_scale, **kw):
     o, m, l, idx, stored = _shared_partials(q, k_pages, v_pages, group_pages, group_lens, row_group,
                                             k_scale, v_scale, **kw)
@@ -575,17 +599,18 @@ def grouped_shared_prefix_attention_ref(
 
 @functools.partial(jax.jit, static_argnames=(
     "sm_scale", "block_rows", "block_kv", "num_splits", "suffix_num_splits", "num_warps",
-    "num_stages", "interpret", "fused_merge", "prefetch", "real_groups", "partials"))
+    "num_stages", "interpret", "fused_merge", "prefetch", "real_groups", "partials", "q_rows"))
 def _cascade(q, k_pages, v_pages, group_pages, group_lens, row_group, suffix_table, suffix_lens,
              k_scale, v_scale, *, sm_scale, block_rows, block_kv, num_splits, suffix_num_splits,
-             num_warps, num_stages, interpret, fused_merge, prefetch, real_groups=None, partials="fp32"):
+             num_warps, num_stages, interpret, fused_merge, prefetch, real_groups=None, partials="fp32",
+             q_rows="gather"):
     if 0 in group_pages.shape:  # no group or no shared page at all: plain decode
         return paged_decode_attention(q, k_pages, v_pages, suffix_table, suffix_lens, sm_scale=sm_scale,
                                       num_splits=suffix_num_splits, interpret=interpret, k_scale=k_scale,
                                       v_scale=v_scale, prefetch=prefetch)
     knobs = dict(sm_scale=sm_scale, block_rows=block_rows, block_kv=block_kv, num_splits=num_splits,
                  num_warps=num_warps, num_stages=num_stages, interpret=interpret, prefetch=prefetch,
-                 real_groups=real_groups, partials=partials)
+                 real_groups=real_groups, partials=partials, q_rows=q_rows)
     if fused_merge:  # steps 3-5 in the suffix kernel: it starts from each row's shared partials
         gq = q.shape[1] // k_pages.shape[0]
         o, m, l, idx, stored = _shared_partials(q, k_pages, v_pages, group_pages, group_lens, row_group,
@@ -666,7 +691,7 @@ def grouped_cascade_decode_attention(
                     k_scale, v_scale, sm_scale=sm_scale, block_rows=block_rows, block_kv=block_kv,
                     num_splits=num_splits, suffix_num_splits=suffix_num_splits, num_warps=num_warps,
                     num_stages=num_stages, interpret=interpret, fused_merge=fused_merge, prefetch=prefetch,
-                    real_groups=real_groups, partials=common.shared_partials())
+                    real_groups=real_groups, partials=common.shared_partials(), q_rows=common.shared_q_rows())
 
 
 def grouped_cascade_decode_attention_ref(

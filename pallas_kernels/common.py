@@ -176,6 +176,18 @@ def shared_partials() -> str:
     return env_choice("INFERSCALE_SHARED_PARTIALS", SHARED_PARTIALS_CHOICES)
 
 
+SHARED_Q_CHOICES = ("gather", "kernel")
+
+
+def shared_q_rows() -> str:
+    """``INFERSCALE_SHARED_Q``: how the cascade shared part's programs get their packed query rows
+    (``pallas_kernels/cascade_attention.py``).  ``gather`` (the default): a jnp gather writes a packed copy of
+    the queries (``[Hkv, row blocks x rows, D]``) that each program reads as one tile; ``kernel``: each program
+    gathers its rows from the queries themselves through the packed rows' sources, so the step has no gather
+    kernel and no packed copy.  An A/B switch for the benchmarks (bench/NOTES.md, session 44)."""
+    return env_choice("INFERSCALE_SHARED_Q", SHARED_Q_CHOICES)
+
+
 NORM_CHOICES = ("jnp", "pallas")
 
 
@@ -216,7 +228,8 @@ def switches() -> dict:
     tracing, such as the engine's executable store: a switch must name another entry)."""
     return {"slot_prefetch": slot_prefetch(), "mixed_shared": sorted(mixed_shared_knobs().items()),
             "mixed_decode": mixed_decode(), "mixed_ragged": sorted(mixed_ragged_knobs().items()),
-            "mixed_merge": mixed_merge(), "shared_partials": shared_partials(), "norm": norm(),
+            "mixed_merge": mixed_merge(), "shared_partials": shared_partials(), "shared_q": shared_q_rows(),
+            "norm": norm(),
             "rope": rope(), "matmul": matmul()}
 
 

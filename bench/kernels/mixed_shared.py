@@ -24,7 +24,8 @@ group token from the shared part's partials since session 39, ``INFERSCALE_MIXED
 
 Each variant sets ``INFERSCALE_MIXED_SHARED`` (``pallas_kernels/common.py``: ``br`` block_rows, ``bk``
 block_kv, ``w`` num_warps, ``st`` num_stages, ``sp`` num_splits; ``cb`` / ``cw``: the chunks' tokens in a
-launch of their own with ``cb``-row blocks and ``cw`` warps) before tracing; ``engine`` is the engine's default
+launch of their own with ``cb``-row blocks and ``cw`` warps) before tracing (a variant ``INFERSCALE_X=value``
+sets that switch instead, e.g. ``INFERSCALE_SHARED_Q=kernel``); ``engine`` is the engine's default
 (``kv_cache.MIXED_SPLIT_BUCKETS``: since run AV 2 splits from 128 tokens and 1 from 1024, since run AX 3 at
 256-511; since run AW, 3
 pipeline stages on 64-token bf16 tiles: ``kv_cache.MIXED_SHARED_STAGES``; a variant inherits whatever it does not
@@ -141,7 +142,9 @@ def run_step(args, cfg, name, decode, questions, tokens, rows=None):
     base = None
     for variant in args.variants[:1] + ["ragged"] + args.variants[1:]:  # (every output checked against engine's)
         spec = "" if variant in ("engine", "ragged") else variant
-        os.environ["INFERSCALE_MIXED_SHARED"] = spec
+        # a variant "INFERSCALE_X=value" sets that switch instead (e.g. INFERSCALE_SHARED_Q=kernel)
+        var, spec = spec.split("=", 1) if spec.startswith("INFERSCALE_") else ("INFERSCALE_MIXED_SHARED", spec)
+        os.environ[var] = spec
         try:  # (time_calls jits a new function each call: traced again, reading the switch)
             inputs = [(q, flat if variant == "ragged" else casc) for q, casc, flat in sets]
             t, outs, t_dev, kt = time_calls_and_device(attend, (kp, vp), inputs, cfg["reps"])
@@ -153,7 +156,7 @@ def run_step(args, cfg, name, decode, questions, tokens, rows=None):
                 return
             continue
         finally:
-            os.environ.pop("INFERSCALE_MIXED_SHARED", None)
+            os.environ.pop(var, None)
         out = np.asarray(outs[0][:real], np.float32)
         if variant == "engine":
             base = out
@@ -197,7 +200,8 @@ def main():
     ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results"))
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, interpret mode (the CPU): the harness only")
     ap.add_argument("--variants", nargs="*", default=None,
-                    help=f"INFERSCALE_MIXED_SHARED values to time after 'engine' (default: {' '.join(VARIANTS[1:])})")
+                    help=f"INFERSCALE_MIXED_SHARED values to time after 'engine', or another switch as "
+                    f"INFERSCALE_X=value (default: {' '.join(VARIANTS[1:])})")
     ap.add_argument("--steps", default="cohort,spread", help="which steps: cohort, spread, c64 (C = 64's 128-token "
                     "bucket: 61 decode rows and one question, 64 rows), c64q3 (its 256-token bucket, three questions)")
     ap.add_argument("--reps", type=int, default=None)

@@ -12,3 +12,13 @@ def test_smoke_run_writes_the_report(tmp_path):
         for variant in ("engine", "ragged", "sp=1", "br=16,sp=2", "cb=32,cw=8"):
             assert f"| {step} | {variant} |" in report
     assert stdout.count("vs engine: rel err") == 12  # ragged and three variants, each step
+
+
+def test_a_variant_may_set_another_switch(tmp_path):
+    """``INFERSCALE_X=value`` as a variant sets that switch (here the shared part gathering its own queries) and is
+    checked against the engine's output like the others."""
+    stdout, report = bench_smoke("kernels/mixed_shared.py", tmp_path, "mixed_shared.md", "--steps", "spread",
+                                 "--variants", "INFERSCALE_SHARED_Q=kernel")
+    assert "FAIL" not in report and "failed" not in stdout
+    assert "| spread | INFERSCALE_SHARED_Q=kernel |" in report
+    assert stdout.count("vs engine: rel err") == 2  # ragged and the variant

@@ -242,3 +242,17 @@ def test_lowers_to_triton(prefetch):
     assert text.count("xla.gpu.triton") >= 2
     # both kernels: 2 stages with the carried slots, 3 without (indirect loads: common.stages_for)
     assert set(re.findall(r"num_stages = (\d+)", text)) == {"2" if prefetch else "3"}
+
+
+def test_the_shared_part_gathering_its_own_queries_lowers_to_triton(monkeypatch):
+    """``INFERSCALE_SHARED_Q=kernel``: the shared kernel takes the packed rows' sources and every query row (no
+    packed copy of q) and still lowers to a Triton call for CUDA."""
+    monkeypatch.setenv("INFERSCALE_SHARED_Q", "kernel")
+    sd = jax.ShapeDtypeStruct
+    args = (sd((64, 32, 128), jnp.bfloat16), sd((8, 600, 16, 128), jnp.bfloat16),
+            sd((8, 600, 16, 128), jnp.bfloat16), sd((16, 256), jnp.int32), sd((16,), jnp.int32),
+            sd((64,), jnp.int32), sd((64, 4), jnp.int32), sd((64,), jnp.int32))
+    fn = jax.jit(functools.partial(grouped_cascade_decode_attention, interpret=False))
+    text = fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("xla.gpu.triton") >= 2
+    assert re.search(r"cascade_shared_g16_r\d+_bk64_sp\d+_nq_qk", text)

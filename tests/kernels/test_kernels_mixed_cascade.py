@@ -421,3 +421,43 @@ def test_a_bad_shared_partials_switch_is_refused_with_its_value(monkeypatch):
     monkeypatch.setenv("INFERSCALE_SHARED_PARTIALS", "bf16")
     with pytest.raises(ValueError, match="INFERSCALE_SHARED_PARTIALS='bf16'.*'q_dtype', 'fp32'"):
         common.shared_partials()
+
+
+@pytest.mark.parametrize("chunk_groups", [(-1, -1), (0, 1)])
+def test_the_shared_part_gathering_its_own_queries_keeps_the_mixed_and_decode_steps(monkeypatch, chunk_groups):
+    """``INFERSCALE_SHARED_Q=kernel``: the shared part's programs gather their packed rows' queries from ``q`` (no
+    packed copy; padding tokens' NaN queries must not reach a packed row); the mixed step and the decode step's
+    cascade still give the reference's result, in bf16 and fp32; the executable key follows the switch."""
+    from pallas_kernels import common, grouped_cascade_decode_attention
+    monkeypatch.delenv("INFERSCALE_SHARED_Q", raising=False)
+    base = common.switches()
+    monkeypatch.setenv("INFERSCALE_SHARED_Q", "kernel")
+    assert common.switches() != base
+    for dtype in (jnp.bfloat16, jnp.float32):
+        q, kp, vp, casc, plain, n = mixed_case(12, dtype=dtype, chunk_groups=chunk_groups)
+        want = kv_cache._attend(q[None], kp, vp, None, plain, "ref")[0]
+        out = kv_cache._attend(q[None], kp, vp, None, casc, "pallas")[0]
+        assert_close(out[:n], want[:n], dtype)
+        launched = mixed_step_kernels(q, kp, vp, casc, r"(cascade_shared_\w+)")
+        assert launched and all(k.endswith("_qk") for k in launched)
+        rows = np.flatnonzero(np.diff(np.asarray(casc.cu_q_lens)) == 1)  # the one-token rows as a decode step
+        tok = np.asarray(casc.cu_q_lens)[rows]
+        args = (q[tok], kp, vp, casc.group_pages, casc.group_lens, casc.row_group[rows], casc.page_table[rows],
+                casc.kv_lens[rows])
+        for kw in ({}, dict(block_rows=16, num_splits=2, block_kv=16)):
+            got = grouped_cascade_decode_attention(*args, **kw)
+            assert_close(got, grouped_cascade_decode_attention_ref(*args), dtype)
+    # the same kernel output as the packed copy's, bit for bit (the same rows, the same tiles)
+    q, kp, vp, casc, plain, n = mixed_case(13, dtype=jnp.bfloat16, chunk_groups=chunk_groups)
+    own = np.asarray(kv_cache._attend(q[None], kp, vp, None, casc, "pallas")[0][:n], np.float32)
+    monkeypatch.setenv("INFERSCALE_SHARED_Q", "gather")
+    assert not any(k.endswith("_qk") for k in mixed_step_kernels(q, kp, vp, casc, r"(cascade_shared_\w+)"))
+    np.testing.assert_array_equal(own, np.asarray(kv_cache._attend(q[None], kp, vp, None, casc, "pallas")[0][:n],
+                                                  np.float32))
+
+
+def test_a_bad_shared_q_switch_is_refused_with_its_value(monkeypatch):
+    from pallas_kernels import common
+    monkeypatch.setenv("INFERSCALE_SHARED_Q", "tma")
+    with pytest.raises(ValueError, match="INFERSCALE_SHARED_Q='tma'.*'gather', 'kernel'"):
+        common.shared_q_rows()
