@@ -116,7 +116,7 @@
 #      decode step and its 128-token mixed step)
 #  41  the shared part gathering its own queries (INFERSCALE_SHARED_Q=kernel: no packed copy of q, no gather
 #      kernel) against the default: the mixed steps' attention by kernel (bench/kernels/mixed_shared.py: c64, spread,
-#      c64q3), the decode steps (steps.py --sections decode, each form), then the bare loop at C = $CONCS (256)
+#      c64q3), the bare loop at C = $CONCS (256), then the decode steps (steps.py --sections decode, each form)
 #  16  the checkpoint read (models/loader.py: os.preadv into each tensor's array, threads in parallel): the 8B
 #      checkpoint loaded one tensor at a time and eight (bench/tools/weights_load.py; run AL: 14.2 / 12.1 s)
 # Parts 6-14, 16, 18-20, 23-26, 28, 30, 31, 33, 35, 38, 39, 40 and 41 write the 8B checkpoint to /tmp/llama8b first when it is missing (~35 s); it stays out of
@@ -475,9 +475,9 @@ case "$part" in
     step mixed_shared_q 200 bench/kernels/mixed_shared.py --steps c64,spread,c64q3 \
         --variants INFERSCALE_SHARED_Q=kernel
     ckpt
+    CONCS=${CONCS:-256} loops_ab INFERSCALE_SHARED_Q sharedq_ gather kernel
     step steps_decode_gather 200 bench/engine/steps.py --sections decode
     INFERSCALE_SHARED_Q=kernel step steps_decode_qk 200 bench/engine/steps.py --sections decode
-    CONCS=${CONCS:-256} loops_ab INFERSCALE_SHARED_Q sharedq_ gather kernel
     ;;
 40)
     ckpt
