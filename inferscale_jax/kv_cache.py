@@ -231,13 +231,10 @@ class PagedKVCache:
     def add_rms_norm(self, x: jax.Array, delta: jax.Array | None, weight: jax.Array,
                      eps: float) -> tuple[jax.Array, jax.Array]:
         """The model's residual add and the RMSNorm after it (``models/transformer.py``): one Pallas kernel
-        (``pallas_kernels/norm.py``) on the GPU kernels, one device and a power-of-two hidden size, in steps of at
-        most ``NORM_KERNEL_MAX_ROWS`` tokens (``INFERSCALE_NORM``: ``pallas`` in every step, ``jnp`` in none); else
-        the model's jnp, which XLA fuses."""
-        h, mode = x.shape[-1], common.norm()
-        small = math.prod(x.shape[:-1]) <= NORM_KERNEL_MAX_ROWS
-        if (self.impl == "pallas" and self.mesh is None and not h & (h - 1)
-                and (mode == "pallas" or (mode == "auto" and small))):
+        with ``INFERSCALE_NORM=pallas`` on the GPU kernels, one device and a power-of-two hidden size
+        (``pallas_kernels/norm.py``); else the model's jnp, which XLA fuses."""
+        h = x.shape[-1]
+        if self.impl == "pallas" and self.mesh is None and not h & (h - 1) and common.norm() == "pallas":
             return add_rms_norm_pallas(x, delta, weight, eps)
         return add_rms_norm_ref(x, delta, weight, eps)
 
@@ -335,11 +332,6 @@ def _attend(q, kp, vp, positions, meta: AttnMeta, impl: str, scales=(None, None)
     return out
 
 
-# The residual add + RMSNorm kernel in steps of at most this many tokens (``PagedKVCache.add_rms_norm``).  There
-# XLA's form of a layer's two adds + norms is ~7 small launches (the 1-row decode step: 0.27 ms of norms and 0.10 of
-# residual adds a step on an H100, bench/NOTES.md session 44) against the kernel's 2; from 256 rows XLA's fusions
-# with the matmul beside them win (run AY: the kernel +0-6 us a call at 256-2048 rows, -0.5 us at 64).
-NORM_KERNEL_MAX_ROWS = 64
 MIXED_BLOCK_ROWS = 64  # the shared part's row blocks in a mixed step (its group count is not known statically)
 MIXED_REAL_GROUPS = 16  # the shared part's split count in a mixed step assumes at most this many real groups
 # The shared part's split count in a mixed step by the step's token bucket: from ``MIXED_SPLIT_BUCKETS[i][0]``

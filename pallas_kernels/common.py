@@ -188,16 +188,14 @@ def shared_q_rows() -> str:
     return env_choice("INFERSCALE_SHARED_Q", SHARED_Q_CHOICES)
 
 
-NORM_CHOICES = ("auto", "jnp", "pallas")
+NORM_CHOICES = ("jnp", "pallas")
 
 
 def norm() -> str:
     """``INFERSCALE_NORM``: how the model's residual adds and RMSNorms run on a cache with the Pallas kernels
-    (``inferscale_jax/kv_cache.py``, ``PagedKVCache.add_rms_norm``).  ``auto`` (the default): each add and the
-    norm after it in one kernel (``pallas_kernels/norm.py``) in steps of at most ``kv_cache.NORM_KERNEL_MAX_ROWS``
-    tokens, where XLA's form is several small launches a norm, else the model's own form fused by XLA; ``jnp``:
-    XLA's everywhere; ``pallas``: the kernel everywhere.  An A/B switch for the benchmarks (bench/NOTES.md, run AY
-    and session 44)."""
+    (``inferscale_jax/kv_cache.py``, ``PagedKVCache.add_rms_norm``).  ``jnp`` (the default): the model's own
+    form, fused by XLA; ``pallas``: each add and the norm after it in one kernel
+    (``pallas_kernels/norm.py``).  An A/B switch for the benchmarks (bench/NOTES.md, the glue)."""
     return env_choice("INFERSCALE_NORM", NORM_CHOICES)
 
 

@@ -145,19 +145,12 @@ def test_the_mixed_merge_lowers_inside_the_ragged_kernel(compiled_kernels, monke
 
 def test_the_norm_kernel_lowers_in_every_kind_of_step(compiled_kernels, monkeypatch):
     """``INFERSCALE_NORM=pallas``: a layer's two residual adds + norms in the kernel in every kind of step (the
-    layer's nested jit is lowered once, so its function holds both calls of the kernel's function).  The default
-    (``auto``): the kernel in steps of at most ``kv_cache.NORM_KERNEL_MAX_ROWS`` tokens only; ``jnp``: in none."""
+    layer's nested jit is lowered once, so its function holds both calls of the kernel's function); none in the
+    default mixed step."""
     monkeypatch.delenv("INFERSCALE_NORM", raising=False)
     engine = make_engine()
-    keys = engine.runner.buckets.all_keys()
-    big = next(k for k in keys if k.ragged and k.shared and k.tokens > kv_cache.NORM_KERNEL_MAX_ROWS)
-    for key in (*kinds(engine).values(), big):
-        names = lowered_kernels(engine, key)
-        assert any("rms_norm" in n for n in names) == (key.tokens <= kv_cache.NORM_KERNEL_MAX_ROWS), (key, names)
-    jax.clear_caches()
-    monkeypatch.setenv("INFERSCALE_NORM", "jnp")
-    engine = make_engine()
-    assert not any("rms_norm" in n for n in lowered_kernels(engine, kinds(engine)["decode"]))
+    default = lowered_kernels(engine, kinds(engine)["mixed, cascade"])
+    assert not any("rms_norm" in n for n in default), default
     jax.clear_caches()
     monkeypatch.setenv("INFERSCALE_NORM", "pallas")
     engine = make_engine()
