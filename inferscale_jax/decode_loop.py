@@ -54,6 +54,7 @@ from inferscale_jax.buckets import StepKey
 from inferscale_jax.kv_cache import AttnMeta, PagedKVCache
 from inferscale_jax.sampling import sample_tokens
 from models import ModelConfig, forward
+from pallas_kernels import common
 
 
 def stop_width(n: int) -> int:
@@ -111,7 +112,8 @@ def _decode_loop(params, cache: PagedKVCache, ints, floats, shared, stops, *, cf
         logits, cache = forward(params, cfg, tokens.at[last].set(tok)[None], (positions + i)[None], cache,
                                 step_meta, last[None], precision=precision)
         t, lp, top_ids, top_lp = sample_tokens(logits[0], floats[:, 0], top_k, floats[:, 1], row_keys,
-                                               step0 + i, key.num_logprobs, None, filtered, None)
+                                               step0 + i, key.num_logprobs, None, filtered, None,
+                                               draw=common.sampler_draw())
         packed = jnp.concatenate([as_f32(jnp.where(done, -1, t))[:, None], lp[:, None], as_f32(top_ids), top_lp],
                                  axis=1)
         out = jax.lax.dynamic_update_index_in_dim(out, packed, i, 0)

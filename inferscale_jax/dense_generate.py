@@ -21,6 +21,7 @@ import numpy as np
 from inferscale_jax.config import EngineConfig
 from inferscale_jax.sampling import SamplingParams, request_key, sample_tokens, step_bias
 from models import DenseKVCache, ModelConfig, forward
+from pallas_kernels import common
 
 
 def bucket(n: int, minimum: int = 16) -> int:
@@ -91,7 +92,8 @@ def generate_dense(params: dict, cfg: ModelConfig, prompt_ids: list[int], sampli
             bias_ids, bias_vals = bias if bias is not None else ([], [])
             penalties = (_padded(out), pen_prompt, pen_params, _padded(bias_ids),
                          _padded_values(bias_vals, _padded(bias_ids).shape[1]))
-        tok, *_ = sample_tokens(logits, temp, top_k, top_p, key, jnp.array([i], jnp.int32), penalties=penalties)
+        tok, *_ = sample_tokens(logits, temp, top_k, top_p, key, jnp.array([i], jnp.int32), penalties=penalties,
+                                draw=common.sampler_draw())
         tid = int(tok[0])
         if ttft is None:
             ttft = time.perf_counter() - t0

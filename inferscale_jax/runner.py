@@ -51,6 +51,7 @@ from inferscale_jax.sampling import MAX_LOGPROBS, sample_tokens
 from inferscale_jax.structured import token_masks
 from inferscale_jax.xla_options import step_compiler_options
 from models import ModelConfig, forward
+from pallas_kernels import common
 
 log = logging.getLogger("inferscale.runner")
 
@@ -235,7 +236,8 @@ def _sample_rows(logits, ints, floats, penalties, token_mask, key: StepKey, filt
         fed = jnp.where(src >= 0, tokens[last], -1)
         penalties = (jnp.concatenate([gen_ids, fed[:, None]], axis=1), prompt_ids, pen, bias_ids, bias_vals)
     tok, lp, top_ids, top_lp = sample_tokens(logits, floats[:, 0], top_k, floats[:, 1], row_keys, steps,
-                                             key.num_logprobs, penalties, filtered, token_mask)
+                                             key.num_logprobs, penalties, filtered, token_mask,
+                                             draw=common.sampler_draw())
     as_f32 = lambda x: jax.lax.bitcast_convert_type(x, jnp.float32)  # noqa: E731
     # one [R, 2 + 2n] float32 result: a single device->host copy per step
     return jnp.concatenate([as_f32(tok)[:, None], lp[:, None], as_f32(top_ids), top_lp], axis=1)

@@ -295,10 +295,34 @@ def apply_token_mask(logits: jax.Array, mask: jax.Array) -> jax.Array:
     return jnp.where(ok, logits, -jnp.inf)
 
 
-@functools.partial(jax.jit, static_argnames=("num_logprobs", "filtered"))
+def _draw_by_cdf(row_keys: jax.Array, kept: jax.Array, block: int = 256) -> jax.Array:
+    """One token per row from ``softmax(kept)`` ([B, V] float32, ``-inf``: never drawn) by inverting its CDF with
+    one uniform per row: block sums of the probabilities, the block whose running sum passes the uniform, then
+    the token inside it.  The same distribution as ``jax.random.categorical`` (up to float32 rounding), with one
+    random number a row instead of one a vocabulary entry (the Gumbel noise's threefry bits over ``[B, V]``)."""
+    b, v = kept.shape
+    nb = -(-v // block)
+    x = jnp.pad(kept, ((0, 0), (0, nb * block - v)), constant_values=-jnp.inf)
+    top = jnp.max(x, axis=-1, keepdims=True)
+    p = jnp.exp(x - jnp.where(jnp.isfinite(top), top, 0.0)).reshape(b, nb, block)  # 0 where -inf
+    run = jnp.cumsum(jnp.sum(p, axis=-1), axis=-1)  # [B, NB]
+    u = jax.vmap(lambda k: jax.random.uniform(k, (), jnp.float32))(row_keys) * run[:, -1]  # [B] in [0, total)
+    j = jnp.minimum(jnp.sum(run <= u[:, None], axis=-1), nb - 1)  # the block: run[j - 1] <= u < run[j]
+    inner = jnp.take_along_axis(p, j[:, None, None], axis=1)[:, 0]  # [B, block]
+    base = jnp.where(j > 0, jnp.take_along_axis(run, jnp.maximum(j - 1, 0)[:, None], axis=1)[:, 0], 0.0)
+    i = jnp.sum(base[:, None] + jnp.cumsum(inner, axis=-1) <= u[:, None], axis=-1)
+    # rounding may leave u past the block's own sum: the block's last token that can be drawn
+    last = block - 1 - jnp.argmax((inner > 0)[:, ::-1], axis=-1)
+    return (j * block + jnp.minimum(i, last)).astype(jnp.int32)
+
+
+SAMPLER_DRAWS = ("gumbel", "cdf")
+
+
+@functools.partial(jax.jit, static_argnames=("num_logprobs", "filtered", "draw"))
 def sample_tokens(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array,
                   keys: jax.Array, steps: jax.Array, num_logprobs: int = 0, penalties=None,
-                  filtered: bool = True, token_mask=None):
+                  filtered: bool = True, token_mask=None, draw: str = "gumbel"):
     """Sample one token per row.
 
     ``filtered`` (static): whether any row may have top-k or top-p set; False skips the
@@ -313,9 +337,15 @@ def sample_tokens(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, t
     [B, Wg], prompt_ids [B, Wp], params [B, 3 or 4], and optionally bias_ids [B, Wb], bias_vals [B, Wb]);
     token_mask: None (no row is constrained) or [B, ceil(V / 32)] int32 allowed-token bits
     (``apply_token_mask``), applied after the penalties.
+    draw (static): how a sampled row's token is drawn from its kept logits: ``"gumbel"`` (the default,
+    ``jax.random.categorical``: Gumbel noise over the whole vocabulary) or ``"cdf"`` (:func:`_draw_by_cdf`: one
+    uniform a row; ``INFERSCALE_SAMPLER``, ``pallas_kernels/common.py``).  The same distribution; the tokens a
+    given seed draws differ between the two.
     Returns (tokens [B] int32, chosen_logprob [B] float32, top_ids [B, n], top_logprobs [B, n]);
     the log-probs are the raw logits' (module docstring).
     """
+    if draw not in SAMPLER_DRAWS:
+        raise ValueError(f"draw={draw!r}: use one of {list(SAMPLER_DRAWS)}")
     logprobs = jax.nn.log_softmax(logits, axis=-1)  # [B, V] the model's full distribution
     min_p = None
     if penalties is not None:
@@ -346,7 +376,10 @@ def sample_tokens(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, t
         floor = jnp.maximum(floor, jnp.max(scaled, axis=-1, keepdims=True) + jnp.log(min_p)[:, None])
     kept = jnp.where(scaled >= floor, scaled, -jnp.inf)
     row_keys = jax.vmap(jax.random.fold_in)(keys, steps)
-    sampled = jax.vmap(jax.random.categorical)(row_keys, kept).astype(jnp.int32)
+    if draw == "cdf":
+        sampled = _draw_by_cdf(row_keys, kept)
+    else:
+        sampled = jax.vmap(jax.random.categorical)(row_keys, kept).astype(jnp.int32)
     tokens = jnp.where(temperature <= 0.0, greedy, sampled)
     chosen = jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
     if num_logprobs:

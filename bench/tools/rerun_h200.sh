@@ -117,15 +117,17 @@
 #  41  the shared part gathering its own queries (INFERSCALE_SHARED_Q=kernel: no packed copy of q, no gather
 #      kernel) against the default: the mixed steps' attention by kernel (bench/kernels/mixed_shared.py: c64, spread,
 #      c64q3), the bare loop at C = $CONCS (256), then the decode steps (steps.py --sections decode, each form)
+#  42  the step's sampler by draw (bench/kernels/sampler.py: INFERSCALE_SAMPLER gumbel against cdf at 1 / 64 / 256
+#      rows, greedy and sampled rows), then, with VARIANT=cdf, the bare loop at C = $CONCS (256) both ways
 #  16  the checkpoint read (models/loader.py: os.preadv into each tensor's array, threads in parallel): the 8B
 #      checkpoint loaded one tensor at a time and eight (bench/tools/weights_load.py; run AL: 14.2 / 12.1 s)
-# Parts 6-14, 16, 18-20, 23-26, 28, 30, 31, 33, 35, 38, 39, 40 and 41 write the 8B checkpoint to /tmp/llama8b first when it is missing (~35 s); it stays out of
+# Parts 6-14, 16, 18-20, 23-26, 28, 30, 31, 33, 35, 38-42 write the 8B checkpoint to /tmp/llama8b first when it is missing (~35 s); it stays out of
 # the repository, whose copy on the machine loses files that .gitignore does not cover (bench/NOTES.md, run AH).
 #
 # Each step writes its tables under RESULTS_DIR/<step>/ and its console log to RESULTS_DIR/<step>.log;
 # after each step RESULTS_DIR is packed into TARBALL when given (what a cut call still returns).
 set -uo pipefail
-part=${1:?part 1-41}
+part=${1:?part 1-42}
 res=${2:?results folder}
 tarball=${3:-}
 mkdir -p "$res"
@@ -470,6 +472,13 @@ case "$part" in
     XLA_FLAGS="${XLA_FLAGS:-} --xla_enable_command_buffers_during_profiling=true" step_as profile_graph_c1 150 \
         bench/tools/profile_graph.py --model /tmp/llama8b --concurrency 1 --warm-steps 20 --mixed-captures 1 \
         --decode-reps 4 --mixed-reps 4 --loop-steps 8 --raw /tmp/pg_c1 --out "$res/profile_graph_c1.md"
+    ;;
+42)
+    step sampler 150 bench/kernels/sampler.py
+    if [ -n "${VARIANT:-}" ]; then
+        ckpt
+        CONCS=${CONCS:-256} loops_ab INFERSCALE_SAMPLER sampler_ gumbel "$VARIANT"
+    fi
     ;;
 41)
     step mixed_shared_q 200 bench/kernels/mixed_shared.py --steps c64,spread,c64q3 \
