@@ -760,7 +760,8 @@ def read_xplane(path: str) -> tuple[list[dict], dict]:
                     st = dict(e.stats)
                     events.append(dict(name=e.name, start=e.start_ns, end=e.start_ns + e.duration_ns,
                                        hlo_op=st.get("hlo_op"), line=ln.name,
-                                       stats={k: str(v)[:80] for k, v in st.items() if not k.startswith("_")}))
+                                       stats={k: str(v)[:300 if k == "kernel_details" else 80] for k, v in st.items()
+                                              if not k.startswith("_")}))
     else:  # the CPU (--quick): XLA's thunks on the host with their HLO op names
         for pl in pd.planes:
             for ln in pl.lines:
@@ -889,12 +890,30 @@ def floors(cap: dict, cfg: dict, ceil: dict | None = None) -> dict[str, float]:
     return out
 
 
+def launch_desc(stats: dict) -> str:
+    """A GPU kernel event's launch, from the trace's stats: theoretical occupancy and the kernel details (registers,
+    shared memory, grid and block, as CUPTI reports them); "" when the trace has neither."""
+    occ, det = stats.get("theoretical_occupancy_pct"), stats.get("kernel_details")
+    parts = ([f"occupancy {float(occ):.0f}%"] if occ not in (None, "") else []) + ([str(det)] if det else [])
+    return "; ".join(parts).replace("|", "/").replace("\n", " ")
+
+
+def top_kernels(res: dict, n: int = 15) -> list[str]:
+    """The report's table of the step's ``n`` costliest kernels, with each one's launch (``launch_desc``)."""
+    launch = res.get("launch", {})
+    out = ["Top 15 kernels:" if n == 15 else f"Top {n} kernels:", "",
+           "| kernel | part | ms per step | launches per step | launch (occupancy; registers, shared memory, grid) |",
+           "| --- | --- | --- | --- | --- |"]
+    return out + [f"| `{k}` | {p} | {d:.3f} | {cnt:g} | {launch.get(k, '')} |" for p, k, d, cnt, _ in res["top"][:n]]
+
+
 def summarize(windows: list[list[dict]], cls: Classifier, durations_only: bool = False) -> dict:
     """Per-window categories (ms per step, medians over windows) and per-kernel totals."""
     per_part = collections.defaultdict(list)
     kern = collections.defaultdict(float)
     kern_n = collections.Counter()
     notes = {}
+    launch = {}  # kernel name -> its launch as the trace reports it (occupancy, registers, shared memory, grid)
     spans, busys, sums, counts = [], [], [], []
     for win in windows:
         if not win:
@@ -908,6 +927,8 @@ def summarize(windows: list[list[dict]], cls: Classifier, durations_only: bool =
             kern_n[(p, e["name"][:70])] += 1
             if note:
                 notes[(p, e["name"][:70])] = note
+            if e["name"][:70] not in launch and e.get("stats"):
+                launch[e["name"][:70]] = launch_desc(e["stats"])
         for p in set(per_part) | set(acc):
             per_part[p].append(acc.get(p, 0.0))
         s = sum(acc.values())
@@ -921,7 +942,7 @@ def summarize(windows: list[list[dict]], cls: Classifier, durations_only: bool =
                sum_ms=statistics.median(sums) / 1e6 if sums else 0.0,
                parts={p: statistics.mean(v + [0.0] * (nw - len(v))) / 1e6 for p, v in per_part.items()},
                top=sorted(((p, n, d / nw / 1e6, kern_n[(p, n)] / nw, notes.get((p, n), "")) for (p, n), d in kern.items()),
-                          key=lambda r: -r[2]))
+                          key=lambda r: -r[2]), launch=launch)
     if spans:
         res.update(span_ms=statistics.median(spans) / 1e6, busy_ms=statistics.median(busys) / 1e6)
     return res
@@ -1044,9 +1065,7 @@ def analyze(raw: str, ncu_csv: str | None, ncu_raw: str | None = None, top: int 
                     f"{nres['sum_ms']:.3f} ms (serialized, clocks not locked)"]
         out += [f"- floor of the whole step (sum of the parts' floors below): {1e3 * sum(flo.values()):.3f} ms", ""]
         out += table(res or nres, flo, nres if res else None, ref, top) + [""]
-        full = (res or nres)["top"]
-        out += ["Top 15 kernels:", "", "| kernel | part | ms per step | launches per step |", "| --- | --- | --- | --- |"]
-        out += [f"| `{n}` | {p} | {d:.3f} | {cnt:g} |" for p, n, d, cnt, _ in full[:15]] + [""]
+        out += top_kernels(res or nres) + [""]
     loop = meta.get("loop")
     if loop and meta.get("loop_xplane") and os.path.exists(os.path.join(raw, meta["loop_xplane"])):
         events, _ = read_xplane(os.path.join(raw, meta["loop_xplane"]))

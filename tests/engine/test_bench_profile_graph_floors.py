@@ -33,3 +33,19 @@ def test_floors_follow_the_measured_ceilings():
     half_compute = pg.floors(PREFILL, CFG, dict(bandwidth=pg.BANDWIDTH, compute=pg.COMPUTE / 2))
     assert abs(half_compute["gemm gate_up"] - 2 * full["gemm gate_up"]) < 1e-9
     assert half_compute["kv write"] == full["kv write"]
+
+
+def test_the_top_kernels_table_carries_each_kernels_launch():
+    """The report's top-kernel table names each kernel's launch as the trace reports it (theoretical occupancy and
+    CUPTI's kernel details), and stays a valid table when a trace has neither (the CPU's)."""
+    pg = load()
+    stats = dict(theoretical_occupancy_pct="25", kernel_details="regs:168 static_shared:0 dynamic_shared:66560 "
+                 "grid:48,8,2 block:128,1,1")
+    win = [dict(name="cascade_shared_g16_r64_bk64_sp2_nq", start=0, end=4000, hlo_op=None, stats=stats),
+           dict(name="ragged_paged_attention_bq16_bkv64_g4_s1_i2", start=4000, end=6000, hlo_op=None, stats={})]
+    res = pg.summarize([win, win], pg.Classifier(None, CFG))
+    rows = pg.top_kernels(res)
+    assert rows[2].count("|") == rows[4].count("|") == rows[5].count("|") == 6
+    shared = next(r for r in rows if "cascade_shared" in r)
+    assert "occupancy 25%; regs:168 static_shared:0 dynamic_shared:66560 grid:48,8,2 block:128,1,1" in shared
+    assert next(r for r in rows if "ragged" in r).endswith("|  |")
