@@ -48,7 +48,8 @@ Algorithm.
 2. Shared part (Pallas, Triton style).  Grid ``(NB, Hkv, num_splits)``, row blocks fastest
    (dim 0 varies fastest on launch), so the programs of one group that read the same K/V tile run
    side by side and share it through L2.  Program ``(r, h, s)`` loads its ``[block_rows, D]``
-   query tile once, walks its split of block ``r``'s shared range (the block's own length cut into
+   query tile once (from step 1's packed copy; ``INFERSCALE_SHARED_Q=kernel`` gathers the rows from ``q`` itself
+   instead, measured slower: bench/NOTES.md run BC), walks its split of block ``r``'s shared range (the block's own length cut into
    ``num_splits`` equal runs of whole tiles, so a short group or a wide padded page list leaves no
    split idle while another does all the work) in ``block_kv``-token tiles
    gathered through the block's page list (slots ``page * S + offset``; the next tile's slots are
