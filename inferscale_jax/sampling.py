@@ -295,19 +295,25 @@ def apply_token_mask(logits: jax.Array, mask: jax.Array) -> jax.Array:
     return jnp.where(ok, logits, -jnp.inf)
 
 
-def _draw_by_cdf(row_keys: jax.Array, kept: jax.Array, block: int = 256) -> jax.Array:
+def _draw_by_cdf(row_keys: jax.Array, kept: jax.Array, block: int = 256, uniform: jax.Array | None = None) -> jax.Array:
     """One token per row from ``softmax(kept)`` ([B, V] float32, ``-inf``: never drawn) by inverting its CDF with
     one uniform per row: block sums of the probabilities, the block whose running sum passes the uniform, then
     the token inside it.  The same distribution as ``jax.random.categorical`` (up to float32 rounding), with one
-    random number a row instead of one a vocabulary entry (the Gumbel noise's threefry bits over ``[B, V]``)."""
+    random number a row instead of one a vocabulary entry (the Gumbel noise's threefry bits over ``[B, V]``).
+    ``uniform`` ([B] in [0, 1)): the rows' uniforms instead of the keys' (tests)."""
     b, v = kept.shape
     nb = -(-v // block)
     x = jnp.pad(kept, ((0, 0), (0, nb * block - v)), constant_values=-jnp.inf)
     top = jnp.max(x, axis=-1, keepdims=True)
     p = jnp.exp(x - jnp.where(jnp.isfinite(top), top, 0.0)).reshape(b, nb, block)  # 0 where -inf
-    run = jnp.cumsum(jnp.sum(p, axis=-1), axis=-1)  # [B, NB]
-    u = jax.vmap(lambda k: jax.random.uniform(k, (), jnp.float32))(row_keys) * run[:, -1]  # [B] in [0, total)
-    j = jnp.minimum(jnp.sum(run <= u[:, None], axis=-1), nb - 1)  # the block: run[j - 1] <= u < run[j]
+    sums = jnp.sum(p, axis=-1)  # [B, NB]
+    run = jnp.cumsum(sums, axis=-1)
+    if uniform is None:
+        uniform = jax.vmap(lambda k: jax.random.uniform(k, (), jnp.float32))(row_keys)
+    u = uniform * run[:, -1]  # [B] in [0, total)
+    # the block: run[j - 1] <= u < run[j]; rounding may leave u at the total: the last block that can be drawn
+    last_block = nb - 1 - jnp.argmax((sums > 0)[:, ::-1], axis=-1)
+    j = jnp.minimum(jnp.sum(run <= u[:, None], axis=-1), last_block)
     inner = jnp.take_along_axis(p, j[:, None, None], axis=1)[:, 0]  # [B, block]
     base = jnp.where(j > 0, jnp.take_along_axis(run, jnp.maximum(j - 1, 0)[:, None], axis=1)[:, 0], 0.0)
     i = jnp.sum(base[:, None] + jnp.cumsum(inner, axis=-1) <= u[:, None], axis=-1)

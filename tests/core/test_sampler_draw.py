@@ -52,6 +52,23 @@ def test_edge_rows_of_the_cdf_draw():
     assert set(got.tolist()) <= {10, 650} and 0 < (got == 650).sum() < 40
 
 
+def test_a_uniform_at_the_top_of_its_range_draws_a_drawable_token():
+    """u = the largest float32 under 1 (its product with the total may round to the total): the draw is the last
+    drawable token, never a filtered one nor a padding slot past the vocabulary; u = 0 the first drawable one."""
+    v = 600  # three blocks of 256, the last one padded
+    rows = np.full((3, v), -np.inf, np.float32)
+    rows[0, [3, 200, 300]] = [0.0, 1.0, 2.0]  # the last block (512-599) wholly filtered
+    rows[1, :] = np.random.default_rng(5).normal(0, 1, v)
+    rows[1, 580:] = -np.inf
+    rows[2, [0, 599]] = [5.0, -30.0]  # a mass that vanishes beside the other in float32
+    top = np.nextafter(np.float32(1), np.float32(0))
+    got = np.asarray(_draw_by_cdf(None, jnp.asarray(rows), uniform=jnp.full((3,), top, jnp.float32)))
+    assert np.isfinite(rows[np.arange(3), got]).all() and (got < v).all(), got
+    assert got[0] == 300 and got[1] == 579, got
+    low = np.asarray(_draw_by_cdf(None, jnp.asarray(rows), uniform=jnp.zeros((3,), jnp.float32)))
+    assert low.tolist() == [3, 0, 0]
+
+
 def test_sample_tokens_with_the_cdf_draw_keeps_greedy_rows_and_log_probs():
     rng = np.random.default_rng(3)
     b, v = 8, 300
