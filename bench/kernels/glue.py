@@ -42,7 +42,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 sys.path[:0] = [ROOT, os.path.join(ROOT, "bench", "lib"), os.path.join(ROOT, "bench", "kernels")]
 from common import start_kernel_bench  # noqa: E402
 from kernels import check, time_calls_and_device  # noqa: E402
-from report import FAILURES, finish, log, plot_forms_by_rows, table  # noqa: E402
+from report import FAILURES, finish, log, log_timed, plot_forms_by_rows, table  # noqa: E402
 
 from pallas_kernels.norm import add_rms_norm_pallas, add_rms_norm_ref  # noqa: E402
 from pallas_kernels.rope import qkv_rope_pallas, qkv_rope_ref  # noqa: E402
@@ -119,8 +119,7 @@ def _run(name, n, form, call, shared, inputs, floor, cfg, ref_box):
     else:
         for a, b in zip(jax.tree.leaves(outs), jax.tree.leaves(ref_box[0])):
             check(f"{name} N={n} {form}", a.astype(jnp.float32), b.astype(jnp.float32), 2e-2)
-    top = ", ".join(f"{r[1][:40]} {r[2]:.1f}" for r in kt[:4])
-    log(f"  {name} N={n} {form}: {t * 1e6:.1f} us, device {t_dev * 1e6:.1f} us, floor {floor * 1e6:.1f} ({top})")
+    log_timed(f"{name} N={n} {form}", t, t_dev, floor, kt)
     RESULTS.append((name, n, form, t * 1e6, t_dev * 1e6, floor * 1e6))
 
 

@@ -33,7 +33,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 sys.path[:0] = [ROOT, os.path.join(ROOT, "bench", "lib"), os.path.join(ROOT, "bench", "kernels")]
 from common import start_kernel_bench  # noqa: E402
 from kernels import time_calls_and_device  # noqa: E402
-from report import FAILURES, finish, log, plot_forms_by_rows, table  # noqa: E402
+from report import FAILURES, finish, log, log_timed, plot_forms_by_rows, table  # noqa: E402
 
 from inferscale_jax.sampling import SAMPLER_DRAWS, request_key, sample_tokens  # noqa: E402
 
@@ -68,8 +68,7 @@ def _case(mix: str, n: int, cfg, args, key) -> None:
                 FAILURES.append(f"{mix} R={n} {draw}: greedy tokens differ")
             else:
                 log(f"  check {mix} R={n} {draw}: greedy tokens equal")
-        top = ", ".join(f"{r[1][:36]} {r[2]:.1f}" for r in kt[:3])
-        log(f"  {mix} R={n} {draw}: {t * 1e6:.1f} us, device {t_dev * 1e6:.1f} us, floor {floor * 1e6:.1f} ({top})")
+        log_timed(f"{mix} R={n} {draw}", t, t_dev, floor, kt, width=36, top=3)
         RESULTS.append((mix, n, draw, t * 1e6, t_dev * 1e6, floor * 1e6))
 
 

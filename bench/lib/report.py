@@ -92,6 +92,13 @@ def plot_forms_by_rows(results, out_dir: str, name: str, xlabel: str, ratio) -> 
     save_plot(fig, out_dir, name)
 
 
+def log_timed(label: str, t: float, t_dev: float, floor: float, kernels, width: int = 40, top: int = 4) -> None:
+    """Log one timed form of a kernel bench: its host and device time per call, its floor (seconds) and its top
+    ``kernels`` (the device rows of ``kernels.time_calls_and_device``: name, us per call)."""
+    tops = ", ".join(f"{r[1][:width]} {r[2]:.1f}" for r in kernels[:top])
+    log(f"  {label}: {t * 1e6:.1f} us, device {t_dev * 1e6:.1f} us, floor {floor * 1e6:.1f} ({tops})")
+
+
 def table(title, headers, rows, md=True):
     """Print a right-aligned table; add it to the markdown report unless ``md`` is False."""
     log(f"\n## {title}")
