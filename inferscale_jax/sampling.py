@@ -63,6 +63,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from inferscale_jax.structured import StructuredOutputs
+from pallas_kernels.common import SAMPLER_CHOICES
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256  # per stop string: each token decodes a tail window proportional to it
@@ -322,7 +323,7 @@ def _draw_by_cdf(row_keys: jax.Array, kept: jax.Array, block: int = 256, uniform
     return (j * block + jnp.minimum(i, last)).astype(jnp.int32)
 
 
-SAMPLER_DRAWS = ("gumbel", "cdf")
+SAMPLER_DRAWS = SAMPLER_CHOICES  # (INFERSCALE_SAMPLER's values, pallas_kernels/common.py)
 
 
 @functools.partial(jax.jit, static_argnames=("num_logprobs", "filtered", "draw"))

@@ -188,13 +188,16 @@ def shared_q_rows() -> str:
     return env_choice("INFERSCALE_SHARED_Q", SHARED_Q_CHOICES)
 
 
+SAMPLER_CHOICES = ("gumbel", "cdf")
+
+
 def sampler_draw() -> str:
     """``INFERSCALE_SAMPLER``: how the engine's sampler draws a sampled row's token (``inferscale_jax/sampling.py``,
     ``sample_tokens``'s ``draw``).  ``gumbel`` (the default): ``jax.random.categorical``, Gumbel noise over the
     whole vocabulary (threefry bits for every row and vocabulary entry, greedy rows included); ``cdf``: the
     inverse of the kept distribution's CDF with one uniform a row.  The same distribution; a seed draws other
     tokens under each.  An A/B switch for the benchmarks (bench/NOTES.md, session 44)."""
-    return env_choice("INFERSCALE_SAMPLER", ("gumbel", "cdf"))
+    return env_choice("INFERSCALE_SAMPLER", SAMPLER_CHOICES)
 
 
 NORM_CHOICES = ("jnp", "pallas")
@@ -237,9 +240,8 @@ def switches() -> dict:
     tracing, such as the engine's executable store: a switch must name another entry)."""
     return {"slot_prefetch": slot_prefetch(), "mixed_shared": sorted(mixed_shared_knobs().items()),
             "mixed_decode": mixed_decode(), "mixed_ragged": sorted(mixed_ragged_knobs().items()),
-            "mixed_merge": mixed_merge(), "shared_partials": shared_partials(), "shared_q": shared_q_rows(), "sampler": sampler_draw(),
-            "norm": norm(),
-            "rope": rope(), "matmul": matmul()}
+            "mixed_merge": mixed_merge(), "shared_partials": shared_partials(), "shared_q": shared_q_rows(),
+            "sampler": sampler_draw(), "norm": norm(), "rope": rope(), "matmul": matmul()}
 
 
 def switches_key() -> tuple:
