@@ -85,6 +85,18 @@ def mixed_ragged_knobs() -> dict:
     return {k: bool(v) if k == "split_longest" else v for k, v in knobs.items()}
 
 
+DECODE_KNOBS = dict(bk="block_tokens", w="num_warps", st="num_stages")
+
+
+def decode_knobs() -> dict:
+    """``INFERSCALE_DECODE`` (e.g. ``st=1`` or ``bk=64,w=2``): knobs of the paged decode kernel
+    (``pallas_kernels/decode_attention.py``: the decode steps' private part, with or without a cascade) that
+    override its defaults where its caller leaves them unset, by ``DECODE_KNOBS``' short names (``bk``: KV tokens
+    per block, a power of two >= 16 and >= the page size); unset: none.  An A/B switch for the benchmarks
+    (bench/NOTES.md, session 45: the kernel's occupancy)."""
+    return _knobs("INFERSCALE_DECODE", DECODE_KNOBS, tiles=dict(bk=MIN_DOT_DIM))
+
+
 def _knobs(var: str, table: dict, tiles, flags=()) -> dict:
     """Parse ``var``'s ``NAME=N,...`` into ``{table[NAME]: N}`` (``flags``: names that take 0 or 1); a
     bad item is a ``ValueError`` naming it."""
@@ -239,7 +251,7 @@ def switches() -> dict:
     """The environment's switches that change the kernels' programs (for caches keyed without
     tracing, such as the engine's executable store: a switch must name another entry)."""
     return {"slot_prefetch": slot_prefetch(), "mixed_shared": sorted(mixed_shared_knobs().items()),
-            "mixed_decode": mixed_decode(), "mixed_ragged": sorted(mixed_ragged_knobs().items()),
+            "mixed_decode": mixed_decode(), "decode": sorted(decode_knobs().items()), "mixed_ragged": sorted(mixed_ragged_knobs().items()),
             "mixed_merge": mixed_merge(), "shared_partials": shared_partials(), "shared_q": shared_q_rows(),
             "sampler": sampler_draw(), "norm": norm(), "rope": rope(), "matmul": matmul()}
 

@@ -247,7 +247,7 @@ def paged_decode_attention(
     sm_scale: float | None = None,
     num_splits: int | None = None,
     pages_per_block: int | None = None,
-    num_warps: int = 4,
+    num_warps: int | None = None,
     num_stages: int | None = None,
     interpret: bool | None = None,
     return_lse: bool = False,
@@ -286,7 +286,9 @@ def paged_decode_attention(
 
     ``prefetch``: the loop carries the next block's page slots (True) or computes each block's in
     its own iteration (False); None: :func:`pallas_kernels.common.slot_prefetch`.  ``num_stages``
-    None: 2, or 3 without the carry (:func:`pallas_kernels.common.stages_for`).
+    None: 2, or 3 without the carry (:func:`pallas_kernels.common.stages_for`).  ``pages_per_block``,
+    ``num_warps`` (4) and ``num_stages`` left None take ``INFERSCALE_DECODE``'s values where it sets them
+    (:func:`pallas_kernels.common.decode_knobs`, an A/B switch for the benchmarks).
     """
     v_usual = v_pages  # what the checks see: V in the usual layout
     if v_transposed:  # validate as the usual layout; the kernel reads the transposed one
@@ -302,6 +304,13 @@ def paged_decode_attention(
     common.check_power_of_two("page_size", s)
     common.check_power_of_two("head_dim", d, common.MIN_DOT_DIM)
     gp = query_tile_rows(g)
+    user = common.decode_knobs()  # (INFERSCALE_DECODE: where the caller left a knob unset)
+    if pages_per_block is None and "block_tokens" in user and not v_transposed:
+        if user["block_tokens"] < s:
+            common._fail("INFERSCALE_DECODE's bk", user["block_tokens"], f">= the page size {s}")
+        pages_per_block = user["block_tokens"] // s
+    num_warps = user.get("num_warps", 4) if num_warps is None else num_warps
+    num_stages = user.get("num_stages") if num_stages is None else num_stages
     if pages_per_block is None:
         pages_per_block = 1 if v_transposed else auto_pages_per_block(s)
     if v_transposed and pages_per_block != 1:

@@ -119,6 +119,9 @@
 #      c64q3), the bare loop at C = $CONCS (256), then the decode steps (steps.py --sections decode, each form)
 #  42  the step's sampler by draw (bench/kernels/sampler.py: INFERSCALE_SAMPLER gumbel against cdf at 1 / 64 / 256
 #      rows, greedy and sampled rows), then, with VARIANT=cdf, the bare loop at C = $CONCS (256) both ways
+#  43  the paged decode kernel's occupancy (run BD: 12.5%, two programs an SM, bounded by its shared memory): the
+#      decode steps at 1 / 64 / 256 rows (bench/engine/steps.py --sections decode) with INFERSCALE_DECODE unset and
+#      each of DECODE_VARIANTS (default: st=1, bk=64, bk=64,st=1, w=2,st=1)
 #  16  the checkpoint read (models/loader.py: os.preadv into each tensor's array, threads in parallel): the 8B
 #      checkpoint loaded one tensor at a time and eight (bench/tools/weights_load.py; run AL: 14.2 / 12.1 s)
 # Parts 6-14, 16, 18-20, 23-26, 28, 30, 31, 33, 35, 38-42 write the 8B checkpoint to /tmp/llama8b first when it is missing (~35 s); it stays out of
@@ -127,7 +130,7 @@
 # Each step writes its tables under RESULTS_DIR/<step>/ and its console log to RESULTS_DIR/<step>.log;
 # after each step RESULTS_DIR is packed into TARBALL when given (what a cut call still returns).
 set -uo pipefail
-part=${1:?part 1-42}
+part=${1:?part 1-43}
 res=${2:?results folder}
 tarball=${3:-}
 mkdir -p "$res"
@@ -472,6 +475,12 @@ case "$part" in
     XLA_FLAGS="${XLA_FLAGS:-} --xla_enable_command_buffers_during_profiling=true" step_as profile_graph_c1 150 \
         bench/tools/profile_graph.py --model /tmp/llama8b --concurrency 1 --warm-steps 20 --mixed-captures 1 \
         --decode-reps 4 --mixed-reps 4 --loop-steps 8 --raw /tmp/pg_c1 --out "$res/profile_graph_c1.md"
+    ;;
+43)
+    for v in "" ${DECODE_VARIANTS:-st=1 bk=64 bk=64,st=1 w=2,st=1}; do
+        tag=${v//[=,]/_}
+        INFERSCALE_DECODE=$v step "steps_decode_${tag:-default}" 150 bench/engine/steps.py --sections decode
+    done
     ;;
 42)
     step sampler 150 bench/kernels/sampler.py

@@ -127,3 +127,53 @@ def test_lowers_to_triton(num_splits, prefetch):
     assert "xla.gpu.triton" in text
     # without the carried slots the loads are indirect: Triton pipelines those only with >= 3 stages
     assert set(re.findall(r"num_stages = (\d+)", text)) == {"2" if prefetch else "3"}
+
+
+def test_decode_switch_sets_the_kernels_knobs(monkeypatch):
+    """``INFERSCALE_DECODE=bk=64,w=2,st=1`` sets the block, warps and stages the caller left unset (the lowering
+    says so) and the result still equals the reference; a knob the caller passes wins."""
+    sd = jax.ShapeDtypeStruct
+    args = (sd((4, 32, 128), jnp.bfloat16), sd((8, 300, 16, 128), jnp.bfloat16),
+            sd((8, 300, 16, 128), jnp.bfloat16), sd((4, 64), jnp.int32), sd((4,), jnp.int32))
+
+    def lowered(**kw):
+        jax.clear_caches()  # (the switch is read at trace time; the engine keys its caches by it)
+        fn = jax.jit(functools.partial(paged_decode_attention, interpret=False, num_splits=1, **kw))
+        return fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+    from pallas_kernels import common
+    monkeypatch.delenv("INFERSCALE_DECODE", raising=False)
+    base = common.switches()
+    default = lowered()
+    assert "paged_decode_bk128_sp1" in default and set(re.findall(r"num_stages = (\d+)", default)) == {"2"}
+    assert set(re.findall(r"num_warps = (\d+)", default)) == {"4"}
+    monkeypatch.setenv("INFERSCALE_DECODE", "bk=64,w=2,st=1")
+    assert common.switches() != base  # (the engine's executable store keys its entries by it)
+    text = lowered()
+    assert "paged_decode_bk64_sp1" in text
+    assert set(re.findall(r"num_stages = (\d+)", text)) == {"1"}
+    assert set(re.findall(r"num_warps = (\d+)", text)) == {"2"}
+    text = lowered(num_stages=3, pages_per_block=8)  # the caller's own knobs win
+    assert "paged_decode_bk128_sp1" in text and set(re.findall(r"num_stages = (\d+)", text)) == {"3"}
+    # the same values in interpret mode, at a page boundary and one past
+    q, kp, vp, table, lens = make_case(15, [16, 17, 1, 40], hq=8, hkv=2, d=64, s=16, dtype=jnp.float32)
+    monkeypatch.setenv("INFERSCALE_DECODE", "bk=32,st=1")
+    out = paged_decode_attention(q, kp, vp, table, lens, num_splits=1)
+    assert_close(out, paged_decode_attention_ref(q, kp, vp, table, lens), jnp.float32)
+
+
+@pytest.mark.parametrize("spec,match", [("bk=8", "bk"), ("st=0", "st"), ("x=1", "'x=1'"), ("bk=48", "bk")])
+def test_decode_switch_refuses_bad_knobs(monkeypatch, spec, match):
+    """A bad ``INFERSCALE_DECODE`` item (a block under the dot's minimum, not a power of two, a zero, an unknown
+    name) is an error naming the variable and the item."""
+    q, kp, vp, table, lens = make_case(16, [5, 9], hq=4, hkv=2, d=64, s=8, dtype=jnp.float32)
+    monkeypatch.setenv("INFERSCALE_DECODE", spec)
+    with pytest.raises(ValueError, match=f"INFERSCALE_DECODE.*{match}"):
+        paged_decode_attention(q, kp, vp, table, lens)
+
+
+def test_decode_switch_refuses_a_block_under_the_page(monkeypatch):
+    q, kp, vp, table, lens = make_case(17, [40, 9], hq=4, hkv=2, d=64, s=32, dtype=jnp.float32)
+    monkeypatch.setenv("INFERSCALE_DECODE", "bk=16")
+    with pytest.raises(ValueError, match="INFERSCALE_DECODE's bk.*page size 32"):
+        paged_decode_attention(q, kp, vp, table, lens)
