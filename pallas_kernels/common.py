@@ -54,7 +54,7 @@ MIXED_SHARED_KNOBS = dict(br="block_rows", bk="block_kv", w="num_warps", st="num
 
 
 MIXED_RAGGED_KNOBS = dict(bq="block_q", bk="block_kv", w="num_warps", st="num_stages", sp="kv_splits",
-                          sl="split_longest", lk="long_keys", sk="small_block_kv")
+                          sl="split_longest", lk="long_keys", sk="small_block_kv", tl="separate_tiles")
 
 
 def mixed_shared_knobs() -> dict:
@@ -77,12 +77,13 @@ def mixed_ragged_knobs() -> dict:
     """``INFERSCALE_MIXED_RAGGED`` (e.g. ``sp=1`` or ``sl=0``): knobs of the ragged kernel in the
     engine's mixed steps (``pallas_kernels/ragged_attention.py``), by ``MIXED_RAGGED_KNOBS``' short
     names (``sl=0``: every block split-KV, not only the longest (``split_longest``, the kernel's
-    default), ``lk``: ``split_longest``'s ``long_keys``, ``sk``: the small (decode-row) tile's keys per step);
+    default), ``lk``: ``split_longest``'s ``long_keys``, ``sk``: the small (decode-row) tile's keys per step,
+    ``tl=1``: the two tiles in launches of their own, ``separate_tiles``);
     unset: none.  An A/B switch for the
     benchmarks (bench/NOTES.md)."""
     knobs = _knobs("INFERSCALE_MIXED_RAGGED", MIXED_RAGGED_KNOBS, tiles=dict(bq=1, bk=MIN_DOT_DIM, sk=MIN_DOT_DIM),
-                   flags=("sl",))
-    return {k: bool(v) if k == "split_longest" else v for k, v in knobs.items()}
+                   flags=("sl", "tl"))
+    return {k: bool(v) if k in ("split_longest", "separate_tiles") else v for k, v in knobs.items()}
 
 
 DECODE_KNOBS = dict(bk="block_tokens", w="num_warps", st="num_stages")

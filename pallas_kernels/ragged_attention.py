@@ -344,13 +344,17 @@ def _kernel_refs(refs, quantized: bool, init_splits: int):
     return scale_refs, init_refs, refs
 
 
-def _ragged_kernel(meta_ref, page_table_ref, q_ref, k_ref, v_ref, *refs, quantized, num_blocks, tiles, **kw):
+def _ragged_kernel(meta_ref, page_table_ref, q_ref, k_ref, v_ref, *refs, quantized, num_blocks, tiles, only=None,
+                   aliased=0, **kw):
     """meta_ref [NB * 5] int32; page_table_ref [R * max_pages]; q_ref / o_ref [N * Hq, D];
     k_ref / v_ref [P * S, D] (this kv head); refs: (ks_ref, vs_ref [P * S] fp32 when quantized),
     (init_row [N] int32, init_o [NI * R, D], init_m, init_l [NI * R] fp32 with ``init_splits``),
-    o_ref, then () or (lse [N * Hq] fp32, log2-sum-exp) when split or asked for (``return_lse``).
-    Grid (split, block, kv head): every block's KV range cut in ``num_splits`` runs."""
-    scale_refs, init_refs, (o_ref, *lse_refs) = _kernel_refs(refs, quantized, kw["init_splits"])
+    ``aliased`` inputs (the outputs of the launch before, aliased to this one's: unread), o_ref, then () or
+    (lse [N * Hq] fp32, log2-sum-exp) when split or asked for (``return_lse``).
+    Grid (split, block, kv head): every block's KV range cut in ``num_splits`` runs.  ``only`` (0 or 1):
+    this launch runs only the blocks of tile ``tiles[only]`` (``separate_tiles``)."""
+    scale_refs, init_refs, refs = _kernel_refs(refs, quantized, kw["init_splits"])
+    o_ref, *lse_refs = refs[aliased:]
     blk = num_blocks - 1 - pl.program_id(1)  # last blocks (longest loops) first
     # program ids are read here, outside the cond (interpret mode cannot read them inside)
     meta = tuple(meta_ref[blk * _META + i] for i in range(_META))
@@ -362,12 +366,21 @@ def _ragged_kernel(meta_ref, page_table_ref, q_ref, k_ref, v_ref, *refs, quantiz
             lse_refs[0][row_ids] = lse2
 
     _run_tiles(meta, tiles, functools.partial(_attend, meta, page_table_ref, q_ref, k_ref, v_ref, store,
-                                              scale_refs, init_refs, **kw))
+                                              scale_refs, init_refs, **kw), only)
 
 
-def _run_tiles(meta, tiles, attend):
-    """Run ``attend(tile)`` for a block with tokens: its one tile, or (small, big) by its token count."""
+def _run_tiles(meta, tiles, attend, only=None):
+    """Run ``attend(tile)`` for a block with tokens: its one tile, or (small, big) by its token count;
+    ``only`` (0: small, 1: big): only the blocks that take that tile, the others do nothing."""
     cnt = meta[1]
+    if only is not None:  # (separate_tiles: this launch's kernel holds one tile's code, one register budget)
+        small = tiles[0][1]
+        mine = jnp.logical_and(cnt > 0, cnt <= small) if only == 0 else cnt > small
+
+        @pl.when(mine)
+        def _():
+            attend(tiles[only])
+        return
 
     @pl.when(cnt > 0)
     def _():
@@ -464,10 +477,10 @@ def _split_plan(meta, *, num_blocks, slots, num_splits, long_keys):
 
 @functools.partial(jax.jit, static_argnames=(
     "sm_scale", "block_q", "tiles", "num_warps", "num_stages", "kv_splits", "interpret", "v_rows", "return_lse",
-    "split_longest", "long_keys"))
+    "split_longest", "long_keys", "separate_tiles"))
 def _ragged(q, k_pages, v_pages, page_table, cu_q_lens, kv_lens, k_scale, v_scale, init=None, *, sm_scale, block_q,
             tiles, num_warps, num_stages, kv_splits, interpret, v_rows, return_lse=False, split_longest=True,
-            long_keys=_LONG_KEYS):
+            long_keys=_LONG_KEYS, separate_tiles=False):
     num_tokens, num_q_heads, head_dim = q.shape  # [N, Hq, D]
     num_kv_heads, num_pages, page_size, _ = k_pages.shape  # [Hkv, P, S, D]
     num_rows, max_pages = page_table.shape  # [R, max_pages]
@@ -501,7 +514,7 @@ def _ragged(q, k_pages, v_pages, page_table, cu_q_lens, kv_lens, k_scale, v_scal
     else:
         out, lse = _ragged_all(meta, page_table, q_rows, k_slots, v_slots, scales, kw, num_blocks=num_blocks,
                                out_dtype=q.dtype, return_lse=return_lse, name=name, params=params,
-                               interpret=interpret)
+                               interpret=interpret, separate=separate_tiles and len(tiles) == 2)
     out = out.reshape(num_tokens, num_q_heads, head_dim)
     if not return_lse:
         return out
@@ -521,9 +534,11 @@ def _extra_specs(extras, head_of):
 
 
 def _ragged_all(meta, page_table, q_rows, k_slots, v_slots, scales, kw, *, num_blocks, out_dtype, return_lse, name,
-                params, interpret):
+                params, interpret, separate=False):
     """Every block's KV range split ``kv_splits`` ways (1: unsplit): grid (split, block, kv head), the
-    splits' fp32 partials merged in jnp.  Returns (out [N * Hq, D], log2 lse [N * Hq] or None)."""
+    splits' fp32 partials merged in jnp.  ``separate``: two launches over the same grid, the big tile's
+    blocks (``_big``) then the small tile's (``_small``), the second writing into the first's outputs in
+    place.  Returns (out [N * Hq, D], log2 lse [N * Hq] or None)."""
     n_rows, head_dim = q_rows.shape
     num_kv_heads, num_slots, _ = k_slots.shape
     kv_splits = kw["num_splits"]
@@ -541,17 +556,24 @@ def _ragged_all(meta, page_table, q_rows, k_slots, v_slots, scales, kw, *, num_b
             out_shape.append(jax.ShapeDtypeStruct((n_rows,), jnp.float32))
             out_specs.append(_whole(n_rows))
     scale_specs = _extra_specs(scales, lambda s, i, h: h)
-    outs = pl.pallas_call(
-        functools.partial(_ragged_kernel, num_blocks=num_blocks, **kw),
-        grid=(kv_splits, num_blocks, num_kv_heads),  # dim 0 varies fastest on launch
-        in_specs=[_whole(num_blocks * _META), _whole(page_table.shape[0]), _whole(n_rows, head_dim),
-                  per_head, per_head, *scale_specs],
-        out_specs=out_specs,
-        out_shape=out_shape,
-        compiler_params=params,
-        interpret=interpret,
-        name=name,
-    )(meta, page_table, q_rows, k_slots, v_slots, *scales)
+
+    def launch(only, before=(), suffix=""):  # (before: the outputs of the launch before, written in place)
+        return pl.pallas_call(
+            functools.partial(_ragged_kernel, num_blocks=num_blocks, only=only, aliased=len(before), **kw),
+            grid=(kv_splits, num_blocks, num_kv_heads),  # dim 0 varies fastest on launch
+            in_specs=[_whole(num_blocks * _META), _whole(page_table.shape[0]), _whole(n_rows, head_dim),
+                      per_head, per_head, *scale_specs, *out_specs[:len(before)]],
+            out_specs=out_specs,
+            out_shape=out_shape,
+            input_output_aliases={5 + len(scales) + i: i for i in range(len(before))},
+            compiler_params=params,
+            interpret=interpret,
+            name=name + suffix,
+        )(meta, page_table, q_rows, k_slots, v_slots, *scales, *before)
+
+    outs = launch(1, suffix="_big") if separate else launch(None)
+    if separate:
+        outs = launch(0, tuple(outs), "_small")
     if split:  # [splits, N*Hq, D], [splits, N*Hq] -> merged (padding rows: all zero)
         merged = common.merge_splits(*outs, out_dtype, return_lse=return_lse)
         return merged if return_lse else (merged, None)
@@ -636,6 +658,7 @@ def ragged_paged_attention(
     long_keys: int | None = None,
     init: tuple[jax.Array, ...] | None = None,
     small_block_kv: int | None = None,
+    separate_tiles: bool = False,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:  # [N, Hq, D], q.dtype; padding tokens: zeros (without init)
     """Causal attention of a flat batch of decode rows and prefill chunks (see module doc).
     ``return_lse=True`` returns ``(out, lse)``, ``lse [N, Hq] float32`` each query's natural-log
@@ -658,7 +681,11 @@ def ragged_paged_attention(
     The small tile for blocks of at most ``max(1, 16 // G)`` tokens (decode rows) has
     ``max(16, G)`` rows and ``2 * block_kv`` keys per step (``block_kv`` with 3+ stages), or
     ``small_block_kv`` keys when given (a power of two >= 16): its shared memory is ``num_stages`` K and V
-    tiles of that many keys, which bounds how many programs an SM holds.
+    tiles of that many keys, which bounds how many programs an SM holds.  ``separate_tiles=True`` runs the
+    two tiles' blocks in two launches (the big tile's, then the small tile's writing into the same output), so
+    each kernel is compiled with one tile's code and gets that tile's register budget (one kernel's registers
+    are its bigger branch's: the small tile ran at two programs an SM, bench/NOTES.md run BD); not with
+    ``split_longest``'s split path (the flag is ignored there).
     ``kv_splits``: None = automatic (1 when the grid fills the GPU and in interpret
     mode), 1 = no split-KV.  ``split_longest=True`` (the default; with ``kv_splits`` > 1 as given or
     chosen, else it changes nothing) splits only the blocks that see the most keys (as many as one
@@ -716,7 +743,7 @@ def ragged_paged_attention(
     return _ragged(q, k_pages, v_pages, page_table, cu_q_lens, kv_lens, k_scale, v_scale, init, sm_scale=sm_scale,
                    block_q=block_q, tiles=tiles, num_warps=num_warps, num_stages=num_stages,
                    kv_splits=int(kv_splits), interpret=interpret, v_rows=v_rows, return_lse=return_lse,
-                   split_longest=bool(split_longest), long_keys=long_keys)
+                   split_longest=bool(split_longest), long_keys=long_keys, separate_tiles=bool(separate_tiles))
 
 
 def _small_tile_keys(block_kv: int, num_stages: int) -> int:

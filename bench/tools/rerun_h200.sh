@@ -122,6 +122,10 @@
 #  43  the paged decode kernel's occupancy (run BD: 12.5%, two programs an SM, bounded by its shared memory): the
 #      decode steps at 1 / 64 / 256 rows (bench/engine/steps.py --sections decode) with INFERSCALE_DECODE unset and
 #      each of DECODE_VARIANTS (default: st=1, bk=64, bk=64,st=1, w=2,st=1)
+#  44  the ragged kernel's two tiles in launches of their own (INFERSCALE_MIXED_RAGGED=tl=1: each kernel one tile's
+#      register budget; run BD: the small tile at 201 registers, two programs an SM) against one launch: the mixed
+#      steps' attention by kernel (bench/kernels/mixed_shared.py: spread, c64, c64q3; checked against the engine's
+#      output), then with CONCS set (e.g. 256) the bare loop both ways
 #  16  the checkpoint read (models/loader.py: os.preadv into each tensor's array, threads in parallel): the 8B
 #      checkpoint loaded one tensor at a time and eight (bench/tools/weights_load.py; run AL: 14.2 / 12.1 s)
 # Parts 6-14, 16, 18-20, 23-26, 28, 30, 31, 33, 35, 38-42 write the 8B checkpoint to /tmp/llama8b first when it is missing (~35 s); it stays out of
@@ -130,7 +134,7 @@
 # Each step writes its tables under RESULTS_DIR/<step>/ and its console log to RESULTS_DIR/<step>.log;
 # after each step RESULTS_DIR is packed into TARBALL when given (what a cut call still returns).
 set -uo pipefail
-part=${1:?part 1-43}
+part=${1:?part 1-44}
 res=${2:?results folder}
 tarball=${3:-}
 mkdir -p "$res"
@@ -475,6 +479,14 @@ case "$part" in
     XLA_FLAGS="${XLA_FLAGS:-} --xla_enable_command_buffers_during_profiling=true" step_as profile_graph_c1 150 \
         bench/tools/profile_graph.py --model /tmp/llama8b --concurrency 1 --warm-steps 20 --mixed-captures 1 \
         --decode-reps 4 --mixed-reps 4 --loop-steps 8 --raw /tmp/pg_c1 --out "$res/profile_graph_c1.md"
+    ;;
+44)
+    step mixed_ragged_tl 200 bench/kernels/mixed_shared.py --steps spread,c64,c64q3 \
+        --variants INFERSCALE_MIXED_RAGGED=tl=1
+    if [ -n "${CONCS:-}" ]; then
+        ckpt
+        loops_ab INFERSCALE_MIXED_RAGGED ragged_ default tl=1
+    fi
     ;;
 43)
     for v in "" ${DECODE_VARIANTS:-st=1 bk=64 bk=64,st=1 w=2,st=1}; do

@@ -348,11 +348,13 @@ def test_a_bad_mixed_shared_switch_is_refused_with_its_value(monkeypatch, spec):
                                        ("sp=2,lk=4", {"ragged_paged_attention_bq16_bkv16_g4_s2_i1_sl",
                                                       "ragged_merge_s2"}),
                                        ("sp=2,sl=1,lk=4", {"ragged_paged_attention_bq16_bkv16_g4_s2_i1_sl",
-                                                           "ragged_merge_s2"})])
+                                                           "ragged_merge_s2"}),
+                                       ("tl=1", {"ragged_paged_attention_bq16_bkv16_g4_s1_i1_big",
+                                                 "ragged_paged_attention_bq16_bkv16_g4_s1_i1_small"})])
 def test_the_mixed_ragged_switch_keeps_the_result(monkeypatch, spec, want):
     """``INFERSCALE_MIXED_RAGGED`` (the benchmarks' A/B switch of the ragged kernel's knobs in mixed steps):
     forced splits, split-KV for the longest blocks only (the default, ``sl=1``; ``lk``: past how many keys)
-    or for every block (``sl=0``), change
+    or for every block (``sl=0``), the two tiles in launches of their own (``tl=1``), change
     the kernels a mixed step launches, never what it computes; the executable store's key follows it."""
     from pallas_kernels import common
     q, kp, vp, casc, plain, n = mixed_case(9, chunk_groups=(0, 1))

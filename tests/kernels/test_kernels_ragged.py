@@ -220,6 +220,26 @@ def test_kernel_matches_ref(dtype, Hq, Hkv, D, S, q_lens, cached, pad, kw):
         assert (out == 0).all()
 
 
+@pytest.mark.parametrize("index,kw", [
+    (0, {}), (1, {}), (3, dict(return_lse=True)), (8, dict(kv_splits=3, block_kv=16, split_longest=False)),
+    (len(CASES) - 2, dict(small_block_kv=16)), (len(CASES) - 4, {}),
+], ids=["mixed_f32", "mixed_bf16", "lse", "every_block_split", "small_block_kv", "all_padding"])
+def test_separate_tile_launches_match_ref(index, kw):
+    """``separate_tiles=True``: the big tile's blocks in one launch, the small tile's in a second one writing
+    into the first's output; every token (padding ones: zeros) as the reference, the lse too."""
+    dtype, Hq, Hkv, D, S, q_lens, cached, pad, case_kw = CASES[index]
+    args, _ = make_case(q_lens=q_lens, cached=cached, pad=pad, Hq=Hq, Hkv=Hkv, D=D, S=S, dtype=dtype)
+    kw = {**case_kw, **kw}
+    lse = kw.pop("return_lse", False)
+    got = ragged_paged_attention(*args, separate_tiles=True, return_lse=lse, **kw)
+    one = ragged_paged_attention(*args, return_lse=lse, **kw)  # one launch
+    if lse:
+        np.testing.assert_allclose(np.asarray(got[1]), np.asarray(one[1]), rtol=1e-5, atol=1e-5)
+        got, one = got[0], one[0]
+    out = check_output(got, args, dtype)
+    np.testing.assert_allclose(out, np.asarray(one, np.float32), rtol=1e-5, atol=1e-5)
+
+
 def dense_lse_f64(q, k_seq, cu, sm_scale):
     """Per token and q head: the natural-log log-sum-exp of its visible scaled scores (numpy
     float64; -inf for padding tokens)."""
@@ -538,8 +558,9 @@ def test_validator_returns_dims():
     dict(kv_splits=4, split_longest=True, return_lse=True, pages=jnp.int8),
     dict(kv_splits=4, split_longest=True, pages=jnp.float8_e4m3fn),
     dict(small_block_kv=64),
+    dict(kv_splits=1, separate_tiles=True),
 ], ids=["auto", "unsplit", "every_block_split", "split_longest", "split_longest_int8_lse", "split_longest_fp8",
-        "small_block_kv"])
+        "small_block_kv", "separate_tiles"])
 def test_lowers_to_triton(kw):
     """The compiled (non-interpret) path lowers to Triton for CUDA, even on a CPU host: interpret mode
     does not run the Triton lowering, and that lowering refuses things interpret mode accepts (a
@@ -566,3 +587,6 @@ def test_lowers_to_triton(kw):
     assert any(n.startswith("ragged_merge") for n in names) == bool(longest), names
     assert any(n.endswith("_sl") for n in names) == bool(longest), names
     assert any("_sk64" in n for n in names) == ("small_block_kv" in kw), names  # (the small tile's keys, when set)
+    # separate_tiles: two launches named for their tile, each with one tile's code
+    assert {n.endswith("_big") for n in names} | {n.endswith("_small") for n in names} == (
+        {True, False} if kw.get("separate_tiles") else {False}), names
