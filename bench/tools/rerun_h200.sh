@@ -122,6 +122,10 @@
 #  43  the paged decode kernel's occupancy (run BD: 12.5%, two programs an SM, bounded by its shared memory): the
 #      decode steps at 1 / 64 / 256 rows (bench/engine/steps.py --sections decode) with INFERSCALE_DECODE unset and
 #      each of DECODE_VARIANTS (default: st=1, bk=64, bk=64,st=1, w=2,st=1)
+#  45  the one-token rows' kernels under Nsight Compute (memory throughput, L2 hits, occupancy achieved, warp
+#      stalls; Firecracker hosts only, `uname -r` is written first): the paged decode kernel at 256 rows of ~112
+#      keys (bench/tools/profile_decode.py), then the spread step's ragged kernel as the engine runs it (started from
+#      the shared part's partials, `_i2`; bench/kernels/mixed_shared.py --steps spread)
 #  44  the ragged kernel's two tiles in launches of their own (INFERSCALE_MIXED_RAGGED=tl=1: each kernel one tile's
 #      register budget; run BD: the small tile at 201 registers, two programs an SM) against one launch: the mixed
 #      steps' attention by kernel (bench/kernels/mixed_shared.py: spread, c64, c64q3; checked against the engine's
@@ -134,7 +138,7 @@
 # Each step writes its tables under RESULTS_DIR/<step>/ and its console log to RESULTS_DIR/<step>.log;
 # after each step RESULTS_DIR is packed into TARBALL when given (what a cut call still returns).
 set -uo pipefail
-part=${1:?part 1-44}
+part=${1:?part 1-45}
 res=${2:?results folder}
 tarball=${3:-}
 mkdir -p "$res"
@@ -479,6 +483,26 @@ case "$part" in
     XLA_FLAGS="${XLA_FLAGS:-} --xla_enable_command_buffers_during_profiling=true" step_as profile_graph_c1 150 \
         bench/tools/profile_graph.py --model /tmp/llama8b --concurrency 1 --warm-steps 20 --mixed-captures 1 \
         --decode-reps 4 --mixed-reps 4 --loop-steps 8 --raw /tmp/pg_c1 --out "$res/profile_graph_c1.md"
+    ;;
+45)
+    uname -r > "$res/uname.txt"
+    sections=(--section SpeedOfLight --section MemoryWorkloadAnalysis --section MemoryWorkloadAnalysis_Tables
+              --section Occupancy --section LaunchStats --section WarpStateStats --section SchedulerStats)
+    ncu_kernel() {  # ncu_kernel NAME REGEX SKIP SECONDS SCRIPT ARGS...: two launches' details as text
+        local name=$1 regex=$2 skip=$3 limit=$4
+        shift 4
+        echo "=== ncu $name: $* ($(date +%T), limit ${limit} s)"
+        timeout "$limit" ncu --clock-control none --kernel-name "regex:$regex" --launch-skip "$skip" --launch-count 2 \
+            "${sections[@]}" -f -o "/tmp/ncu_$name" python3 "$@" > "$res/ncu_$name.log" 2>&1
+        echo "=== ncu $name rc=$? ($(date +%T))"
+        ncu --import "/tmp/ncu_$name.ncu-rep" --page details --print-details all > "$res/ncu_$name.txt" 2>&1
+        grep -E "Duration|Memory Throughput|DRAM Throughput|L2 Hit|Achieved Occupancy|Theoretical Occupancy|Registers" \
+            "$res/ncu_$name.txt" | head -n 24
+        [ -n "$tarball" ] && tar czf "$tarball" -C "$res" .
+    }
+    ncu_kernel decode paged_decode 1 150 bench/tools/profile_decode.py --batch 256 --ctx 112
+    ncu_kernel ragged "ragged_paged_attention.*_i2" 2 200 bench/kernels/mixed_shared.py --steps spread --variants \
+        --reps 2 --out /tmp/ms_ncu
     ;;
 44)
     step mixed_ragged_tl 200 bench/kernels/mixed_shared.py --steps spread,c64,c64q3 \
