@@ -175,12 +175,15 @@ def device_time_calls(call, shared, variants, reps):
     """(seconds per call the GPU spent in kernels, [(line, kernel, us per call, launches per call)]) of an
     executable like ``time_calls``' (compiled again), from the profiler (``bench/lib/profile_ops.py``): the
     kernels' and copies' durations on the GPU's stream lines, summed (no dispatch or sync time; a second stream's
-    overlap would be counted twice).  NaN and [] off the GPU."""
+    overlap would be counted twice).  NaN and [] off the GPU, and with ``INFERSCALE_BENCH_DEVICE_TIME=0`` (for a
+    run under Nsight Compute)."""
     return _device_time(_multi(call), shared, variants, reps)
 
 
 def _device_time(multi, shared, variants, reps):
-    if jax.default_backend() != "gpu":
+    # (INFERSCALE_BENCH_DEVICE_TIME=0: none, NaN and [] as off the GPU - the profiler's CUPTI session cannot
+    # run under Nsight Compute, whose own one crashes the process, bench/NOTES.md run BD)
+    if jax.default_backend() != "gpu" or os.environ.get("INFERSCALE_BENCH_DEVICE_TIME", "1") == "0":
         return math.nan, []
     from profile_ops import kernel_times
     jax.block_until_ready(multi(shared, variants))

@@ -125,7 +125,8 @@
 #  45  the one-token rows' kernels under Nsight Compute (memory throughput, L2 hits, occupancy achieved, warp
 #      stalls; Firecracker hosts only, `uname -r` is written first): the paged decode kernel at 256 rows of ~112
 #      keys (bench/tools/profile_decode.py), then the spread step's ragged kernel as the engine runs it (started from
-#      the shared part's partials, `_i2`; bench/kernels/mixed_shared.py --steps spread)
+#      the shared part's partials, `_i2`; bench/kernels/mixed_shared.py --steps spread, its CUPTI device-time
+#      column off: under ncu it crashed, run BD) and that step's cascade shared part
 #  44  the ragged kernel's two tiles in launches of their own (INFERSCALE_MIXED_RAGGED=tl=1: each kernel one tile's
 #      register budget; run BD: the small tile at 201 registers, two programs an SM) against one launch: the mixed
 #      steps' attention by kernel (bench/kernels/mixed_shared.py: spread, c64, c64q3; checked against the engine's
@@ -501,8 +502,10 @@ case "$part" in
         [ -n "$tarball" ] && tar czf "$tarball" -C "$res" .
     }
     ncu_kernel decode paged_decode 1 150 bench/tools/profile_decode.py --batch 256 --ctx 112
-    ncu_kernel ragged "ragged_paged_attention.*_i2" 2 200 bench/kernels/mixed_shared.py --steps spread --variants \
-        --reps 2 --out /tmp/ms_ncu
+    INFERSCALE_BENCH_DEVICE_TIME=0 ncu_kernel ragged "ragged_paged_attention.*_i2" 2 200 bench/kernels/mixed_shared.py \
+        --steps spread --variants --reps 2 --out /tmp/ms_ncu
+    INFERSCALE_BENCH_DEVICE_TIME=0 ncu_kernel shared "cascade_shared" 2 200 bench/kernels/mixed_shared.py \
+        --steps spread --variants --reps 2 --out /tmp/ms_ncu
     ;;
 44)
     step mixed_ragged_tl 200 bench/kernels/mixed_shared.py --steps spread,c64,c64q3 \
