@@ -17,7 +17,9 @@ engine's defaults otherwise (``max_batch`` and the page pool from memory, the to
   between consecutive loops divided by N (per decode step), "call ms" the loop's own.  Floors, measured in the same run: weight read = (non-embedding
   weights + LM head) bytes / read bandwidth (a device reduction over a 2 GiB array, measured
   before the engine takes the memory); compute =
-  2 x non-embedding params x B / 800 TFLOP/s.  Ratios: step / max(floors).
+  2 x (non-embedding params + LM head) x B / the bf16 matmul rate (an 8192-cube matmul chain, measured before the
+  engine too; before session 45 a fixed 800 TFLOP/s over the non-embedding params, so the 256-row ratio read 2.35x
+  where the README's floor at the measured rate gave 2.04x).  Ratios: step / max(floors).
 - ``throughput``: 256 requests sharing the segment, submitted at once: output tokens / s, the median of
   three bursts after an untimed one (a burst that compiled is dropped).
 - ``mixed``: ``--mixed-s`` seconds of random load (prompts 1..1500 tokens, 0-2 of four
@@ -48,11 +50,11 @@ import numpy as np  # noqa: E402
 
 from common import model_config, shape, timed_reps  # noqa: E402  (bench/lib/common.py)
 from report import code_version  # noqa: E402  (bench/lib/report.py)
+from common import matmul_ceiling  # noqa: E402
 from common import read_bandwidth as common_read_bandwidth  # noqa: E402
 from inferscale_jax import Engine, EngineConfig, SamplingParams  # noqa: E402
 from models import init_params  # noqa: E402
 
-PEAK_FLOPS = 800e12  # bf16 dense, the compute floor's rate (issue target)
 
 
 def log(*a):
@@ -125,6 +127,7 @@ def main():
                code=code_version())
     t0 = time.perf_counter()
     bw = read_bandwidth(args.quick)  # before the page pool takes the device's memory
+    flops = matmul_ceiling(256 if args.quick else 8192)  # the compute floor's rate, measured as the bandwidth
     cfg = model_config(shape(args.quick))
     params = init_params(cfg, jax.random.PRNGKey(0), jnp.bfloat16 if not args.quick else jnp.float32)
     jax.block_until_ready(params)
@@ -151,7 +154,7 @@ def main():
     itemsize = jnp.dtype(conf.dtype).itemsize
     weight_bytes = (nonembed + head) * itemsize
     res["floors"] = dict(read_GBps=round(bw / 1e9, 1), weight_bytes=int(weight_bytes),
-                         weight_floor_ms=round(weight_bytes / bw * 1e3, 3))
+                         weight_floor_ms=round(weight_bytes / bw * 1e3, 3), matmul_TFLOPs=round(flops / 1e12, 1))
     log("floors", res["floors"])
     rng = np.random.default_rng(0)
     seg_len = 4096 if not args.quick else 256
@@ -175,7 +178,7 @@ def main():
             wall = call / n_steps
             host = float(np.median([s[1] for s in dec])) if dec else float("nan")
             disp = float(np.median([s[4] for s in dec])) if dec else float("nan")
-            compute = 2 * nonembed * b / PEAK_FLOPS
+            compute = 2 * (nonembed + head) * b / flops  # (every weight's multiply-add, the LM head's too)
             floor = max(weight_bytes / bw, compute)
             row = dict(rows=b, decode_steps=n_steps, steps=len(dec), step_ms=round(wall * 1e3, 3),
                        call_ms=round(call * 1e3, 3), host_ms=round(host * 1e3, 3),
@@ -251,7 +254,8 @@ def report(res, args):
     if "decode" in res:
         f = res["floors"]
         lines += ["## Decode step over a 4096-token segment", "",
-                  f"Read bandwidth {f['read_GBps']} GB/s (measured); weights read per step "
+                  f"Read bandwidth {f['read_GBps']} GB/s, bf16 matmul {f.get('matmul_TFLOPs', 'n/a')} TFLOP/s (both "
+                  f"measured in this run: the floors' rates); weights read per step "
                   f"{f['weight_bytes'] / 1e9:.2f} GB. \"host ms\": step wall time less the time blocked reading "
                   "results back (it includes device time when the step call itself blocks).", "",
                   "| rows | decode steps per call | step ms | call ms | host ms per call | weight floor ms | "
