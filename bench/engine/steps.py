@@ -154,7 +154,7 @@ def main():
     itemsize = jnp.dtype(conf.dtype).itemsize
     weight_bytes = (nonembed + head) * itemsize
     res["floors"] = dict(read_GBps=round(bw / 1e9, 1), weight_bytes=int(weight_bytes),
-                         weight_floor_ms=round(weight_bytes / bw * 1e3, 3), matmul_TFLOPs=round(flops / 1e12, 1))
+                         weight_floor_ms=round(weight_bytes / bw * 1e3, 3), matmul_TFLOPs=round(flops / 1e12, 4))
     log("floors", res["floors"])
     rng = np.random.default_rng(0)
     seg_len = 4096 if not args.quick else 256
