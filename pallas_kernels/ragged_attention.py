@@ -51,7 +51,10 @@ block's token count:
   read).  When ``N`` is so small that the big tile is no bigger, only this one is compiled.
 
 Only ``num_warps`` / ``num_stages`` are shared by the two tiles (one kernel); the defaults
-follow the big tile's (prefill) choice.
+follow the big tile's (prefill) choice.  So are the registers: the kernel gets its bigger branch's
+budget.  ``separate_tiles=True`` runs the two tiles' blocks in two launches over the same grid (the
+big tile's, then the small tile's writing into the same output in place), each kernel with one
+tile's code; measured slower on the engine's mixed steps (bench/NOTES.md, run BD), so not the default.
 
 Per block, with first query position ``p0`` and ``c`` tokens: keys ``< p0`` are visible to
 every row, so KV blocks ``[0, p0 // block_kv)`` run unmasked and the rest up to
