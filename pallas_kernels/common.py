@@ -252,7 +252,8 @@ def switches() -> dict:
     """The environment's switches that change the kernels' programs (for caches keyed without
     tracing, such as the engine's executable store: a switch must name another entry)."""
     return {"slot_prefetch": slot_prefetch(), "mixed_shared": sorted(mixed_shared_knobs().items()),
-            "mixed_decode": mixed_decode(), "decode": sorted(decode_knobs().items()), "mixed_ragged": sorted(mixed_ragged_knobs().items()),
+            "mixed_decode": mixed_decode(), "decode": sorted(decode_knobs().items()),
+            "mixed_ragged": sorted(mixed_ragged_knobs().items()),
             "mixed_merge": mixed_merge(), "shared_partials": shared_partials(), "shared_q": shared_q_rows(),
             "sampler": sampler_draw(), "norm": norm(), "rope": rope(), "matmul": matmul()}
 

@@ -48,9 +48,8 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from common import model_config, shape, timed_reps  # noqa: E402  (bench/lib/common.py)
+from common import matmul_ceiling, model_config, shape, timed_reps  # noqa: E402  (bench/lib/common.py)
 from report import code_version  # noqa: E402  (bench/lib/report.py)
-from common import matmul_ceiling  # noqa: E402
 from common import read_bandwidth as common_read_bandwidth  # noqa: E402
 from inferscale_jax import Engine, EngineConfig, SamplingParams  # noqa: E402
 from models import init_params  # noqa: E402
@@ -127,7 +126,7 @@ def main():
                code=code_version())
     t0 = time.perf_counter()
     bw = read_bandwidth(args.quick)  # before the page pool takes the device's memory
-    flops = matmul_ceiling(256 if args.quick else 8192)  # the compute floor's rate, measured as the bandwidth
+    flops = matmul_ceiling(256 if args.quick else 8192)  # the compute floor's rate, measured like the bandwidth
     cfg = model_config(shape(args.quick))
     params = init_params(cfg, jax.random.PRNGKey(0), jnp.bfloat16 if not args.quick else jnp.float32)
     jax.block_until_ready(params)
@@ -254,7 +253,7 @@ def report(res, args):
     if "decode" in res:
         f = res["floors"]
         lines += ["## Decode step over a 4096-token segment", "",
-                  f"Read bandwidth {f['read_GBps']} GB/s, bf16 matmul {f.get('matmul_TFLOPs', 'n/a')} TFLOP/s (both "
+                  f"Read bandwidth {f['read_GBps']} GB/s, bf16 matmul {f['matmul_TFLOPs']} TFLOP/s (both "
                   f"measured in this run: the floors' rates); weights read per step "
                   f"{f['weight_bytes'] / 1e9:.2f} GB. \"host ms\": step wall time less the time blocked reading "
                   "results back (it includes device time when the step call itself blocks).", "",
