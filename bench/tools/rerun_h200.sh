@@ -126,7 +126,8 @@
 #      stalls; Firecracker hosts only, `uname -r` is written first): the paged decode kernel at 256 rows of ~112
 #      keys (bench/tools/profile_decode.py), then the spread step's ragged kernel as the engine runs it (started from
 #      the shared part's partials, `_i2`; bench/kernels/mixed_shared.py --steps spread, its CUPTI device-time
-#      column off: under ncu it crashed, run BD) and that step's cascade shared part
+#      column off: under ncu it crashed, run BD) and that step's cascade shared part (with the compute pipes,
+#      instruction mix and source-line stalls; NCU_SKIP_DECODE=1 skips the decode kernel, profiled in run BD)
 #  44  the ragged kernel's two tiles in launches of their own (INFERSCALE_MIXED_RAGGED=tl=1: each kernel one tile's
 #      register budget; run BD: the small tile at 201 registers, two programs an SM) against one launch: the mixed
 #      steps' attention by kernel (bench/kernels/mixed_shared.py: spread, c64, c64q3; checked against the engine's
@@ -488,7 +489,8 @@ case "$part" in
 45)
     uname -r > "$res/uname.txt"
     sections=(--section SpeedOfLight --section MemoryWorkloadAnalysis --section MemoryWorkloadAnalysis_Tables
-              --section Occupancy --section LaunchStats --section WarpStateStats --section SchedulerStats)
+              --section Occupancy --section LaunchStats --section WarpStateStats --section SchedulerStats
+              --section ComputeWorkloadAnalysis --section InstructionStats --section SourceCounters)
     ncu_kernel() {  # ncu_kernel NAME REGEX SKIP SECONDS SCRIPT ARGS...: two launches' details as text
         local name=$1 regex=$2 skip=$3 limit=$4
         shift 4
@@ -497,11 +499,11 @@ case "$part" in
             "${sections[@]}" -f -o "/tmp/ncu_$name" python3 "$@" > "$res/ncu_$name.log" 2>&1
         echo "=== ncu $name rc=$? ($(date +%T))"
         ncu --import "/tmp/ncu_$name.ncu-rep" --page details --print-details all > "$res/ncu_$name.txt" 2>&1
-        grep -E "Duration|Memory Throughput|DRAM Throughput|L2 Hit|Achieved Occupancy|Theoretical Occupancy|Registers" \
+        grep -E "Duration|Memory Throughput|DRAM Throughput|L2 Hit|Achieved Occupancy|Theoretical Occupancy|Registers|Compute \(SM\) Throughput|Issue Slots Busy" \
             "$res/ncu_$name.txt" | head -n 24
         [ -n "$tarball" ] && tar czf "$tarball" -C "$res" .
     }
-    ncu_kernel decode paged_decode 1 150 bench/tools/profile_decode.py --batch 256 --ctx 112
+    [ -z "${NCU_SKIP_DECODE:-}" ] && ncu_kernel decode paged_decode 1 150 bench/tools/profile_decode.py --batch 256 --ctx 112
     INFERSCALE_BENCH_DEVICE_TIME=0 ncu_kernel ragged "ragged_paged_attention.*_i2" 2 200 bench/kernels/mixed_shared.py \
         --steps spread --variants --reps 2 --out /tmp/ms_ncu
     INFERSCALE_BENCH_DEVICE_TIME=0 ncu_kernel shared "cascade_shared" 2 200 bench/kernels/mixed_shared.py \
