@@ -495,9 +495,13 @@ case "$part" in
         local name=$1 regex=$2 skip=$3 limit=$4
         shift 4
         echo "=== ncu $name: $* ($(date +%T), limit ${limit} s)"
-        timeout "$limit" ncu --clock-control none --kernel-name "regex:$regex" --launch-skip "$skip" --launch-count 2 \
+        # (XLA's command buffers off: the kernels run one by one, as ncu replays them; then no process of the
+        # profiled run may keep the GPU's memory: run BE's first try left one holding 79 GB after a crash)
+        XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_command_buffer=" timeout "$limit" ncu --clock-control none --kernel-name "regex:$regex" --launch-skip "$skip" --launch-count 2 \
             "${sections[@]}" -f -o "/tmp/ncu_$name" python3 "$@" > "$res/ncu_$name.log" 2>&1
         echo "=== ncu $name rc=$? ($(date +%T))"
+        pkill -9 -f "^python3 $1" 2> /dev/null; sleep 1
+        nvidia-smi --query-compute-apps=pid,process_name,used_memory --format=csv,noheader
         ncu --import "/tmp/ncu_$name.ncu-rep" --page details --print-details all > "$res/ncu_$name.txt" 2>&1
         grep -E "Duration|Memory Throughput|DRAM Throughput|L2 Hit|Achieved Occupancy|Theoretical Occupancy|Registers|Compute \(SM\) Throughput|Issue Slots Busy" \
             "$res/ncu_$name.txt" | head -n 24
@@ -505,9 +509,9 @@ case "$part" in
     }
     [ -z "${NCU_SKIP_DECODE:-}" ] && ncu_kernel decode paged_decode 1 150 bench/tools/profile_decode.py --batch 256 --ctx 112
     INFERSCALE_BENCH_DEVICE_TIME=0 ncu_kernel ragged "ragged_paged_attention.*_i2" 2 200 bench/kernels/mixed_shared.py \
-        --steps spread --variants --reps 2 --out /tmp/ms_ncu
+        --steps spread --variants --reps 2 --no-ceilings --out /tmp/ms_ncu
     INFERSCALE_BENCH_DEVICE_TIME=0 ncu_kernel shared "cascade_shared" 2 200 bench/kernels/mixed_shared.py \
-        --steps spread --variants --reps 2 --out /tmp/ms_ncu
+        --steps spread --variants --reps 2 --no-ceilings --out /tmp/ms_ncu
     ;;
 44)
     step mixed_ragged_tl 200 bench/kernels/mixed_shared.py --steps spread,c64,c64q3 \
