@@ -125,8 +125,8 @@
 #  45  the one-token rows' kernels under Nsight Compute (memory throughput, L2 hits, occupancy achieved, warp
 #      stalls; Firecracker hosts only, `uname -r` is written first): the paged decode kernel at 256 rows of ~112
 #      keys (bench/tools/profile_decode.py), then the spread step's ragged kernel as the engine runs it (started from
-#      the shared part's partials, `_i2`; bench/kernels/mixed_shared.py --steps spread, its CUPTI device-time
-#      column off: under ncu it crashed, run BD) and that step's cascade shared part (with the compute pipes,
+#      the shared part's partials, `_i2`) and that step's cascade shared part, both as bench/tools/profile_mixed.py
+#      launches them (mixed_shared.py crashed under ncu, runs BD and BE) (with the compute pipes,
 #      instruction mix and source-line stalls; NCU_SKIP_DECODE=1 skips the decode kernel, profiled in run BD)
 #  44  the ragged kernel's two tiles in launches of their own (INFERSCALE_MIXED_RAGGED=tl=1: each kernel one tile's
 #      register budget; run BD: the small tile at 201 registers, two programs an SM) against one launch: the mixed
@@ -500,7 +500,7 @@ case "$part" in
         XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_command_buffer=" timeout "$limit" ncu --clock-control none --kernel-name "regex:$regex" --launch-skip "$skip" --launch-count 2 \
             "${sections[@]}" -f -o "/tmp/ncu_$name" python3 "$@" > "$res/ncu_$name.log" 2>&1
         echo "=== ncu $name rc=$? ($(date +%T))"
-        pkill -9 -f "^python3 $1" 2> /dev/null; sleep 1
+        pkill -9 -f "$1" 2> /dev/null; sleep 1
         nvidia-smi --query-compute-apps=pid,process_name,used_memory --format=csv,noheader
         ncu --import "/tmp/ncu_$name.ncu-rep" --page details --print-details all > "$res/ncu_$name.txt" 2>&1
         grep -E "Duration|Memory Throughput|DRAM Throughput|L2 Hit|Achieved Occupancy|Theoretical Occupancy|Registers|Compute \(SM\) Throughput|Issue Slots Busy" \
@@ -508,10 +508,13 @@ case "$part" in
         [ -n "$tarball" ] && tar czf "$tarball" -C "$res" .
     }
     [ -z "${NCU_SKIP_DECODE:-}" ] && ncu_kernel decode paged_decode 1 150 bench/tools/profile_decode.py --batch 256 --ctx 112
-    INFERSCALE_BENCH_DEVICE_TIME=0 ncu_kernel ragged "ragged_paged_attention.*_i2" 2 200 bench/kernels/mixed_shared.py \
-        --steps spread --variants --reps 2 --no-ceilings --out /tmp/ms_ncu
-    INFERSCALE_BENCH_DEVICE_TIME=0 ncu_kernel shared "cascade_shared" 2 200 bench/kernels/mixed_shared.py \
-        --steps spread --variants --reps 2 --no-ceilings --out /tmp/ms_ncu
+    # (bench/tools/profile_mixed.py: the engine's attention call alone; mixed_shared.py crashed under ncu, run BE)
+    ncu_kernel shared "cascade_shared" 1 200 bench/tools/profile_mixed.py --step spread
+    if [ ! -s "/tmp/ncu_shared.ncu-rep" ]; then  # (a crash: once more with the basic sections only)
+        sections=(--section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy --section WarpStateStats)
+        ncu_kernel shared_basic "cascade_shared" 1 200 bench/tools/profile_mixed.py --step spread
+    fi
+    ncu_kernel ragged "ragged_paged_attention.*_i2" 1 200 bench/tools/profile_mixed.py --step spread
     ;;
 44)
     step mixed_ragged_tl 200 bench/kernels/mixed_shared.py --steps spread,c64,c64q3 \
