@@ -32,6 +32,8 @@ def main():
     ap.add_argument("--quick", action="store_true", help="tiny shapes, interpret mode (the CPU)")
     ap.add_argument("--step", default="spread", help="one of mixed_shared.py's steps (cohort, spread, c64, c64q3)")
     ap.add_argument("--launches", type=int, default=3)
+    ap.add_argument("--check", action="store_true", help="afterwards, the output against the jnp references "
+                    "(kv_cache's reference path over the same inputs): its max error relative to the largest value")
     args = ap.parse_args()
     cfg = dict(SMOKE if args.quick else FULL)
     kp, vp, sets, real, flops, nbytes = step_case(cfg, *cfg["steps"][args.step])
@@ -42,6 +44,10 @@ def main():
     got = np.asarray(out[:real], np.float32)
     print(f"{args.step}: {args.launches} launches, {real} tokens, {flops / 1e9:.1f} GFLOP, {nbytes / 2**20:.0f} MiB; "
           f"finite {bool(np.isfinite(got).all())}, mean |out| {float(np.abs(got).mean()):.4f}", flush=True)
+    if args.check:  # (after the launches: nothing of it runs under the profiler's kernel filter)
+        ref = np.asarray(kv_cache._attend(q[None], kp, vp, None, casc, "ref")[0][:real], np.float32)
+        err = float(np.abs(got - ref).max() / np.abs(ref).max())
+        print(f"check against the references: rel err {err:.2e}", flush=True)
 
 
 if __name__ == "__main__":
