@@ -185,11 +185,9 @@ class StepResult:
         return self.tokens.tolist()
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "key", "precision", "filtered"),
-                   donate_argnames=("cache",))
+@functools.partial(jax.jit, static_argnames=("cfg", "key", "precision"), donate_argnames=("cache",))
 def _model_step(params, cache: PagedKVCache, ints, floats, shared=None, penalties=None, *,
-                cfg: ModelConfig,
-                key: StepKey, precision: str | None = None, filtered: bool = False):
+                cfg: ModelConfig, key: StepKey, precision: str | None = None):
     """One step over a flat token batch.  ``ints`` (int32, one host->device copy) is
     ``[tokens N | positions N | slots N | rows R x (W + 8)]`` with each row
     ``[page table W | q_len, kv_len, top_k, sample step, key (2 x uint32 bits), source, last]``
@@ -198,12 +196,15 @@ def _model_step(params, cache: PagedKVCache, ints, floats, shared=None, penaltie
     [R, Wp] int32 (-1: padding), params [R, 4] float32 (presence, frequency, repetition, min_p),
     bias_ids [R, Wb] int32 (-1: padding), bias_vals [R, Wb] float32) when a row of the step has a
     penalty, ``min_p`` or a logit bias (``sampling.apply_penalties``).
-    precision: the model's matmul precision (None: JAX's default).  filtered: some row has top-k
-    or top-p (the sampler's vocabulary sort is compiled in; ``sampling.sample_tokens``).
-    Returns (packed samples, the rows' logits [R, V] float32, cache).  The logits are the lm-head
-    matmul's own output (written to memory either way); a step with constrained rows samples them
-    again with its masks in ``_sample_step`` (``ModelRunner.sample``), so structured outputs need
-    no variant of this executable (one would compile the whole model again, on the engine thread)."""
+    precision: the model's matmul precision (None: JAX's default).
+    Returns (packed samples, the rows' logits [R, V] float32, cache).  The samples are greedy: every
+    row's argmax (after its penalties) and log-probs, drawing nothing (``sampling.sample_tokens``,
+    ``sampled=False``).  The logits are the lm-head matmul's own output (written to memory either
+    way); a step with a row of temperature > 0 or a constrained row samples them again in
+    ``_sample_step`` (``ModelRunner.sample``: the draw, top-k / top-p, the grammars' masks), so
+    sampling options need no variant of this executable (one would compile the whole model again,
+    on the engine thread) and an all-greedy step pays no draw (bench/NOTES.md, run BD: the draw is
+    ~0.2 ms of a 256-row step)."""
     n, w = key.tokens, key.width
     tokens, positions, slots = ints[:n], ints[n:2 * n], ints[2 * n:3 * n]
     rows = ints[3 * n:].reshape(key.rows, w + 8)
@@ -218,10 +219,10 @@ def _model_step(params, cache: PagedKVCache, ints, floats, shared=None, penaltie
     logits, cache = forward(params, cfg, tokens[None], positions[None], cache, meta, last[None],
                             precision=precision)
     logits = logits[0]  # [R, V] float32
-    return _sample_rows(logits, ints, floats, penalties, None, key, filtered), logits, cache
+    return _sample_rows(logits, ints, floats, penalties, None, key, False, sampled=False), logits, cache
 
 
-def _sample_rows(logits, ints, floats, penalties, token_mask, key: StepKey, filtered: bool):
+def _sample_rows(logits, ints, floats, penalties, token_mask, key: StepKey, filtered: bool, sampled: bool = True):
     """The sampling half of ``_model_step``: [R, 2 + 2n] float32 packed results."""
     n, w = key.tokens, key.width
     tokens = ints[:n]
@@ -237,7 +238,7 @@ def _sample_rows(logits, ints, floats, penalties, token_mask, key: StepKey, filt
         penalties = (jnp.concatenate([gen_ids, fed[:, None]], axis=1), prompt_ids, pen, bias_ids, bias_vals)
     tok, lp, top_ids, top_lp = sample_tokens(logits, floats[:, 0], top_k, floats[:, 1], row_keys, steps,
                                              key.num_logprobs, penalties, filtered, token_mask,
-                                             draw=common.sampler_draw())
+                                             draw=common.sampler_draw(), sampled=sampled)
     as_f32 = lambda x: jax.lax.bitcast_convert_type(x, jnp.float32)  # noqa: E731
     # one [R, 2 + 2n] float32 result: a single device->host copy per step
     return jnp.concatenate([as_f32(tok)[:, None], lp[:, None], as_f32(top_ids), top_lp], axis=1)
@@ -245,7 +246,8 @@ def _sample_rows(logits, ints, floats, penalties, token_mask, key: StepKey, filt
 
 @functools.partial(jax.jit, static_argnames=("key", "filtered"))
 def _sample_step(logits, ints, floats, penalties=None, token_mask=None, *, key: StepKey, filtered: bool = False):
-    """A step's sampling again on its logits (``_model_step``'s), with its constrained rows' masks."""
+    """A step's sampling again on its logits (``_model_step``'s): the draw of its rows of temperature > 0
+    (top-k / top-p with ``filtered``), with its constrained rows' masks (``token_mask``)."""
     return _sample_rows(logits, ints, floats, penalties, token_mask, key, filtered)
 
 
@@ -288,18 +290,19 @@ def _sampled_ids(packed, *, size: int):
 
 @dataclasses.dataclass
 class DeferredStep:
-    """A dispatched step whose constrained rows' sampling waits for their masks (``dispatch`` with
-    ``defer_sample``; ``ModelRunner.sample`` finishes it): its unmasked samples, its logits and
-    sampling inputs, on the device."""
-    packed: jax.Array  # the step's own samples (kept when no row needs a mask after all)
+    """A dispatched step whose sampling is not done (``ModelRunner.sample`` finishes it): rows that draw
+    (temperature > 0), or constrained rows whose masks wait (``dispatch`` with ``defer_sample``).  Its
+    greedy samples, its logits and sampling inputs, on the device."""
+    packed: jax.Array  # the step's own (greedy) samples (kept when no row draws or needs a mask after all)
     logits: jax.Array  # [B, V] float32
     ints: jax.Array
     floats: jax.Array
     penalties: tuple | None
     rows: list[StepRow]
     key: StepKey
-    pen_key: tuple
+    pen_key: tuple  # the sampler's variant: the model step's, and FILTERED when a drawing row filters
     num_logprobs: int
+    drawn: bool = False  # a row has temperature > 0: the greedy samples cannot stand
 
 
 @dataclasses.dataclass
@@ -475,11 +478,12 @@ class ModelRunner:
         one-token row) feeds the id that row ``j`` of the step ``prev`` sampled, read on the
         device (its host token is ignored).
 
-        Rows with a grammar (``row.matcher``, structured.py) are sampled again from the step's
-        logits with their masks (``sample``, a small executable of its own): at once, or, with
-        ``defer_sample``, when the caller calls ``sample`` - a constrained row fed on the device
-        needs the token the step before sampled applied to its grammar first, which the host does
-        while the device computes this step.
+        The model step samples greedily (``_model_step``).  A step with a row of temperature > 0
+        is sampled again from its logits (``sample``, a small executable of its own) at once, and
+        so are rows with a grammar (``row.matcher``, structured.py), with their masks: at once, or,
+        with ``defer_sample``, when the caller calls ``sample`` - a constrained row fed on the
+        device needs the token the step before sampled applied to its grammar first, which the
+        host does while the device computes this step.
 
         ``plan.splices`` run first (``run_splices``): the KV the rows read from pages they copied
         or spliced at admission."""
@@ -495,14 +499,18 @@ class ModelRunner:
         if plan.steps > 1:
             return self._dispatch_loop(plan, key, pen_key, host, prev)
         ints_d, floats_d, shared, penalties = self._inputs(key, host, prev if src is not None else None)
-        exe = self.executables.get((key, pen_key, self.matmul_precision))
+        model_key = tuple(p for p in pen_key if p != FILTERED)  # (the model step samples greedily)
+        exe = self.executables.get((key, model_key, self.matmul_precision))
         if exe is None:
-            exe = self._compile(key, pen_key, (ints_d, floats_d, shared, penalties))
+            exe = self._compile(key, model_key, (ints_d, floats_d, shared, penalties))
         packed, logits, self.cache = exe(self.params, self.cache, ints_d, floats_d, shared, penalties)
         self._last, self.last_key = (exe, (ints_d, floats_d, shared, penalties)), key
-        if any(r.matcher is not None for r in rows):
-            deferred = DeferredStep(packed, logits, ints_d, floats_d, penalties, rows, key, pen_key, num_logprobs)
-            return deferred if defer_sample else self.sample(deferred)
+        constrained = any(r.matcher is not None for r in rows)
+        drawn = any(r.temperature > 0 for r in rows)
+        if constrained or drawn:
+            deferred = DeferredStep(packed, logits, ints_d, floats_d, penalties, rows, key, pen_key, num_logprobs,
+                                    drawn)
+            return deferred if defer_sample and constrained else self.sample(deferred)
         sampler = self._helper(("ids", key.rows, 2 + 2 * key.num_logprobs))
         return PendingStep(packed, len(rows), key.num_logprobs, num_logprobs, self.max_batch, sampler)
 
@@ -543,26 +551,41 @@ class ModelRunner:
         return ints_d, floats_d, shared, extra
 
     def sample(self, step: DeferredStep) -> PendingStep:
-        """Sample a deferred step (``dispatch``): its constrained rows' masks are computed now,
-        from their matchers as they stand."""
+        """Sample a deferred step (``dispatch``): its drawing rows from its logits, and its constrained
+        rows with their masks, computed now from their matchers as they stand."""
         key = step.key
         sampler = self._helper(("ids", key.rows, 2 + 2 * key.num_logprobs))
         mask = self._token_mask(step.rows, key.rows)
-        if mask is None:  # every constrained row was ended by its fed token: the step's own samples stand
+        if mask is None and not step.drawn:  # every constrained row was ended by its fed token, none draws:
             return PendingStep(step.packed, len(step.rows), key.num_logprobs, step.num_logprobs, self.max_batch,
-                               sampler)
-        pen_key = step.pen_key + ("mask",)
-        mask_d = jax.device_put(mask, self.input_sharding)
-        # the sampler reads the rows' layout (rows, tokens, table width, log-probs) and the sampling
-        # options: one executable serves every cascade / ragged variant of a shape
-        skey = dataclasses.replace(key, shared=0, groups=0, ragged=False)
-        hk = ("sample", skey, pen_key)
+                               sampler)  # the step's own samples stand
+        pen_key, mask_d = step.pen_key, None
+        if mask is not None:
+            pen_key, mask_d = pen_key + ("mask",), jax.device_put(mask, self.input_sharding)
+        hk = self._sample_key(key, pen_key)
+        skey = hk[1]
         exe = self.helpers.get(hk)
-        if exe is None:  # (small: the sampler alone, compiled on first use)
+        if exe is None:  # (small: the sampler alone, compiled on first use or by the warm-up)
             exe = self.helpers[hk] = _sample_step.lower(step.logits, step.ints, step.floats, step.penalties, mask_d,
                                                         key=skey, filtered=FILTERED in pen_key).compile()
         packed = exe(step.logits, step.ints, step.floats, step.penalties, mask_d)
         return PendingStep(packed, len(step.rows), key.num_logprobs, step.num_logprobs, self.max_batch, sampler)
+
+    @staticmethod
+    def _sample_key(key: StepKey, pen_key: tuple) -> tuple:
+        """The sampler executable's key: it reads the rows' layout (rows, tokens, table width,
+        log-probs) and the sampling options, so one serves every cascade / ragged variant of a shape."""
+        return ("sample", dataclasses.replace(key, shared=0, groups=0, ragged=False), pen_key)
+
+    def _lower_sampler(self, key: StepKey, logits_sharding):
+        """Lower the plain sampler (no penalties, masks or top-k / top-p) of bucket ``key``'s steps
+        (the warm-up's: rows of temperature > 0 are sampled here on the first step, compile-free)."""
+        on = self.input_sharding
+        b, t, w = key.rows, key.tokens, key.width
+        shape = lambda s, dt, sh=on: jax.ShapeDtypeStruct(s, dt, sharding=sh)  # noqa: E731
+        return _sample_step.lower(shape((b, self.cfg.vocab_size), jnp.float32, logits_sharding),
+                                  shape((3 * t + b * (w + 8),), jnp.int32), shape((b, 2), jnp.float32), None, None,
+                                  key=self._sample_key(key, ())[1], filtered=False)
 
     def _token_mask(self, rows: list[StepRow], b: int) -> np.ndarray | None:
         """[b, ceil(V / 32)] allowed-token bits of the constrained rows (structured.py); None: none."""
@@ -717,12 +740,13 @@ class ModelRunner:
 
     def _lower(self, key: StepKey, args: tuple, filtered: bool = False, loop: tuple | None = None):
         """``loop``: a decode loop's ``("loop", steps, stop width, max_batch)`` (its ``args`` end
-        with the stops, not the penalties)."""
+        with the stops, not the penalties); ``filtered``: its sampler sorts the vocabulary (a model
+        step samples greedily: ``_sample_step`` filters)."""
         if loop is not None:
             return _decode_loop.lower(self.params, self.cache, *args, cfg=self.cfg, key=key, steps=loop[1],
                                       size=self.max_batch, precision=self.matmul_precision, filtered=filtered)
         return _model_step.lower(self.params, self.cache, *args, cfg=self.cfg, key=key,
-                                 precision=self.matmul_precision, filtered=filtered)
+                                 precision=self.matmul_precision)
 
     def _compile(self, key: StepKey, pen_key: tuple, args: tuple):
         """Compile (or load from the executable store or the persistent cache) the step of one
@@ -804,7 +828,8 @@ class ModelRunner:
                                      if hk not in self.helpers))
 
         store = self.exe_store
-        times = self.warmup_times = dict.fromkeys(("store_s", "lower_s", "compile_wait_s", "first_runs_s"), 0.0)
+        times = self.warmup_times = dict.fromkeys(("store_s", "lower_s", "compile_wait_s", "samplers_s",
+                                                   "first_runs_s"), 0.0)
         saves: list = []
 
         def record(fut, key, exe=None) -> None:
@@ -871,6 +896,17 @@ class ModelRunner:
         for fut, hk in small.items():
             if not fut.cancelled():
                 self.helpers[hk] = fut.result()
+        if not stop():  # each bucket's plain sampler (rows that draw; its input is the step's logits, as it left it)
+            t = time.perf_counter()
+            lowered = {}
+            for key, _ in plans:
+                hk, exe = self._sample_key(key, ()), self.executables.get((key, (), self.matmul_precision))
+                if exe is not None and hk not in self.helpers and hk not in lowered:
+                    lowered[hk] = self._lower_sampler(key, exe.output_shardings[1])
+            with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="inferscale-compile") as pool:
+                for hk, exe in zip(lowered, pool.map(lambda lo: lo.compile(), lowered.values())):
+                    self.helpers[hk] = exe
+            times["samplers_s"] = time.perf_counter() - t
         if stop() or self.device.platform == "cpu":  # (a CPU executable's first run costs what any run does)
             return done
         if not first_runs:

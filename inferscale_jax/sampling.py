@@ -326,10 +326,10 @@ def _draw_by_cdf(row_keys: jax.Array, kept: jax.Array, block: int = 256, uniform
 SAMPLER_DRAWS = SAMPLER_CHOICES  # (INFERSCALE_SAMPLER's values, pallas_kernels/common.py)
 
 
-@functools.partial(jax.jit, static_argnames=("num_logprobs", "filtered", "draw"))
+@functools.partial(jax.jit, static_argnames=("num_logprobs", "filtered", "draw", "sampled"))
 def sample_tokens(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array,
                   keys: jax.Array, steps: jax.Array, num_logprobs: int = 0, penalties=None,
-                  filtered: bool = True, token_mask=None, draw: str = "gumbel"):
+                  filtered: bool = True, token_mask=None, draw: str = "gumbel", sampled: bool = True):
     """Sample one token per row.
 
     ``filtered`` (static): whether any row may have top-k or top-p set; False skips the
@@ -348,6 +348,11 @@ def sample_tokens(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, t
     ``jax.random.categorical``: Gumbel noise over the whole vocabulary) or ``"cdf"`` (:func:`_draw_by_cdf`: one
     uniform a row; ``INFERSCALE_SAMPLER``, ``pallas_kernels/common.py``).  The same distribution; the tokens a
     given seed draws differ between the two.
+    sampled (static): False draws nothing: every row takes its argmax, whatever its temperature (``filtered``
+    and ``draw`` are then ignored).  The engine's model step samples so (its greedy rows' tokens and every
+    row's log-probs are final) and a step with a row of temperature > 0 samples its logits again with
+    ``sampled=True`` in a small executable of its own (runner.py): no step pays the draw's noise over the
+    vocabulary unless a row of it samples.
     Returns (tokens [B] int32, chosen_logprob [B] float32, top_ids [B, n], top_logprobs [B, n]);
     the log-probs are the raw logits' (module docstring).
     """
@@ -362,7 +367,20 @@ def sample_tokens(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, t
     if token_mask is not None:
         logits = apply_token_mask(logits, token_mask)
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    tokens = greedy if not sampled else _draw(logits, greedy, temperature, top_k, top_p, keys, steps, min_p,
+                                              filtered, draw)
+    chosen = jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
+    if num_logprobs:
+        top_lp, top_ids = jax.lax.top_k(logprobs, num_logprobs)
+    else:
+        top_lp = jnp.zeros((logits.shape[0], 0), jnp.float32)
+        top_ids = jnp.zeros((logits.shape[0], 0), jnp.int32)
+    return tokens, chosen, top_ids.astype(jnp.int32), top_lp
 
+
+def _draw(logits, greedy, temperature, top_k, top_p, keys, steps, min_p, filtered: bool, draw: str):
+    """``sample_tokens``' tokens with sampling: the greedy rows' argmax, the others drawn from their
+    temperature-scaled, filtered logits."""
     t = jnp.maximum(temperature, 1e-6)[:, None]
     scaled = logits / t
     floor = jnp.full((logits.shape[0], 1), -jnp.inf, scaled.dtype)
@@ -387,11 +405,4 @@ def sample_tokens(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, t
         sampled = _draw_by_cdf(row_keys, kept)
     else:
         sampled = jax.vmap(jax.random.categorical)(row_keys, kept).astype(jnp.int32)
-    tokens = jnp.where(temperature <= 0.0, greedy, sampled)
-    chosen = jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
-    if num_logprobs:
-        top_lp, top_ids = jax.lax.top_k(logprobs, num_logprobs)
-    else:
-        top_lp = jnp.zeros((logits.shape[0], 0), jnp.float32)
-        top_ids = jnp.zeros((logits.shape[0], 0), jnp.int32)
-    return tokens, chosen, top_ids.astype(jnp.int32), top_lp
+    return jnp.where(temperature <= 0.0, greedy, sampled)
