@@ -12,8 +12,10 @@ rows, the chosen token's log-prob; no top-k / top-p rows (``filtered=False``: th
 vocabulary sort) and no log-probs asked.  Two row mixes: ``greedy`` (every row at temperature 0: the served
 benchmark's requests) and ``sampled`` (every row at 0.8).  Two draws (``INFERSCALE_SAMPLER``): ``gumbel``
 (``jax.random.categorical``: threefry bits and two logs for every row and vocabulary entry, computed for greedy
-rows too, since the step has no data-dependent branch) and ``cdf`` (``sampling._draw_by_cdf``: one uniform a row,
-block sums of the probabilities, the block and then the token the uniform falls in).  Floor: reading the logits
+rows too when a row of the batch samples: no data-dependent branch) and ``cdf`` (``sampling._draw_by_cdf``: one uniform a row,
+block sums of the probabilities, the block and then the token the uniform falls in); for the greedy rows also
+``none`` (``sampled=False``: the argmax and log-probs alone, the engine's model step since the draw moved to its
+own executable for steps with a drawing row).  Floor: reading the logits
 once at the run's read ceiling.  Greedy rows' tokens are checked equal between the draws.  Timing as
 ``bench/kernels/kernels.py`` (R input sets in one executable, median) and the GPU's kernel time of the same
 executable.  Writes ``sampler.md`` and ``sampler.png`` to ``--out``.
@@ -50,9 +52,12 @@ def _case(mix: str, n: int, cfg, args, key) -> None:
                jnp.full((n,), r, jnp.int32)) for r in range(cfg["reps"])]
     floor = n * v * 4 / args.ceiling
     first = None
-    for draw in SAMPLER_DRAWS:
+    # ("none": the model step's own sampler since the draw left it, runner.py - the argmax and log-probs alone;
+    # greedy rows only, as the engine runs it)
+    for draw in SAMPLER_DRAWS + (("none",) if mix == "greedy" else ()):
         def call(temp, top_k, top_p, keys, logits, steps, draw=draw):
-            return sample_tokens(logits, temp, top_k, top_p, keys, steps, 0, None, False, None, draw=draw)[:2]
+            return sample_tokens(logits, temp, top_k, top_p, keys, steps, 0, None, False, None,
+                                 draw="gumbel" if draw == "none" else draw, sampled=draw != "none")[:2]
         try:
             t, outs, t_dev, kt = time_calls_and_device(call, (temp, top_k, top_p, keys), inputs, cfg["reps"])
         except Exception as err:  # noqa: BLE001 - a failing draw is reported, the others still run
