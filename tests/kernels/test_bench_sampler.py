@@ -1,5 +1,6 @@
 """bench/kernels/sampler.py runs end to end in its --smoke mode (a small vocabulary on the CPU): both draws at
-each row count and mix, the greedy rows' tokens equal between the draws."""
+each row count and mix, the model step's own (no draw) for greedy rows, the greedy rows' tokens equal between
+all three."""
 
 from tests.support import bench_smoke
 
@@ -11,4 +12,6 @@ def test_smoke_run_writes_the_report(tmp_path):
         for mix in ("greedy", "sampled"):
             for draw in ("gumbel", "cdf"):
                 assert f"| {n} | {mix} | {draw} |" in report, (n, mix, draw)
-    assert stdout.count("greedy tokens equal") == 2
+        assert f"| {n} | greedy | none |" in report, n  # (the model step's own: no draw)
+        assert f"| {n} | sampled | none |" not in report, n
+    assert stdout.count("greedy tokens equal") == 4  # (cdf's and none's, each row count)
