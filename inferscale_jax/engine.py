@@ -852,6 +852,9 @@ class Engine:
             "compiles": self.runner.compiles,
             "warm": self.runner.warm,
             "compiles_after_warmup": self.runner.compiles_after_warmup,
+            # the sampler's own small executables compiled on first use (rows that draw in a shape or with
+            # options the warm-up left out: top-k / top-p, penalties, log-probs, grammars); not steps
+            "sampler_compiles": self.runner.sampler_compiles,
             # buckets whose first run warmup(first_runs="idle") left and no step has made yet (a step that
             # meets one pays it, ~80 ms for the 8B model: bench/NOTES.md, run AO)
             "first_runs_left": self.first_runs_left,

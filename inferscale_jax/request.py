@@ -109,8 +109,11 @@ class Request:
         budget), so this row samples its generated token ``len(out_ids) + fed``."""
         sp = self.sampling
         step = len(self.out_ids) + fed
-        row = StepRow(tokens, start, self.seq.pages, sp.temperature, sp.top_k, sp.top_p, self.key, step,
-                      slot=self.slot)
+        samples = start + len(tokens) >= self.prefill_end  # (else a prompt chunk before the last: its sample is
+        # dropped, so it draws nothing - a step whose drawing rows were all such chunks would run the sampler's
+        # draw for nothing, runner.ModelRunner.dispatch)
+        row = StepRow(tokens, start, self.seq.pages, sp.temperature if samples else 0.0, sp.top_k, sp.top_p,
+                      self.key, step, slot=self.slot)
         if self.processed:  # the lists themselves: the runner copies them when it packs the step
             row.presence_penalty, row.frequency_penalty = float(sp.presence_penalty), float(sp.frequency_penalty)
             row.repetition_penalty = float(sp.repetition_penalty)
@@ -119,7 +122,7 @@ class Request:
             if sp.has_bias:
                 row.bias = step_bias(sp, step, None if fed else self.out_ids, self.stop_ids or (),
                                      self.bad_words_ids)
-        if self.grammar is not None and start + len(tokens) >= self.prefill_end:  # (a row that samples)
+        if self.grammar is not None and samples:
             row.matcher = self.matcher  # (fed: its mask is made once the fed token is applied: _step)
         return row
 

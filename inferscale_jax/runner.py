@@ -376,6 +376,7 @@ class ModelRunner:
         self.compiles = 0
         self.warm = False  # set by Engine.warmup: a compile after it is logged as a warning
         self.compiles_after_warmup = 0
+        self.sampler_compiles = 0  # the sampler's own executables compiled on first use (``sample``; not steps)
         self.device = next(iter(cache.k[0].devices()))
         # per-step inputs go here, committed: the device, or replicated over the tensor-parallel mesh
         self.input_sharding = (jax.sharding.SingleDeviceSharding(self.device) if cache.mesh is None
@@ -566,8 +567,12 @@ class ModelRunner:
         skey = hk[1]
         exe = self.helpers.get(hk)
         if exe is None:  # (small: the sampler alone, compiled on first use or by the warm-up)
+            t = time.perf_counter()
             exe = self.helpers[hk] = _sample_step.lower(step.logits, step.ints, step.floats, step.penalties, mask_d,
                                                         key=skey, filtered=FILTERED in pen_key).compile()
+            self.sampler_compiles += 1
+            log.info("compiled the sampler of bucket %s %s on first use in %.2f s (%d sampler compiles)", skey,
+                     pen_key, time.perf_counter() - t, self.sampler_compiles)
         packed = exe(step.logits, step.ints, step.floats, step.penalties, mask_d)
         return PendingStep(packed, len(step.rows), key.num_logprobs, step.num_logprobs, self.max_batch, sampler)
 
@@ -828,8 +833,8 @@ class ModelRunner:
                                      if hk not in self.helpers))
 
         store = self.exe_store
-        times = self.warmup_times = dict.fromkeys(("store_s", "lower_s", "compile_wait_s", "samplers_s",
-                                                   "first_runs_s"), 0.0)
+        times = self.warmup_times = dict.fromkeys(("store_s", "lower_s", "compile_wait_s", "first_runs_s"), 0.0)
+        samplers: dict = {}  # future -> sampler key: each bucket's plain sampler, compiled beside the steps
         saves: list = []
 
         def record(fut, key, exe=None) -> None:
@@ -843,9 +848,25 @@ class ModelRunner:
                 elif store is not None:  # (a compile that finished after a stop)
                     store.save(full, exe)
             self.executables[full] = exe
+            queue_sampler(key, exe)
             done += 1
             if progress is not None:
                 progress(done, len(plans))
+
+        def queue_sampler(key, exe) -> None:
+            """The plain sampler of ``key``'s shape (its rows that draw), on the pool: its input is the step's
+            logits as the step leaves them (``output_shardings``).  Optional: a failure here leaves it to
+            its first use."""
+            hk = self._sample_key(key, ())
+            if not pool_open or stop() or hk in self.helpers or hk in samplers.values():
+                return
+            try:
+                lowered = self._lower_sampler(key, exe.output_shardings[1])
+            except Exception as err:  # noqa: BLE001
+                log.warning("warm-up: the sampler of %s did not lower (%s: %s); it compiles on first use",
+                            hk[1], type(err).__name__, err)
+                return
+            samplers[pool.submit(lowered.compile)] = hk
 
         futures, small, pending, all_done, loads, pool_open = {}, {}, set(), False, {}, True
         with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="inferscale-compile") as pool:
@@ -887,7 +908,7 @@ class ModelRunner:
                 times["compile_wait_s"] = time.perf_counter() - t
             finally:
                 if not all_done:  # stopped or raising: cancel what has not started (the pool's exit
-                    for fut in (*futures, *small, *loads):  # waits for the running ones and the saves:
+                    for fut in (*futures, *small, *loads, *samplers):  # waits for the running ones and the saves:
                         fut.cancel()                          # what compiled is kept)
         pool_open = False
         for fut in pending:
@@ -896,17 +917,14 @@ class ModelRunner:
         for fut, hk in small.items():
             if not fut.cancelled():
                 self.helpers[hk] = fut.result()
-        if not stop():  # each bucket's plain sampler (rows that draw; its input is the step's logits, as it left it)
-            t = time.perf_counter()
-            lowered = {}
-            for key, _ in plans:
-                hk, exe = self._sample_key(key, ()), self.executables.get((key, (), self.matmul_precision))
-                if exe is not None and hk not in self.helpers and hk not in lowered:
-                    lowered[hk] = self._lower_sampler(key, exe.output_shardings[1])
-            with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="inferscale-compile") as pool:
-                for hk, exe in zip(lowered, pool.map(lambda lo: lo.compile(), lowered.values())):
-                    self.helpers[hk] = exe
-            times["samplers_s"] = time.perf_counter() - t
+        for fut, hk in samplers.items():
+            if fut.cancelled():
+                continue
+            try:
+                self.helpers[hk] = fut.result()
+            except Exception as err:  # noqa: BLE001 - optional: it compiles on first use instead
+                log.warning("warm-up: the sampler of %s did not compile (%s: %s); it compiles on first use",
+                            hk[1], type(err).__name__, err)
         if stop() or self.device.platform == "cpu":  # (a CPU executable's first run costs what any run does)
             return done
         if not first_runs:

@@ -4,7 +4,9 @@ their own (``runner.ModelRunner.sample``, ``_sample_step``):
 - seeded sampling (temperature alone, and with top-k / top-p) through the engine, batched with greedy rows, equals
   ``generate_dense`` with the same options (the same sampler over a dense cache's logits), token for token;
 - the warm-up compiles each warm bucket's plain sampler; after it, greedy and temperature-only requests compile
-  nothing, and top-k / top-p compile no model step (no variant of it keys on them): only their sampler.
+  nothing, and top-k / top-p compile no model step (no variant of it keys on them): only their sampler, counted
+  in ``stats()["sampler_compiles"]``;
+- a prompt chunk before the last draws nothing (its step runs no sampler).
 """
 
 import jax
@@ -39,9 +41,8 @@ def test_sampling_options_compile_no_model_step_after_the_warmup():
     e = make_engine(pages=128, max_batch=8, max_num_batched_tokens=256)
     e.warmup(progress_bar=False)
     samplers = lambda: {hk for hk in e.runner.helpers if hk[0] == "sample"}  # noqa: E731
-    warmed = samplers()
-    assert {hk[1].rows for hk in warmed} == {k.rows for k in e.runner.buckets.warmup_keys("small")}
-    assert {hk[2] for hk in warmed} == {()}  # the plain sampler of each warm bucket's shape
+    warmed = samplers()  # the plain sampler of each warm bucket's shape
+    assert warmed == {e.runner._sample_key(k, ()) for k in e.runner.buckets.warmup_keys("small")}
     prompt = list(range(1, 12))
     for opts in OPTIONS[:2]:  # greedy, then temperature alone: nothing compiled
         e.generate(prompt_token_ids=prompt, sampling=_sampling(opts, 4))
@@ -49,4 +50,36 @@ def test_sampling_options_compile_no_model_step_after_the_warmup():
     e.generate(prompt_token_ids=prompt, sampling=_sampling(OPTIONS[2], 4))  # top-k / top-p: their sampler
     assert e.stats()["compiles_after_warmup"] == 0
     assert not [k for k in e.runner.executables if FILTERED in k[1]]
-    assert {hk[2] for hk in samplers() - warmed} == {(FILTERED,)}
+    new = samplers() - warmed
+    assert {hk[2] for hk in new} == {(FILTERED,)}
+    assert e.stats()["sampler_compiles"] == len(new) >= 1
+
+
+def test_prompt_chunks_before_the_last_draw_nothing():
+    """A drawing request's prompt in three chunks (prefill_chunk 16): only the last chunk's step samples, so only
+    it runs the sampler (the others' samples are dropped: they must not make their steps draw)."""
+    e = make_engine()
+    calls = []
+    sample = e.runner.sample
+    e.runner.sample = lambda step: (calls.append(step.drawn), sample(step))[1]
+    out = e.generate(prompt_token_ids=list(range(1, 41)), sampling=_sampling(OPTIONS[1], 1))
+    assert len(out.token_ids) == 1
+    assert calls == [True], calls
+
+
+def test_a_sampler_that_fails_to_lower_leaves_the_warmup_whole(caplog):
+    """The warm-up's samplers are optional: one that fails is logged, the warm-up still ends warm, and the sampler
+    compiles on first use instead."""
+    e = make_engine(pages=128, max_batch=8, max_num_batched_tokens=256)
+
+    def broken(key, sharding):
+        raise RuntimeError("no sampler today")
+
+    e.runner._lower_sampler = broken
+    info = e.warmup(progress_bar=False)
+    assert info["buckets"] == len(e.runner.buckets.warmup_keys("small")) and e.stats()["warm"]
+    assert not [hk for hk in e.runner.helpers if hk[0] == "sample"]
+    assert "no sampler today" in caplog.text
+    out = e.generate(prompt_token_ids=list(range(1, 12)), sampling=_sampling(OPTIONS[1], 4))
+    assert len(out.token_ids) == 4 and e.stats()["sampler_compiles"] >= 1
+    assert e.stats()["compiles_after_warmup"] == 0
