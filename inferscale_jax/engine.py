@@ -49,7 +49,7 @@ import jax.numpy as jnp
 from inferscale_jax import compile_cache, scoring, sharding
 from inferscale_jax.config import EngineConfig
 from inferscale_jax.errors import EngineFault, PoolExhausted, RequestTooLong
-from inferscale_jax.exe_store import ExecutableStore, Preload, exe_store_wanted, start_key
+from inferscale_jax.exe_store import ExecutableStore, Preload, execution_devices, exe_store_wanted, start_key
 from inferscale_jax.exe_store import fingerprint as exe_fingerprint
 from inferscale_jax.kv_cache import PagedKVCache, page_bytes
 from inferscale_jax.kv_manager import KVManager, Seq
@@ -139,7 +139,7 @@ class Engine:
             # compiled steps by bucket, opt-in (exe_store.py: slower than tracing on the H200)
             self.runner.exe_store = ExecutableStore(self.compilation_cache_dir, exe_fingerprint(
                 self.runner.params, cache, run_cfg, sorted(cache.k[0].sharding.device_set, key=lambda d: d.id)),
-                preload=preload)
+                preload=preload, devices=execution_devices(self.mesh, self.runner.device))
         elif preload is not None:
             preload.cancel()  # (no store after all: the early loads are dropped)
         self.bos_prefix: list[int] = []
@@ -179,7 +179,10 @@ class Engine:
             if cache_dir is not None and exe_store_wanted(jax.devices()[0].platform):
                 # the store's entries the last such start used load beside the weights (exe_store.py)
                 try:
-                    preload = Preload(cache_dir, start_key(model_dir, cfg, config, jax.devices()))
+                    tp = config.tensor_parallel  # (the devices the engine will place its steps on, as _load does)
+                    preload = Preload(cache_dir, start_key(model_dir, cfg, config, jax.devices()),
+                                      devices=execution_devices(sharding.make_mesh(tp) if tp > 1 else None,
+                                                                jnp.zeros(()).devices().pop()))
                 except OSError as err:  # (a file of the folder that cannot be read: the load says which)
                     log.debug("no early store loads: %s", err)
         try:

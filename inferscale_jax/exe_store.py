@@ -14,6 +14,10 @@ from what determines it without tracing:
   devices, the model config, and the tree, shapes, dtypes and shardings of the weights and the KV
   cache.
 
+Each executable loads for the devices the engine's steps run on (``execution_devices``: its one device, or its
+tensor-parallel mesh's, in the mesh's order), not for every device of the host, and an entry's argument trees are
+pickled with their devices by id (a tensor-parallel KV cache keeps its mesh in its tree).
+
 So a warm start loads each executable (``load``) instead of tracing it; any change to the code,
 the model or the devices names a new folder, and a stale executable is never found.  Each entry is
 checked when saved: the payload is loaded back once, and one that cannot be (an executable the CPU
@@ -132,9 +136,12 @@ class ExecutableStore:
     on by default on GPUs, so old ones must not pile up.  A folder another engine still uses may go
     with them; that engine's later loads miss and its steps compile again."""
 
-    def __init__(self, cache_dir: str, fp: str, keep: int = KEEP_FOLDERS, preload: "Preload | None" = None):
-        """``preload``: this start's early loads (``Preload``), used if they come from ``fp``'s folder."""
+    def __init__(self, cache_dir: str, fp: str, keep: int = KEEP_FOLDERS, preload: "Preload | None" = None,
+                 devices=None):
+        """``preload``: this start's early loads (``Preload``), used if they come from ``fp``'s folder;
+        ``devices``: the ones the engine's steps run on (``execution_devices``; None: all of the backend's)."""
         root = os.path.join(cache_dir, "inferscale-executables")
+        self.devices = devices
         self.folder = os.path.join(root, fp)
         self.loads = self.saves = self.failures = self.preloaded = 0
         self._preloaded = preload.take(fp) if preload is not None else {}
@@ -155,7 +162,7 @@ class ExecutableStore:
         early = self._preloaded.pop(path, None)
         try:
             early = early if early is not None and not early.cancelled() else None
-            saved_key, exe = early.result() if early is not None else _read(path)
+            saved_key, exe = early.result() if early is not None else _read(path, self.devices)
             if saved_key != repr(key):
                 return None
         except FileNotFoundError:
@@ -182,12 +189,12 @@ class ExecutableStore:
         """Keep ``exe`` (a ``jax.stages.Compiled``) for ``key`` if it serializes and loads back."""
         try:
             payload, in_tree, out_tree = serialize_executable.serialize(exe)
-            serialize_executable.deserialize_and_load(payload, in_tree, out_tree)  # the check
+            _deserialize(payload, in_tree, out_tree, self.devices)  # the check
             os.makedirs(self.folder, exist_ok=True)
             fd, tmp = tempfile.mkstemp(dir=self.folder, suffix=".tmp")
             try:
                 with os.fdopen(fd, "wb") as f:
-                    pickle.dump((repr(key), payload, in_tree, out_tree), f, protocol=pickle.HIGHEST_PROTOCOL)
+                    _Pickler(f).dump((repr(key), payload, in_tree, out_tree))
                 os.replace(tmp, self._path(key))
             except BaseException:
                 os.unlink(tmp)
@@ -202,11 +209,44 @@ class ExecutableStore:
         return True
 
 
-def _read(path: str) -> tuple:
-    """(the key saved in the entry at ``path``, its executable, loaded)."""
+def _read(path: str, devices=None) -> tuple:
+    """(the key saved in the entry at ``path``, its executable, loaded for ``devices``)."""
     with open(path, "rb") as f:
-        saved_key, payload, in_tree, out_tree = pickle.load(f)
-    return saved_key, serialize_executable.deserialize_and_load(payload, in_tree, out_tree)
+        saved_key, payload, in_tree, out_tree = _Unpickler(f).load()
+    return saved_key, _deserialize(payload, in_tree, out_tree, devices)
+
+
+class _Pickler(pickle.Pickler):
+    """Pickles an entry whose argument trees name devices (a tensor-parallel KV cache keeps its mesh in its
+    tree): each device by its id, as the executable's own payload does."""
+
+    def __init__(self, f):
+        super().__init__(f, protocol=pickle.HIGHEST_PROTOCOL)
+
+    def persistent_id(self, obj):
+        return ("device", obj.id) if isinstance(obj, jax.Device) else None
+
+
+class _Unpickler(pickle.Unpickler):
+    def persistent_load(self, pid):
+        if pid[0] == "device":
+            return {d.id: d for d in jax.devices()}[pid[1]]
+        raise pickle.UnpicklingError(f"unknown persistent id {pid!r}")
+
+
+def _deserialize(payload, in_tree, out_tree, devices):
+    """An executable loaded for the devices it runs on, in its device order (``devices``: the engine's one
+    device, or its mesh's devices; None: every device of the backend, which is only right when the engine
+    uses them all - on a host with more, a step loaded so failed at its first call, and a tensor-parallel
+    one aborted the process in XLA)."""
+    return serialize_executable.deserialize_and_load(payload, in_tree, out_tree,
+                                                     execution_devices=None if devices is None else list(devices))
+
+
+def execution_devices(mesh, device) -> list:
+    """The devices a step runs on, in the order its executable assigns them: the mesh's (tensor
+    parallelism), else the one device."""
+    return list(mesh.devices.flat) if mesh is not None else [device]
 
 
 def start_key(model_dir: str, cfg, config, devices) -> str:
@@ -241,7 +281,8 @@ class Preload:
     the hint names the new folder.  A wrong guess costs only the threads' work.  ``cancel`` stops
     them (a start that failed before it knew its fingerprint)."""
 
-    def __init__(self, cache_dir: str, key: str, workers: int | None = None):
+    def __init__(self, cache_dir: str, key: str, workers: int | None = None, devices=None):
+        """``devices``: the ones the engine's steps will run on (``execution_devices``); the entries load for them."""
         self.hints = os.path.join(cache_dir, "inferscale-executable-starts")
         self.key, self.fp, self.futures, self._pool = key, None, {}, None
         try:
@@ -257,7 +298,7 @@ class Preload:
 
             self._pool = concurrent.futures.ThreadPoolExecutor(workers or min(8, os.cpu_count() or 1),
                                                                thread_name_prefix="inferscale-preload")
-            self.futures = {path: self._pool.submit(_read, path) for _, path in entries}
+            self.futures = {path: self._pool.submit(_read, path, devices) for _, path in entries}
             self._pool.shutdown(wait=False)  # (its threads end when the queue is done or cancelled)
             log.info("executable store: loading %d steps of %s early", len(entries), folder)
 

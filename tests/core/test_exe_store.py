@@ -236,3 +236,26 @@ def test_a_start_that_fails_stops_its_early_loads(tmp_path, monkeypatch):
     with pytest.raises(OSError, match="cannot be read"):
         Engine.from_pretrained(None, EngineConfig(hbm_pages=64, compilation_cache_dir=str(tmp_path)))
     assert len(seen) == 1
+
+
+MULTI_CHILD = CHILD.replace("compilation_cache_dir=sys.argv[1]))",
+                            "compilation_cache_dir=sys.argv[1], tensor_parallel=int(sys.argv[2])))")
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_a_store_on_a_host_with_more_devices_than_the_engine_uses(tmp_path, tp):
+    """Four devices, an engine on one (tp 1) or two (tp 2): the store loads each executable for the devices it
+    runs on (not every device of the host: steps failed at their first call, and tp 2's save aborted the process
+    in XLA), and a warm start's outputs equal the cold one's."""
+    env = dict(os.environ, INFERSCALE_EXE_STORE="1", PYTHONPATH=ROOT,
+               XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4").strip())
+    runs = []
+    for _ in range(2):
+        out = subprocess.run([sys.executable, "-c", MULTI_CHILD, str(tmp_path), str(tp)], env=env,
+                             capture_output=True, text=True, timeout=300, cwd=ROOT)
+        assert out.returncode == 0, out.stderr[-3000:]
+        runs.append(json.loads(out.stdout.strip().splitlines()[-1]))
+    cold, warm = runs
+    assert cold["saves"] == cold["buckets"] >= 3 and cold["failures"] == 0, cold
+    assert warm["loads"] == warm["buckets"] and warm["traced"] == 0 and warm["failures"] == 0, warm
+    assert warm["tokens"] == cold["tokens"]
