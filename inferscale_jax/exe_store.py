@@ -228,9 +228,13 @@ class _Pickler(pickle.Pickler):
 
 
 class _Unpickler(pickle.Unpickler):
+    def __init__(self, f):
+        super().__init__(f)
+        self.devices = {d.id: d for d in jax.devices()}
+
     def persistent_load(self, pid):
         if pid[0] == "device":
-            return {d.id: d for d in jax.devices()}[pid[1]]
+            return self.devices[pid[1]]
         raise pickle.UnpicklingError(f"unknown persistent id {pid!r}")
 
 

@@ -303,6 +303,7 @@ class DeferredStep:
     pen_key: tuple  # the sampler's variant: the model step's, and FILTERED when a drawing row filters
     num_logprobs: int
     drawn: bool = False  # a row has temperature > 0: the greedy samples cannot stand
+    constrained: bool = False  # a row has a grammar (``StepRow.matcher``): its mask is made in ``sample``
 
 
 @dataclasses.dataclass
@@ -510,7 +511,7 @@ class ModelRunner:
         drawn = any(r.temperature > 0 for r in rows)
         if constrained or drawn:
             deferred = DeferredStep(packed, logits, ints_d, floats_d, penalties, rows, key, pen_key, num_logprobs,
-                                    drawn)
+                                    drawn, constrained)
             return deferred if defer_sample and constrained else self.sample(deferred)
         sampler = self._helper(("ids", key.rows, 2 + 2 * key.num_logprobs))
         return PendingStep(packed, len(rows), key.num_logprobs, num_logprobs, self.max_batch, sampler)
@@ -556,7 +557,8 @@ class ModelRunner:
         rows with their masks, computed now from their matchers as they stand."""
         key = step.key
         sampler = self._helper(("ids", key.rows, 2 + 2 * key.num_logprobs))
-        mask = self._token_mask(step.rows, key.rows)
+        # (a step without grammars skips the pass over its rows for masks)
+        mask = self._token_mask(step.rows, key.rows) if step.constrained else None
         if mask is None and not step.drawn:  # every constrained row was ended by its fed token, none draws:
             return PendingStep(step.packed, len(step.rows), key.num_logprobs, step.num_logprobs, self.max_batch,
                                sampler)  # the step's own samples stand
