@@ -25,7 +25,8 @@ group token from the shared part's partials since session 39, ``INFERSCALE_MIXED
 Each variant sets ``INFERSCALE_MIXED_SHARED`` (``pallas_kernels/common.py``: ``br`` block_rows, ``bk``
 block_kv, ``w`` num_warps, ``st`` num_stages, ``sp`` num_splits; ``cb`` / ``cw``: the chunks' tokens in a
 launch of their own with ``cb``-row blocks and ``cw`` warps) before tracing (a variant ``INFERSCALE_X=value``
-sets that switch instead, e.g. ``INFERSCALE_SHARED_Q=kernel``); ``engine`` is the engine's default
+sets that switch instead, e.g. ``INFERSCALE_SHARED_Q=kernel``; parts joined by ``+`` set several, e.g.
+``INFERSCALE_SHARED_LOOP=overlap+w=8``); ``engine`` is the engine's default
 (``kv_cache.MIXED_SPLIT_BUCKETS``: since run AV 2 splits from 128 tokens and 1 from 1024, since run AX 3 at
 256-511; since run AW, 3
 pipeline stages on 64-token bf16 tiles: ``kv_cache.MIXED_SHARED_STAGES``; a variant inherits whatever it does not
@@ -142,9 +143,13 @@ def run_step(args, cfg, name, decode, questions, tokens, rows=None):
     base = None
     for variant in args.variants[:1] + ["ragged"] + args.variants[1:]:  # (every output checked against engine's)
         spec = "" if variant in ("engine", "ragged") else variant
-        # a variant "INFERSCALE_X=value" sets that switch instead (e.g. INFERSCALE_SHARED_Q=kernel)
-        var, spec = spec.split("=", 1) if spec.startswith("INFERSCALE_") else ("INFERSCALE_MIXED_SHARED", spec)
-        os.environ[var] = spec
+        # a variant "INFERSCALE_X=value" sets that switch instead (e.g. INFERSCALE_SHARED_Q=kernel); parts
+        # joined by "+" set several (INFERSCALE_SHARED_LOOP=overlap+w=8)
+        env = dict(part.split("=", 1) if part.startswith("INFERSCALE_") else ("INFERSCALE_MIXED_SHARED", part)
+                   for part in spec.split("+"))
+        if "+" in spec:
+            log(f"  {name} {variant}: sets " + ", ".join(f"{k}={v}" for k, v in env.items()))
+        os.environ.update(env)
         try:  # (time_calls jits a new function each call: traced again, reading the switch)
             inputs = [(q, flat if variant == "ragged" else casc) for q, casc, flat in sets]
             t, outs, t_dev, kt = time_calls_and_device(attend, (kp, vp), inputs, cfg["reps"])
@@ -156,7 +161,8 @@ def run_step(args, cfg, name, decode, questions, tokens, rows=None):
                 return
             continue
         finally:
-            os.environ.pop(var, None)
+            for var in env:
+                os.environ.pop(var, None)
         out = np.asarray(outs[0][:real], np.float32)
         if variant == "engine":
             base = out

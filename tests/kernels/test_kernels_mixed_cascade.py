@@ -463,3 +463,60 @@ def test_a_bad_shared_q_switch_is_refused_with_its_value(monkeypatch):
     monkeypatch.setenv("INFERSCALE_SHARED_Q", "tma")
     with pytest.raises(ValueError, match="INFERSCALE_SHARED_Q='tma'.*'gather', 'kernel'"):
         common.shared_q_rows()
+
+
+@pytest.mark.parametrize("chunk_groups", [(-1, -1), (0, 1)])
+def test_the_overlapped_shared_loop_keeps_the_mixed_and_decode_steps(monkeypatch, chunk_groups):
+    """``INFERSCALE_SHARED_LOOP=overlap``: the shared kernel issues each next tile's scores before this tile's
+    softmax; the mixed step and the decode step's cascade still give the reference's result (bf16 and fp32;
+    splits, 16-key tiles whose last one is partial, empty groups), and the plain loop's output within one bf16
+    rounding (the same products and the same softmax, in another order); the kernel's name says the form, and the
+    executable key follows the switch."""
+    from pallas_kernels import common, grouped_cascade_decode_attention
+    q, kp, vp, casc, plain, n = mixed_case(14, dtype=jnp.bfloat16, chunk_groups=chunk_groups)
+    for knobs in ("", "bk=16", "bk=16,sp=2"):  # one tile a group; two, the last partial; one a split
+        monkeypatch.setenv("INFERSCALE_MIXED_SHARED", knobs)
+        monkeypatch.delenv("INFERSCALE_SHARED_LOOP", raising=False)
+        base = common.switches()
+        plain_out = np.asarray(kv_cache._attend(q[None], kp, vp, None, casc, "pallas")[0][:n], np.float32)
+        assert not any(k.endswith("_ov") for k in mixed_step_kernels(q, kp, vp, casc, r"(cascade_shared_\w+)"))
+        monkeypatch.setenv("INFERSCALE_SHARED_LOOP", "overlap")
+        assert common.switches() != base
+        launched = mixed_step_kernels(q, kp, vp, casc, r"(cascade_shared_\w+)")
+        assert launched and all(k.endswith("_ov") for k in launched)
+        out = np.asarray(kv_cache._attend(q[None], kp, vp, None, casc, "pallas")[0][:n], np.float32)
+        # (not bit for bit: XLA may fuse the carried scores' scaling otherwise; one bf16 rounding apart at most)
+        np.testing.assert_allclose(out, plain_out, rtol=2 ** -7, atol=2 ** -8)
+    monkeypatch.delenv("INFERSCALE_MIXED_SHARED")
+    for dtype in (jnp.bfloat16, jnp.float32):
+        q, kp, vp, casc, plain, n = mixed_case(15, dtype=dtype, chunk_groups=chunk_groups)
+        want = kv_cache._attend(q[None], kp, vp, None, plain, "ref")[0]
+        assert_close(kv_cache._attend(q[None], kp, vp, None, casc, "pallas")[0][:n], want[:n], dtype)
+        rows = np.flatnonzero(np.diff(np.asarray(casc.cu_q_lens)) == 1)  # the one-token rows as a decode step
+        tok = np.asarray(casc.cu_q_lens)[rows]
+        args = (q[tok], kp, vp, casc.group_pages, casc.group_lens, casc.row_group[rows], casc.page_table[rows],
+                casc.kv_lens[rows])
+        for kw in ({}, dict(block_rows=16, num_splits=2, block_kv=16), dict(num_splits=5, block_kv=16),
+                   dict(block_kv=16, prefetch=False, fused_merge=False)):
+            got = grouped_cascade_decode_attention(*args, **kw)
+            assert_close(got, grouped_cascade_decode_attention_ref(*args), dtype)
+
+
+@pytest.mark.parametrize("kv", [jnp.int8, jnp.float8_e4m3fn])
+def test_the_overlapped_shared_loop_on_compressed_pages(monkeypatch, kv):
+    """The overlapped loop converts each next tile's codes and folds its scales into the scores it carries."""
+    from pallas_kernels.quant import quantize_kv
+    monkeypatch.setenv("INFERSCALE_SHARED_LOOP", "overlap")
+    q, kp, vp, casc, plain, n = mixed_case(16, dtype=jnp.bfloat16, chunk_groups=(0, -1),
+                                           q_lens=(1, 3, 0, 1, 1, 1, 5, 1))
+    (kq, ks), (vq, vs) = (quantize_kv(jnp.nan_to_num(x.astype(jnp.float32)), kv) for x in (kp, vp))
+    want = kv_cache._attend(q[None], kq, vq, None, plain, "ref", (ks, vs))[0]
+    out = kv_cache._attend(q[None], kq, vq, None, casc, "pallas", (ks, vs))[0]
+    assert_close(out[:n], want[:n], jnp.bfloat16)
+
+
+def test_a_bad_shared_loop_switch_is_refused_with_its_value(monkeypatch):
+    from pallas_kernels import common
+    monkeypatch.setenv("INFERSCALE_SHARED_LOOP", "pingpong")
+    with pytest.raises(ValueError, match="INFERSCALE_SHARED_LOOP='pingpong'.*'plain', 'overlap'"):
+        common.shared_loop()
