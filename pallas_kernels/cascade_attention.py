@@ -55,12 +55,7 @@ Algorithm.
    gathered through the block's page list (slots ``page * S + offset``; the next tile's slots are
    computed during the current one), full tiles unmasked, the one tile crossing the length masked;
    online softmax in fp32, base 2.  A program past its block's length (an unused block, a split
-   beyond a short group) does no tile at all.  ``INFERSCALE_SHARED_LOOP=overlap`` (an A/B form, not the default)
-   orders each iteration as FlashAttention-3 does inside one warpgroup: the next tile's ``Q @ K^T`` first, then
-   this tile's softmax and ``P @ V``, the scores carried to the next iteration, so the tensor cores have work
-   while the softmax's dependent chains run (the kernel was measured latency-bound, bench/NOTES.md run BE; one
-   more ``[block_rows, block_kv]`` fp32 value in registers, and one tile's product past the split's end, unused).
-   It writes the unnormalised partial ``o`` and its
+   beyond a short group) does no tile at all.  It writes the unnormalised partial ``o`` and its
    ``m``/``l`` (fp32).  Each shared K/V tile of group ``g`` is therefore read
    ``cdiv(c_g * Gq, block_rows)`` times per KV head instead of ``c_g`` times.
 3-5, as the engine's decode steps run them (``fused_merge=True``, the default): the suffix part
@@ -241,7 +236,6 @@ def _shared_kernel(
     prefetch: bool,
     normalise: bool = False,
     q_source: tuple[int, int] | None = None,
-    overlap: bool = False,
 ):
     if q_source:  # (Gq, Hq): the block's query rows gathered here from every query row
         src_ref, q_ref, k_ref, v_ref, *refs = refs
@@ -303,51 +297,10 @@ def _shared_kernel(
                              preferred_element_type=jnp.float32)  # [R, D]
         return o * corr[:, None] + pv, m_new, l_new, *nxt
 
-    def scores(slot):  # [R, BK] fp32: tile `slot`'s scaled scores (base 2), unmasked
-        k = k_ref[slot]  # [BK, D]
-        if scale_refs:  # (compressed pages: exact convert, the scale folded into the scores)
-            k = k.astype(q.dtype)
-        logits = lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=_PREC,
-                                 preferred_element_type=jnp.float32)
-        if scale_refs:
-            logits = fold_scores(logits, scale_refs[0][slot])
-        return logits * scale_log2
-
-    def body_overlap(i, carry, masked: bool):
-        # tile i's softmax and P @ V, with tile i + 1's Q @ K^T issued first: that product does not
-        # depend on this tile's softmax, so the tensor cores and the softmax's chains can overlap
-        o, m, l, logits, slot, slot_next = carry  # logits: tile i's scores; slots of tiles i, i + 1
-        logits_next = scores(slot_next)  # (past the split's last tile: clamped slots, never used)
-        v = v_ref[slot]
-        if scale_refs:
-            vs = scale_refs[1][slot]
-            v = v.astype(pv_dtype(q.dtype))
-        valid = None
-        if masked:
-            valid = tok_start + i * block_kv + offs < length  # [BK]
-            logits = jnp.where(valid[None, :], logits, -jnp.inf)
-            v = jnp.where(valid[:, None], v, jnp.zeros_like(v))  # stale/NaN slots
-        m_new = jnp.maximum(m, jnp.max(logits, axis=1))
-        p = jnp.exp2(logits - m_new[:, None])
-        corr = jnp.exp2(m - m_new)
-        l_new = l * corr + jnp.sum(p, axis=1)
-        w = fold_probs(p, vs, valid) if scale_refs else p
-        pv = lax.dot_general(w.astype(v.dtype), v, (((1,), (0,)), ((), ())), precision=_PREC,
-                             preferred_element_type=jnp.float32)  # [R, D]
-        return o * corr[:, None] + pv, m_new, l_new, logits_next, slot_next, slots_of(i + 2)
-
-    empty = (jnp.zeros((rows, d), jnp.float32), jnp.full((rows,), _M_INIT, jnp.float32),
-             jnp.zeros((rows,), jnp.float32))
-    if overlap:  # tile 0's scores before the loop (an empty split skips that product)
-        first = slots_of(0)
-        logits0 = lax.cond(n_total > 0, lambda: scores(first), lambda: jnp.zeros((rows, block_kv), jnp.float32))
-        carry = (*empty, logits0, first, slots_of(1))
-        loop_body = body_overlap
-    else:
-        carry = (*empty, *((slots_of(0),) if prefetch else ()))
-        loop_body = body
-    carry = lax.fori_loop(0, n_full, functools.partial(loop_body, masked=False), carry)
-    o, m, l = lax.fori_loop(n_full, n_total, functools.partial(loop_body, masked=True), carry)[:3]
+    carry = (jnp.zeros((rows, d), jnp.float32), jnp.full((rows,), _M_INIT, jnp.float32),
+             jnp.zeros((rows,), jnp.float32), *((slots_of(0),) if prefetch else ()))
+    carry = lax.fori_loop(0, n_full, functools.partial(body, masked=False), carry)
+    o, m, l = lax.fori_loop(n_full, n_total, functools.partial(body, masked=True), carry)[:3]
 
     if normalise:  # (o / l in o_ref's dtype, m + log2 l, 1): the same merge weights, half the bytes of o
         has = l > 0
@@ -365,7 +318,7 @@ def _shared_kernel(
 def _shared_partials(q, k_pages, v_pages, group_pages, group_lens, row_group, k_scale, v_scale, *, sm_scale,
                      block_rows, block_kv, num_splits, num_warps, num_stages, interpret, real_groups=None,
                      real_rows=None, pad_rows=0, prefetch=None, partials="fp32",
-                     q_rows="gather", loop="plain"):
+                     q_rows="gather"):
     """The shared kernel's launch (algorithm steps 1-2): (o [Hkv, NS, Rp + pad, D], m, l [Hkv, NS,
     Rp + pad] fp32 partials of the packed rows, m in base 2; idx [B * Gq] each query row's packed
     row, Rp outside every group; stored [B * Gq] bool: its block wrote partials).  ``pad_rows``
@@ -374,8 +327,7 @@ def _shared_partials(q, k_pages, v_pages, group_pages, group_lens, row_group, k_
     normalised in ``q``'s dtype, ``m`` the base-2 lse, ``l`` 1 (0 without keys): the same merge, half of ``o``'s
     bytes (``common.shared_partials``).  ``q_rows="kernel"`` (``INFERSCALE_SHARED_Q``): each program gathers its
     packed rows' queries from ``q`` itself through the packed rows' sources, instead of reading a packed copy of
-    ``q`` that a jnp gather wrote first (``"gather"``).  ``loop="overlap"`` (``INFERSCALE_SHARED_LOOP``): each
-    iteration issues the next tile's scores before this tile's softmax (``common.shared_loop``)."""
+    ``q`` that a jnp gather wrote first (``"gather"``)."""
     b, hq, d = q.shape
     hkv, p, s, _ = k_pages.shape
     gq = hq // hkv
@@ -406,8 +358,6 @@ def _shared_partials(q, k_pages, v_pages, group_pages, group_lens, row_group, k_
         num_splits = 1 if interpret else auto_num_splits(busy * hkv, max_blocks)
     if num_splits < 1:
         common._fail("num_splits", num_splits, ">= 1 (or None for auto)")
-    if loop not in common.SHARED_LOOP_CHOICES:
-        common._fail("loop", loop, f"one of {list(common.SHARED_LOOP_CHOICES)}")
     num_splits = min(num_splits, max_blocks)  # (a split holds at least one tile)
 
     quantized = k_scale is not None
@@ -415,7 +365,7 @@ def _shared_partials(q, k_pages, v_pages, group_pages, group_lens, row_group, k_
     normalise = partials == "q_dtype" and q.dtype.itemsize == 2
     kernel = functools.partial(_shared_kernel, quantized=quantized, page_size=s, block_kv=block_kv, prefetch=prefetch,
                                num_splits=num_splits, scale_log2=float(sm_scale) * _LOG2E, normalise=normalise,
-                               q_source=(gq, hq) if q_rows == "kernel" else None, overlap=loop == "overlap")
+                               q_source=(gq, hq) if q_rows == "kernel" else None)
     per_head = pl.BlockSpec((None, p * s, d), lambda r, h, t: (h, 0, 0))
     scales, scale_specs = (), []
     if quantized:  # each head's [P*S] scales, whole
@@ -442,7 +392,7 @@ def _shared_partials(q, k_pages, v_pages, group_pages, group_lens, row_group, k_
         compiler_params=common.compiler_params(num_warps, num_stages),
         interpret=interpret,
         name=f"cascade_shared_g{g}_r{block_rows}_bk{block_kv}_sp{num_splits}" + ("_nq" if normalise else "")
-        + ("_qk" if q_rows == "kernel" else "") + ("_ov" if loop == "overlap" else ""),
+        + ("_qk" if q_rows == "kernel" else ""),
     )(block_lens, block_pages, *q_in, k_pages.reshape(hkv, p * s, d), v_pages.reshape(hkv, p * s, d), *scales)
     at = jnp.minimum(idx, rows_p - 1)  # [B*Gq] (rows outside every group: masked by `stored`)
     # rows whose block stored its partials (a block of length 0 stores nothing: its rows hold garbage)
@@ -505,7 +455,7 @@ def merge_lse(o_a, lse_a, o_b, lse_b):
 
 @functools.partial(jax.jit, static_argnames=(
     "sm_scale", "block_rows", "block_kv", "num_splits", "num_warps", "num_stages", "interpret", "real_groups",
-    "real_rows", "prefetch", "partials", "q_rows", "loop"))
+    "real_rows", "prefetch", "partials", "q_rows"))
 def _shared_only(q, k_pages, v_pages, group_pages, group_lens, row_group, k_scale, v_scale, **kw):
     return _shared_part(q, k_pages, v_pages, group_pages, group_lens, row_group, k_scale, v_scale, **kw)
 
@@ -567,14 +517,13 @@ def _shared_knobs(q, k_pages, v_pages, group_pages, group_lens, row_group, k_sca
     interpret = common.default_interpret() if interpret is None else interpret
     return dict(sm_scale=sm_scale, block_rows=block_rows, block_kv=block_kv, num_warps=num_warps,
                 num_stages=num_stages, interpret=interpret, prefetch=common.slot_prefetch(),
-                partials=common.shared_partials(), q_rows=common.shared_q_rows(),
-                loop=common.shared_loop())  # (the switches as static
+                partials=common.shared_partials(), q_rows=common.shared_q_rows())  # (the switches as static
     # arguments: they key the jits)
 
 
 @functools.partial(jax.jit, static_argnames=(
     "sm_scale", "block_rows", "block_kv", "num_splits", "num_warps", "num_stages", "interpret", "real_groups",
-    "real_rows", "prefetch", "partials", "q_rows", "loop"))
+    "real_rows", "prefetch", "partials", "q_rows"))
 def _partials_only(q, k_pages, v_pages, group_pages, group_lens, row_group, k_scale, v_scale, **kw):
     o, m, l, idx, stored = _shared_partials(q, k_pages, v_pages, group_pages, group_lens, row_group,
                                             k_scale, v_scale, **kw)
@@ -651,18 +600,18 @@ def grouped_shared_prefix_attention_ref(
 
 @functools.partial(jax.jit, static_argnames=(
     "sm_scale", "block_rows", "block_kv", "num_splits", "suffix_num_splits", "num_warps",
-    "num_stages", "interpret", "fused_merge", "prefetch", "real_groups", "partials", "q_rows", "loop"))
+    "num_stages", "interpret", "fused_merge", "prefetch", "real_groups", "partials", "q_rows"))
 def _cascade(q, k_pages, v_pages, group_pages, group_lens, row_group, suffix_table, suffix_lens,
              k_scale, v_scale, *, sm_scale, block_rows, block_kv, num_splits, suffix_num_splits,
              num_warps, num_stages, interpret, fused_merge, prefetch, real_groups=None, partials="fp32",
-             q_rows="gather", loop="plain"):
+             q_rows="gather"):
     if 0 in group_pages.shape:  # no group or no shared page at all: plain decode
         return paged_decode_attention(q, k_pages, v_pages, suffix_table, suffix_lens, sm_scale=sm_scale,
                                       num_splits=suffix_num_splits, interpret=interpret, k_scale=k_scale,
                                       v_scale=v_scale, prefetch=prefetch)
     knobs = dict(sm_scale=sm_scale, block_rows=block_rows, block_kv=block_kv, num_splits=num_splits,
                  num_warps=num_warps, num_stages=num_stages, interpret=interpret, prefetch=prefetch,
-                 real_groups=real_groups, partials=partials, q_rows=q_rows, loop=loop)
+                 real_groups=real_groups, partials=partials, q_rows=q_rows)
     if fused_merge:  # steps 3-5 in the suffix kernel: it starts from each row's shared partials
         gq = q.shape[1] // k_pages.shape[0]
         o, m, l, idx, stored = _shared_partials(q, k_pages, v_pages, group_pages, group_lens, row_group,
@@ -743,8 +692,7 @@ def grouped_cascade_decode_attention(
                     k_scale, v_scale, sm_scale=sm_scale, block_rows=block_rows, block_kv=block_kv,
                     num_splits=num_splits, suffix_num_splits=suffix_num_splits, num_warps=num_warps,
                     num_stages=num_stages, interpret=interpret, fused_merge=fused_merge, prefetch=prefetch,
-                    real_groups=real_groups, partials=common.shared_partials(), q_rows=common.shared_q_rows(),
-                    loop=common.shared_loop())
+                    real_groups=real_groups, partials=common.shared_partials(), q_rows=common.shared_q_rows())
 
 
 def grouped_cascade_decode_attention_ref(

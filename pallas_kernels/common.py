@@ -201,20 +201,6 @@ def shared_q_rows() -> str:
     return env_choice("INFERSCALE_SHARED_Q", SHARED_Q_CHOICES)
 
 
-SHARED_LOOP_CHOICES = ("plain", "overlap")
-
-
-def shared_loop() -> str:
-    """``INFERSCALE_SHARED_LOOP``: the order of work in the cascade shared part's loop over K / V tiles
-    (``pallas_kernels/cascade_attention.py``, ``_shared_kernel``).  ``plain`` (the default): each iteration loads
-    its tile, computes its scores, the online softmax, then P @ V; ``overlap``: each iteration first issues the
-    *next* tile's scores (Q @ K^T), then this tile's softmax and P @ V, carrying the scores to the next
-    iteration (FlashAttention-3's overlap of the softmax with the matmuls inside one warpgroup, as far as a
-    Triton-lowered loop can express it; one more [rows, tile] fp32 value in registers).  An A/B switch for the
-    benchmarks (bench/NOTES.md, session 47): the shared part was measured latency-bound (run BE)."""
-    return env_choice("INFERSCALE_SHARED_LOOP", SHARED_LOOP_CHOICES)
-
-
 SAMPLER_CHOICES = ("gumbel", "cdf")
 
 
@@ -269,7 +255,7 @@ def switches() -> dict:
             "mixed_decode": mixed_decode(), "decode": sorted(decode_knobs().items()),
             "mixed_ragged": sorted(mixed_ragged_knobs().items()),
             "mixed_merge": mixed_merge(), "shared_partials": shared_partials(), "shared_q": shared_q_rows(),
-            "shared_loop": shared_loop(), "sampler": sampler_draw(), "norm": norm(), "rope": rope(), "matmul": matmul()}
+            "sampler": sampler_draw(), "norm": norm(), "rope": rope(), "matmul": matmul()}
 
 
 def switches_key() -> tuple:

@@ -26,7 +26,7 @@ Each variant sets ``INFERSCALE_MIXED_SHARED`` (``pallas_kernels/common.py``: ``b
 block_kv, ``w`` num_warps, ``st`` num_stages, ``sp`` num_splits; ``cb`` / ``cw``: the chunks' tokens in a
 launch of their own with ``cb``-row blocks and ``cw`` warps) before tracing (a variant ``INFERSCALE_X=value``
 sets that switch instead, e.g. ``INFERSCALE_SHARED_Q=kernel``; parts joined by ``+`` set several, e.g.
-``INFERSCALE_SHARED_LOOP=overlap+w=8``); ``engine`` is the engine's default
+``INFERSCALE_SHARED_Q=kernel+w=8``); ``engine`` is the engine's default
 (``kv_cache.MIXED_SPLIT_BUCKETS``: since run AV 2 splits from 128 tokens and 1 from 1024, since run AX 3 at
 256-511; since run AW, 3
 pipeline stages on 64-token bf16 tiles: ``kv_cache.MIXED_SHARED_STAGES``; a variant inherits whatever it does not
@@ -144,7 +144,7 @@ def run_step(args, cfg, name, decode, questions, tokens, rows=None):
     for variant in args.variants[:1] + ["ragged"] + args.variants[1:]:  # (every output checked against engine's)
         spec = "" if variant in ("engine", "ragged") else variant
         # a variant "INFERSCALE_X=value" sets that switch instead (e.g. INFERSCALE_SHARED_Q=kernel); parts
-        # joined by "+" set several (INFERSCALE_SHARED_LOOP=overlap+w=8)
+        # joined by "+" set several (INFERSCALE_SHARED_Q=kernel+w=8)
         env = dict(part.split("=", 1) if part.startswith("INFERSCALE_") else ("INFERSCALE_MIXED_SHARED", part)
                    for part in spec.split("+"))
         if "+" in spec:

@@ -122,11 +122,10 @@
 #  43  the paged decode kernel's occupancy (run BD: 12.5%, two programs an SM, bounded by its shared memory): the
 #      decode steps at 1 / 64 / 256 rows (bench/engine/steps.py --sections decode) with INFERSCALE_DECODE unset and
 #      each of DECODE_VARIANTS (default: st=1, bk=64, bk=64,st=1, w=2,st=1)
-#  47  the cascade shared part's latency (run BE): 8 warps on its 64-row blocks and the overlapped loop
-#      (INFERSCALE_SHARED_LOOP=overlap: the next tile's scores before this tile's softmax), alone and together, on
-#      the mixed steps (bench/kernels/mixed_shared.py, the spread, c64q3 and cohort steps), then the decode steps
-#      at 1 / 64 / 256 rows with the loop plain and overlapped (steps.py --sections decode); CONCS=256: the bare
-#      loop with both loop orders (VARIANT=w=8: both runs with INFERSCALE_MIXED_SHARED=w=8)
+#  47  the cascade shared part's latency (run BE): more warps an SM, on the mixed steps (bench/kernels/mixed_shared.py,
+#      the spread, c64q3 and cohort steps: w=8, w=8,st=2, w=8,bk=32; the forms bench/tools/triton_check.py
+#      finds at more warps an SM), then the decode steps at 1 / 64 / 256 rows (steps.py --sections decode);
+#      CONCS=256 VARIANT=<knobs>: the bare loop, INFERSCALE_MIXED_SHARED unset and VARIANT
 #  45  the one-token rows' kernels under Nsight Compute (memory throughput, L2 hits, occupancy achieved, warp
 #      stalls; Firecracker hosts only, `uname -r` is written first): the paged decode kernel at 256 rows of ~112
 #      keys (bench/tools/profile_decode.py), then the spread step's ragged kernel as the engine runs it (started from
@@ -492,13 +491,12 @@ case "$part" in
         --decode-reps 4 --mixed-reps 4 --loop-steps 8 --raw /tmp/pg_c1 --out "$res/profile_graph_c1.md"
     ;;
 47)
-    step mixed_shared_loop 300 bench/kernels/mixed_shared.py --steps spread,c64q3,cohort \
-        --variants w=8 w=8,st=2 INFERSCALE_SHARED_LOOP=overlap INFERSCALE_SHARED_LOOP=overlap+w=8
-    step steps_decode_plain 150 bench/engine/steps.py --sections decode
-    INFERSCALE_SHARED_LOOP=overlap step steps_decode_overlap 150 bench/engine/steps.py --sections decode
+    step mixed_shared_warps 300 bench/kernels/mixed_shared.py --steps spread,c64q3,cohort \
+        --variants ${VARIANTS:-w=8 w=8,st=2 w=8,bk=32}
+    step steps_decode 150 bench/engine/steps.py --sections decode
     if [ -n "${CONCS:-}" ]; then
         ckpt
-        (export INFERSCALE_MIXED_SHARED=${VARIANT:-}; loops_ab INFERSCALE_SHARED_LOOP shared_loop_ plain overlap)
+        loops_ab INFERSCALE_MIXED_SHARED shared_ default "${VARIANT:?set VARIANT to the winning knobs, e.g. w=8}"
     fi
     ;;
 45)

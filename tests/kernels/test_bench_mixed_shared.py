@@ -16,12 +16,12 @@ def test_smoke_run_writes_the_report(tmp_path):
 
 def test_a_variant_may_set_another_switch(tmp_path):
     """``INFERSCALE_X=value`` as a variant sets that switch (here the shared part gathering its own queries) and is
-    checked against the engine's output like the others; ``+`` joins settings (the overlapped loop with 16-key
+    checked against the engine's output like the others; ``+`` joins settings (the gathering kernel with 16-key
     tiles)."""
     stdout, report = bench_smoke("kernels/mixed_shared.py", tmp_path, "mixed_shared.md", "--steps", "spread",
-                                 "--variants", "INFERSCALE_SHARED_Q=kernel", "INFERSCALE_SHARED_LOOP=overlap+bk=16")
+                                 "--variants", "INFERSCALE_SHARED_Q=kernel", "INFERSCALE_SHARED_Q=kernel+bk=16")
     assert "FAIL" not in report and "failed" not in stdout
     assert "| spread | INFERSCALE_SHARED_Q=kernel |" in report
-    assert "| spread | INFERSCALE_SHARED_LOOP=overlap+bk=16 |" in report
-    assert "sets INFERSCALE_SHARED_LOOP=overlap, INFERSCALE_MIXED_SHARED=bk=16" in stdout
+    assert "| spread | INFERSCALE_SHARED_Q=kernel+bk=16 |" in report
+    assert "sets INFERSCALE_SHARED_Q=kernel, INFERSCALE_MIXED_SHARED=bk=16" in stdout
     assert stdout.count("vs engine: rel err") == 3  # ragged and the variants

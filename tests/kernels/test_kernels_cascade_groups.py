@@ -115,27 +115,6 @@ def test_matches_refs(seed, b, g, ps, hq, hkv, d, s, dtype, kw):
     assert_close(out, decode_over_concatenation(args, s), dtype)
 
 
-@pytest.mark.parametrize("seed,b,g,ps,hq,hkv,d,s,dtype,kw", [
-    (21, 12, 3, 6, 8, 2, 64, 16, jnp.float32, dict(block_kv=16)),  # up to 6 tiles a group, one split
-    (22, 20, 8, 5, 8, 2, 64, 16, jnp.bfloat16, dict(block_kv=16, num_splits=2)),  # up to 3 a split, one partial
-    (23, 9, 3, 6, 32, 8, 128, 16, jnp.bfloat16, dict(block_rows=32, block_kv=32, num_splits=3, prefetch=False)),
-    (24, 12, 3, 6, 8, 2, 64, 8, jnp.float32, dict(block_kv=16, fused_merge=False, num_splits=4))])
-def test_the_overlapped_loop_matches_refs(monkeypatch, seed, b, g, ps, hq, hkv, d, s, dtype, kw):
-    """``INFERSCALE_SHARED_LOOP=overlap`` (the next tile's scores before this tile's softmax) over groups of
-    several tiles a split, unaligned lengths (the last tile partial) and empty groups."""
-    monkeypatch.setenv("INFERSCALE_SHARED_LOOP", "overlap")
-    rng = np.random.default_rng(seed)
-    glens = [int(rng.integers(0, ps * s + 1)) for _ in range(g)]  # unaligned, some may be 0
-    glens[0], glens[-1] = ps * s, 0  # one group fills its whole list, one is empty
-    rg = random_membership(rng, b, g)
-    rg[0], rg[1] = 0, -1  # at least one member and one row in no group
-    args = make_case(seed, glens, ps, rg, suffix_lens_for(rng, b, s), hq=hq, hkv=hkv, d=d, s=s, dtype=dtype)
-    out = grouped_cascade_decode_attention(*args, **kw)
-    assert_close(out, grouped_cascade_decode_attention_ref(*args), dtype)
-    jaxpr = str(jax.make_jaxpr(functools.partial(grouped_cascade_decode_attention, **kw))(*args))
-    assert re.search(r"cascade_shared_\w+_ov", jaxpr)
-
-
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_unaligned_lengths_singletons_empty_groups_and_rows_in_no_group(dtype):
     """G = 8: lengths off page boundaries and 0, groups of one row, two empty groups, rows in no
@@ -277,17 +256,3 @@ def test_the_shared_part_gathering_its_own_queries_lowers_to_triton(monkeypatch)
     text = fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("xla.gpu.triton") >= 2
     assert re.search(r"cascade_shared_g16_r\d+_bk64_sp\d+_nq_qk", text)
-
-
-def test_the_overlapped_loop_lowers_to_triton(monkeypatch):
-    """``INFERSCALE_SHARED_LOOP=overlap``: the shared kernel with its carried scores still lowers to a Triton call
-    for CUDA, at the engine's shapes (G = 16, 128-wide heads)."""
-    monkeypatch.setenv("INFERSCALE_SHARED_LOOP", "overlap")
-    sd = jax.ShapeDtypeStruct
-    args = (sd((64, 32, 128), jnp.bfloat16), sd((8, 600, 16, 128), jnp.bfloat16),
-            sd((8, 600, 16, 128), jnp.bfloat16), sd((16, 256), jnp.int32), sd((16,), jnp.int32),
-            sd((64,), jnp.int32), sd((64, 4), jnp.int32), sd((64,), jnp.int32))
-    fn = jax.jit(functools.partial(grouped_cascade_decode_attention, interpret=False))
-    text = fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-    assert text.count("xla.gpu.triton") >= 2
-    assert re.search(r"cascade_shared_g16_r\d+_bk64_sp\d+_nq_ov", text)
