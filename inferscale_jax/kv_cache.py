@@ -401,9 +401,12 @@ def decode_shared_splits(rows: int, kv_heads: int) -> int | None:
 
 def _decode_shared_knobs(rows: int, head_dim: int, k_pages) -> dict:
     """The decode steps' cascade shared-part knobs for ``rows`` (bucketed) rows: ``DECODE_SHARED_STAGES`` under
-    the tile gate, ``DECODE_SPLIT_BUCKETS``' split count."""
-    return dict(num_stages=shared_stages(DECODE_SHARED_STAGES, SHARED_BLOCK_KV, head_dim, k_pages),
-                num_splits=decode_shared_splits(rows, k_pages.shape[0]))
+    the tile gate, ``DECODE_SPLIT_BUCKETS``' split count; ``INFERSCALE_DECODE_SHARED`` overrides any of them
+    (``bk=N`` gates the stages by its tile, as ``INFERSCALE_MIXED_SHARED`` does in the mixed steps)."""
+    user = common.decode_shared_knobs()
+    return {**dict(num_stages=shared_stages(DECODE_SHARED_STAGES, user.get("block_kv", SHARED_BLOCK_KV), head_dim,
+                                            k_pages),
+                   num_splits=decode_shared_splits(rows, k_pages.shape[0])), **user}
 
 
 def _splits_by(buckets, size: int, kv_heads: int) -> int | None:

@@ -86,6 +86,17 @@ def mixed_ragged_knobs() -> dict:
     return {k: bool(v) if k in ("split_longest", "separate_tiles") else v for k, v in knobs.items()}
 
 
+DECODE_SHARED_KNOBS = dict(br="block_rows", bk="block_kv", w="num_warps", st="num_stages", sp="num_splits")
+
+
+def decode_shared_knobs() -> dict:
+    """``INFERSCALE_DECODE_SHARED`` (e.g. ``w=8`` or ``br=32,sp=2``): knobs of the cascade shared part in the
+    engine's decode steps (``inferscale_jax/kv_cache.py``, ``_decode_shared_knobs``) that override its defaults,
+    by ``DECODE_SHARED_KNOBS``' short names (as ``INFERSCALE_MIXED_SHARED``'s for the mixed steps); unset: none.
+    An A/B switch for the benchmarks (bench/NOTES.md, session 47)."""
+    return _knobs("INFERSCALE_DECODE_SHARED", DECODE_SHARED_KNOBS, tiles=dict(br=MIN_DOT_DIM, bk=MIN_DOT_DIM))
+
+
 DECODE_KNOBS = dict(bk="block_tokens", w="num_warps", st="num_stages")
 
 
@@ -253,6 +264,7 @@ def switches() -> dict:
     tracing, such as the engine's executable store: a switch must name another entry)."""
     return {"slot_prefetch": slot_prefetch(), "mixed_shared": sorted(mixed_shared_knobs().items()),
             "mixed_decode": mixed_decode(), "decode": sorted(decode_knobs().items()),
+            "decode_shared": sorted(decode_shared_knobs().items()),
             "mixed_ragged": sorted(mixed_ragged_knobs().items()),
             "mixed_merge": mixed_merge(), "shared_partials": shared_partials(), "shared_q": shared_q_rows(),
             "sampler": sampler_draw(), "norm": norm(), "rope": rope(), "matmul": matmul()}

@@ -122,10 +122,11 @@
 #  43  the paged decode kernel's occupancy (run BD: 12.5%, two programs an SM, bounded by its shared memory): the
 #      decode steps at 1 / 64 / 256 rows (bench/engine/steps.py --sections decode) with INFERSCALE_DECODE unset and
 #      each of DECODE_VARIANTS (default: st=1, bk=64, bk=64,st=1, w=2,st=1)
-#  47  the cascade shared part's latency (run BE): more warps an SM, on the mixed steps (bench/kernels/mixed_shared.py,
-#      the spread, c64q3 and cohort steps: w=8, w=8,st=2, w=8,bk=32; the forms bench/tools/triton_check.py
-#      finds at more warps an SM), then the decode steps at 1 / 64 / 256 rows (steps.py --sections decode);
-#      CONCS=256 VARIANT=<knobs>: the bare loop, INFERSCALE_MIXED_SHARED unset and VARIANT
+#  47  the cascade shared part's latency (run BE): more warps an SM (bench/tools/triton_check.py: w=8 doubles them),
+#      on the mixed steps (bench/kernels/mixed_shared.py, the spread, c64q3 and cohort steps: VARIANTS, default
+#      w=8, w=8,st=2, w=8,bk=32), then the decode steps at 1 / 64 / 256 rows with the decode steps' shared part at
+#      its defaults and at INFERSCALE_DECODE_SHARED=$DECODE_VARIANT (default w=8) (steps.py --sections decode);
+#      CONCS=256 VARIANT=<knobs>: the bare loop with the defaults, then VARIANT in both steps' shared parts
 #  45  the one-token rows' kernels under Nsight Compute (memory throughput, L2 hits, occupancy achieved, warp
 #      stalls; Firecracker hosts only, `uname -r` is written first): the paged decode kernel at 256 rows of ~112
 #      keys (bench/tools/profile_decode.py), then the spread step's ragged kernel as the engine runs it (started from
@@ -494,9 +495,21 @@ case "$part" in
     step mixed_shared_warps 300 bench/kernels/mixed_shared.py --steps spread,c64q3,cohort \
         --variants ${VARIANTS:-w=8 w=8,st=2 w=8,bk=32}
     step steps_decode 150 bench/engine/steps.py --sections decode
-    if [ -n "${CONCS:-}" ]; then
+    INFERSCALE_DECODE_SHARED=${DECODE_VARIANT:-w=8} step steps_decode_shared_w8 150 bench/engine/steps.py \
+        --sections decode
+    if [ -n "${CONCS:-}" ]; then  # the bare loop: the defaults, then VARIANT in the mixed and the decode steps
         ckpt
-        loops_ab INFERSCALE_MIXED_SHARED shared_ default "${VARIANT:?set VARIANT to the winning knobs, e.g. w=8}"
+        : "${VARIANT:?set VARIANT to the winning knobs, e.g. w=8}"
+        for conc in $CONCS; do
+            for mode in default "$VARIANT"; do
+                tag=${mode//[=,]/_} value=$mode
+                [ "$mode" = default ] && value=
+                name="loop_c${conc}_s32_shared_$tag"
+                INFERSCALE_MIXED_SHARED=$value INFERSCALE_DECODE_SHARED=$value step_as "$name" 240 \
+                    bench/tools/profile_host.py --model /tmp/llama8b --concurrency "$conc" --max-tokens-spread 32 \
+                    --warm-steps 300 --steps 200 --no-profile --per-call --out "$res/$name.md"
+            done
+        done
     fi
     ;;
 45)

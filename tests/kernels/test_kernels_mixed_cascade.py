@@ -270,6 +270,43 @@ def test_the_mixed_shared_switch_keeps_the_result(monkeypatch, spec, kernel):
     assert_close(out[:n], want[:n], jnp.float32)
 
 
+@pytest.mark.parametrize("spec,kernel", [("br=16,w=8,sp=2,bk=16", "r16_bk16_sp2"), ("br=32,bk=16,st=2", "r32_bk16_sp1"),
+                                         ("sp=2,bk=16", "r32_bk16_sp2")])
+def test_the_decode_shared_switch_keeps_the_decode_steps(monkeypatch, spec, kernel):
+    """``INFERSCALE_DECODE_SHARED`` (the A/B switch of the shared part's knobs in decode steps) changes how the
+    decode step's cascade runs (the launched kernel's name), never what it computes (against the references, the
+    decode step over the mixed case's one-token rows); the mixed steps keep their own knobs; the executable key
+    follows it."""
+    import re
+
+    import jax
+    from pallas_kernels import common
+    q, kp, vp, casc, plain, n = mixed_case(17, chunk_groups=(0, 1))
+    rows = np.flatnonzero(np.diff(np.asarray(casc.cu_q_lens)) == 1)  # the one-token rows as a decode step
+    tok = np.asarray(casc.cu_q_lens)[rows]
+    dec = kv_cache.AttnMeta(slots=None, page_table=casc.page_table[rows], q_lens=None, kv_lens=casc.kv_lens[rows],
+                            group_pages=casc.group_pages, group_lens=casc.group_lens, row_group=casc.row_group[rows])
+    qd = q[tok][None]
+
+    def kernels():
+        jaxpr = str(jax.make_jaxpr(lambda q, k, v: kv_cache._attend(q, k, v, None, dec, "pallas"))(qd, kp, vp))
+        return set(re.findall(r"cascade_shared_g\d+_(r\d+_bk\d+_sp\d+)", jaxpr))
+
+    base, before, mixed = common.switches(), kernels(), mixed_step_kernels(q, kp, vp, casc, r"(cascade_shared_\w+)")
+    want = kv_cache._attend(qd, kp, vp, None, dec, "ref")[0]
+    monkeypatch.setenv("INFERSCALE_DECODE_SHARED", spec)
+    assert common.switches() != base and kernels() == {kernel} != before
+    assert mixed_step_kernels(q, kp, vp, casc, r"(cascade_shared_\w+)") == mixed
+    assert_close(kv_cache._attend(qd, kp, vp, None, dec, "pallas")[0], want, jnp.float32)
+
+
+def test_a_bad_decode_shared_switch_is_refused_with_its_value(monkeypatch):
+    from pallas_kernels import common
+    monkeypatch.setenv("INFERSCALE_DECODE_SHARED", "w=8,bk=24")
+    with pytest.raises(ValueError, match="INFERSCALE_DECODE_SHARED='w=8,bk=24': 'bk=24' is invalid"):
+        common.decode_shared_knobs()
+
+
 def shared_launches(monkeypatch, forms: list | None = None) -> list:
     """The mixed step's shared-part launches from now on, each as (block_rows, num_warps, num_splits, row_group);
     ``forms`` (when given) gets each launch's form: ``"partials"`` (the ragged kernel continues from them) or
