@@ -126,6 +126,7 @@
 #      on the mixed steps (bench/kernels/mixed_shared.py, the spread, c64q3 and cohort steps: VARIANTS, default
 #      w=8, w=8,st=2, w=8,bk=32), then the decode steps at 1 / 64 / 256 rows with the decode steps' shared part at
 #      its defaults and at INFERSCALE_DECODE_SHARED=$DECODE_VARIANT (default w=8) (steps.py --sections decode);
+#      between them, the ragged kernel's one-token rows in a launch of their own at more blocks an SM (mixed_shared.py);
 #      CONCS=256 VARIANT=<knobs>: the bare loop with the defaults, then VARIANT in both steps' shared parts
 #  45  the one-token rows' kernels under Nsight Compute (memory throughput, L2 hits, occupancy achieved, warp
 #      stalls; Firecracker hosts only, `uname -r` is written first): the paged decode kernel at 256 rows of ~112
@@ -494,6 +495,10 @@ case "$part" in
 47)
     step mixed_shared_warps 300 bench/kernels/mixed_shared.py --steps spread,c64q3,cohort \
         --variants ${VARIANTS:-w=8 w=8,st=2 w=8,bk=32}
+    # the ragged kernel's one-token rows in a launch of their own at more blocks an SM (triton_check.py: the small
+    # tile's own kernel holds 2 blocks at 1 stage, 3 at st=2,sk=64, 4 at st=3,sk=32; run BD timed tl=1 alone)
+    step mixed_ragged_small 200 bench/kernels/mixed_shared.py --steps spread,c64q3 --variants \
+        INFERSCALE_MIXED_RAGGED=tl=1 INFERSCALE_MIXED_RAGGED=tl=1,st=2,sk=64 INFERSCALE_MIXED_RAGGED=tl=1,st=3,sk=32
     step steps_decode 150 bench/engine/steps.py --sections decode
     INFERSCALE_DECODE_SHARED=${DECODE_VARIANT:-w=8} step steps_decode_shared_w8 150 bench/engine/steps.py \
         --sections decode
