@@ -37,9 +37,6 @@ import tempfile
 import jax
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository
-sys.path[:0] = [ROOT, os.path.join(ROOT, "bench", "lib"), os.path.join(ROOT, "bench", "kernels")]
-from mixed_shared import FULL, SMOKE, step_case  # noqa: E402
-from inferscale_jax import kv_cache  # noqa: E402
 
 SM90 = dict(regs=65536, smem=233472, smem_reserved=1024, warps=64, blocks=32)  # per SM (an H100 / H200)
 
@@ -131,6 +128,12 @@ def main():
     ap.add_argument("--quick", "--smoke", action="store_true", help="tiny shapes (the smoke test)")
     ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results"))
     args = ap.parse_args()
+    # (imported here, not at the top: the tests load this file for `occupancy` into a process where another
+    # package may already own the name `kernels`, which mixed_shared.py's imports need to be bench/kernels/)
+    sys.path[:0] = [ROOT, os.path.join(ROOT, "bench", "lib"), os.path.join(ROOT, "bench", "kernels")]
+    from mixed_shared import FULL, SMOKE, step_case
+
+    from inferscale_jax import kv_cache
     cfg = dict(SMOKE if args.quick else FULL)
     workdir = os.path.abspath(args.ir) if args.ir else tempfile.mkdtemp(prefix="triton-check-")
     os.makedirs(workdir, exist_ok=True)
