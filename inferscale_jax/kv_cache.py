@@ -69,7 +69,7 @@ from jax.sharding import Mesh, PartitionSpec
 from models.config import ModelConfig
 from models.dense_cache import dense_attention
 from pallas_kernels import common
-from pallas_kernels.cascade_attention import (SHARED_BLOCK_KV, grouped_cascade_decode_attention,
+from pallas_kernels.cascade_attention import (SHARED_BLOCK_KV, default_block_rows, grouped_cascade_decode_attention,
                                               grouped_cascade_decode_attention_ref,
                                               grouped_shared_prefix_attention,
                                               grouped_shared_prefix_attention_ref, grouped_shared_prefix_partials,
@@ -323,7 +323,8 @@ def _attend(q, kp, vp, positions, meta: AttnMeta, impl: str, scales=(None, None)
         out = _mixed(q[0], kp, vp, meta, pallas, sc)[None]  # [1, N, Hq, D]
     elif meta.group_pages is not None:  # q [1, R]: one token per row, cascade groups
         fn = grouped_cascade_decode_attention if pallas else grouped_cascade_decode_attention_ref
-        knobs = _decode_shared_knobs(q.shape[1], q.shape[-1], kp) if pallas else {}
+        knobs = _decode_shared_knobs(q.shape[1], q.shape[-1], kp, q.shape[2], meta.group_pages.shape[0],
+                                     q.dtype) if pallas else {}
         out = fn(q[0], kp, vp, meta.group_pages, meta.group_lens, meta.row_group, meta.page_table,
                  meta.kv_lens, **knobs, **sc)[None]
     else:  # q [1, R]: one token per row
@@ -363,6 +364,13 @@ MIXED_STAGES_MAX_TILE_BYTES = 64 * 128 * 2
 # same tile gate.  Measured (bench/NOTES.md, run AX: H100, 8 segments of 4096, the kernels' GPU time a layer):
 # 64 rows 121.6 -> 110.5 us, 256 rows 192.4 -> 180.4.
 DECODE_SHARED_STAGES = 3
+# The decode steps' shared part with 8 warps where its row blocks are 32 rows or fewer (about 32 rows of a group
+# a block: 64-128 rows over 8 segments).  Measured (bench/NOTES.md, run BF: H100, steps.py's decode steps over 8
+# segments of 4096, three runs each way interleaved on one host): 64 rows 7.334 -> 7.202 ms (-1.8%); 256 rows (64-row
+# blocks) 11.145 -> 11.127 with 8 warps too, inside the spread, so they keep 4.  (In the mixed steps 8 warps on
+# 64-row blocks took the shared kernel 50-60% longer: they stay at 4.)
+DECODE_SHARED_SMALL_BLOCK_ROWS = 32
+DECODE_SHARED_SMALL_BLOCK_WARPS = 8
 # The ragged kernel's stages in a mixed step with cascade groups and one-token rows (16-bit pages) of at most
 # MIXED_RAGGED_CASCADE_MAX_TOKENS tokens. Its decode rows there read only their private keys (~100): one or two
 # tiles, so a pipeline buys little, and its chunks are short (a bucket of 512 tokens). Measured (bench/NOTES.md,
@@ -399,14 +407,20 @@ def decode_shared_splits(rows: int, kv_heads: int) -> int | None:
     return _splits_by(DECODE_SPLIT_BUCKETS, rows, kv_heads)
 
 
-def _decode_shared_knobs(rows: int, head_dim: int, k_pages) -> dict:
-    """The decode steps' cascade shared-part knobs for ``rows`` (bucketed) rows: ``DECODE_SHARED_STAGES`` under
-    the tile gate, ``DECODE_SPLIT_BUCKETS``' split count; ``INFERSCALE_DECODE_SHARED`` overrides any of them
-    (``bk=N`` gates the stages by its tile, as ``INFERSCALE_MIXED_SHARED`` does in the mixed steps)."""
+def _decode_shared_knobs(rows: int, head_dim: int, k_pages, q_heads: int, groups: int, dtype) -> dict:
+    """The decode steps' cascade shared-part knobs for ``rows`` (bucketed) rows of ``q_heads`` query heads over a
+    group table of ``groups``: ``DECODE_SHARED_STAGES`` under the tile gate, ``DECODE_SPLIT_BUCKETS``' split count,
+    ``DECODE_SHARED_SMALL_BLOCK_WARPS`` warps where the kernel's row blocks are at most
+    ``DECODE_SHARED_SMALL_BLOCK_ROWS``; ``INFERSCALE_DECODE_SHARED`` overrides any of them (``bk=N`` gates the stages
+    by its tile, as ``INFERSCALE_MIXED_SHARED`` does in the mixed steps)."""
     user = common.decode_shared_knobs()
-    return {**dict(num_stages=shared_stages(DECODE_SHARED_STAGES, user.get("block_kv", SHARED_BLOCK_KV), head_dim,
-                                            k_pages),
-                   num_splits=decode_shared_splits(rows, k_pages.shape[0])), **user}
+    knobs = dict(num_stages=shared_stages(DECODE_SHARED_STAGES, user.get("block_kv", SHARED_BLOCK_KV), head_dim,
+                                          k_pages),
+                 num_splits=decode_shared_splits(rows, k_pages.shape[0]))
+    block_rows = user.get("block_rows") or default_block_rows(rows, q_heads // k_pages.shape[0], groups, dtype)
+    if groups > 1 and block_rows <= DECODE_SHARED_SMALL_BLOCK_ROWS:
+        knobs["num_warps"] = DECODE_SHARED_SMALL_BLOCK_WARPS
+    return {**knobs, **user}
 
 
 def _splits_by(buckets, size: int, kv_heads: int) -> int | None:
@@ -501,7 +515,8 @@ def _mixed_split(q, kp, vp, meta: AttnMeta, pallas: bool, sc: dict):
     q_len = cu[1:] - cu[:-1]  # [R]
     single = q_len == 1
     decode = grouped_cascade_decode_attention if pallas else grouped_cascade_decode_attention_ref
-    knobs = dict(real_groups=MIXED_REAL_GROUPS, **_decode_shared_knobs(rows, q.shape[-1], kp)) if pallas else {}
+    knobs = dict(real_groups=MIXED_REAL_GROUPS, **_decode_shared_knobs(rows, q.shape[-1], kp, q.shape[1],
+                                                                        meta.group_pages.shape[0], q.dtype)) if pallas else {}
     o_dec = decode(q[jnp.clip(cu[1:] - 1, 0, n - 1)], kp, vp, meta.group_pages, meta.group_lens,
                    jnp.where(single, meta.row_group, -1).astype(i32), meta.page_table,
                    jnp.where(single, meta.kv_lens, 0).astype(i32), **knobs, **sc)  # [R, Hq, D]

@@ -125,9 +125,11 @@
 #  47  the cascade shared part's latency (run BE): more warps an SM (bench/tools/triton_check.py: w=8 doubles them),
 #      on the mixed steps (bench/kernels/mixed_shared.py, the spread, c64q3 and cohort steps: VARIANTS, default
 #      w=8, w=8,st=2, w=8,bk=32), then the decode steps at 1 / 64 / 256 rows with the decode steps' shared part at
-#      its defaults and at INFERSCALE_DECODE_SHARED=$DECODE_VARIANT (default w=8) (steps.py --sections decode);
+#      its defaults and at INFERSCALE_DECODE_SHARED=$DECODE_VARIANT (default w=4, the form before run BF) (steps.py
+#      --sections decode);
 #      between them, the ragged kernel's one-token rows in a launch of their own at more blocks an SM (mixed_shared.py);
-#      CONCS=256 VARIANT=<knobs>: the bare loop with the defaults, then VARIANT in both steps' shared parts
+#      CONCS="64 256": the bare loop with the defaults, then INFERSCALE_DECODE_SHARED=$VARIANT (default w=4: the
+#      decode steps' shared part before run BF made 8 warps its default on 32-row blocks)
 #  45  the one-token rows' kernels under Nsight Compute (memory throughput, L2 hits, occupancy achieved, warp
 #      stalls; Firecracker hosts only, `uname -r` is written first): the paged decode kernel at 256 rows of ~112
 #      keys (bench/tools/profile_decode.py), then the spread step's ragged kernel as the engine runs it (started from
@@ -500,21 +502,11 @@ case "$part" in
     step mixed_ragged_small 200 bench/kernels/mixed_shared.py --steps spread,c64q3 --variants \
         INFERSCALE_MIXED_RAGGED=tl=1 INFERSCALE_MIXED_RAGGED=tl=1,st=2,sk=64 INFERSCALE_MIXED_RAGGED=tl=1,st=3,sk=32
     step steps_decode 150 bench/engine/steps.py --sections decode
-    INFERSCALE_DECODE_SHARED=${DECODE_VARIANT:-w=8} step steps_decode_shared_w8 150 bench/engine/steps.py \
-        --sections decode
-    if [ -n "${CONCS:-}" ]; then  # the bare loop: the defaults, then VARIANT in the mixed and the decode steps
-        ckpt
-        : "${VARIANT:?set VARIANT to the winning knobs, e.g. w=8}"
-        for conc in $CONCS; do
-            for mode in default "$VARIANT"; do
-                tag=${mode//[=,]/_} value=$mode
-                [ "$mode" = default ] && value=
-                name="loop_c${conc}_s32_shared_$tag"
-                INFERSCALE_MIXED_SHARED=$value INFERSCALE_DECODE_SHARED=$value step_as "$name" 240 \
-                    bench/tools/profile_host.py --model /tmp/llama8b --concurrency "$conc" --max-tokens-spread 32 \
-                    --warm-steps 300 --steps 200 --no-profile --per-call --out "$res/$name.md"
-            done
-        done
+    INFERSCALE_DECODE_SHARED=${DECODE_VARIANT:-w=4} step steps_decode_shared_variant 150 bench/engine/steps.py \
+        --sections decode  # (run BF timed w=8 here, against the 4 warps then the default)
+    if [ -n "${CONCS:-}" ]; then  # the bare loop: the decode steps' shared part at its default, then at 4 warps
+        ckpt                       # (the form before run BF: 8 warps on 32-row blocks is the default since)
+        loops_ab INFERSCALE_DECODE_SHARED decode_shared_ default "${VARIANT:-w=4}"
     fi
     ;;
 45)

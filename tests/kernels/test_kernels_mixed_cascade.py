@@ -500,3 +500,36 @@ def test_a_bad_shared_q_switch_is_refused_with_its_value(monkeypatch):
     monkeypatch.setenv("INFERSCALE_SHARED_Q", "tma")
     with pytest.raises(ValueError, match="INFERSCALE_SHARED_Q='tma'.*'gather', 'kernel'"):
         common.shared_q_rows()
+
+
+def test_the_decode_steps_shared_part_takes_8_warps_on_small_row_blocks(monkeypatch):
+    """Run BF: 8 warps on the decode steps' shared part where its row blocks are 32 rows or fewer (64 rows over 8
+    segments: -1.8% a step); 64-row blocks (256 rows) and one group keep the kernel's own; the switch overrides.
+    Checked where the engine decides it, and in the launch it lowers to for CUDA."""
+    import re
+
+    import jax
+    from pallas_kernels import common
+    monkeypatch.delenv("INFERSCALE_DECODE_SHARED", raising=False)
+    kp = jax.ShapeDtypeStruct((8, 600, 16, 128), jnp.bfloat16)
+    knobs = functools.partial(kv_cache._decode_shared_knobs, head_dim=128, k_pages=kp, q_heads=32, dtype=jnp.bfloat16)
+    assert knobs(64, groups=16)["num_warps"] == 8  # 64 x 4 rows over 16 groups: 32-row blocks
+    assert knobs(128, groups=16)["num_warps"] == 8
+    assert "num_warps" not in knobs(256, groups=16)  # 64-row blocks
+    assert "num_warps" not in knobs(64, groups=1)  # one group: the kernel's own choice
+    monkeypatch.setenv("INFERSCALE_DECODE_SHARED", "w=4")
+    assert knobs(64, groups=16)["num_warps"] == 4
+    monkeypatch.setenv("INFERSCALE_DECODE_SHARED", "br=64")
+    assert "num_warps" not in knobs(64, groups=16)
+    monkeypatch.delenv("INFERSCALE_DECODE_SHARED")
+    sd = jax.ShapeDtypeStruct
+    monkeypatch.setattr(common, "default_interpret", lambda: False)  # (the compiled path, as on a GPU)
+    for rows, warps in ((64, "8"), (256, "4")):
+        meta = kv_cache.AttnMeta(slots=None, page_table=sd((rows, 8), jnp.int32), q_lens=None,
+                                 kv_lens=sd((rows,), jnp.int32), group_pages=sd((16, 256), jnp.int32),
+                                 group_lens=sd((16,), jnp.int32), row_group=sd((rows,), jnp.int32))
+        fn = jax.jit(lambda q, k, v, meta: kv_cache._attend(q, k, v, None, meta, "pallas"))
+        text = fn.trace(sd((1, rows, 32, 128), jnp.bfloat16), kp, kp, meta).lower(
+            lowering_platforms=("cuda",)).as_text()
+        shared = re.search(r'name = "cascade_shared_[^"]*", num_stages = \d+ : i32, num_warps = (\d+)', text)
+        assert shared and shared.group(1) == warps, (rows, shared and shared.group(0))
