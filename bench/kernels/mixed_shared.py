@@ -131,6 +131,13 @@ def step_case(cfg, decode, questions, tokens, rows=None):
     return kp, vp, sets, int(qlen.sum()), flops, nbytes
 
 
+def variant_env(spec: str) -> dict:
+    """The environment a variant sets: each ``+``-joined part ``INFERSCALE_X=value`` as that switch, any other part
+    as ``INFERSCALE_MIXED_SHARED`` (module docstring; ``""``: the engine's defaults, the knobs left empty)."""
+    return dict(part.split("=", 1) if part.startswith("INFERSCALE_") else ("INFERSCALE_MIXED_SHARED", part)
+                for part in spec.split("+"))
+
+
 def run_step(args, cfg, name, decode, questions, tokens, rows=None):
     kp, vp, sets, real, flops, nbytes = step_case(cfg, decode, questions, tokens, rows)
     floor = max(flops / args.tflops, nbytes / args.ceiling)
@@ -145,8 +152,7 @@ def run_step(args, cfg, name, decode, questions, tokens, rows=None):
         spec = "" if variant in ("engine", "ragged") else variant
         # a variant "INFERSCALE_X=value" sets that switch instead (e.g. INFERSCALE_SHARED_Q=kernel); parts
         # joined by "+" set several (INFERSCALE_SHARED_Q=kernel+w=8)
-        env = dict(part.split("=", 1) if part.startswith("INFERSCALE_") else ("INFERSCALE_MIXED_SHARED", part)
-                   for part in spec.split("+"))
+        env = variant_env(spec)
         if "+" in spec:
             log(f"  {name} {variant}: sets " + ", ".join(f"{k}={v}" for k, v in env.items()))
         os.environ.update(env)

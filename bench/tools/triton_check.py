@@ -131,7 +131,7 @@ def main():
     # (imported here, not at the top: the tests load this file for `occupancy` into a process where another
     # package may already own the name `kernels`, which mixed_shared.py's imports need to be bench/kernels/)
     sys.path[:0] = [ROOT, os.path.join(ROOT, "bench", "lib"), os.path.join(ROOT, "bench", "kernels")]
-    from mixed_shared import FULL, SMOKE, step_case
+    from mixed_shared import FULL, SMOKE, step_case, variant_env
 
     from inferscale_jax import kv_cache
     cfg = dict(SMOKE if args.quick else FULL)
@@ -144,8 +144,7 @@ def main():
         print(f"{step}: {real} tokens", flush=True)
         for variant in args.variants:
             spec = "" if variant == "engine" else variant
-            env = dict(part.split("=", 1) if part.startswith("INFERSCALE_") else ("INFERSCALE_MIXED_SHARED", part)
-                       for part in spec.split("+"))
+            env = variant_env(spec)
             os.environ.update(env)
             try:
                 kernels = capture(lambda k, v, q, meta: kv_cache._attend(q[None], k, v, None, meta, "pallas")[0],
