@@ -130,6 +130,8 @@
 #      between them, the ragged kernel's one-token rows in a launch of their own at more blocks an SM (mixed_shared.py);
 #      CONCS="64 256": the bare loop with the defaults, then INFERSCALE_DECODE_SHARED=$VARIANT (default w=4: the
 #      decode steps' shared part before run BF made 8 warps its default on 32-row blocks)
+#  48  part 47's bare-loop A/B alone (the decode steps' shared part at its default, then INFERSCALE_DECODE_SHARED=
+#      ${VARIANT:-w=4}, at C = $CONCS, default 64 256): for a call that has no room for part 47's kernel sections
 #  45  the one-token rows' kernels under Nsight Compute (memory throughput, L2 hits, occupancy achieved, warp
 #      stalls; Firecracker hosts only, `uname -r` is written first): the paged decode kernel at 256 rows of ~112
 #      keys (bench/tools/profile_decode.py), then the spread step's ragged kernel as the engine runs it (started from
@@ -148,7 +150,7 @@
 # Each step writes its tables under RESULTS_DIR/<step>/ and its console log to RESULTS_DIR/<step>.log;
 # after each step RESULTS_DIR is packed into TARBALL when given (what a cut call still returns).
 set -uo pipefail
-part=${1:?part 1-45}
+part=${1:?part 1-48}
 res=${2:?results folder}
 tarball=${3:-}
 mkdir -p "$res"
@@ -508,6 +510,10 @@ case "$part" in
         ckpt                       # (the form before run BF: 8 warps on 32-row blocks is the default since)
         loops_ab INFERSCALE_DECODE_SHARED decode_shared_ default "${VARIANT:-w=4}"
     fi
+    ;;
+48)
+    ckpt
+    loops_ab INFERSCALE_DECODE_SHARED decode_shared_ default "${VARIANT:-w=4}"
     ;;
 45)
     uname -r > "$res/uname.txt"
