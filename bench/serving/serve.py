@@ -1312,25 +1312,29 @@ def main(argv=None) -> int:
     os.makedirs(workdir, exist_ok=True)
     tenant_names = [f"t{i}" for i in range(args.tenants)]
     runs = {}
+
+    def summary() -> dict:
+        first = runs[args.mode[0]]
+        return {
+            "device": device, "date": datetime.date.today().isoformat(),
+            "command": shlex.join(["python", "bench/serving/serve.py", *(sys.argv[1:] if argv is None else argv)]),
+            "code": code_version(), "switches": switch_lines(),  # (the commit measured; INFERSCALE_* set outside)
+            "vias": list(runs),
+            "server_command": runs["http"]["server_command"] if "http" in runs else None,
+            "url": runs["http"]["url"] if "http" in runs else None,
+            "config": {**{k: v for k, v in vars(args).items() if k not in ("api_keys",)},
+                       "model": args.model or "default model", "tenants": first["tenants"]},
+            "texts_inexact": maker.inexact,
+            "warmup": first["warmup"], "points": first["points"],  # the first via's (runs: each one's)
+            "runs": runs,
+            "comparison": compare(runs),
+        }
+
     for via in args.mode:  # HTTP first: its server has exited before the in-process engine loads
         runs[via] = (run_http(args, maker, workdir, tenant_names) if via == "http"
                      else run_inproc(args, maker, tenant_names))
-    first = runs[args.mode[0]]
-    summary = {
-        "device": device, "date": datetime.date.today().isoformat(),
-        "command": shlex.join(["python", "bench/serving/serve.py", *(sys.argv[1:] if argv is None else argv)]),
-        "code": code_version(), "switches": switch_lines(),  # (the commit measured; INFERSCALE_* set outside)
-        "vias": list(runs),
-        "server_command": runs["http"]["server_command"] if "http" in runs else None,
-        "url": runs["http"]["url"] if "http" in runs else None,
-        "config": {**{k: v for k, v in vars(args).items() if k not in ("api_keys",)},
-                   "model": args.model or "default model", "tenants": first["tenants"]},
-        "texts_inexact": maker.inexact,
-        "warmup": first["warmup"], "points": first["points"],  # the first via's (runs: each one's)
-        "runs": runs,
-        "comparison": compare(runs),
-    }
-    report(summary, prefix)
+        # the report so far after each via (a run cut short by a time limit keeps what it measured)
+        report(summary(), prefix)
     errors = sum(r["warmup"]["errors"] + sum(p["errors"] for p in r["points"]) for r in runs.values())
     log(f"[serve] done: {errors} errors; results {prefix}.json/.md/.png")
     if errors == 0 and not args.work_dir:
