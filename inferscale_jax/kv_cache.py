@@ -418,7 +418,7 @@ def _decode_shared_knobs(rows: int, head_dim: int, k_pages, q_heads: int, groups
                                           k_pages),
                  num_splits=decode_shared_splits(rows, k_pages.shape[0]))
     block_rows = user.get("block_rows") or default_block_rows(rows, q_heads // k_pages.shape[0], groups, dtype)
-    if groups > 1 and block_rows <= DECODE_SHARED_SMALL_BLOCK_ROWS:
+    if block_rows <= DECODE_SHARED_SMALL_BLOCK_ROWS:  # (one group: blocks of the cap, 128 rows)
         knobs["num_warps"] = DECODE_SHARED_SMALL_BLOCK_WARPS
     return {**knobs, **user}
 

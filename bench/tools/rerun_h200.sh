@@ -197,6 +197,11 @@ loops_ab() {  # loops_ab VAR PREFIX MODE...: the bare loop at C = $CONCS (64 256
     done
 }
 
+decode_shared_loops() {  # parts 47 (with CONCS) and 48: the bare loop with the decode steps' shared part at its
+    ckpt                   # default, then at $VARIANT (default w=4: the form before run BF made 8 warps its default
+    loops_ab INFERSCALE_DECODE_SHARED decode_shared_ default "${VARIANT:-w=4}"  # on 32-row blocks)
+}
+
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,memory.used --format=csv || true
 case "$part" in
 1)
@@ -506,14 +511,10 @@ case "$part" in
     step steps_decode 150 bench/engine/steps.py --sections decode
     INFERSCALE_DECODE_SHARED=${DECODE_VARIANT:-w=4} step steps_decode_shared_variant 150 bench/engine/steps.py \
         --sections decode  # (run BF timed w=8 here, against the 4 warps then the default)
-    if [ -n "${CONCS:-}" ]; then  # the bare loop: the decode steps' shared part at its default, then at 4 warps
-        ckpt                       # (the form before run BF: 8 warps on 32-row blocks is the default since)
-        loops_ab INFERSCALE_DECODE_SHARED decode_shared_ default "${VARIANT:-w=4}"
-    fi
+    if [ -n "${CONCS:-}" ]; then decode_shared_loops; fi
     ;;
 48)
-    ckpt
-    loops_ab INFERSCALE_DECODE_SHARED decode_shared_ default "${VARIANT:-w=4}"
+    decode_shared_loops
     ;;
 45)
     uname -r > "$res/uname.txt"
